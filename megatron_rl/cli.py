@@ -1,0 +1,44 @@
+"""The `megatron-rl` console script: one entry point, one module per subcommand.
+
+    megatron-rl --help
+    megatron-rl make-tiny-model --arch llama --out /tmp/tiny
+
+Each subcommand module exposes `register(subparsers)`, which adds its parser and sets
+`func(args) -> int`.  Modules are imported only when listed here, so adding a command is one
+line.  Heavy imports (torch, vLLM) happen inside the command functions, keeping `--help` fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMAND_MODULES = [
+    "megatron_rl.models.tiny",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        # What a user can fix: one clear line, no traceback.
+        print(f"megatron-rl {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Typed configuration: keyword-only dataclasses, YAML files and dotted overrides.
+
+    cfg = load_config(RootConfig, "configs/tiny_cpu.yaml", ["rollout.temperature=0.7"])
+
+Each component owns a dataclass for its section (fields documented, checks in __post_init__
+raising ValueError that names the field).  This module only knows how to build those
+dataclasses from plain data, strictly: unknown keys and wrong types are errors naming the
+dotted path, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration a user can fix: the message names the dotted key."""
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(f"{where}: {value!r} matches none of {hint}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        item = args[0] if args else Any
+        return origin(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        vt = args[1] if len(args) == 2 else Any
+        return {k: _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool):
+        if isinstance(value, bool) and hint is not bool:
+            raise ConfigError(f"{where}: expected {hint.__name__}, got bool {value!r}")
+        if not isinstance(value, hint):
+            raise ConfigError(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type[T], data: Any, where: str = "") -> T:
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {'.'.join(filter(None, [where, unknown[0]]))!r}; "
+            f"allowed at this level: {sorted(fields)}"
+        )
+    kwargs = {k: _coerce(v, hints[k], ".".join(filter(None, [where, k]))) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise ConfigError(f"{where or 'config'}: {err}") from None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested mapping, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
+    """Read YAML `path` (optional), apply dotted `overrides`, build and validate `cls`."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    return from_dict(cls, apply_overrides(data, list(overrides)))
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_hash(cfg: Any) -> str:
+    """sha256 of the resolved config (canonical JSON), for manifests and checkpoints."""
+    blob = json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
