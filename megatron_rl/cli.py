@@ -16,6 +16,10 @@ import logging
 import sys
 
 COMMAND_MODULES = [
+    "megatron_rl.train.cli",
+    "megatron_rl.submit",
+    "megatron_rl.planner.cli",
+    "megatron_rl.conversion.cli",
     "megatron_rl.models.tiny",
 ]
 

@@ -1,0 +1,328 @@
+"""Checkpoint directory protocol: immutable step directories, committed by a manifest written last.
+
+    path = save_checkpoint(run_dir, step=123, save_fn=lambda d: megatron_save(d), policy_version=7,
+                           config_hash=config_hash(cfg), tokenizer_hash=tokenizer_hash(model_dir),
+                           data_cursor=cursor.state_dict(), coordinator_log_position=pos,
+                           rng_states={rank: capture_rng_state() for each rank})
+    ckpt = latest_committed(run_dir)               # newest committed step dir, or None
+    manifest = load_checkpoint(ckpt, tokenizer_hash=tokenizer_hash(model_dir))   # verifies sha256
+    restore_rng_state(load_rng_state(ckpt, rank))
+    rotate(run_dir, keep_n=3)
+
+Layout of a run directory:
+    step_000123/            one immutable directory per saved step
+        <whatever save_fn wrote>      (Megatron distributed checkpoint: weights + optimizer)
+        rng/rank_00000.json           per-rank RNG states (python, numpy, torch CPU, CUDA)
+        COMMITTED                     the manifest (JSON), present only once complete
+
+Protocol.  Everything is written into a hidden temporary directory `.tmp.step_000123.*`
+next to the step directories; when save_fn has returned, every file is hashed (sha256) and
+fsync'ed, the directory is renamed to `step_000123`, and only then the manifest is written
+to `COMMITTED.tmp` and atomically renamed to `COMMITTED`.  A crash at any point leaves
+either a hidden temp dir or a step dir without COMMITTED, both of which readers skip (with
+a warning).  The manifest records: step, policy_version, config hash, package version,
+tokenizer hash, files with sha256 and size, coordinator log position, data cursor, the ranks
+whose RNG state was saved, and the time.
+
+`tokenizer_hash` is an opaque string: use megatron_rl.models.tokenizer.tokenizer_hash, the
+same hash the trajectories carry.  This module does not import Megatron: the weights and optimizer are written by the
+`save_fn(tmp_dir)` callback the learner passes in (and read back by the learner).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from megatron_rl import __version__
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "COMMITTED"
+FORMAT = "megatron-rl-checkpoint/1"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as asked: the message names the directory and the problem."""
+
+
+def step_dir_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step_{step:06d}"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+# ---------------------------------------------------------------- RNG state (per rank, JSON-safe)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states: python `random`, numpy's global, torch CPU, and CUDA if present."""
+    py_version, py_internal, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py_version, list(py_internal), py_gauss],
+        "numpy": [np_name, [int(k) for k in np_keys], int(np_pos), int(np_has_gauss), float(np_cached)],
+        "torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "cuda": None,
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of capture_rng_state (CUDA states are restored only where CUDA is available)."""
+    missing = [k for k in ("python", "numpy", "torch_cpu") if k not in state]
+    if missing:
+        raise CheckpointError(f"RNG state is missing {missing}")
+    py_version, py_internal, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_internal), py_gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch_cpu"])), dtype=torch.uint8))
+    cuda = state.get("cuda")
+    if cuda:
+        if not torch.cuda.is_available():
+            logger.warning("checkpoint holds CUDA RNG state but CUDA is not available here; not restored")
+        else:
+            tensors = [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in cuda]
+            n = min(len(tensors), torch.cuda.device_count())
+            for device in range(n):
+                torch.cuda.set_rng_state(tensors[device], device)
+
+
+# ---------------------------------------------------------------- save
+
+
+def _hash_tree(root: Path) -> dict[str, dict[str, Any]]:
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        files[rel] = {"sha256": file_sha256(path), "bytes": path.stat().st_size}
+        _fsync_path(path)
+    return files
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    policy_version: int,
+    config_hash: str,
+    save_fn: Callable[[Path], None] | None = None,
+    tokenizer_hash: str | None = None,
+    data_cursor: Mapping[str, Any] | None = None,
+    coordinator_log_position: int | None = None,
+    rng_states: Mapping[int, Mapping[str, Any]] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write step directory `run_dir/step_XXXXXX` by the protocol above; returns its path.
+
+    A committed directory for this step is never overwritten (FileExistsError); an
+    uncommitted leftover of a crashed save is removed first.  If save_fn raises, the temp
+    directory is removed and the error propagates: earlier checkpoints are untouched.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final = run_dir / step_dir_name(step)
+    if (final / MANIFEST).exists():
+        raise FileExistsError(f"checkpoint {final} is already committed; step directories are immutable")
+    if final.exists():
+        logger.warning("removing uncommitted leftover %s before saving step %d again", final, step)
+        shutil.rmtree(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp.{final.name}.", dir=run_dir))
+    try:
+        os.chmod(tmp, 0o755)
+        if save_fn is not None:
+            save_fn(tmp)
+        for rank, state in sorted((rng_states or {}).items()):
+            rng_dir = tmp / "rng"
+            rng_dir.mkdir(exist_ok=True)
+            (rng_dir / f"rank_{int(rank):05d}.json").write_text(json.dumps(state))
+        files = _hash_tree(tmp)
+        now = time.time()
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "policy_version": policy_version,
+            "config_hash": config_hash,
+            "package_version": __version__,
+            "tokenizer_hash": tokenizer_hash,
+            "files": files,
+            "coordinator_log_position": coordinator_log_position,
+            "data_cursor": dict(data_cursor) if data_cursor is not None else None,
+            "rng": {"ranks": sorted(int(r) for r in (rng_states or {}))},
+            "time": now,
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            "extra": dict(extra or {}),
+        }
+        try:
+            json.dumps(manifest)  # fail before the rename, not after
+        except TypeError as err:
+            raise ValueError(f"checkpoint manifest for step {step} is not JSON-serialisable: {err}") from None
+        os.rename(tmp, final)
+        _fsync_path(run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_json_atomic(final / MANIFEST, manifest)
+    logger.info("committed checkpoint %s (%d files)", final, len(files))
+    return final
+
+
+# ---------------------------------------------------------------- read
+
+
+def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The manifest of a committed step directory (CheckpointError if absent or unreadable)."""
+    path = Path(ckpt_dir) / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt_dir} is not committed (no {MANIFEST} manifest)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint manifest {path} is unreadable: {err}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint manifest {path} is not of format {FORMAT}")
+    return manifest
+
+
+def verify_files(ckpt_dir: str | Path, manifest: Mapping[str, Any]) -> None:
+    """Check every file listed in the manifest: present, same size, same sha256."""
+    root = Path(ckpt_dir)
+    for rel, meta in manifest["files"].items():
+        path = root / rel
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {root}: file {rel} listed in the manifest is missing")
+        if path.stat().st_size != meta["bytes"]:
+            raise CheckpointError(f"checkpoint {root}: file {rel} has {path.stat().st_size} bytes, manifest says {meta['bytes']}")
+        if file_sha256(path) != meta["sha256"]:
+            raise CheckpointError(f"checkpoint {root}: file {rel} fails its sha256 check (corrupted or modified)")
+
+
+def load_checkpoint(ckpt_dir: str | Path, *, tokenizer_hash: str | None = None, verify: bool = True) -> dict[str, Any]:
+    """Validate a committed checkpoint and return its manifest; the learner then loads the weights.
+
+    tokenizer_hash: the run's tokenizer fingerprint; a checkpoint saved with another one is
+    refused (token ids would mean different strings).
+    """
+    manifest = read_manifest(ckpt_dir)
+    saved = manifest.get("tokenizer_hash")
+    if tokenizer_hash is not None:
+        if saved is None:
+            logger.warning("checkpoint %s records no tokenizer hash; cannot check it against the run's", ckpt_dir)
+        elif saved != tokenizer_hash:
+            raise CheckpointError(
+                f"checkpoint {ckpt_dir} was saved with tokenizer {saved[:12]}… but this run uses "
+                f"{tokenizer_hash[:12]}…; refusing to load weights under a different vocabulary"
+            )
+    if verify:
+        verify_files(ckpt_dir, manifest)
+    return manifest
+
+
+def load_rng_state(ckpt_dir: str | Path, rank: int) -> dict[str, Any]:
+    path = Path(ckpt_dir) / "rng" / f"rank_{rank:05d}.json"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no RNG state for rank {rank} ({path.name})")
+    return json.loads(path.read_text())
+
+
+def list_step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step_* directory, committed or not, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for child in run_dir.iterdir():
+        m = _STEP_RE.match(child.name)
+        if m and child.is_dir():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest_committed(run_dir: str | Path, *, verify: bool = False) -> Path | None:
+    """Newest committed step directory (optionally checksum-verified); incomplete ones are skipped with a warning."""
+    for step, path in reversed(list_step_dirs(run_dir)):
+        try:
+            manifest = read_manifest(path)
+            if verify:
+                verify_files(path, manifest)
+        except CheckpointError as err:
+            logger.warning("skipping checkpoint step %d: %s", step, err)
+            continue
+        return path
+    return None
+
+
+def _remove(path: Path) -> None:
+    manifest = path / MANIFEST
+    if manifest.exists():
+        manifest.unlink()  # uncommit first: a half-deleted directory must never look committed
+    shutil.rmtree(path)
+
+
+def rotate(run_dir: str | Path, keep_n: int) -> list[Path]:
+    """Delete all but the newest keep_n committed step dirs, and incomplete/temp dirs older than the newest committed.
+
+    Returns the removed paths.  Directories of steps newer than the newest committed one are
+    left alone: a save may be in progress there.
+    """
+    if keep_n < 1:
+        raise ValueError(f"keep_n must be >= 1, got {keep_n}")
+    run_dir = Path(run_dir)
+    steps = list_step_dirs(run_dir)
+    committed = [(s, p) for s, p in steps if (p / MANIFEST).is_file()]
+    if not committed:
+        return []
+    newest = committed[-1][0]
+    doomed = [p for _, p in committed[:-keep_n]]
+    doomed += [p for s, p in steps if s < newest and not (p / MANIFEST).is_file()]
+    for child in run_dir.iterdir():
+        m = re.match(r"^\.tmp\.step_(\d+)\.", child.name)
+        if m and int(m.group(1)) < newest and child.is_dir():
+            doomed.append(child)
+    for path in doomed:
+        _remove(path)
+        logger.info("rotated out %s", path)
+    return doomed

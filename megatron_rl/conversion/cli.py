@@ -1,0 +1,83 @@
+"""`megatron-rl convert ...`: HF <-> Megatron-Core checkpoint conversion and its numeric check.
+
+    megatron-rl convert hf-to-mcore --hf MODEL_DIR --out MCORE_DIR --tp 2 --pp 2 [--dtype bf16] [--force]
+    megatron-rl convert mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--dtype fp32] [--force]
+    megatron-rl convert verify --hf MODEL_DIR --mcore MCORE_DIR [--tp N --pp N]   # one JSON line
+
+The same parsers back tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def add_hf_to_mcore_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--out", required=True, help="Megatron output directory (must not exist, unless --force)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size to convert at (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to convert at (default 1)")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32", help="stored dtype (default fp32)")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory once done")
+    p.set_defaults(func=_hf_to_mcore)
+
+
+def add_mcore_to_hf_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mcore", required=True, help="Megatron directory written by hf-to-mcore")
+    p.add_argument("--out", required=True, help="HF output directory (must not exist, unless --force)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="output dtype (default: the source's)")
+    p.add_argument("--max-shard-gb", type=float, default=4.0, help="safetensors shard size limit (default 4)")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory once done")
+    p.set_defaults(func=_mcore_to_hf)
+
+
+def _hf_to_mcore(args: argparse.Namespace) -> int:
+    from megatron_rl.conversion.hf_to_mcore import convert_hf_to_mcore
+
+    out = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force)
+    print(out)
+    return 0
+
+
+def _mcore_to_hf(args: argparse.Namespace) -> int:
+    from megatron_rl.conversion.mcore_to_hf import convert_mcore_to_hf
+
+    if args.max_shard_gb <= 0:
+        raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
+    out = convert_mcore_to_hf(args.mcore, args.out, dtype=args.dtype, force=args.force,
+                              max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
+    print(out)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from megatron_rl.conversion.verify import verify_conversion
+
+    if args.batch < 1 or args.seq_len < 1:
+        raise ValueError(f"--batch and --seq-len must be positive, got {args.batch}, {args.seq_len}")
+    report = verify_conversion(args.hf, args.mcore, tp=args.tp, pp=args.pp, seed=args.seed,
+                               batch=args.batch, seq_len=args.seq_len)
+    print(json.dumps(report))
+    if args.tolerance is not None and report["max_abs_diff"] > args.tolerance:
+        return 1
+    return 0
+
+
+def register(subparsers) -> None:
+    conv = subparsers.add_parser("convert", help="convert checkpoints between Hugging Face and Megatron-Core")
+    sub = conv.add_subparsers(dest="convert_command", metavar="WHAT", required=True)
+    add_hf_to_mcore_args(sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron-Core distributed checkpoint"))
+    add_mcore_to_hf_args(sub.add_parser("mcore-to-hf", help="Megatron-Core distributed checkpoint -> HF safetensors"))
+    v = sub.add_parser("verify", help="compare transformers and Megatron logits on the same tokens (one JSON line)")
+    v.add_argument("--hf", required=True, help="Hugging Face model directory")
+    v.add_argument("--mcore", required=True, help="Megatron directory written by hf-to-mcore")
+    v.add_argument("--tp", type=int, default=1, help="load the Megatron model at this TP (default 1)")
+    v.add_argument("--pp", type=int, default=1, help="load the Megatron model at this PP (default 1)")
+    v.add_argument("--batch", type=int, default=2, help="sequences of random tokens (default 2)")
+    v.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
+    v.add_argument("--seed", type=int, default=0, help="token sampling seed")
+    v.add_argument("--tolerance", type=float, default=None, help="exit 1 when max_abs_diff exceeds this")
+    v.set_defaults(func=_verify)

@@ -1,0 +1,119 @@
+"""Convert a Hugging Face Llama / Qwen2 checkpoint into a Megatron-Core distributed checkpoint.
+
+    megatron-rl convert hf-to-mcore --hf MODEL_DIR --out MCORE_DIR --tp 2 --pp 2 [--dtype bf16]
+    python tools/convert_hf_to_megatron.py --hf MODEL_DIR --out MCORE_DIR
+
+    from megatron_rl.conversion.hf_to_mcore import convert_hf_to_mcore
+    convert_hf_to_mcore(model_dir, out_dir, tp=2, pp=2, dtype="fp32")
+
+The model is built at TP x PP on CPU gloo ranks (one process when TP = PP = 1); each rank fills
+its shard group by group straight from the safetensors files and Megatron-Core's
+`dist_checkpointing` writes the result, so it loads at any other TP/PP.  Everything is checked
+before work starts (config, architecture, every tensor's shape, the layout) and written to a
+temporary sibling directory that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import time
+from pathlib import Path
+
+from megatron_rl import __version__
+from megatron_rl.conversion import mapping
+from megatron_rl.conversion.hf_io import HFCheckpoint, atomic_output_dir, copy_model_side_files
+from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, fill_from_hf, run_on_ranks, save_model, write_manifest
+
+logger = logging.getLogger(__name__)
+
+DTYPE_CHOICES = ("fp32", "bf16", "fp16")
+
+
+class GroupProgress:
+    """Logs conversion progress every ~10% of groups (and at the last one)."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.t0, self._next = what, time.monotonic(), 0.1
+
+    def __call__(self, group: str, done: int, total: int) -> None:
+        frac = done / max(total, 1)
+        if frac >= self._next or done == total:
+            logger.info("%s: %d/%d groups (%s) %.0f%% in %.1fs", self.what, done, total, group, 100 * frac,
+                        time.monotonic() - self.t0)
+            self._next = frac + 0.1
+
+
+def _convert_rank(rank: int, world_size: int, hf_dir: str, weights_dir: str, tp: int, pp: int, dtype: str) -> dict:
+    """One rank: build its stage at TP x PP, fill it from the HF files, save collectively."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.hf_config import load_hf_config, padded_vocab_size
+    from megatron_rl.platform import detect_platform
+    from megatron_rl.platform.parallel import parallel_scope
+
+    cfg = load_hf_config(hf_dir)
+    ckpt = HFCheckpoint(hf_dir, cfg)
+    platform = detect_platform("cpu", dtype)
+    with parallel_scope(tp=tp, pp=pp):
+        # perform_initialization=False: every parameter is overwritten, random init is wasted time.
+        model = build_gpt_model(cfg, platform=platform, tp=tp, pp=pp, perform_initialization=False)
+        progress = GroupProgress(f"hf-to-mcore rank {rank}") if rank == 0 else None
+        filled = fill_from_hf(model, cfg, ckpt, ps.get_tensor_model_parallel_rank(), tp,
+                              padded_vocab_size(cfg.vocab_size, tp), progress)
+        n_params = sum(p.numel() for p in model.parameters())
+        save_model(model, Path(weights_dir))
+    return {"filled": filled, "params": n_params}
+
+
+def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "fp32",
+                        force: bool = False) -> Path:
+    """Write `out_dir` (weights/, hf/, manifest.json) from the HF checkpoint in `hf_dir`.
+
+    Raises FileNotFoundError / ValueError naming the bad file, field, tensor or number, and
+    FileExistsError for an existing `out_dir` unless `force`; nothing is written then.
+    """
+    from megatron_rl.models.hf_config import check_parallel_layout, load_hf_config, padded_vocab_size
+    from megatron_rl.models.tokenizer import tokenizer_hash
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if out_dir.exists() and not force:
+        raise FileExistsError(f"output directory {out_dir} already exists (use --force to replace it)")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype {dtype!r} is not one of {list(DTYPE_CHOICES)}")
+    if not hf_dir.is_dir():
+        raise FileNotFoundError(f"HF model directory not found: {hf_dir}")
+    cfg = load_hf_config(hf_dir)
+    check_parallel_layout(cfg, tp, pp)
+    ckpt = HFCheckpoint(hf_dir, cfg)  # every tensor present, every shape as config.json implies
+    t0 = time.monotonic()
+    with atomic_output_dir(out_dir, force=force) as tmp, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        source_hash = pool.submit(ckpt.content_hash)  # hashing overlaps the conversion
+        run_on_ranks(_convert_rank, tp * pp, str(hf_dir), str(tmp / WEIGHTS_DIR), tp, pp, dtype)
+        (tmp / HF_DIR).mkdir()
+        copy_model_side_files(hf_dir, tmp / HF_DIR)
+        tok_hash = tokenizer_hash(hf_dir) if (hf_dir / "tokenizer.json").is_file() else None
+        manifest = write_manifest(
+            tmp,
+            architecture=cfg.raw.get("architectures", [cfg.arch])[0],
+            family=cfg.arch,
+            source_name=hf_dir.name,
+            source_hash=source_hash.result(),
+            source_files=[p.name for p in ckpt.files],
+            source_dtype=cfg.torch_dtype,
+            dtype=dtype,
+            tokenizer_hash=tok_hash,
+            tool=f"megatron-rl {__version__}",
+            written_tp=tp,
+            written_pp=pp,
+            vocab_size=cfg.vocab_size,
+            padded_vocab_size=padded_vocab_size(cfg.vocab_size, tp),
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            num_params=sum(math.prod(s) for s in mapping.hf_shapes(cfg).values()),
+            created_unix=int(time.time()),
+        )
+    logger.info("wrote %s (%s, TP%d PP%d, %s) in %.1fs", out_dir, manifest["architecture"], tp, pp, dtype,
+                time.monotonic() - t0)
+    return out_dir

@@ -1,0 +1,316 @@
+"""The one Megatron-Core <-> Hugging Face name and layout mapping (Llama and Qwen2 families).
+
+    from megatron_rl.conversion import mapping
+    table = mapping.name_table(cfg)                    # every tensor, both names, one group each
+    mc = mapping.hf_to_mcore_group(cfg, group, hf_tensors, padded_vocab)    # one layer group
+    for hf_name, t in mapping.mcore_to_hf_group(cfg, group, mc_tensors): ...
+
+Used by the checkpoint converter and by the weight publisher (which streams TP-gathered layer
+groups of a live Megatron model through `mcore_to_hf_group`).  Pure tensor code: no
+torch.distributed, no model objects.  `cfg` is anything with the `HFModelConfig` fields
+(num_layers, num_heads, num_kv_heads, head_dim, hidden_size, intermediate_size, vocab_size,
+tie_word_embeddings, qkv_bias).
+
+Megatron names here are *canonical*: global layer index and Transformer Engine naming, which
+is also what Megatron's distributed checkpoints use (the local layer spec renames
+`input_layernorm.` -> `self_attention.linear_qkv.layer_norm_` and `pre_mlp_layernorm.` ->
+`mlp.linear_fc1.layer_norm_` through its `sharded_state_dict_keys_map`).  `to_local_spec_name`
+and `to_canonical_name` switch between a local-spec module's parameter names and these.
+
+Layouts (shape legend: H hidden, F ffn, hd head dim, nq query heads, ng KV groups,
+qpg = nq // ng query heads per group, V vocab, Vp padded vocab):
+  linear_qkv.weight  [ng * (qpg + 2) * hd, H]  per group g: q heads of g, then k_g, then v_g
+  linear_qkv.bias    [ng * (qpg + 2) * hd]     same interleave (Qwen2)
+  linear_fc1.weight  [2F, H]                   [gate; up]; TP rank r holds [gate_r; up_r]
+  word_embeddings / output_layer  [Vp, H]      rows >= V are padding (zeros on import)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+
+__all__ = [
+    "SUPPORTED_ARCHS",
+    "NameEntry",
+    "name_table",
+    "groups",
+    "group_of",
+    "hf_shapes",
+    "mcore_shapes",
+    "hf_to_mcore_group",
+    "mcore_to_hf_group",
+    "qkv_hf_to_mcore",
+    "qkv_mcore_to_hf",
+    "tp_shard",
+    "tp_gather",
+    "tp_kind",
+    "to_canonical_name",
+    "to_local_spec_name",
+]
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+EMBED = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+OUTPUT = "output_layer.weight"
+
+# Per layer: canonical Megatron suffix -> (HF suffixes, kind).  Kinds: copy, qkv, fc1.
+_LAYER_TABLE = (
+    ("self_attention.linear_qkv.layer_norm_weight", ("input_layernorm.weight",), "copy"),
+    ("self_attention.linear_qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
+    ("self_attention.linear_qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
+    ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "copy"),
+    ("mlp.linear_fc1.layer_norm_weight", ("post_attention_layernorm.weight",), "copy"),
+    ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
+    ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "copy"),
+)
+
+# Local layer spec parameter names <-> canonical (TE / dist-checkpoint) names.
+_LOCAL_TO_CANON = (
+    (".input_layernorm.", ".self_attention.linear_qkv.layer_norm_"),
+    (".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"),
+)
+
+# TP layout by canonical-name suffix: column (dim 0), row (dim 1), fc1 (gate/up halves), replicated.
+_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
+
+
+@dataclass(frozen=True)
+class NameEntry:
+    """One Megatron tensor and the HF tensors it is made of."""
+
+    mcore: str
+    """Canonical Megatron name (global layer index, TE naming)."""
+    hf: tuple[str, ...]
+    """HF names, in the order the layout transform takes them (q, k, v / gate, up / one)."""
+    kind: str
+    """copy | qkv | fc1 | vocab (padded rows)."""
+    group: str
+    """Streaming unit: "embedding", "layer.{i}", "final" (final norm + output layer)."""
+
+
+def _check_cfg(cfg) -> None:
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}")
+
+
+def name_table(cfg) -> list[NameEntry]:
+    """Every tensor of the model: Megatron name, HF names, layout kind, streaming group."""
+    _check_cfg(cfg)
+    table = [NameEntry(EMBED, ("model.embed_tokens.weight",), "vocab", "embedding")]
+    for i in range(cfg.num_layers):
+        for mc, hf, kind in _LAYER_TABLE:
+            if mc.endswith(".bias") and not cfg.qkv_bias:
+                continue
+            table.append(NameEntry(f"decoder.layers.{i}.{mc}", tuple(f"model.layers.{i}.{h}" for h in hf), kind, f"layer.{i}"))
+    table.append(NameEntry(FINAL_NORM, ("model.norm.weight",), "copy", "final"))
+    if not cfg.tie_word_embeddings:
+        table.append(NameEntry(OUTPUT, ("lm_head.weight",), "vocab", "final"))
+    return table
+
+
+def groups(cfg) -> list[str]:
+    """Streaming groups in model order: embedding, layer.0 .. layer.{L-1}, final."""
+    return ["embedding"] + [f"layer.{i}" for i in range(cfg.num_layers)] + ["final"]
+
+
+def group_of(mcore_name: str) -> str:
+    """The streaming group a canonical Megatron name belongs to."""
+    m = re.match(r"decoder\.layers\.(\d+)\.", mcore_name)
+    if m:
+        return f"layer.{m.group(1)}"
+    if mcore_name == EMBED:
+        return "embedding"
+    if mcore_name in (FINAL_NORM, OUTPUT):
+        return "final"
+    raise KeyError(f"{mcore_name!r} is not a Megatron GPT tensor name this mapping knows")
+
+
+def hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every HF tensor for `cfg` (for validating a checkpoint before use)."""
+    H, F, hd, V = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    per_layer = {
+        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
+        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (H, q),
+        "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
+    }
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    for i in range(cfg.num_layers):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
+    wanted = {h for e in name_table(cfg) for h in e.hf}
+    return {k: v for k, v in shapes.items() if k in wanted}
+
+
+def mcore_shapes(cfg, padded_vocab: int) -> dict[str, tuple[int, ...]]:
+    """Full (TP-gathered) shape of every canonical Megatron tensor."""
+    hf = hf_shapes(cfg)
+    out = {}
+    for e in name_table(cfg):
+        first = hf[e.hf[0]]
+        if e.kind == "vocab":
+            out[e.mcore] = (padded_vocab,) + first[1:]
+        else:  # concatenation along dim 0 for qkv / fc1, identity for copy
+            out[e.mcore] = (sum(hf[h][0] for h in e.hf),) + first[1:]
+    return out
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+def qkv_hf_to_mcore(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q [nq*hd, *r], k/v [ng*hd, *r] -> Megatron linear_qkv [ng*(qpg+2)*hd, *r]."""
+    ng, hd = cfg.num_kv_heads, cfg.head_dim
+    qpg = cfg.num_heads // ng
+    rest = q.shape[1:]
+    q_g = q.reshape(ng, qpg * hd, *rest)  # [ng, qpg*hd, *r]
+    k_g = k.reshape(ng, hd, *rest)  # [ng, hd, *r]
+    v_g = v.reshape(ng, hd, *rest)
+    return torch.cat([q_g, k_g, v_g], dim=1).reshape(ng * (qpg + 2) * hd, *rest)
+
+
+def qkv_mcore_to_hf(cfg, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron linear_qkv [ng*(qpg+2)*hd, *r] -> HF (q [nq*hd, *r], k [ng*hd, *r], v [ng*hd, *r])."""
+    ng, hd = cfg.num_kv_heads, cfg.head_dim
+    qpg = cfg.num_heads // ng
+    rest = qkv.shape[1:]
+    expected = ng * (qpg + 2) * hd
+    if qkv.shape[0] != expected:
+        raise ValueError(f"linear_qkv has {qkv.shape[0]} rows, expected {expected} for {ng} groups x {qpg + 2} heads x {hd}")
+    g = qkv.reshape(ng, (qpg + 2) * hd, *rest)
+    q, k, v = torch.split(g, [qpg * hd, hd, hd], dim=1)
+    return (q.reshape(ng * qpg * hd, *rest).contiguous(), k.reshape(ng * hd, *rest).contiguous(),
+            v.reshape(ng * hd, *rest).contiguous())
+
+
+def _pad_rows(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    if t.shape[0] > rows:
+        raise ValueError(f"{name}: {t.shape[0]} rows do not fit the padded vocabulary of {rows}")
+    if t.shape[0] == rows:
+        return t
+    pad = t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))
+    return torch.cat([t, pad], dim=0)
+
+
+def hf_to_mcore_group(cfg, group: str, hf: Mapping[str, torch.Tensor], padded_vocab: int) -> dict[str, torch.Tensor]:
+    """One group's HF tensors (HF names) -> full Megatron tensors (canonical names).
+
+    Raises KeyError naming a missing HF tensor and ValueError naming a wrong shape.
+    """
+    shapes = hf_shapes(cfg)
+    out = {}
+    for e in name_table(cfg):
+        if e.group != group:
+            continue
+        parts = []
+        for h in e.hf:
+            if h not in hf:
+                raise KeyError(f"HF tensor {h!r} is missing (needed for {e.mcore})")
+            if tuple(hf[h].shape) != shapes[h]:
+                raise ValueError(f"HF tensor {h!r} has shape {tuple(hf[h].shape)}, config says {shapes[h]}")
+            parts.append(hf[h])
+        if e.kind == "qkv":
+            out[e.mcore] = qkv_hf_to_mcore(cfg, *parts)
+        elif e.kind == "fc1":
+            out[e.mcore] = torch.cat(parts, dim=0)  # [2F, H] = [gate; up]
+        elif e.kind == "vocab":
+            out[e.mcore] = _pad_rows(parts[0], padded_vocab, e.hf[0])
+        else:
+            out[e.mcore] = parts[0]
+    if not out:
+        raise KeyError(f"unknown group {group!r}; groups are {groups(cfg)[:3]} ... 'final'")
+    return out
+
+
+def mcore_to_hf_group(cfg, group: str, mc: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One group's full Megatron tensors (canonical names) -> (HF name, tensor) pairs.
+
+    Vocabulary padding is dropped.  Raises KeyError naming a missing Megatron tensor.
+    """
+    found = False
+    for e in name_table(cfg):
+        if e.group != group:
+            continue
+        found = True
+        if e.mcore not in mc:
+            raise KeyError(f"Megatron tensor {e.mcore!r} is missing (group {group})")
+        t = mc[e.mcore]
+        if e.kind == "qkv":
+            yield from zip(e.hf, qkv_mcore_to_hf(cfg, t))
+        elif e.kind == "fc1":
+            gate, up = torch.chunk(t, 2, dim=0)
+            yield e.hf[0], gate.contiguous()
+            yield e.hf[1], up.contiguous()
+        elif e.kind == "vocab":
+            yield e.hf[0], t[: cfg.vocab_size].contiguous()
+        else:
+            yield e.hf[0], t
+    if not found:
+        raise KeyError(f"unknown group {group!r}")
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+
+
+def tp_kind(mcore_name: str) -> str:
+    """How a tensor is split across TP ranks: column | row | fc1 | replicated."""
+    if mcore_name.endswith("linear_fc1.weight") or mcore_name.endswith("linear_fc1.bias"):
+        return "fc1"
+    if mcore_name.endswith(_COLUMN):
+        return "column"
+    if mcore_name.endswith(_ROW):
+        return "row"
+    return "replicated"
+
+
+def tp_shard(mcore_name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """The slice of a full Megatron tensor that TP rank `rank` of `tp` holds."""
+    kind = tp_kind(mcore_name)
+    if kind == "replicated" or tp == 1:
+        return full
+    dim = 1 if kind == "row" else 0
+    if full.shape[dim] % (2 * tp if kind == "fc1" else tp):
+        raise ValueError(f"{mcore_name}: dim {dim} of size {full.shape[dim]} does not split over TP={tp}")
+    if kind == "fc1":
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def tp_gather(mcore_name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `tp_shard`: the full tensor from the shards of TP ranks 0..tp-1, in order."""
+    kind = tp_kind(mcore_name)
+    if kind == "replicated" or len(shards) == 1:
+        return shards[0]
+    if kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=1 if kind == "row" else 0)
+
+
+# ---------------------------------------------------------------------------- naming
+
+
+def to_canonical_name(name: str, layer_offset: int = 0) -> str:
+    """A model parameter name (local or TE spec, stage-local layer index) -> canonical name."""
+    for local, canon in _LOCAL_TO_CANON:
+        name = name.replace(local, canon)
+    if layer_offset:
+        name = re.sub(r"^(.*decoder\.layers\.)(\d+)\.", lambda m: f"{m.group(1)}{int(m.group(2)) + layer_offset}.", name)
+    return name
+
+
+def to_local_spec_name(name: str, layer_offset: int = 0) -> str:
+    """A canonical name -> the parameter name in a local-spec model (stage-local layer index)."""
+    for local, canon in _LOCAL_TO_CANON:
+        name = name.replace(canon, local)
+    if layer_offset:
+        name = re.sub(r"^(.*decoder\.layers\.)(\d+)\.", lambda m: f"{m.group(1)}{int(m.group(2)) - layer_offset}.", name)
+    return name

@@ -1,0 +1,191 @@
+"""A live Megatron GPTModel stage seen through canonical names; the Megatron dir's manifest.
+
+    params = canonical_params(model)             # {"decoder.layers.5.mlp.linear_fc1.weight": Parameter}
+    fill_from_hf(model, cfg, ckpt, tp_rank, tp)  # copy this rank's shard of every tensor
+    save_model(model, mcore_dir / WEIGHTS_DIR)   # Megatron-Core distributed checkpoint
+    load_model(model, mcore_dir / WEIGHTS_DIR)   # at any TP/PP
+    manifest = read_manifest(mcore_dir)          # FileNotFoundError when it is not ours
+
+A converted Megatron directory holds:
+  weights/        dist_checkpointing (torch_dist) checkpoint, loadable at any TP/PP
+  hf/             the source's config.json, generation_config.json and tokenizer files
+  manifest.json   architecture, source hash, dtype, tokenizer hash, tool version, ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing
+import re
+from pathlib import Path
+
+import torch
+
+from megatron_rl.conversion import mapping
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_DIR = "weights"
+HF_DIR = "hf"
+MANIFEST = "manifest.json"
+FORMAT = "megatron-rl/mcore-dist-ckpt/v1"
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def canonical_params(model) -> dict[str, torch.nn.Parameter]:
+    """This stage's parameters under canonical names (global layer index, TE naming).
+
+    Works for local and TE layer specs and DDP/Float16 wrappers.  With tied embeddings on a
+    last stage that is not also the first, `output_layer.weight` is the tied copy and is
+    returned under the embedding's name (it holds the same values).
+    """
+    model = _unwrap(model)
+    local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    out: dict[str, torch.nn.Parameter] = {}
+    for name, param in model.named_parameters():
+        m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+        if m:
+            name = f"decoder.layers.{local_to_global[int(m.group(1))]}.{m.group(2)}"
+        canon = mapping.to_canonical_name(name)
+        if canon == mapping.OUTPUT and tied:
+            if mapping.EMBED in out:
+                continue
+            canon = mapping.EMBED
+        out[canon] = param
+    return out
+
+
+def _stage_groups(cfg, params: dict) -> list[str]:
+    return [g for g in mapping.groups(cfg) if any(mapping.group_of(n) == g for n in params)]
+
+
+@torch.no_grad()
+def fill_from_hf(model, cfg, ckpt, tp_rank: int, tp: int, padded_vocab: int, progress=None) -> int:
+    """Copy this rank's TP shard of each HF tensor into `model` (one group in memory at a time).
+
+    Returns the number of parameters filled; raises ValueError when a shape does not fit.
+    """
+    params = canonical_params(model)
+    known = {e.mcore for e in mapping.name_table(cfg)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"model parameter {unknown[0]!r} has no HF source in the mapping")
+    filled = 0
+    stage_groups = _stage_groups(cfg, params)
+    for i, group in enumerate(stage_groups):
+        full = mapping.hf_to_mcore_group(cfg, group, ckpt.read_group(group), padded_vocab)
+        for name, tensor in full.items():
+            if name not in params:
+                continue
+            shard = mapping.tp_shard(name, tensor, tp, tp_rank)
+            if shard.shape != params[name].shape:
+                raise ValueError(f"{name}: TP shard {tuple(shard.shape)} does not fit the model's {tuple(params[name].shape)}")
+            params[name].copy_(shard)
+            filled += 1
+        del full
+        if progress is not None:
+            progress(group, i + 1, len(stage_groups))
+    return filled
+
+
+def save_model(model, weights_dir: Path) -> None:
+    """Write this stage's shards into a distributed checkpoint (collective over all ranks)."""
+    from megatron.core import dist_checkpointing
+
+    weights_dir = Path(weights_dir)
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    with _children_allowed():
+        dist_checkpointing.save(_unwrap(model).sharded_state_dict(), str(weights_dir))
+
+
+@contextlib.contextmanager
+def _children_allowed():
+    """Let a daemonic worker (e.g. a run_distributed rank) start the writer processes that
+    dist_checkpointing.save forks and its results Manager; they are joined before save returns."""
+    proc = multiprocessing.current_process()
+    was_daemon = proc.daemon
+    if was_daemon:
+        proc.daemon = False
+    try:
+        yield
+    finally:
+        if was_daemon:
+            proc.daemon = True
+
+
+def load_model(model, weights_dir: Path) -> None:
+    """Load a distributed checkpoint into `model` at its own TP/PP (collective over all ranks)."""
+    from megatron.core import dist_checkpointing
+
+    weights_dir = Path(weights_dir)
+    if not (weights_dir / "metadata.json").is_file():
+        raise FileNotFoundError(f"{weights_dir} is not a Megatron-Core distributed checkpoint (no metadata.json)")
+    inner = _unwrap(model)
+    state = dist_checkpointing.load(inner.sharded_state_dict(), str(weights_dir), strict="raise_all")
+    inner.load_state_dict(state, strict=False)
+
+
+def write_manifest(mcore_dir: Path, **fields) -> dict:
+    manifest = {"format": FORMAT, **fields}
+    (Path(mcore_dir) / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return manifest
+
+
+def read_manifest(mcore_dir: str | Path) -> dict:
+    """The manifest of a converted Megatron directory; errors name what is missing."""
+    root = Path(mcore_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"Megatron checkpoint directory not found: {root}")
+    path = root / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{root} has no {MANIFEST}: not a checkpoint written by `megatron-rl convert hf-to-mcore`")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    for sub in (WEIGHTS_DIR, HF_DIR):
+        if not (root / sub).is_dir():
+            raise FileNotFoundError(f"{root}: missing {sub}/ next to {MANIFEST}")
+    return manifest
+
+
+def run_on_ranks(fn, world_size: int, *args) -> list:
+    """fn(rank, world_size, *args) on `world_size` gloo ranks; in this process when it is 1.
+
+    A single rank runs in-process (no spawn, no re-import) on a private one-rank gloo group,
+    unless torch.distributed is already up here, in which case fresh processes are spawned.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_rl.platform import detect_platform
+    from megatron_rl.platform.parallel import init_distributed
+    from megatron_rl.platform.spawn import free_port, run_distributed
+
+    if world_size > 1 or dist.is_initialized():
+        return run_distributed(fn, world_size, *args)
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        init_distributed(detect_platform("cpu"), rank=0, world_size=1)
+        try:
+            return [fn(0, 1, *args)]
+        finally:
+            dist.destroy_process_group()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,16 @@
+"""The coordinator: owns the trajectory queue between rollout workers and the learner.
+
+    from megatron_rl.coordinator import CoordinatorConfig, TrajectoryQueue, start_coordinator
+
+`TrajectoryQueue` (queue.py) holds all the logic and is usable without Ray;
+`start_coordinator` (actor.py) runs it as a Ray actor; `WriteAheadLog` (wal.py) makes it
+durable; `Admission` (admission.py) bounds staleness before rollouts start.
+"""
+
+from megatron_rl.coordinator.actor import CoordinatorActor, start_coordinator
+from megatron_rl.coordinator.config import CoordinatorConfig
+from megatron_rl.coordinator.queue import Backpressure, PutResult, TrajectoryQueue
+from megatron_rl.coordinator.wal import WriteAheadLog
+
+__all__ = ["Backpressure", "CoordinatorActor", "CoordinatorConfig", "PutResult", "TrajectoryQueue",
+           "WriteAheadLog", "start_coordinator"]

@@ -1,0 +1,380 @@
+"""TrajectoryQueue: the coordinator's logic, in one plain (single-threaded) Python class.
+
+    q = TrajectoryQueue(CoordinatorConfig(batch_size=64, wal_path="run/queue.db"), tokenizer_hash=h)
+    leases = q.try_admit(8, worker="rollout-0")      # may start 8 rollouts
+    res = q.put_many(trajs, lease_ids=leases)         # durable when it returns
+    batch = q.take(64, request_id="step-12")          # retrying "step-12" returns the same batch
+    q.set_version(13); q.metrics()["queue/dv_p95"]
+
+Every trajectory offered to `put_many` ends in exactly one bucket: rejected (broke the
+contract; reason returned and counted, never stored), duplicate (its id was seen: no-op),
+dropped (TTL or quota; reason recorded), queued, and later consumed (exactly once) or
+dropped by TTL.  With `wal_path` set every state change is committed to the SQLite log in
+one transaction per call before the call returns, and a new queue on the same file resumes
+where the last one stopped (TTL re-evaluated).  `actor.py` wraps this class in Ray.
+
+Version lag (dv) is measured from a trajectory's OLDEST per-token policy version.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from megatron_rl.coordinator.admission import Admission
+from megatron_rl.coordinator.config import CoordinatorConfig
+from megatron_rl.coordinator.wal import WalState, WriteAheadLog
+from megatron_rl.trajectory import Trajectory, TrajectoryError, validate, verify_checksum
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PutResult:
+    """What happened to each trajectory of one put_many call (by id)."""
+
+    accepted: list = field(default_factory=list)
+    duplicates: list = field(default_factory=list)
+    rejected: dict = field(default_factory=dict)  # id -> "reason: message"
+    dropped: dict = field(default_factory=dict)  # id -> reason
+    position: int = 0  # log position after the call
+
+
+@dataclass
+class Backpressure:
+    active: bool  # dv P95 or age P95 over its threshold
+    reasons: list  # which thresholds are exceeded
+    starving: bool  # the last take got fewer trajectories than it asked for
+    dv_p95: float
+    age_p95_s: float
+
+
+@dataclass
+class _Entry:
+    traj: Trajectory
+    seq: int
+    enqueued_at: float
+    min_version: int
+    max_version: int
+
+
+class TrajectoryQueue:
+    def __init__(self, config: CoordinatorConfig, *, tokenizer_hash: str, clock: Callable[[], float] = time.time):
+        if not isinstance(tokenizer_hash, str) or not tokenizer_hash:
+            raise ValueError(f"tokenizer_hash must be a non-empty str, got {tokenizer_hash!r}")
+        self.config = config
+        self.tokenizer_hash = tokenizer_hash
+        self._clock = clock
+        self._rng = np.random.default_rng(config.seed)
+        self._admission = Admission(batch_size=config.batch_size, lease_ttl_s=config.lease_ttl_s, clock=clock)
+        self._queue: dict[str, _Entry] = {}  # id -> entry, in seq (arrival) order
+        self._done: dict[str, tuple] = {}  # finished id -> (oldest policy version, outcome label)
+        self._takes: collections.OrderedDict[str, list] = collections.OrderedDict()  # request id -> batch
+        self._counters: collections.Counter = collections.Counter()
+        self._version = 0
+        self._next_seq = 0
+        self._position = 0
+        self._since_compact = 0
+        self._starving = False
+        self._wal = WriteAheadLog(config.wal_path, synchronous=config.wal_synchronous) if config.wal_path else None
+        if self._wal is not None:
+            self._restore(self._wal.load())
+
+    # ------------------------------------------------------------------ state
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def position(self) -> int:
+        """Log position (number of committed batch operations); checkpoints record it."""
+        return self._position
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def queued_ids(self) -> list[str]:
+        return list(self._queue)
+
+    def outcome(self, traj_id: str) -> str | None:
+        """'queued', 'consumed', 'dropped/<reason>', or None (never seen, or forgotten by compaction)."""
+        if traj_id in self._queue:
+            return "queued"
+        done = self._done.get(traj_id)
+        return None if done is None else done[1]
+
+    # ------------------------------------------------------------- admission
+    def try_admit(self, n: int, *, worker: str = "") -> list[str]:
+        """Grant up to n rollout slots; returns their lease ids (possibly none)."""
+        eta = self.config.max_staleness
+        if self.config.backpressure_reaction == "throttle" and self.backpressure().active:
+            eta = 0
+        accepted = self._counters["consumed"] + len(self._queue)
+        return self._admission.admit(n, eta=eta, version=self._version, accepted=accepted, worker=worker)
+
+    def release(self, lease_ids: Sequence[str]) -> None:
+        """Give back slots of rollouts that will not produce a trajectory."""
+        self._admission.release(lease_ids)
+
+    def set_version(self, version: int) -> None:
+        """The learner published policy `version` (monotonic); re-applies the version TTL."""
+        if not isinstance(version, int) or version < self._version:
+            raise ValueError(f"set_version: version must be an int >= current {self._version}, got {version!r}")
+        with self._atomic():
+            self._version = version
+            self._commit(finished=self._ttl_drops())
+        self._maybe_compact(force=False)
+
+    # ------------------------------------------------------------------- put
+    def put(self, traj: Trajectory, lease_id: str | None = None) -> PutResult:
+        return self.put_many([traj], None if lease_id is None else [lease_id])
+
+    def put_many(self, trajs: Sequence[Trajectory], lease_ids: Sequence[str | None] | None = None) -> PutResult:
+        """Validate, deduplicate, apply TTL and quotas, log durably, then acknowledge."""
+        if lease_ids is not None and len(lease_ids) != len(trajs):
+            raise ValueError(f"put_many: {len(lease_ids)} lease ids for {len(trajs)} trajectories")
+        now = self._clock()
+        result = PutResult()
+        new: dict[str, _Entry] = {}
+        finished: list[tuple] = []  # (id, seq, min_version, outcome, reason, request_id)
+        per_prompt = collections.Counter(e.traj.prompt_id for e in self._queue.values()) \
+            if self.config.max_queued_per_prompt else None
+        per_source = collections.Counter(e.traj.source for e in self._queue.values()) \
+            if self.config.max_queued_per_source else None
+        blobs: dict[str, bytes] = {}
+        for traj in trajs:
+            try:
+                validate(traj, tokenizer_hash=self.tokenizer_hash, current_version=self._version,
+                         check_checksum=False)
+                blob = traj.to_bytes() if self._wal is not None else None
+                verify_checksum(traj, blob)
+            except TrajectoryError as err:
+                tid = getattr(traj, "id", None)
+                result.rejected[str(tid)] = str(err)
+                self._counters[f"rejected/{err.reason}"] += 1
+                logger.warning("rejected trajectory: %s", err)
+                continue
+            tid = traj.id
+            if tid in self._queue or tid in self._done or tid in new or tid in result.dropped:
+                result.duplicates.append(tid)
+                self._counters["duplicates"] += 1
+                continue
+            entry = _Entry(traj, self._next_seq + len(new), now, traj.oldest_version, int(traj.policy_versions.max()))
+            reason = self._drop_reason(entry, now)
+            if reason is None and per_prompt is not None:
+                reason = "quota_prompt" if per_prompt[traj.prompt_id] >= self.config.max_queued_per_prompt else None
+            if reason is None and per_source is not None:
+                reason = "quota_source" if per_source[traj.source] >= self.config.max_queued_per_source else None
+            if reason is not None:
+                result.dropped[tid] = reason
+                finished.append((tid, None, entry.min_version, "dropped", reason, None))
+                continue
+            if per_prompt is not None:
+                per_prompt[traj.prompt_id] += 1
+            if per_source is not None:
+                per_source[traj.source] += 1
+            new[tid] = entry
+            blobs[tid] = blob
+            self._counters[f"status/{traj.status}"] += 1
+        rows = [(e.seq, tid, e.enqueued_at, e.min_version, blobs[tid]) for tid, e in new.items()] \
+            if self._wal is not None else []
+        with self._atomic():
+            finished.extend(self._ttl_drops())
+            self._next_seq += len(new)
+            self._queue.update(new)
+            self._counters["accepted"] += len(new)
+            result.position = self._commit(enqueued=rows, finished=finished)
+        result.accepted = list(new)
+        self._maybe_compact(force=False)
+        for lid in lease_ids or ():
+            self._admission.complete(lid)
+        return result
+
+    # ------------------------------------------------------------------ take
+    def take(self, n: int, *, min_version: int | None = None, max_version: int | None = None,
+             request_id: str | None = None) -> list[Trajectory]:
+        """Consume up to n trajectories whose every token's policy version is in [min_version, max_version].
+
+        The window defaults to [version - max_version_lag, version].  With `request_id`, a
+        retried call (e.g. after a coordinator or learner restart) returns the same batch.
+        """
+        if request_id is not None and request_id in self._takes:
+            return list(self._takes[request_id])
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"take: n must be an int >= 0, got {n!r}")
+        lo = self._version - self.config.max_version_lag if min_version is None else min_version
+        hi = self._version if max_version is None else max_version
+        if lo > hi:
+            raise ValueError(f"take: empty version window [{lo}, {hi}]")
+        with self._atomic():
+            finished = self._ttl_drops()
+            eligible = [e for e in self._queue.values() if lo <= e.min_version and e.max_version <= hi
+                        and e.traj.tokenizer_hash == self.tokenizer_hash]
+            chosen, probs = self._choose(eligible, n)
+            batch = [e.traj if p is None else dataclasses.replace(e.traj, sampling_probability=p)
+                     for e, p in zip(chosen, probs)]
+            ids = [t.id for t in batch]
+            finished.extend((e.traj.id, e.seq, e.min_version, "consumed", "", request_id) for e in chosen)
+            for tid in ids:
+                del self._queue[tid]
+            self._counters["consumed"] += len(ids)
+            take = (request_id, ids, probs) if request_id is not None else None
+            self._commit(finished=finished, take=take)
+        self._starving = len(batch) < n
+        self._maybe_compact(force=False)
+        if request_id is not None:
+            self._remember_take(request_id, batch)
+        return batch
+
+    def _choose(self, eligible: list[_Entry], n: int) -> tuple[list[_Entry], list[float | None]]:
+        if self.config.sampling == "fifo" or not eligible:
+            return eligible[:n], [None] * min(n, len(eligible))
+        weights = np.array([e.traj.priority for e in eligible], dtype=np.float64) ** self.config.priority_alpha
+        p = weights / weights.sum()
+        k = min(n, len(eligible))
+        picks = self._rng.choice(len(eligible), size=k, replace=False, p=p)
+        # sampling_probability: the chance of being drawn on one draw among the eligible set.
+        return [eligible[i] for i in picks], [float(p[i]) for i in picks]
+
+    def _remember_take(self, request_id: str, batch: list[Trajectory]) -> None:
+        self._takes[request_id] = batch
+        while len(self._takes) > self.config.take_replay_window:
+            self._takes.popitem(last=False)
+
+    # ------------------------------------------------------------------- TTL
+    def _drop_reason(self, entry: _Entry, now: float) -> str | None:
+        if self._version - entry.min_version > self.config.max_version_lag:
+            return "version_lag"
+        if self.config.max_age_s and now - entry.enqueued_at > self.config.max_age_s:
+            return "max_age"
+        return None
+
+    def _ttl_drops(self) -> list[tuple]:
+        """Remove queued trajectories past a TTL; return their `done` rows for the next commit."""
+        now = self._clock()
+        rows = []
+        for tid, entry in list(self._queue.items()):
+            reason = self._drop_reason(entry, now)
+            if reason is not None:
+                del self._queue[tid]
+                rows.append((tid, entry.seq, entry.min_version, "dropped", reason, None))
+        return rows
+
+    # ------------------------------------------------------------ durability
+    @contextlib.contextmanager
+    def _atomic(self):
+        """Undo in-memory changes if the log commit fails: nothing is acknowledged, nothing lost."""
+        saved = (dict(self._queue), collections.Counter(self._counters), self._next_seq, self._version)
+        try:
+            yield
+        except BaseException:
+            self._queue, self._counters, self._next_seq, self._version = saved
+            raise
+
+    def _commit(self, *, enqueued=(), finished=(), take=None) -> int:
+        for _, _, _, outcome, reason, _ in finished:
+            if outcome == "dropped":
+                self._counters[f"dropped/{reason}"] += 1
+        if self._wal is not None:
+            meta = {"version": self._version, "next_seq": self._next_seq, "counters": dict(self._counters)}
+            self._position = self._wal.commit(enqueued=enqueued, finished=finished, take=take, meta=meta)
+        else:
+            self._position += 1
+        for tid, _, min_version, outcome, reason, _ in finished:
+            self._done[tid] = (min_version, "consumed" if outcome == "consumed" else f"dropped/{reason}")
+            if outcome == "dropped":
+                logger.info("dropped trajectory %s: %s", tid, reason)
+        return self._position
+
+    def _maybe_compact(self, *, force: bool) -> None:
+        self._since_compact += 1
+        if not force and self._since_compact < self.config.compact_every:
+            return
+        self._since_compact = 0
+        floor = self._version - self.config.max_version_lag
+        self._done = {tid: done for tid, done in self._done.items() if done[0] >= floor}
+        if self._wal is not None:
+            self._wal.compact(current_version=self._version, max_version_lag=self.config.max_version_lag,
+                              keep_takes=self.config.take_replay_window)
+
+    def compact(self) -> None:
+        """Compact now (also happens every `compact_every` logged operations)."""
+        self._maybe_compact(force=True)
+
+    def _restore(self, state: WalState) -> None:
+        self._version = int(state.meta.get("version", 0))
+        self._next_seq = int(state.meta.get("next_seq", 0))
+        self._counters.update(state.meta.get("counters", {}))
+        self._position = state.position
+        self._done = {tid: (v, "consumed" if outcome == "consumed" else f"dropped/{reason}")
+                      for tid, (v, outcome, reason) in state.done.items()}
+        corrupt = []
+        for seq, tid, enqueued_at, payload in state.queued:
+            try:
+                traj = Trajectory.from_bytes(payload)
+                validate(traj, tokenizer_hash=self.tokenizer_hash)
+            except TrajectoryError as err:
+                logger.error("WAL replay: trajectory %s is unusable (%s); dropping it", tid, err)
+                corrupt.append((tid, seq, -1, "dropped", f"replay_{err.reason}", None))
+                continue
+            self._queue[tid] = _Entry(traj, seq, enqueued_at, traj.oldest_version, int(traj.policy_versions.max()))
+        for request_id, ids, probs in state.takes:
+            batch = [Trajectory.from_bytes(state.payloads[tid]) for tid in ids]
+            batch = [t if p is None else dataclasses.replace(t, sampling_probability=p) for t, p in zip(batch, probs)]
+            self._remember_take(request_id, batch)
+        n_queued = len(self._queue)
+        with self._atomic():
+            self._commit(finished=corrupt + self._ttl_drops())
+        logger.info("coordinator restored from %s at version %d: %d queued (%d dropped by TTL on replay)",
+                    self.config.wal_path, self._version, len(self._queue), n_queued - len(self._queue))
+
+    def close(self) -> None:
+        if self._wal is not None:
+            self._wal.close()
+            self._wal = None
+
+    # --------------------------------------------------------------- metrics
+    def _lags_and_ages(self) -> tuple[np.ndarray, np.ndarray]:
+        now = self._clock()
+        entries = self._queue.values()
+        dv = np.fromiter((self._version - e.min_version for e in entries), np.float64, len(self._queue))
+        age = np.fromiter((now - e.enqueued_at for e in entries), np.float64, len(self._queue))
+        return dv, age
+
+    def backpressure(self) -> Backpressure:
+        dv, age = self._lags_and_ages()
+        dv_p95 = float(np.percentile(dv, 95)) if len(dv) else 0.0
+        age_p95 = float(np.percentile(age, 95)) if len(age) else 0.0
+        reasons = []
+        if dv_p95 > self.config.backpressure_dv_p95:
+            reasons.append("dv_p95")
+        if age_p95 > self.config.backpressure_age_p95_s:
+            reasons.append("age_p95")
+        return Backpressure(bool(reasons), reasons, self._starving, dv_p95, age_p95)
+
+    def metrics(self) -> dict[str, float]:
+        """Gauges and cumulative counters, keys grouped under queue/."""
+        dv, age = self._lags_and_ages()
+        bp = self.backpressure()
+        out = {"queue/depth": float(len(self._queue)), "queue/version": float(self._version),
+               "queue/running": float(self._admission.running), "queue/log_position": float(self._position),
+               "queue/backpressure": float(bp.active), "queue/starving": float(bp.starving),
+               "queue/leases_expired": float(self._admission.expired),
+               "queue/capacity": float(self._admission.capacity(
+                   eta=self.config.max_staleness, version=self._version,
+                   accepted=self._counters["consumed"] + len(self._queue)))}
+        waits = np.array(self._admission.waits, dtype=np.float64)
+        for name, values in (("age_s", age), ("dv", dv), ("admission_wait_s", waits)):
+            for q in (50, 95, 99):
+                out[f"queue/{name}_p{q}"] = float(np.percentile(values, q)) if len(values) else 0.0
+        for name in ("accepted", "consumed", "duplicates"):
+            out[f"queue/{name}"] = 0.0
+        out.update({f"queue/{k}": float(v) for k, v in self._counters.items()})
+        return out

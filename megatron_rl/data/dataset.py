@@ -1,0 +1,100 @@
+"""Prompt datasets: examples with reference answers, a content-hash version, prompt templates.
+
+    ds = Dataset(name="mine", split="train", examples=[Example(id="0", question="1+1", answer="2")])
+    ds.dataset_version                      # sha256 of the canonical content
+    tmpl = PromptTemplate("Q: {question}\\nA:")
+    tmpl.render(ds[0]); tmpl.encode(ds[0], tokenizer)   # tokenizer: a HF (Auto)Tokenizer
+
+Two datasets with the same examples in the same order have the same version, whatever file or
+generator they came from; change one character and the version changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import string
+from typing import Any, Iterator, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    id: str
+    """Stable identifier, unique within the dataset."""
+    question: str
+    """The problem text substituted into the prompt template."""
+    answer: str
+    """Reference final answer the verifier compares against."""
+
+
+def content_hash(examples: Sequence[Example]) -> str:
+    """sha256 (hex) of the examples as canonical JSON, in order."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(json.dumps([ex.id, ex.question, ex.answer], ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    name: str
+    split: str
+    examples: tuple[Example, ...]
+    dataset_version: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "examples", tuple(self.examples))
+        seen: set[str] = set()
+        for ex in self.examples:
+            if ex.id in seen:
+                raise ValueError(f"dataset {self.name!r} split {self.split!r}: duplicate example id {ex.id!r}")
+            seen.add(ex.id)
+        version = content_hash(self.examples)
+        if self.dataset_version and self.dataset_version != version:
+            raise ValueError(
+                f"dataset {self.name!r} split {self.split!r}: dataset_version {self.dataset_version} "
+                f"does not match its content hash {version}"
+            )
+        object.__setattr__(self, "dataset_version", version)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> Example:
+        return self.examples[index]
+
+    def __iter__(self) -> Iterator[Example]:
+        return iter(self.examples)
+
+
+_TEMPLATE_FIELDS = ("question", "id")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTemplate:
+    """A str.format template with `{question}` (required) and optionally `{id}`."""
+
+    template: str = "{question}"
+    add_special_tokens: bool = True
+    """Passed to the tokenizer (e.g. to prepend BOS)."""
+
+    def __post_init__(self) -> None:
+        try:
+            names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
+        except ValueError as err:
+            raise ValueError(f"prompt template {self.template!r} is malformed: {err}") from None
+        unknown = [n for n in names if n not in _TEMPLATE_FIELDS]
+        if unknown:
+            raise ValueError(f"prompt template {self.template!r}: unknown field {{{unknown[0]}}}; allowed: {list(_TEMPLATE_FIELDS)}")
+        if "question" not in names:
+            raise ValueError(f"prompt template {self.template!r} must contain {{question}}")
+
+    def render(self, example: Example) -> str:
+        return self.template.format(question=example.question, id=example.id)
+
+    def encode(self, example: Example, tokenizer: Any) -> list[int]:
+        """Prompt token ids from a HF tokenizer (anything callable returning {"input_ids": [...]})."""
+        ids = tokenizer(self.render(example), add_special_tokens=self.add_special_tokens)["input_ids"]
+        return [int(i) for i in ids]

@@ -1,0 +1,10 @@
+"""GRPO building blocks: group-normalised advantages and the clipped-surrogate loss.
+
+    from megatron_rl.grpo import GRPOLossConfig, compute_advantages, grpo_loss, rewards_from_scores
+"""
+
+from megatron_rl.grpo.advantages import group_advantages, rewards_from_scores
+from megatron_rl.grpo.loss import GRPOLossConfig, compute_advantages, grpo_loss, kl_estimate
+
+__all__ = ["GRPOLossConfig", "compute_advantages", "group_advantages", "grpo_loss", "kl_estimate",
+           "rewards_from_scores"]

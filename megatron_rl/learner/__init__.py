@@ -1,0 +1,10 @@
+"""The Megatron-Core learner: `Learner`, its `LearnerConfig`, and per-token logprobs.
+
+    from megatron_rl.learner import Learner, LearnerConfig
+"""
+
+from megatron_rl.learner.config import LearnerConfig
+from megatron_rl.learner.learner import Learner, LossFn
+from megatron_rl.learner.logprobs import token_logprobs
+
+__all__ = ["Learner", "LearnerConfig", "LossFn", "token_logprobs"]

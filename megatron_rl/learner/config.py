@@ -1,0 +1,72 @@
+"""LearnerConfig: the learner's section of the run config (Megatron's names for Megatron's knobs).
+
+    cfg = LearnerConfig(tensor_model_parallel_size=2, global_batch_size=16, lr=1e-6)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+
+@dataclasses.dataclass(kw_only=True)
+class LearnerConfig:
+    """Parallel layout, batch shape, optimizer and LR schedule of the Megatron learner."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: ranks sharing each layer's matrices."""
+    pipeline_model_parallel_size: int = 1
+    """PP: ranks holding consecutive blocks of layers."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward pass on one rank."""
+    global_batch_size: int = 1
+    """Sequences per optimizer step across all data-parallel ranks."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr."""
+    lr_decay_steps: Optional[int] = None
+    """Optimizer steps of decay after warmup; None keeps lr constant."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the decay."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+    seed: int = 1234
+    """Seed of model init and of the model-parallel RNG tracker."""
+    dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
+    """Model dtype; None takes the platform default (bf16 on GPUs, fp32 on CPU)."""
+    recompute_activations: bool = False
+    """Full activation recomputation per layer (saves memory, costs a forward)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+                     "global_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"learner.{name} must be a positive integer, got {value!r}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"learner.global_batch_size {self.global_batch_size} is not a multiple of "
+                             f"micro_batch_size {self.micro_batch_size}")
+        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"learner.lr must be > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        for name in ("weight_decay", "clip_grad", "adam_eps", "lr_warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"learner.{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"learner.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
+            raise ValueError(f"learner.lr_decay_steps must be >= 1 or null, got {self.lr_decay_steps!r}")
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"learner.lr_decay_style must be constant|linear|cosine, got {self.lr_decay_style!r}")
+        if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
+            raise ValueError(f"learner.lr_decay_style={self.lr_decay_style!r} needs learner.lr_decay_steps")

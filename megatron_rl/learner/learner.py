@@ -1,0 +1,265 @@
+"""The Megatron learner: model chunks, DDP, optimizer, LR schedule, one train step at a time.
+
+    init_distributed(platform)                       # once per process
+    learner = Learner(LearnerConfig(...), hf_cfg)    # builds parallel state if not up yet
+    metrics = learner.train_step(batch, loss_fn)     # {"loss", "grad_norm", "lr", ...}
+    logprobs_bt = learner.forward_logprobs(tokens_bt)
+    learner.close()
+
+Batches are GLOBAL: every rank passes the same `batch` dict whose tensors have leading dim
+global_batch_size (B); the learner takes its data-parallel slice and splits it into
+micro-batches of micro_batch_size.  `batch["tokens"]` is [B, T] (long); any other tensor with
+leading dim B (advantages [B], loss_mask [B, T-1], old_logprobs [B, T-1], ...) is sliced the
+same way and handed to the loss.
+
+The loss interface (GRPO and friends plug in here):
+
+    def loss_fn(logprobs_bt: Tensor, micro_batch: dict) -> tuple[Tensor, dict[str, float | Tensor]]
+        # logprobs_bt [b, T-1]: log p(tokens[:, t+1] | tokens[:, :t+1]) under the current
+        # policy, differentiable, already reduced over TP.  Return the micro-batch's scalar
+        # loss (a mean: the learner averages micro-batches, DDP averages data-parallel ranks)
+        # and metrics, which are averaged the same way and returned by train_step.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.learner.config import LearnerConfig
+from megatron_rl.learner.logprobs import token_logprobs
+from megatron_rl.models.builder import build_gpt_model, build_transformer_config
+from megatron_rl.models.hf_config import HFModelConfig, check_parallel_layout
+from megatron_rl.platform import Platform, detect_platform
+from megatron_rl.platform.parallel import destroy_parallel, initialize_parallel
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, dict], tuple]
+
+
+class Learner:
+    """One rank's share of a Megatron-Core policy and its optimizer."""
+
+    def __init__(self, cfg: LearnerConfig, hf_cfg: HFModelConfig, platform: Platform | None = None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.cfg, self.hf_cfg = cfg, hf_cfg
+        self.platform = platform or detect_platform(dtype=cfg.dtype)
+        tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+        if not dist.is_initialized():
+            raise RuntimeError("Learner needs torch.distributed: call platform.parallel.init_distributed first")
+        world = dist.get_world_size()
+        if world % (tp * pp):
+            raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size*"
+                             f"pipeline_model_parallel_size = {tp}*{pp}")
+        self.dp = world // (tp * pp)
+        check_parallel_layout(hf_cfg, tp, pp, self.dp)
+        if cfg.global_batch_size % (cfg.micro_batch_size * self.dp):
+            raise ValueError(f"learner.global_batch_size {cfg.global_batch_size} is not divisible by "
+                             f"micro_batch_size*dp = {cfg.micro_batch_size}*{self.dp}")
+        self._owns_parallel = not ps.model_parallel_is_initialized()
+        if self._owns_parallel:
+            initialize_parallel(tp=tp, pp=pp, seed=cfg.seed)
+        elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+            raise ValueError(f"parallel state is already up with a different layout than tp={tp}, pp={pp}")
+
+        overrides = {}
+        if cfg.recompute_activations:
+            overrides = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        self.config = build_transformer_config(hf_cfg, tp=tp, pp=pp, platform=self.platform, **overrides)
+        module = build_gpt_model(hf_cfg, platform=self.platform, tp=tp, pp=pp, config=self.config)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+        )
+        self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=module)]
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+            params_dtype=self.platform.dtype,
+            bf16=self.platform.dtype == torch.bfloat16,
+            fp16=self.platform.dtype == torch.float16,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        self.scheduler = self._build_scheduler()
+        # What Megatron's schedules read from the model config during forward_backward.
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.no_sync_func = self.model[0].no_sync
+        self.step = 0
+
+    def _build_scheduler(self):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        cfg = self.cfg
+        # Megatron's scheduler counts samples (increment=global_batch_size per step).
+        gbs = cfg.global_batch_size
+        warmup = cfg.lr_warmup_steps * gbs
+        decay = (cfg.lr_decay_steps or 1) * gbs + warmup
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if warmup else cfg.lr, max_lr=cfg.lr,
+            min_lr=cfg.lr if cfg.lr_decay_style == "constant" else cfg.min_lr,
+            lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=cfg.lr_decay_style,
+            start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
+        )
+
+    # ---- batches ---------------------------------------------------------------------------
+
+    def _local_micro_batches(self, batch: dict) -> list[dict]:
+        from megatron.core import parallel_state as ps
+
+        tokens = batch.get("tokens")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            raise ValueError("batch['tokens'] must be a [B, T] tensor of token ids")
+        b, t = tokens.shape
+        mbs = self.cfg.micro_batch_size
+        if b % (self.dp * mbs):
+            raise ValueError(f"batch of {b} sequences is not divisible by dp*micro_batch_size = {self.dp}*{mbs}")
+        if t < 2:
+            raise ValueError(f"sequences need at least 2 tokens, got T={t}")
+        local = b // self.dp
+        start = ps.get_data_parallel_rank() * local
+        device = self.platform.device
+        micro = []
+        for m in range(start, start + local, mbs):
+            micro.append({k: (v[m:m + mbs].to(device) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b
+                              else v) for k, v in batch.items()})
+        return micro
+
+    def _forward_step(self, loss_fn: LossFn | None, data_iterator, model):
+        mb = next(data_iterator)
+        tokens = mb["tokens"]  # [b, T]
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        output = model(tokens, position_ids, attention_mask=None)  # last stage: [b, T, V/tp]; else hidden
+        return output, partial(self._loss_on_logits, loss_fn, mb)
+
+    def _loss_on_logits(self, loss_fn: LossFn | None, mb: dict, logits_btv: torch.Tensor, non_loss_data=False):
+        logprobs_bt = token_logprobs(logits_btv, mb["tokens"], self.hf_cfg.vocab_size)  # [b, T-1]
+        if non_loss_data:
+            return logprobs_bt.detach()
+        loss, metrics = loss_fn(logprobs_bt, mb)
+        reported = {k: (v.detach().float().clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
+                    for k, v in metrics.items()}
+        reported["loss"] = loss.detach().float().clone()  # the schedule divides `loss` in place
+        return loss, reported
+
+    def _run(self, micro: list[dict], seq_length: int, loss_fn: LossFn | None, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn),
+            data_iterator=iter(micro),
+            model=self.model,
+            num_microbatches=len(micro),
+            seq_length=seq_length,
+            micro_batch_size=self.cfg.micro_batch_size,
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    def train_step(self, batch: dict, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on the global `batch`; returns averaged metrics, loss, grad_norm, lr."""
+        from megatron.core import parallel_state as ps
+
+        if batch["tokens"].shape[0] != self.cfg.global_batch_size:
+            raise ValueError(f"batch has {batch['tokens'].shape[0]} sequences, "
+                             f"learner.global_batch_size is {self.cfg.global_batch_size}")
+        micro = self._local_micro_batches(batch)
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(micro, batch["tokens"].shape[1], loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=self.cfg.global_batch_size)
+        self.step += 1
+        metrics = self._reduce_metrics(outputs if ps.is_pipeline_last_stage() else None)
+        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                       lr=self.optimizer.param_groups[0]["lr"], update_successful=float(bool(ok)))
+        return metrics
+
+    def _reduce_metrics(self, outputs: list[dict] | None) -> dict[str, float]:
+        """Average over micro-batches and DP on the last stage, then share with every PP stage."""
+        from megatron.core import parallel_state as ps
+
+        payload = [None]
+        if outputs is not None:
+            keys = sorted(outputs[0])
+            stacked = torch.stack([torch.stack([o[k].reshape(()) for o in outputs]).mean() for k in keys])
+            dist.all_reduce(stacked, group=ps.get_data_parallel_group())
+            payload = [dict(zip(keys, (stacked / self.dp).tolist()))]
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            src = ps.get_pipeline_model_parallel_last_rank()
+            dist.broadcast_object_list(payload, src=src, group=ps.get_pipeline_model_parallel_group())
+        return payload[0]
+
+    @torch.no_grad()
+    def forward_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) for a global [B, T] batch -> [B, T-1] on every rank."""
+        from megatron.core import parallel_state as ps
+
+        micro = self._local_micro_batches({"tokens": tokens_bt})
+        for chunk in self.model:
+            chunk.eval()
+        outputs = self._run(micro, tokens_bt.shape[1], None, forward_only=True)
+        b, t = tokens_bt.shape
+        local = torch.empty(b // self.dp, t - 1, dtype=torch.float32, device=self.platform.device)
+        if ps.is_pipeline_last_stage():
+            local = torch.cat(list(outputs)).float()  # [B/dp, T-1]
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(local, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        gathered = [torch.empty_like(local) for _ in range(self.dp)]
+        dist.all_gather(gathered, local, group=ps.get_data_parallel_group())
+        return torch.cat(gathered).cpu()  # [B, T-1]
+
+    def state_dict(self) -> dict:
+        """This rank's model shard, optimizer and scheduler state (plain torch.save-able)."""
+        return {"model": self.model[0].module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "step": self.step}
+
+    # The distributed optimizer's default format (flattened model-space ranges) is rejected by
+    # dist_checkpointing 0.16; "fully_reshardable" stores canonical per-parameter state instead,
+    # which also loads at another TP/PP/DP.
+    OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+    def sharded_state_dict(self, is_loading: bool = False) -> dict:
+        """Megatron dist_checkpointing form (save at one layout, load at another)."""
+        model_sd = self.model[0].module.sharded_state_dict()
+        if self.cfg.use_distributed_optimizer:
+            optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                         metadata=self.OPTIMIZER_CKPT_METADATA)
+        else:
+            optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        return {"model": model_sd, "optimizer": optim_sd,
+                "scheduler": self.scheduler.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model[0].module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+
+    def close(self) -> None:
+        """Release the parallel state if this learner created it."""
+        if self._owns_parallel:
+            destroy_parallel()
+            self._owns_parallel = False

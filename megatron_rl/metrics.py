@@ -1,0 +1,166 @@
+"""One metrics logger that fans out to TensorBoard and a JSONL file.
+
+    with MetricsLogger("runs/exp1/metrics") as log:
+        log.log(step, {"learn/loss": 0.3, "queue/depth": 12, **percentiles(lat_s, "latency/rollout_s")})
+
+Keys are grouped by panel prefix: learn/, numerics/, system/, latency/, queue/ (plus eval/
+for held-out evaluation).  A key without a known prefix is a ValueError naming it, raised
+before anything is written.  Values must be real numbers (bools, ints, floats, 0-d
+tensors/arrays).
+
+Sinks fail independently: a sink that raises (disk full, closed file) is logged as a warning
+and the others still receive the step, so a failing monitor never stops training.
+
+Files: `<log_dir>/metrics.jsonl` (one {"step", "time", ...metrics} object per line) and
+TensorBoard event files in `<log_dir>/tb/`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+logger = logging.getLogger(__name__)
+
+PANELS = ("learn", "numerics", "system", "latency", "queue", "eval")
+
+
+class Sink(Protocol):
+    name: str
+
+    def write(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    name = "jsonl"
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = self.path.open("a", encoding="utf-8")
+
+    def write(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        self._fh.write(json.dumps({"step": step, "time": wall_time, **scalars}) + "\n")
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class TensorBoardSink:
+    name = "tensorboard"
+
+    def __init__(self, log_dir: str | Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
+
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, global_step=step, walltime=wall_time)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def check_key(key: str) -> None:
+    panel, sep, rest = key.partition("/")
+    if not sep or panel not in PANELS or not rest:
+        raise ValueError(f"metric key {key!r} needs a panel prefix, one of {[p + '/' for p in PANELS]}, and a name")
+
+
+def _to_float(key: str, value: Any) -> float:
+    if not isinstance(value, numbers.Real) and hasattr(value, "item"):  # 1-element tensor / array
+        size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+        if size == 1:
+            value = value.item()
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise ValueError(f"metric {key!r}: value must be a real number, got {type(value).__name__} {str(value)[:80]}")
+
+
+class MetricsLogger:
+    """`log(step, {panel/key: number})` to every sink; sink failures are warned about, not raised."""
+
+    def __init__(self, log_dir: str | Path | None = None, *, tensorboard: bool = True, jsonl: bool = True,
+                 sinks: Iterable[Sink] = (), flush_every: int = 1) -> None:
+        self.sinks: list[Sink] = list(sinks)
+        if log_dir is not None:
+            log_dir = Path(log_dir)
+            if jsonl:
+                self.sinks.append(JsonlSink(log_dir / "metrics.jsonl"))
+            if tensorboard:
+                self.sinks.append(TensorBoardSink(log_dir / "tb"))
+        self.flush_every = max(1, flush_every)
+        self.failures: dict[str, int] = {}
+        self._writes = 0
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Validate every key/value first (ValueError names the bad one), then write to all sinks."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        scalars: dict[str, float] = {}
+        for key, value in metrics.items():
+            check_key(key)
+            scalars[key] = _to_float(key, value)
+        now = time.time()
+        self._writes += 1
+        flush = self._writes % self.flush_every == 0
+        for sink in self.sinks:
+            self._guard(sink, "write", sink.write, int(step), now, scalars)
+            if flush:
+                self._guard(sink, "flush", sink.flush)
+
+    def _guard(self, sink: Sink, what: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as err:  # a broken monitor must never stop training
+            count = self.failures.get(sink.name, 0) + 1
+            self.failures[sink.name] = count
+            if count == 1 or count % 100 == 0:
+                logger.warning("metrics sink %s failed to %s (%d failures so far): %s", sink.name, what, count, err)
+
+    def flush(self) -> None:
+        for sink in self.sinks:
+            self._guard(sink, "flush", sink.flush)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            self._guard(sink, "close", sink.close)
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def percentiles(values: Sequence[float], prefix: str, qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:
+    """{f"{prefix}/p50": ..} with linear interpolation between order statistics; {} for no values."""
+    for q in qs:
+        if not 0 <= q <= 100:
+            raise ValueError(f"percentile {q} is outside [0, 100]")
+    data = sorted(float(v) for v in values)
+    if not data:
+        return {}
+    out = {}
+    for q in qs:
+        pos = (len(data) - 1) * q / 100.0
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(data) - 1)
+        out[f"{prefix}/p{q:g}"] = data[lo] + (data[hi] - data[lo]) * (pos - lo)
+    return out

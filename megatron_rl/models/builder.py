@@ -1,0 +1,110 @@
+"""Build a Megatron-Core GPTModel (this process's pipeline stage) from an HFModelConfig.
+
+    platform = detect_platform()
+    with parallel_scope(tp=2, pp=2):
+        model = build_gpt_model(cfg, platform=platform, tp=2, pp=2)
+        logits = model(tokens, position_ids, attention_mask=None)   # [B, T, V_padded / tp]
+
+The mapping of Llama / Qwen2 semantics onto Megatron switches:
+  SwiGLU MLP          -> gated_linear_unit=True, activation_func=silu, no bias_activation_fusion
+  RMSNorm             -> normalization="RMSNorm", layernorm_epsilon=rms_norm_eps
+  GQA                 -> num_query_groups=num_kv_heads, kv_channels=head_dim
+  no linear biases    -> add_bias_linear=False; Qwen2's q/k/v bias -> add_qkv_bias=True
+  RoPE (half-rotation)-> position_embedding_type="rope", rotary_base=rope_theta, not interleaved
+  tied embeddings     -> share_embeddings_and_output_weights=tie_word_embeddings
+Dropout is off: RL post-training compares logprobs of the same policy across engines.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.models.hf_config import HFModelConfig, check_parallel_layout, padded_vocab_size
+from megatron_rl.platform import Platform, layer_spec
+
+logger = logging.getLogger(__name__)
+
+
+def build_transformer_config(cfg: HFModelConfig, *, tp: int, pp: int, platform: Platform, **overrides):
+    """Megatron TransformerConfig for `cfg` at TP=tp, PP=pp on `platform`.
+
+    `overrides` set further TransformerConfig fields (e.g. recompute_granularity) verbatim.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    check_parallel_layout(cfg, tp, pp)
+    dtype = platform.dtype
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_heads,
+        num_query_groups=cfg.num_kv_heads,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        attention_softmax_in_fp32=True,
+        # Fusions need apex/TE kernels; on CPU they do not exist.
+        bias_activation_fusion=not platform.is_cpu and platform.use_te,
+        masked_softmax_fusion=False,  # needs Megatron's compiled softmax kernels; TE has its own
+        bias_dropout_fusion=not platform.is_cpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=platform.is_cpu,
+        init_method_std=float(cfg.raw.get("initializer_range", 0.02)),
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(cfg: HFModelConfig, *, platform: Platform, tp: int, pp: int, parallel_output: bool = True,
+                    config=None, **config_overrides):
+    """GPTModel holding this rank's TP shard of this rank's pipeline stage (parallel state must be up).
+
+    parallel_output=True keeps logits vocab-parallel ([B, T, V_padded/tp]) for TP-aware losses.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("build_gpt_model needs Megatron parallel state: use parallel_scope(tp, pp)")
+    if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
+        raise ValueError(
+            f"build_gpt_model(tp={tp}, pp={pp}) but parallel state is tp="
+            f"{ps.get_tensor_model_parallel_world_size()}, pp={ps.get_pipeline_model_parallel_world_size()}"
+        )
+    config = config or build_transformer_config(cfg, tp=tp, pp=pp, platform=platform, **config_overrides)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(platform, cfg),
+        vocab_size=padded_vocab_size(cfg.vocab_size, tp),
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=cfg.rope_theta,
+    )
+    if not platform.is_cpu:
+        model.to(platform.device)
+    logger.debug("built GPTModel stage %d/%d tp rank %d: %d params", ps.get_pipeline_model_parallel_rank(), pp,
+                 ps.get_tensor_model_parallel_rank(), sum(p.numel() for p in model.parameters()))
+    return model

@@ -1,0 +1,160 @@
+"""Read a HuggingFace config.json (Llama / Qwen2) into the few numbers the learner needs.
+
+    cfg = load_hf_config("path/to/model_dir")        # or the config.json path, or a dict
+    cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias      # GQA layout, Qwen2's q/k/v bias
+    padded_vocab_size(cfg.vocab_size, tp=2)          # Megatron pads the embedding table
+    check_parallel_layout(cfg, tp=2, pp=2)           # ValueError naming what does not divide
+
+Anything the Megatron builder does not implement (rope scaling, sliding windows, biases other
+than Qwen2's q/k/v, activations other than SiLU) is refused here with the field named, rather
+than built into a model whose logits silently differ from the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModelConfig:
+    """The architecture of a Llama-family decoder, as read from config.json."""
+
+    arch: str
+    """"llama" or "qwen2"."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    """Key/value heads (GQA); equals num_heads for plain multi-head attention."""
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    """Bias on the q/k/v projections (Qwen2); no other linear layer has a bias."""
+    max_position_embeddings: int
+    torch_dtype: str
+    """dtype the checkpoint was saved in ("float32", "bfloat16", ...)."""
+    raw: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """The config.json contents, untouched."""
+
+
+def _read(source: str | Path | dict) -> tuple[dict, str]:
+    if isinstance(source, dict):
+        return source, "<dict>"
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"HF config not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
+    return data, str(path)
+
+
+def _arch(data: dict, where: str) -> str:
+    archs = data.get("architectures")
+    if archs:
+        if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+            raise ValueError(f"{where}: unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")
+        return ARCHITECTURES[archs[0]]
+    model_type = data.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{where}: unsupported model_type {model_type!r} (no 'architectures'); supported: {sorted(MODEL_TYPES)}")
+    return MODEL_TYPES[model_type]
+
+
+def _rope_theta(data: dict, where: str) -> float:
+    """rope_theta from transformers 5 `rope_parameters` or the older top-level fields."""
+    params = data.get("rope_parameters")
+    if params is None:
+        params = dict(data.get("rope_scaling") or {})
+        params.setdefault("rope_theta", data.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{where}: rope scaling {rope_type!r} is not implemented (only plain RoPE)")
+    return float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+
+
+def _need(data: dict, key: str, where: str) -> Any:
+    if data.get(key) is None:
+        raise ValueError(f"{where}: missing field {key!r}")
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{where}: field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def load_hf_config(source: str | Path | dict) -> HFModelConfig:
+    """Parse a model directory, a config.json path, or an already-loaded dict."""
+    data, where = _read(source)
+    arch = _arch(data, where)
+    act = data.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{where}: hidden_act {act!r} is not supported (only 'silu' / SwiGLU)")
+    if data.get("mlp_bias"):
+        raise ValueError(f"{where}: mlp_bias=true is not supported")
+    if arch == "llama" and data.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias=true is not supported for llama (o_proj bias)")
+    if data.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window=true is not supported")
+    hidden = _need(data, "hidden_size", where)
+    heads = _need(data, "num_attention_heads", where)
+    kv_heads = data.get("num_key_value_heads") or heads
+    head_dim = data.get("head_dim") or hidden // heads
+    if data.get("head_dim") is None and hidden % heads:
+        raise ValueError(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+    if heads % kv_heads:
+        raise ValueError(f"{where}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}")
+    return HFModelConfig(
+        arch=arch,
+        vocab_size=_need(data, "vocab_size", where),
+        hidden_size=hidden,
+        intermediate_size=_need(data, "intermediate_size", where),
+        num_layers=_need(data, "num_hidden_layers", where),
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        rope_theta=_rope_theta(data, where),
+        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2",
+        max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
+        torch_dtype=str(data.get("torch_dtype") or data.get("dtype") or "float32"),
+        raw=data,
+    )
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Round vocab_size up to a multiple of multiple*tp (Megatron's make_vocab_size_divisible_by)."""
+    if vocab_size < 1 or tp < 1 or multiple < 1:
+        raise ValueError(f"vocab_size, tp and multiple must be positive, got {vocab_size}, {tp}, {multiple}")
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+def check_parallel_layout(cfg: HFModelConfig, tp: int, pp: int, dp: int = 1) -> None:
+    """Raise ValueError naming the number that a TP/PP/DP layout does not divide."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if cfg.num_heads % tp:
+        raise ValueError(f"num_heads {cfg.num_heads} is not divisible by tensor parallel size {tp}")
+    if cfg.num_kv_heads % tp:
+        raise ValueError(f"num_kv_heads {cfg.num_kv_heads} is not divisible by tensor parallel size {tp}")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"intermediate_size {cfg.intermediate_size} is not divisible by tensor parallel size {tp}")
+    if cfg.num_layers % pp:
+        raise ValueError(f"num_layers {cfg.num_layers} is not divisible by pipeline parallel size {pp}")

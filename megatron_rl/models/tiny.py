@@ -1,0 +1,172 @@
+"""Make small random Hugging Face checkpoints locally, with no network.
+
+    megatron-rl make-tiny-model --arch llama --out /tmp/tiny
+    megatron-rl make-tiny-model --arch qwen2 --size medium --out /tmp/medium --seed 3
+
+    from megatron_rl.models.tiny import make_tiny_model
+    path = make_tiny_model(tmp_path / "m", arch="qwen2", size="tiny", seed=0)
+
+The directory holds exactly what `AutoModelForCausalLM`, `AutoTokenizer` and vLLM load:
+config.json (LlamaForCausalLM or Qwen2ForCausalLM; qwen2 has QKV bias; GQA; rope_theta),
+model.safetensors (random init built by transformers' own classes, deterministic by seed),
+generation_config.json and a character-level tokenizer (see `megatron_rl.models.tokenizer`).
+
+Vocabulary: the tokenizer has ~100 tokens (printable ASCII + specials).  The model's
+embedding is padded to `vocab_size` rows (default 128, a multiple of 64 as Megatron pads);
+rows past the tokenizer are never produced by it.  The bigger presets grow in width and
+depth only, so their parameter counts come from the transformer blocks, not the embedding.
+Pass `vocab_size` / `--vocab-size` for a wider embedding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_rl.models.tokenizer import build_tokenizer, tokenizer_hash
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SIZES", "ARCHS", "make_tiny_model", "tokenizer_hash", "register"]
+
+ARCHS = ("llama", "qwen2")
+DEFAULT_VOCAB_SIZE = 128
+
+
+@dataclass(frozen=True)
+class SizePreset:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    max_positions: int
+
+
+# Head dim is hidden/heads; vLLM's CPU attention needs it in {32, 64, 80, 96, 128, ...}.
+SIZES = {
+    "tiny": SizePreset(hidden=128, layers=2, heads=4, kv_heads=2, ffn=352, max_positions=1024),  # ~0.4M
+    "small": SizePreset(hidden=512, layers=8, heads=8, kv_heads=4, ffn=1408, max_positions=2048),  # ~24M
+    "medium": SizePreset(hidden=1024, layers=24, heads=16, kv_heads=8, ffn=2816, max_positions=2048),  # ~283M
+}
+
+
+def build_config(arch: str, size: str, *, tie_embeddings: bool = False, vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """The transformers config object for (arch, size); ids match the char tokenizer."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch {arch!r} is not one of {list(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"size {size!r} is not one of {list(SIZES)}")
+    tok_len = len(build_tokenizer())
+    if vocab_size < tok_len:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {tok_len} tokens")
+    p = SIZES[size]
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=p.hidden,
+        intermediate_size=p.ffn,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.kv_heads,
+        head_dim=p.hidden // p.heads,
+        max_position_embeddings=p.max_positions,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie_embeddings,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        # Wider than HF's 0.02 so the random model's next-token distributions are not flat.
+        initializer_range=0.1,
+        dtype="float32",
+    )
+    if arch == "llama":
+        return LlamaConfig(attention_bias=False, **common)
+    # Qwen2 always has a bias on q/k/v projections (not on o_proj).
+    return Qwen2Config(use_sliding_window=False, **common)
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    tie_embeddings: bool = False,
+    force: bool = False,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+) -> Path:
+    """Write a random HF checkpoint + char tokenizer to `out_dir`; returns the path.
+
+    Refuses an existing non-empty `out_dir` unless `force`.  Files are written to a
+    temporary sibling directory and renamed into place, so a crash leaves no half model.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise FileExistsError(f"output directory {out} exists and is not empty (use --force to replace it)")
+    config = build_config(arch, size, tie_embeddings=tie_embeddings, vocab_size=vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(tmp, safe_serialization=True)
+        GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, do_sample=True).save_pretrained(tmp)
+        build_tokenizer().save_pretrained(tmp)
+        _write_special_tokens_map(tmp)
+        n_params = sum(t.numel() for t in model.parameters())
+        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is shared read-only
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote %s %s model (%.2fM params, seed %d) to %s", arch, size, n_params / 1e6, seed, out)
+    return out
+
+
+def _write_special_tokens_map(path: Path) -> None:
+    """transformers 5 no longer writes special_tokens_map.json; older loaders still read it."""
+    import json
+
+    target = path / "special_tokens_map.json"
+    if not target.exists():
+        target.write_text(json.dumps({"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=2))
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    path = make_tiny_model(
+        args.out,
+        arch=args.arch,
+        size=args.size,
+        seed=args.seed,
+        tie_embeddings=args.tie_embeddings,
+        force=args.force,
+        vocab_size=args.vocab_size,
+    )
+    print(f"{path}  tokenizer sha256 {tokenizer_hash(path)}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("make-tiny-model", help="write a small random HF checkpoint + char tokenizer (no network)")
+    p.add_argument("--arch", choices=ARCHS, default="llama")
+    p.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --force)")
+    p.add_argument("--size", choices=list(SIZES), default="tiny", help="tiny ~0.4M, small ~24M, medium ~283M params")
+    p.add_argument("--seed", type=int, default=0, help="init seed; same seed -> identical weights")
+    p.add_argument("--tie-embeddings", action="store_true", help="share input embedding and LM head")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="embedding rows (>= tokenizer size)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    p.set_defaults(func=_cmd)

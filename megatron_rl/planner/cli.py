@@ -1,0 +1,80 @@
+"""`megatron-rl plan`: the capacity planner's memory ledger for a training config.
+
+    megatron-rl plan --config configs/qwen2_7b_8gpu_colocated.yaml [--json]
+
+Prints, per role and per GPU, every item of the ledger (see ledger.py for the formulas), then
+compares colocated and disaggregated placements with a fits / does-not-fit verdict naming the
+largest item.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from megatron_rl.planner.ledger import (
+    GIB, LearnerLayout, ModelDims, RolloutLayout, as_dict, compare_placements, learner_ledger, rollout_ledger,
+)
+
+
+def plan_for_config(cfg) -> dict:
+    from megatron_rl.train.plan import model_config
+
+    hf = model_config(cfg)
+    model = ModelDims(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+                      num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads,
+                      head_dim=hf.head_dim, tie_word_embeddings=hf.tie_word_embeddings)
+    lc, rc = cfg.learner, cfg.rollout
+    dtype = lc.dtype or "bf16"
+    lay = LearnerLayout(
+        tp=lc.tensor_model_parallel_size, pp=lc.pipeline_model_parallel_size, dp=cfg.run.learner_data_parallel_size,
+        dtype=dtype, use_distributed_optimizer=lc.use_distributed_optimizer, micro_batch_size=lc.micro_batch_size,
+        seq_length=rc.max_model_len, activation_checkpointing=lc.recompute_activations,
+        reference_model=cfg.loss.kl_coef > 0)
+    max_seqs = int(rc.engine_options.get("max_num_seqs", cfg.samples_per_step // cfg.run.rollout_groups or 1))
+    roll = RolloutLayout(tp=rc.tensor_parallel_size, groups=cfg.run.rollout_groups,
+                         dtype="fp32" if rc.dtype == "float32" else "bf16",
+                         max_num_seqs=max_seqs, max_model_len=rc.max_model_len)
+    reserve = cfg.cluster.reserve_fraction
+    led, rled = learner_ledger(model, lay, reserve), rollout_ledger(model, roll, reserve)
+    verdicts = compare_placements(led, rled, lay, roll, cfg.cluster.gpu_memory_gib, cfg.cluster.gpus)
+    return {
+        "model_params": model.num_params,
+        "gpu_memory_gib": cfg.cluster.gpu_memory_gib,
+        "learner_gib_per_gpu": {k: v / GIB for k, v in led.items.items()} | {"total": led.total / GIB},
+        "rollout_gib_per_gpu": {k: v / GIB for k, v in rled.items.items()} | {"total": rled.total / GIB},
+        "placements": [as_dict(v) | {"peak_gib_per_gpu": v.peak_bytes_per_gpu / GIB} for v in verdicts],
+        "configured_placement": cfg.run.placement,
+    }
+
+
+def render(plan: dict) -> str:
+    lines = [f"model: {plan['model_params'] / 1e9:.3f} B parameters; GPU memory {plan['gpu_memory_gib']:.0f} GiB"]
+    for role in ("learner", "rollout"):
+        items = plan[f"{role}_gib_per_gpu"]
+        lines.append(f"{role} per GPU:")
+        lines += [f"  {k:<18} {v:10.2f} GiB" for k, v in items.items()]
+    lines.append("placements:")
+    for v in plan["placements"]:
+        mark = "fits" if v["fits"] else "DOES NOT FIT"
+        chosen = " (configured)" if v["placement"] == plan["configured_placement"] else ""
+        lines.append(f"  {v['placement']:<14}{chosen} {v['gpus_needed']} GPUs, peak {v['peak_gib_per_gpu']:.2f} GiB/GPU: "
+                     f"{mark}; largest item {v['largest_item']} ({v['note']})")
+    return "\n".join(lines)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from megatron_rl.train.config import load_train_config
+
+    plan = plan_for_config(load_train_config(args.config, args.overrides))
+    print(json.dumps(plan) if args.json else render(plan))
+    chosen = next(v for v in plan["placements"] if v["placement"] == plan["configured_placement"])
+    return 0 if chosen["fits"] else 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="memory ledger per role and GPU; colocated vs disaggregated verdicts")
+    p.add_argument("--config", required=True)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.set_defaults(func=_cmd)

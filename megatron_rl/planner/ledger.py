@@ -1,0 +1,214 @@
+"""Capacity planner: a per-GPU memory ledger for learner and rollout roles, before submitting.
+
+    megatron-rl plan --config configs/qwen2_7b_8gpu_colocated.yaml [--json]
+
+Every number is a closed-form estimate, documented next to its formula, in bytes:
+
+  learner (per GPU, model sharded over TP x PP, optimizer state over DP when distributed):
+    weights      = P_stage x bytes(dtype)                       P_stage = P / (TP x PP)
+    grads        = P_stage x bytes(grad)       (Megatron DDP grad buffer; fp32 when grad_reduce_in_fp32)
+    master       = P_stage x 4 / DP_opt        (fp32 copy of bf16 params; 0 in fp32 training)
+    optimizer    = P_stage x 8 / DP_opt        (Adam m and v in fp32)
+        -> 16 bytes/param in fp32 training, 18 in bf16 with fp32 grads, unsharded (the 12-20 range)
+    reference    = P_stage x bytes(dtype)      (frozen reference model for the KL term, if used)
+    activations  = L_stage x n_inflight x s x b x h x (10 + 24/TP) bytes, with flash attention
+                   (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 2 without the
+                   softmax term); with full activation checkpointing only the layer inputs are kept:
+                   L_stage x n_inflight x 2 s b h  +  one layer's full activations.
+                   n_inflight = PP for the first 1F1B stage (it holds PP micro-batches), 1 otherwise.
+    logits       = b x s x V / TP x 4 x 2       (fp32 logits and their gradient on the last stage)
+    comm buffers = 2 x bucket x bytes(grad)     (double-buffered DDP buckets)
+  rollout (per GPU of one vLLM group with tensor parallel TP_r):
+    weights      = P / TP_r x bytes(dtype)
+    kv cache     = M_KV = 2 x B x L x H_kv x d x T x bytes(dtype) / TP_r
+    runtime      = a fixed allowance for CUDA context, graphs and sampler workspaces
+  reserve        = reserve_fraction x (sum of the above)   (fragmentation, allocator caches)
+
+Placement: disaggregated learners and rollout groups each need their own GPUs to fit;
+colocated roles take turns on the same GPUs, and with vLLM's sleep mode (weights and KV cache
+released between rollouts) the peak is max(learner, rollout), without it their sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+GIB = 1024**3
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDims:
+    """The few model numbers memory depends on (read from an HF config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+
+    @property
+    def num_params(self) -> int:
+        """Exact parameter count of a Llama/Qwen2 decoder (biases ignored: < 0.01%)."""
+        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
+        mlp = 3 * h * f
+        norms = 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + norms) + embed + h
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerLayout:
+    """How the learner is parallelised and what one micro-batch holds."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    dtype: str = "bf16"
+    grad_reduce_in_fp32: bool = True
+    use_distributed_optimizer: bool = True
+    micro_batch_size: int = 1
+    seq_length: int = 1024
+    activation_checkpointing: bool = False
+    reference_model: bool = True
+    ddp_bucket_params: int = 40_000_000
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutLayout:
+    """One vLLM group: its tensor parallel size and the batch it keeps resident."""
+
+    tp: int = 1
+    groups: int = 1
+    dtype: str = "bf16"
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    runtime_gib: float = 2.0
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ledger:
+    """Bytes per GPU by item, for one role."""
+
+    role: str
+    items: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.items.values())
+
+    def largest(self) -> str:
+        return max(self.items, key=self.items.get)
+
+
+def _bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float) -> Ledger:
+    """Per-GPU memory of the most loaded learner rank (first pipeline stage, last for logits)."""
+    p_stage = model.num_params / (lay.tp * lay.pp)
+    w = _bytes(lay.dtype)
+    grad_b = 4 if (lay.grad_reduce_in_fp32 or lay.dtype == "fp32") else w
+    dp_opt = lay.dp if lay.use_distributed_optimizer else 1
+    layers_stage = model.num_layers / lay.pp
+    s, b, h = lay.seq_length, lay.micro_batch_size, model.hidden_size
+    inflight = lay.pp  # first stage of 1F1B holds pp micro-batches
+    full_layer = s * b * h * (10 + 24 / lay.tp)
+    if lay.activation_checkpointing:
+        act = layers_stage * inflight * 2 * s * b * h + full_layer
+    else:
+        act = layers_stage * inflight * full_layer
+    items = {
+        "weights": p_stage * w,
+        "grads": p_stage * grad_b,
+        "master_weights": 0.0 if lay.dtype == "fp32" else p_stage * 4 / dp_opt,
+        "optimizer_states": p_stage * 8 / dp_opt,
+        "reference_model": p_stage * w if lay.reference_model else 0.0,
+        "activations": act,
+        "logits": b * s * model.vocab_size / lay.tp * 4 * 2,
+        "comm_buffers": 2 * lay.ddp_bucket_params * grad_b,
+    }
+    items["reserve"] = reserve_fraction * sum(items.values())
+    return Ledger(role="learner", items=items)
+
+
+def kv_cache_bytes(model: ModelDims, roll: RolloutLayout) -> float:
+    """M_KV = 2 (K and V) x B x L x H_kv x d x T x bytes, split over the group's TP ranks."""
+    return (
+        2 * roll.max_num_seqs * model.num_layers * model.num_kv_heads * model.head_dim
+        * roll.max_model_len * _bytes(roll.dtype) / roll.tp
+    )
+
+
+def rollout_ledger(model: ModelDims, roll: RolloutLayout, reserve_fraction: float) -> Ledger:
+    items = {
+        "weights": model.num_params / roll.tp * _bytes(roll.dtype),
+        "kv_cache": kv_cache_bytes(model, roll),
+        "runtime": roll.runtime_gib * GIB,
+    }
+    items["reserve"] = reserve_fraction * sum(items.values())
+    return Ledger(role="rollout", items=items)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementVerdict:
+    placement: str
+    gpus_needed: int
+    peak_bytes_per_gpu: float
+    fits: bool
+    largest_item: str
+    note: str
+
+
+def compare_placements(
+    learner: Ledger, rollout: Ledger, lay: LearnerLayout, roll: RolloutLayout,
+    gpu_memory_gib: float, gpus_available: int, sleep_mode: bool = True,
+) -> list[PlacementVerdict]:
+    """Colocated (roles take turns on the same GPUs) vs disaggregated (separate GPUs)."""
+    cap = gpu_memory_gib * GIB
+    out = []
+    # Disaggregated: each role on its own GPUs.
+    dis_gpus = lay.gpus + roll.gpus
+    worst = learner if learner.total >= rollout.total else rollout
+    out.append(PlacementVerdict(
+        placement="disaggregated", gpus_needed=dis_gpus, peak_bytes_per_gpu=worst.total,
+        fits=learner.total <= cap and rollout.total <= cap and dis_gpus <= gpus_available,
+        largest_item=f"{worst.role}/{worst.largest()}",
+        note=f"{lay.gpus} learner + {roll.gpus} rollout GPUs",
+    ))
+    # Colocated: the same GPUs run both; sleep mode frees vLLM's weights and KV between turns.
+    col_gpus = max(lay.gpus, roll.gpus)
+    peak = max(learner.total, rollout.total) if sleep_mode else learner.total + rollout.total
+    if sleep_mode:
+        big = worst
+        largest = f"{big.role}/{big.largest()}"
+    else:
+        merged = {f"learner/{k}": v for k, v in learner.items.items()}
+        merged.update({f"rollout/{k}": v for k, v in rollout.items.items()})
+        largest = max(merged, key=merged.get)
+    out.append(PlacementVerdict(
+        placement="colocated", gpus_needed=col_gpus, peak_bytes_per_gpu=peak,
+        fits=peak <= cap and col_gpus <= gpus_available, largest_item=largest,
+        note="vLLM sleeps between rollouts (peak = max)" if sleep_mode else "no sleep mode (peak = sum)",
+    ))
+    return out
+
+
+def as_dict(obj) -> dict:
+    return dataclasses.asdict(obj)

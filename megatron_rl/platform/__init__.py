@@ -1,0 +1,97 @@
+"""Where the learner runs: device, collective backend, dtype and Transformer Engine use.
+
+    from megatron_rl.platform import detect_platform, layer_spec
+    platform = detect_platform()            # cuda/nccl/bf16 (+TE) on GPUs, cpu/gloo/fp32 here
+    platform = detect_platform("cpu")       # force the CPU path (tests, debugging)
+    spec = layer_spec(platform, hf_cfg)     # Megatron ModuleSpec of one transformer layer
+
+Everything that differs between the GPU and the CPU path is decided here once, so the model
+builder, the learner and the tests never test `torch.cuda.is_available()` themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """The device the learner computes on and how its processes talk."""
+
+    device: torch.device
+    """cuda (the local rank's GPU) or cpu."""
+    backend: str
+    """torch.distributed backend: "nccl" on GPUs, "gloo" on CPU."""
+    dtype: torch.dtype
+    """Parameter / compute dtype of the model."""
+    use_te: bool
+    """Build layers from Transformer Engine modules (GPU only)."""
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    @property
+    def dtype_name(self) -> str:
+        return next(name for name, dt in DTYPES.items() if dt == self.dtype)
+
+
+def _te_available() -> bool:
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as err:
+        logger.warning("transformer_engine is installed but does not import (%s); using local layers", err)
+        return False
+    return True
+
+
+def detect_platform(device: str | None = None, dtype: str | None = None) -> Platform:
+    """Pick cuda/nccl/bf16/TE when a GPU is visible, else cpu/gloo/fp32.
+
+    device: None (auto), "cpu" or "cuda".  dtype: None (platform default), "fp32", "bf16", "fp16".
+    """
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("device='cuda' requested but torch.cuda.is_available() is False")
+    if use_cuda:
+        index = torch.cuda.current_device()
+        return Platform(
+            device=torch.device("cuda", index),
+            backend="nccl",
+            dtype=DTYPES[dtype or "bf16"],
+            use_te=_te_available(),
+        )
+    return Platform(device=torch.device("cpu"), backend="gloo", dtype=DTYPES[dtype or "fp32"], use_te=False)
+
+
+def layer_spec(platform: Platform, hf_cfg=None):
+    """Megatron ModuleSpec of one GPT layer for `platform`: TE modules on GPUs, local ones on CPU.
+
+    Llama and Qwen2 use RMSNorm before attention and MLP and no query/key norm, so both specs are
+    asked for qk_layernorm=False; the local spec is told RMSNorm explicitly (the TE spec reads
+    `config.normalization` at build time).  `hf_cfg` (an HFModelConfig) is accepted so future
+    architectures (e.g. Qwen3's qk-norm) can switch here.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    qk_layernorm = bool(getattr(hf_cfg, "qk_layernorm", False))
+    if platform.use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")

@@ -1,0 +1,113 @@
+"""Process group and Megatron parallel-state lifecycle.
+
+    platform = detect_platform()
+    init_distributed(platform)                    # env RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+    with parallel_scope(tp=2, pp=1, seed=1234):   # Megatron groups + model-parallel RNG
+        model = build_gpt_model(...)
+    # groups destroyed here; another layout may follow in the same processes
+
+The CPU path enables `cpu_compat` first, so the same calls work on gloo without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.platform import Platform
+
+logger = logging.getLogger(__name__)
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(f"environment variable {name} is not set (needed for init_distributed)")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(
+    platform: Platform, rank: int | None = None, world_size: int | None = None, timeout_s: float = 600
+) -> None:
+    """Initialise torch.distributed on `platform.backend` (no-op when already initialised).
+
+    rank / world_size default to env RANK / WORLD_SIZE; MASTER_ADDR / MASTER_PORT come from the
+    environment (env:// rendezvous).
+    """
+    if platform.is_cpu:
+        from megatron_rl.platform.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat()
+    if dist.is_initialized():
+        return
+    rank = _env_int("RANK") if rank is None else rank
+    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise ValueError(f"environment variable {name} is not set (needed for init_distributed)")
+    if platform.device.type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend=platform.backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    logger.info("torch.distributed up: rank %d/%d on %s", rank, world_size, platform.backend)
+
+
+def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+    """Create Megatron's TP/PP/DP groups and seed the model-parallel RNG tracker.
+
+    DP is world_size / (tp * pp).  Seeding matches Megatron's training scripts: python, torch
+    and the tracker get `seed + 100 * pp_rank` so pipeline stages draw different initial weights.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        raise RuntimeError("initialize_parallel needs torch.distributed; call init_distributed first")
+    world = dist.get_world_size()
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+    if ps.model_parallel_is_initialized():
+        raise RuntimeError("Megatron parallel state is already initialised; call destroy_parallel first")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and global buffers (torch.distributed itself stays up)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    ps.destroy_model_parallel()
+    mrandom.get_cuda_rng_tracker().reset()
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+    destroy_num_microbatches_calculator()
+
+
+@contextlib.contextmanager
+def parallel_scope(tp: int = 1, pp: int = 1, seed: int = 1234):
+    """initialize_parallel(tp, pp, seed) for the block; always destroy_parallel() afterwards."""
+    initialize_parallel(tp=tp, pp=pp, seed=seed)
+    try:
+        yield
+    finally:
+        destroy_parallel()

@@ -1,0 +1,117 @@
+"""Run a function on N CPU gloo processes and collect what each returns (tests, tools).
+
+    def work(rank, world_size, tp):
+        with parallel_scope(tp=tp):
+            return build_and_run(...)          # picklable; tensors come back on CPU
+    results = run_distributed(work, 4, 2)  # [rank0_result, ..., rank3_result]
+
+`fn` must be importable by the children (a module-level function), as with any spawn start.
+Each child gets a fresh free port, torch.distributed on gloo, the CPU compatibility layer, and
+one intra-op thread (the machine has few cores and several ranks share them).  A child's
+exception is re-raised in the parent as `DistributedChildError` carrying its traceback text.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedChildError(RuntimeError):
+    """A rank failed inside run_distributed; the message holds the child's traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _child(fn, rank: int, world_size: int, port: int, args: tuple, results, device: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+
+        from megatron_rl.platform import detect_platform
+        from megatron_rl.platform.parallel import init_distributed
+
+        init_distributed(detect_platform(device), rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        buf = io.BytesIO()
+        torch.save(_to_cpu(value), buf)  # bytes, not shared-memory tensors: the child may exit first
+        results.put((rank, True, buf.getvalue()))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # report everything (incl. SystemExit) to the parent, then exit non-zero
+        results.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300, device: str = "cpu") -> list:
+    """Spawn `world_size` ranks running fn(rank, world_size, *args); return their results.
+
+    device="cpu" (default): gloo + CPU compat.  device="cuda": NCCL, rank r on GPU r (GPU tests).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, device), daemon=True)
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and not any(i in collected for i, _ in dead):
+                    # give a failing child's report a moment to arrive before blaming the exit code
+                    time.sleep(1.0)
+                    if results.empty():
+                        raise DistributedChildError(f"rank {dead[0][0]} exited with code {dead[0][1]} without a report")
+                    continue
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(collected))
+                    raise TimeoutError(f"run_distributed({fn.__name__}) timed out after {timeout}s; ranks {missing} did not finish")
+                continue
+            if not ok:
+                raise DistributedChildError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{payload}")
+            collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        for proc in procs:
+            proc.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        results.close()
+    return [collected[r] for r in range(world_size)]

@@ -1,0 +1,158 @@
+"""vLLM weight-transfer backend "megatron_rl_gloo": receive checked publications on CPU.
+
+Loaded inside vLLM's worker processes, either by the general-plugin entry point
+
+    [vllm.general_plugins] megatron_rl_gloo = megatron_rl.publish.vllm_engine:register
+
+or by naming `PublicationWorkerExtension` as vLLM's `worker_extension_cls` (importing this
+module registers the backend; RolloutWorker does both).  Then, through the LLM object:
+
+    llm.init_weight_transfer_engine({"init_info": {"master_address": ..., "master_port": ...,
+                                                   "rank_offset": 1, "world_size": 3}})
+    llm.start_weight_update(); llm.update_weights({"update_info": {"version": 4}})
+    status = llm.collective_rpc("megatron_rl_publication_status")   # one dict per worker
+    if not all ok: llm.collective_rpc("megatron_rl_drop_publication")  # all-or-nothing
+    llm.finish_weight_update()      # commits only if this worker verified every bucket
+
+`update_weights` receives the whole publication (wire.receive_publication) into staging
+buffers and verifies every bucket; nothing touches the model yet.  `finish_weight_update`
+loads the staged tensors through vLLM's layerwise reload only when all of them verified;
+otherwise it drops them, and the model keeps serving the previous version.  A refusal is
+reported (bucket index and tensor names) through `megatron_rl_publication_status`, never
+raised inside the engine process, so the engine stays up.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_rl.publish.wire import ReceivedPublication, open_group, receive_publication
+
+log = logging.getLogger(__name__)
+
+BACKEND = "megatron_rl_gloo"
+
+
+def register() -> None:
+    """Register the gloo backend with vLLM's factory (idempotent: plugins load repeatedly)."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
+
+
+@dataclass
+class GlooInitInfo:
+    """Where the trainer's TCPStore listens and this engine's first rank in the group."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float = 600.0
+
+
+@dataclass
+class GlooUpdateInfo:
+    """The version the trainer is about to publish (the manifest itself comes on the wire)."""
+
+    version: int
+
+
+def _engine_base():
+    from vllm.distributed.weight_transfer import WeightTransferEngine
+
+    return WeightTransferEngine
+
+
+class GlooWeightTransferEngine(_engine_base()):
+    """Receives publications by gloo broadcast from the trainer (rank 0) and verifies them."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.rank = None
+        self.staged: ReceivedPublication | None = None
+        self.status: dict[str, Any] = {"version": None, "ok": None, "error": None, "bad_bucket": None}
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        pc = self.parallel_config
+        self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        log.info("joining publication group at %s:%d as rank %d of %d",
+                 init_info.master_address, init_info.master_port, self.rank, init_info.world_size)
+        self.group = open_group(
+            init_info.master_address, init_info.master_port, self.rank, init_info.world_size, init_info.timeout_s
+        )
+
+    def start_weight_update(self) -> None:
+        self.staged = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class would call torch.accelerator.synchronize(); nothing is async here.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer used before init_weight_transfer_engine")
+        got = receive_publication(self.group)
+        if got.ok and got.manifest.version != update_info.version:
+            got = ReceivedPublication(
+                got.manifest, error=f"manifest version {got.manifest.version} != announced {update_info.version}"
+            )
+        self.staged = got
+        self.status = {
+            "version": update_info.version,
+            "ok": got.ok,
+            "error": got.error,
+            "bad_bucket": got.bad_bucket,
+            "rank": self.rank,
+            "tensors": len(got.tensors),
+        }
+
+    def finish_weight_update(self) -> None:
+        staged, self.staged = self.staged, None
+        if staged is None or not staged.ok:
+            log.warning("publication not committed: %s", None if staged is None else staged.error)
+            self.status["committed"] = False
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(iter(staged.tensors))
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.status["committed"] = True
+
+    def shutdown(self) -> None:
+        self.group = None
+        self.staged = None
+
+
+class PublicationWorkerExtension:
+    """Mixed into vLLM's worker class (worker_extension_cls): status + equality debug hooks."""
+
+    def megatron_rl_publication_status(self) -> dict[str, Any]:
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(engine.status) if isinstance(engine, GlooWeightTransferEngine) else {}
+
+    def megatron_rl_drop_publication(self) -> None:
+        """Discard a staged publication (another worker of the group refused it)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, GlooWeightTransferEngine):
+            engine.staged = None
+
+    def megatron_rl_weight_checksum(self) -> float:
+        """Sum of all parameters of this worker's shard (a cheap equality probe for tests)."""
+        model = self.model_runner.get_model()
+        with torch.no_grad():
+            return float(sum(p.double().sum() for p in model.parameters()))
+
+
+register()

@@ -1,0 +1,221 @@
+"""Math answer verifier: final-answer extraction, exact comparison, reward components.
+
+    cfg = RewardConfig(extractors=["boxed", "answer_is", "last_number"], format_extractors=["boxed"])
+    score = score_response("... so the answer is \\boxed{3/4}.", "0.75", cfg)
+    score.reward, score.correctness, score.format, score.overlong, score.grader_version
+
+Extraction tries the configured extractors in order; the first that finds an answer wins:
+  boxed          the last \\boxed{...} (nested braces allowed)
+  answer_is      "answer: X" / "answer is X" (last occurrence)
+  leading_number a number at the very start of the response (built-in digit tasks)
+  last_number    the last number anywhere in the response
+
+Comparison: both sides are parsed as exact rationals with `fractions.Fraction` (integers,
+decimals, "a/b", \\frac{a}{b}, thousands separators), so "3/4" == "0.75" == "\\frac{3}{4}";
+when either side does not parse, a normalised string comparison decides (whitespace, "$",
+\\left/\\right, \\text{} removed).  No symbolic algebra (no sympy dependency).
+
+Reward (components are reported separately, so they can be logged apart):
+  correctness c ∈ {0, 1}: extracted answer equals the reference
+  format      f ∈ {0, 1}: the answer was found by one of `format_extractors`
+  overlong    o ∈ [-1, 0]: DAPO's soft overlong punishment (Yu et al. 2025, sec. 3.4) on the
+              response length L with limit L_max and buffer L_buf:
+              0 if L <= L_max - L_buf; (L_max - L_buf - L) / L_buf inside the buffer; -1 above.
+  reward = w_c c + w_f f + w_o o, or just c with `correctness_only=True` (control runs).
+
+Grading here is pure and in-process; the pool in megatron_rl.reward.pool runs it in worker
+processes with a timeout, which is where timeouts and crashes become error codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from fractions import Fraction
+from typing import Any
+
+GRADER_NAME = "math"
+GRADER_REVISION = 1
+EXTRACTORS = ("boxed", "answer_is", "leading_number", "last_number")
+
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+)?"
+_NUMBER_RE = re.compile(_NUMBER)
+_LEADING_RE = re.compile(r"\s*(" + _NUMBER + r")")
+_ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
+_FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RewardConfig:
+    extractors: list[str] = dataclasses.field(default_factory=lambda: ["boxed", "answer_is", "last_number"])
+    """Answer extractors tried in order (first hit wins); names from EXTRACTORS."""
+    format_extractors: list[str] = dataclasses.field(default_factory=lambda: ["boxed"])
+    """An answer found by one of these earns the format reward; must be a subset of `extractors`."""
+    correctness_weight: float = 1.0
+    """w_c, weight of the correctness component."""
+    format_weight: float = 0.1
+    """w_f, weight of the format component."""
+    overlong_limit: int | None = None
+    """L_max, response length (tokens) at which the overlong penalty reaches -1; None disables it."""
+    overlong_buffer: int = 0
+    """L_buf, length of the linear ramp below L_max (0 = hard step at L_max)."""
+    overlong_weight: float = 1.0
+    """w_o, weight of the overlong penalty."""
+    correctness_only: bool = False
+    """Control: reward = correctness alone (other components still reported)."""
+    timeout_s: float = 5.0
+    """Per-response grading timeout in the pool; a timed-out worker is killed and replaced."""
+    num_workers: int = 2
+    """Grader worker processes in the pool."""
+
+    def __post_init__(self) -> None:
+        for name in ("extractors", "format_extractors"):
+            for ex in getattr(self, name):
+                if ex not in EXTRACTORS:
+                    raise ValueError(f"{name}: unknown extractor {ex!r}; allowed: {list(EXTRACTORS)}")
+        if not self.extractors:
+            raise ValueError("extractors must name at least one extractor")
+        missing = [ex for ex in self.format_extractors if ex not in self.extractors]
+        if missing:
+            raise ValueError(f"format_extractors {missing} are not in extractors {self.extractors}")
+        if self.overlong_limit is not None:
+            if self.overlong_limit <= 0:
+                raise ValueError(f"overlong_limit must be > 0 or None, got {self.overlong_limit}")
+            if not 0 <= self.overlong_buffer < self.overlong_limit:
+                raise ValueError(f"overlong_buffer must be in [0, overlong_limit={self.overlong_limit}), got {self.overlong_buffer}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+
+    def grader_version(self) -> str:
+        """Name, revision and a hash of the scoring-relevant settings, e.g. 'math-1:3fa2c9d1'."""
+        scoring = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("timeout_s", "num_workers")}
+        digest = hashlib.sha256(json.dumps(scoring, sort_keys=True).encode()).hexdigest()[:8]
+        return f"{GRADER_NAME}-{GRADER_REVISION}:{digest}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Score:
+    """One graded response.  On error (`error` set) every value is None: never a zero reward."""
+
+    reward: float | None
+    correctness: float | None
+    format: float | None
+    overlong: float | None
+    error: str | None
+    grader_version: str
+    extracted: str | None = None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def failed(cls, error: str, grader_version: str, detail: str = "") -> "Score":
+        return cls(reward=None, correctness=None, format=None, overlong=None, error=error,
+                   grader_version=grader_version, detail=detail)
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j].strip()
+    return None
+
+
+def extract_answer(response: str, extractors: list[str] | tuple[str, ...]) -> tuple[str | None, str | None]:
+    """Return (answer, extractor_name) from the first extractor that finds one, else (None, None)."""
+    for name in extractors:
+        found: str | None = None
+        if name == "boxed":
+            found = _last_boxed(response)
+        elif name == "answer_is":
+            hits = _ANSWER_IS_RE.findall(response)
+            found = hits[-1].strip().rstrip(".").strip() if hits else None
+        elif name == "leading_number":
+            m = _LEADING_RE.match(response)
+            found = m.group(1) if m else None
+        elif name == "last_number":
+            hits = _NUMBER_RE.findall(response)
+            found = hits[-1] if hits else None
+        else:
+            raise ValueError(f"unknown extractor {name!r}; allowed: {list(EXTRACTORS)}")
+        if found:
+            return found, name
+    return None, None
+
+
+def _normalise(text: str) -> str:
+    text = text.strip().strip("$").strip()
+    text = re.sub(r"\\text\{([^{}]*)\}", r"\1", text)
+    text = text.replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "")
+    text = re.sub(r"\s+", "", text)
+    return text.rstrip(".")
+
+
+def parse_number(text: str) -> Fraction | None:
+    """Exact value of an int / decimal / fraction / \\frac string, else None."""
+    text = _normalise(text)
+    text = _FRAC_RE.sub(r"(\1)/(\2)", text)
+    text = text.replace("(", "").replace(")", "")
+    if not re.fullmatch(r"[-+]?[\d,]*\.?\d+(?:/[-+]?[\d,]*\.?\d+)?", text):
+        return None
+    num, _, den = text.partition("/")
+    try:
+        value = Fraction(num.replace(",", ""))
+        if den:
+            d = Fraction(den.replace(",", ""))
+            if d == 0:
+                return None
+            value /= d
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value
+
+
+def answers_match(predicted: str, reference: str) -> bool:
+    a, b = parse_number(predicted), parse_number(reference)
+    if a is not None and b is not None:
+        return a == b
+    return _normalise(predicted) == _normalise(reference)
+
+
+def overlong_penalty(length: int, limit: int | None, buffer: int) -> float:
+    """DAPO soft overlong punishment in [-1, 0] (0 when limit is None)."""
+    if limit is None or length <= limit - buffer:
+        return 0.0
+    if length > limit or buffer == 0:
+        return -1.0
+    return (limit - buffer - length) / buffer
+
+
+def score_response(response: str, reference: str, cfg: RewardConfig, length: int | None = None) -> Score:
+    """Grade one response against the reference answer.  length defaults to len(response)."""
+    answer, how = extract_answer(response, cfg.extractors)
+    correct = 1.0 if answer is not None and answers_match(answer, reference) else 0.0
+    fmt = 1.0 if how is not None and how in cfg.format_extractors else 0.0
+    over = overlong_penalty(len(response) if length is None else length, cfg.overlong_limit, cfg.overlong_buffer)
+    if cfg.correctness_only:
+        reward = correct
+    else:
+        reward = cfg.correctness_weight * correct + cfg.format_weight * fmt + cfg.overlong_weight * over
+    return Score(reward=reward, correctness=correct, format=fmt, overlong=over, error=None,
+                 grader_version=cfg.grader_version(), extracted=answer)

@@ -1,0 +1,81 @@
+"""RolloutConfig: everything one rollout group (one vLLM engine) needs.
+
+    from megatron_rl.config import load_config
+    from megatron_rl.rollout.config import RolloutConfig
+    cfg = RolloutConfig(model="/tmp/tiny", tensor_parallel_size=2)
+
+One `RolloutWorker` Ray actor owns one vLLM engine of `tensor_parallel_size` processes;
+several actors are data-parallel rollout groups.  vLLM engine options pass through
+unchanged in `engine_options`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+WEIGHT_TRANSFER = ("gloo", "nccl", "none")
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    model: str
+    """HF checkpoint directory the engine starts from (version 0)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel size of this rollout group."""
+    max_model_len: int = 1024
+    """Longest prompt + response, in tokens."""
+    seed: int = 0
+    """Engine seed; per-request seeds come from `sampling_seed` + request index."""
+    dtype: str = "auto"
+    """Model dtype passed to vLLM ("auto" reads config.json; "float32", "bfloat16")."""
+    kv_cache_gib: int = 1
+    """CPU KV cache size in whole GiB (sets VLLM_CPU_KVCACHE_SPACE); ignored on GPU."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take (GPU only)."""
+    temperature: float = 1.0
+    """Default sampling temperature."""
+    top_p: float = 1.0
+    """Default nucleus sampling threshold (1.0 = off)."""
+    top_k: int = 0
+    """Default top-k (0 = off)."""
+    max_tokens: int = 64
+    """Default maximum response length."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response (EOS always does unless ignore_eos)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    logprobs_mode: str = "processed_logprobs"
+    """Behaviour logprobs after temperature/top-k/top-p ("processed_logprobs", the
+    distribution actually sampled) or of the raw model ("raw_logprobs")."""
+    weight_transfer: str = "gloo"
+    """How new weights arrive: "gloo" (CPU, checked buckets), "nccl" (vLLM's GPU backend) or "none"."""
+    cpu_threads_bind: str | None = None
+    """VLLM_CPU_OMP_THREADS_BIND; None picks "0|1|..." (one core per TP rank) when TP > 1 on CPU."""
+    num_cpus: float = 0.0
+    """Ray CPUs reserved for the actor (vLLM's own processes are not Ray tasks)."""
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """Passed through to vllm.LLM as keyword arguments (they win over the fields above)."""
+
+    def __post_init__(self):
+        if not self.model:
+            raise ValueError("rollout.model must name a checkpoint directory")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"rollout.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_model_len < 2:
+            raise ValueError(f"rollout.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_gib < 1:
+            raise ValueError(f"rollout.kv_cache_gib must be >= 1, got {self.kv_cache_gib}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"rollout.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"rollout.logprobs_mode {self.logprobs_mode!r} is not one of {list(LOGPROBS_MODES)}")
+        if self.weight_transfer not in WEIGHT_TRANSFER:
+            raise ValueError(f"rollout.weight_transfer {self.weight_transfer!r} is not one of {list(WEIGHT_TRANSFER)}")

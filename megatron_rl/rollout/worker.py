@@ -1,0 +1,219 @@
+"""RolloutWorker: a Ray actor owning one vLLM engine; token ids in, RolloutSamples out.
+
+    import ray
+    from megatron_rl.rollout import RolloutConfig, create_rollout_worker
+    ray.init(num_cpus=2, include_dashboard=False)
+    worker = create_rollout_worker(RolloutConfig(model="/tmp/tiny", tensor_parallel_size=2))
+    samples = ray.get(worker.generate.remote([[1, 23, 24]], {"max_tokens": 16}, n=4))
+
+Each actor is one rollout group (vLLM with its own tensor_parallel_size); several actors
+are data-parallel groups.  `RolloutWorker` is also usable as a plain object in-process.
+
+In-flight requests and weight publication: an actor runs one method at a time, so a
+publication (`receive_weights`) is queued behind a running `generate` and runs between
+calls: no request is ever in flight across a version switch.  Every response token is
+stamped with the version that was active during its generate call, so a future
+in-flight-update scheme can keep the same sample contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+from megatron_rl.config import from_dict
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.sample import RolloutSample
+
+log = logging.getLogger(__name__)
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos")
+
+
+def engine_env(cfg: RolloutConfig, on_gpu: bool) -> dict[str, str]:
+    """Environment variables vLLM's CPU backend needs for this config (empty on GPU)."""
+    if on_gpu:
+        return {}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
+    bind = cfg.cpu_threads_bind
+    if bind is None and cfg.tensor_parallel_size > 1:
+        # vLLM's "auto" binding wants one NUMA node per TP rank; give each rank one core.
+        ncpu = os.cpu_count() or 1
+        bind = "|".join(str(r % ncpu) for r in range(cfg.tensor_parallel_size))
+    if bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    return env
+
+
+def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
+    """Keyword arguments for vllm.LLM built from the config (engine_options win)."""
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        max_model_len=cfg.max_model_len,
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+        skip_tokenizer_init=True,
+        enforce_eager=not on_gpu,
+        logprobs_mode=cfg.logprobs_mode,
+        distributed_executor_backend="mp",
+    )
+    if on_gpu:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    if cfg.weight_transfer == "gloo":
+        from megatron_rl.publish.vllm_engine import BACKEND
+
+        kwargs["weight_transfer_config"] = {"backend": BACKEND}
+        # Importing the extension in each vLLM worker also registers the gloo backend there.
+        kwargs["worker_extension_cls"] = "megatron_rl.publish.vllm_engine.PublicationWorkerExtension"
+    elif cfg.weight_transfer == "nccl":
+        kwargs["weight_transfer_config"] = {"backend": "nccl"}
+    kwargs.update(cfg.engine_options)
+    return kwargs
+
+
+class RolloutWorker:
+    """One vLLM engine.  Methods are called through Ray (`.remote`) or directly."""
+
+    def __init__(self, config: RolloutConfig | dict):
+        import torch
+
+        self.config = config if isinstance(config, RolloutConfig) else from_dict(RolloutConfig, config)
+        on_gpu = torch.cuda.is_available()
+        os.environ.update(engine_env(self.config, on_gpu))
+        if self.config.weight_transfer == "gloo":
+            import megatron_rl.publish.vllm_engine  # noqa: F401  (registers the backend here too)
+        from vllm import LLM
+
+        if not os.path.isdir(self.config.model):
+            raise FileNotFoundError(f"rollout.model: no checkpoint directory {self.config.model}")
+        started = time.perf_counter()
+        self.llm = LLM(**llm_kwargs(self.config, on_gpu))
+        self.version = 0
+        log.info("vLLM engine for %s (TP=%d) up in %.1f s", self.config.model,
+                 self.config.tensor_parallel_size, time.perf_counter() - started)
+
+    # ---- generation -------------------------------------------------------------------
+    def sampling_defaults(self) -> dict[str, Any]:
+        c = self.config
+        return dict(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_tokens,
+                    seed=None, stop_token_ids=list(c.stop_token_ids), ignore_eos=c.ignore_eos)
+
+    def generate(
+        self, prompts: list[list[int]], sampling: dict[str, Any] | None = None, n: int = 1,
+        extra: list[dict] | None = None,
+    ) -> list[RolloutSample]:
+        """Sample `n` responses per prompt; returns len(prompts) * n samples, prompt-major.
+
+        `sampling` overrides the config defaults (keys: temperature, top_p, top_k,
+        max_tokens, seed, stop_token_ids, ignore_eos).  With a `seed`, prompt i uses
+        seed + i, so results are reproducible and prompts differ.
+        """
+        from vllm import SamplingParams
+
+        unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"unknown sampling key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if extra is not None and len(extra) != len(prompts):
+            raise ValueError(f"extra has {len(extra)} entries for {len(prompts)} prompts")
+        for i, p in enumerate(prompts):
+            if not p or not all(isinstance(t, int) and t >= 0 for t in p):
+                raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r:.80}")
+        params = {**self.sampling_defaults(), **(sampling or {})}
+        per_prompt = []
+        for i in range(len(prompts)):
+            seed = None if params["seed"] is None else params["seed"] + i
+            per_prompt.append(SamplingParams(n=n, logprobs=0, detokenize=False, **{**params, "seed": seed}))
+        version = self.version
+        started = time.time()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False)
+        finished = time.time()
+        samples = []
+        for i, out in enumerate(outputs):
+            used = {**params, "seed": per_prompt[i].seed, "n": n}
+            for c in out.outputs:
+                tokens = list(c.token_ids)
+                logprobs = [float(c.logprobs[j][t].logprob) for j, t in enumerate(tokens)]
+                samples.append(RolloutSample(
+                    prompt_tokens=list(prompts[i]), response_tokens=tokens, behavior_logprobs=logprobs,
+                    policy_versions=[version] * len(tokens), sampling=used,
+                    finish_reason=c.finish_reason if c.finish_reason in ("stop", "length") else "abort",
+                    started_at=started, finished_at=finished, extra=dict(extra[i]) if extra else {},
+                ))
+        return samples
+
+    def score(self, sequences: list[list[int]]) -> list[list[float | None]]:
+        """Teacher-forced logprob of every token given its prefix (first is None) [T]."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
+        outs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        return [[None] + [float(lp[t].logprob) for lp, t in zip(o.prompt_logprobs[1:], s[1:])]
+                for o, s in zip(outs, sequences)]
+
+    # ---- weight publication (receive side) ----------------------------------------------
+    def policy_version(self) -> int:
+        return self.version
+
+    def engine_world_size(self) -> int:
+        """Number of vLLM worker processes in this group (each one joins publication)."""
+        pc = self.llm.llm_engine.vllm_config.parallel_config
+        return pc.world_size
+
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's publication group (blocks until every rank has joined)."""
+        self._require_transfer()
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def receive_weights(self, version: int) -> dict[str, Any]:
+        """Receive one publication; commit it on every worker of the group or on none.
+
+        Returns {"committed", "version" (now serving), "error", "bad_bucket", "workers"}.
+        """
+        self._require_transfer()
+        if self.config.weight_transfer == "nccl":
+            raise ValueError("receive_weights is the gloo protocol; NCCL groups use vLLM's trainer engine")
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"version": int(version)}})
+        statuses = self.llm.collective_rpc("megatron_rl_publication_status")
+        bad = [s for s in statuses if not s.get("ok")]
+        if bad:
+            self.llm.collective_rpc("megatron_rl_drop_publication")
+        self.llm.finish_weight_update()
+        if not bad:
+            self.version = int(version)
+        else:
+            log.warning("refused publication %d, still serving version %d: %s", version, self.version, bad[0]["error"])
+        return {
+            "committed": not bad,
+            "version": self.version,
+            "error": bad[0]["error"] if bad else None,
+            "bad_bucket": bad[0]["bad_bucket"] if bad else None,
+            "workers": statuses,
+        }
+
+    def weight_checksums(self) -> list[float]:
+        """Per-worker parameter sums (debug: weights equal after a sync)."""
+        return self.llm.collective_rpc("megatron_rl_weight_checksum")
+
+    def _require_transfer(self) -> None:
+        if self.config.weight_transfer == "none":
+            raise ValueError("rollout.weight_transfer is 'none': this worker cannot receive weights")
+
+    def shutdown(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+
+def create_rollout_worker(config: RolloutConfig, **ray_options):
+    """Start a RolloutWorker Ray actor (ray.init must have run); returns its handle."""
+    import ray
+
+    options = {"num_cpus": config.num_cpus, **ray_options}
+    return ray.remote(RolloutWorker).options(**options).remote(dataclasses.asdict(config))

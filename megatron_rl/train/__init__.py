@@ -1,0 +1,1 @@
+"""GRPO training: the root config, the learner group, the driver loop and the `train` command."""

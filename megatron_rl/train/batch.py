@@ -1,0 +1,80 @@
+"""From scored trajectories to the learner's global batch: tokens, masks, logprobs, advantages.
+
+    batch, stats = build_batch(trajs, pad_id=0, loss_cfg=cfg.loss, micro_batch_size=1)
+
+Shape legend: B = trajectories in the batch, T = longest prompt+response, N = groups, G =
+group size.  The learner predicts token t+1 from tokens[:t+1], so every per-token tensor lives
+on the [B, T-1] grid of predictions: response token k of a trajectory whose prompt has P
+tokens is predicted at position P + k - 1.
+
+GRPO groups are the trajectories that share `group_key(traj)` (one prompt, one rollout
+round).  Advantages are normalised within each group over its valid members only (a verifier
+timeout is excluded, never scored as zero): see megatron_rl.grpo.advantages.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from megatron_rl.grpo.advantages import group_advantages
+from megatron_rl.trajectory import Trajectory
+
+
+def group_key(traj: Trajectory) -> str:
+    """Trajectory ids are '<round>/<prompt_id>/<sample>'; the group is '<round>/<prompt_id>'."""
+    return traj.id.rsplit("/", 1)[0]
+
+
+def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_batch_size: int):
+    """Learner batch (global, every rank gets the same) and advantage statistics."""
+    if not trajs:
+        raise ValueError("cannot build a batch from zero trajectories")
+    b = len(trajs)
+    t = max(tr.num_tokens for tr in trajs)
+    tokens = torch.full((b, t), pad_id, dtype=torch.long)  # [B, T]
+    mask = torch.zeros(b, t - 1)  # [B, T-1]
+    behavior = torch.zeros(b, t - 1)  # [B, T-1]
+    for i, tr in enumerate(trajs):
+        p, r = len(tr.prompt_tokens), len(tr.response_tokens)
+        tokens[i, :p] = torch.from_numpy(tr.prompt_tokens.astype(np.int64))
+        tokens[i, p:p + r] = torch.from_numpy(tr.response_tokens.astype(np.int64))
+        mask[i, p - 1:p - 1 + r] = torch.from_numpy(tr.action_mask.astype(np.float32))
+        behavior[i, p - 1:p - 1 + r] = torch.from_numpy(tr.behavior_logprobs.astype(np.float32))
+
+    groups: OrderedDict[str, list[int]] = OrderedDict()
+    for i, tr in enumerate(trajs):
+        groups.setdefault(group_key(tr), []).append(i)
+    g_max = max(len(v) for v in groups.values())
+    rewards = torch.full((len(groups), g_max), float("nan"), dtype=torch.float64)  # [N, G]
+    valid = torch.zeros(len(groups), g_max, dtype=torch.bool)  # [N, G]
+    for n, members in enumerate(groups.values()):
+        for g, i in enumerate(members):
+            if trajs[i].in_loss:
+                rewards[n, g] = trajs[i].reward
+                valid[n, g] = True
+    adv_ng, keep_ng, stats = group_advantages(
+        rewards, valid, eps=loss_cfg.adv_eps, filter_zero_variance=loss_cfg.filter_zero_variance)
+    advantages = torch.zeros(b)  # [B]
+    for n, members in enumerate(groups.values()):
+        for g, i in enumerate(members):
+            advantages[i] = adv_ng[n, g]
+            if not keep_ng[n, g]:
+                mask[i] = 0.0  # excluded from the loss: verifier error or filtered group
+    total_tokens = float(mask.sum())
+    informative_tokens = float(mask[advantages != 0].sum())
+    # The learner averages micro-batch losses; scaling each micro-batch's token sum by this
+    # denominator makes the average equal sum(loss over all tokens) / total_tokens.
+    micro_batches = b // micro_batch_size
+    batch = {
+        "tokens": tokens,
+        "loss_mask": mask,
+        "behavior_logprobs": behavior,
+        "advantages": advantages,
+        "token_denominator": max(total_tokens, 1.0) / micro_batches,
+    }
+    stats.update(tokens_in_loss=total_tokens, informative_tokens=informative_tokens, sequences=float(b))
+    return batch, stats

@@ -1,0 +1,66 @@
+"""`megatron-rl train` and `megatron-rl reconcile`.
+
+    megatron-rl train --config configs/tiny_cpu.yaml [dotted.key=value ...] [--dry-run]
+    megatron-rl reconcile --config configs/tiny_cpu.yaml [--json]
+
+`train --dry-run` validates the whole config (types, cross-section rules, parallel layout
+against the model, data files) and prints the plan without starting Ray, vLLM or Megatron.
+Exit codes: 0 done, 2 bad input, 75 stopped by a signal after checkpointing (requeue me).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megatron_rl.train.config import load_train_config
+    from megatron_rl.train.plan import check_and_plan
+
+    cfg = load_train_config(args.config, args.overrides)
+    plan = check_and_plan(cfg)
+    if args.dry_run:
+        print(json.dumps(plan, indent=2))
+        return 0
+    from megatron_rl.train.driver import EXIT_REQUEUE, StopFlag, train
+
+    stop = StopFlag()
+    stop.install()
+    try:
+        summary = train(cfg, stop)
+    except SystemExit as exc:
+        if exc.code == EXIT_REQUEUE:
+            print(json.dumps({"stopped": "signal", "checkpointed": True}))
+        raise
+    print(json.dumps(summary))
+    return 0
+
+
+def _cmd_reconcile(args: argparse.Namespace) -> int:
+    from megatron_rl.train.config import load_train_config
+    from megatron_rl.train.plan import check_and_plan
+    from megatron_rl.train.reconcile import reconcile, render_table
+
+    cfg = load_train_config(args.config, args.overrides)
+    check_and_plan(cfg)
+    report = reconcile(cfg)
+    if not args.json:
+        print(render_table(report))
+    print(json.dumps(report["summary"]))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="GRPO training: rollout -> score -> enqueue -> take -> learn -> publish")
+    p.add_argument("--config", required=True, help="training config YAML")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. run.steps=10")
+    p.set_defaults(func=_cmd_train)
+    r = sub.add_parser("reconcile", help="one-step reconciliation report: logprobs, reward, advantage, loss, grad sign")
+    r.add_argument("--config", required=True, help="training config YAML")
+    r.add_argument("--json", action="store_true", help="print only the JSON summary line")
+    r.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    r.set_defaults(func=_cmd_reconcile)
+

@@ -1,0 +1,217 @@
+"""The root training config: one section per component, each component's own dataclass.
+
+    cfg = load_train_config("configs/tiny_cpu.yaml", ["rollout.temperature=0.7"])
+
+Sections and their owners:
+  model       ModelConfig        (here)                 what policy to start from
+  learner     LearnerConfig      megatron_rl.learner     Megatron layout, batch, optimizer
+  rollout     RolloutConfig      megatron_rl.rollout     vLLM engine and sampling
+  coordinator CoordinatorConfig  megatron_rl.coordinator queue, admission, TTL, WAL
+  loss        GRPOLossConfig     megatron_rl.grpo        clipped surrogate, KL, lag guard
+  reward      RewardConfig       megatron_rl.reward      verifier and reward components
+  data        DataConfig         (here)                  built-in task or JSONL file
+  run         RunConfig          (here)                  mode, steps, placement, checkpoints
+  cluster     ClusterConfig      (here)                  what the planner checks against
+Cross-section rules (the batch the learner takes equals prompts x group size, and so on)
+are checked in `TrainConfig.__post_init__`, naming both keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+from megatron_rl.config import ConfigError, apply_overrides, from_dict
+from megatron_rl.coordinator.config import CoordinatorConfig
+from megatron_rl.grpo.loss import GRPOLossConfig
+from megatron_rl.learner.config import LearnerConfig
+from megatron_rl.reward.math_verifier import RewardConfig
+from megatron_rl.rollout.config import RolloutConfig
+
+
+@dataclass(kw_only=True)
+class TinyModelSpec:
+    """A local random model made on first use (no network), for the built-in task."""
+
+    arch: Literal["llama", "qwen2"] = "llama"
+    """Model family of the tiny model."""
+    size: str = "tiny"
+    """Size preset of `megatron-rl make-tiny-model`."""
+    seed: int = 0
+    """Seed of its random initialisation."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: Optional[str] = None
+    """Hugging Face model directory (config.json, safetensors, tokenizer) to start from."""
+    tiny: Optional[TinyModelSpec] = None
+    """Instead of `path`: make a tiny random model inside the run directory."""
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.tiny is None):
+            raise ConfigError("model: set exactly one of model.path or model.tiny")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    task: Literal["digit_max", "jsonl"] = "digit_max"
+    """Built-in verifiable task, or a JSONL file of math problems."""
+    seed: int = 0
+    """Seed that freezes the built-in task's train/dev/test split and the shuffle order."""
+    train_file: Optional[str] = None
+    """JSONL training file (task=jsonl)."""
+    eval_file: Optional[str] = None
+    """JSONL held-out file (task=jsonl)."""
+    question_field: str = "question"
+    """JSONL field holding the problem text."""
+    answer_field: str = "answer"
+    """JSONL field holding the reference answer."""
+    template: Optional[str] = None
+    """Prompt template with {question}; None takes the task's own."""
+    eval_size: int = 100
+    """Held-out examples scored at each evaluation (<= the split's size)."""
+
+    def __post_init__(self) -> None:
+        if self.task == "jsonl" and not self.train_file:
+            raise ConfigError("data.train_file is required when data.task is 'jsonl'")
+        if self.eval_size < 1:
+            raise ConfigError(f"data.eval_size must be >= 1, got {self.eval_size}")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    dir: str = "runs/tiny"
+    """Run directory: resolved config, checkpoints, TensorBoard events, metrics.jsonl."""
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    """sync: on-policy; one_step_off: sample with v while learning v+1; async: bounded by coordinator.max_staleness."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: learner and rollout share devices (take turns); disaggregated: separate devices."""
+    steps: int = 100
+    """Optimizer steps (= policy versions) to train."""
+    prompts_per_step: int = 8
+    """Distinct prompts per step."""
+    group_size: int = 8
+    """G: samples per prompt (the GRPO group)."""
+    eval_every: int = 20
+    """Evaluate greedy reward on the held-out split every this many steps (0 = only at start and end)."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Keep this many newest COMMITTED checkpoints."""
+    resume: bool = True
+    """Resume from the newest COMMITTED checkpoint in run.dir if one exists."""
+    seed: int = 0
+    """Seed of sampling and of everything random in the driver."""
+    deterministic: bool = True
+    """Deterministic CPU mode: fixed seeds, deterministic torch algorithms, one learner thread count."""
+    torch_threads: int = 1
+    """Intra-op threads of each learner process (CPU)."""
+    use_existing_ray: bool = False
+    """Connect to the Ray cluster at RAY_ADDRESS (set by the Slurm script) instead of starting one."""
+    ray_num_cpus: Optional[int] = None
+    """CPUs a locally started Ray advertises (None: Ray's own count)."""
+    rollout_groups: int = 1
+    """Data-parallel rollout groups (one vLLM engine each, of rollout.tensor_parallel_size)."""
+    learner_data_parallel_size: int = 1
+    """Data-parallel learner replicas; learner ranks = TP x PP x this."""
+    publish_bucket_mib: int = 64
+    """Size of one checksummed bucket of a weight publication."""
+    take_timeout_s: float = 600.0
+    """How long a learner step waits for a full batch inside its version window before failing."""
+    measure_lag: bool = True
+    """Score each batch under the learner before the update, for per-sequence D_lag percentiles."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "rollout_groups", "learner_data_parallel_size",
+                     "publish_bucket_mib"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"run.{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"run.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.group_size < 2:
+            raise ConfigError(f"run.group_size must be >= 2 for group-normalised advantages, got {self.group_size}")
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU, for the capacity planner."""
+    gpus: int = 8
+    """GPUs available to the job, for the capacity planner."""
+    reserve_fraction: float = 0.15
+    """Share of memory the planner keeps back for fragmentation and caches."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    model: ModelConfig
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        samples = self.run.prompts_per_step * self.run.group_size
+        if self.learner.global_batch_size != samples:
+            raise ConfigError(
+                f"learner.global_batch_size ({self.learner.global_batch_size}) must equal "
+                f"run.prompts_per_step x run.group_size ({self.run.prompts_per_step} x {self.run.group_size} = {samples})"
+            )
+        if self.coordinator.batch_size != samples:
+            raise ConfigError(
+                f"coordinator.batch_size ({self.coordinator.batch_size}) must equal "
+                f"run.prompts_per_step x run.group_size ({samples})"
+            )
+        staleness = self.coordinator.max_staleness
+        if self.run.mode == "sync" and staleness != 0:
+            raise ConfigError(f"run.mode 'sync' is on-policy: coordinator.max_staleness must be 0, got {staleness}")
+        if self.run.mode == "one_step_off" and staleness != 1:
+            raise ConfigError(f"run.mode 'one_step_off' needs coordinator.max_staleness 1, got {staleness}")
+        if self.run.mode == "async" and staleness < 1:
+            raise ConfigError(f"run.mode 'async' needs coordinator.max_staleness >= 1, got {staleness}")
+        if self.coordinator.max_version_lag < staleness:
+            raise ConfigError(f"coordinator.max_version_lag ({self.coordinator.max_version_lag}) is below "
+                              f"coordinator.max_staleness ({staleness}): admitted samples would expire")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.run.prompts_per_step * self.run.group_size
+
+
+def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read, override and validate a training config; errors name the dotted key.
+
+    `rollout.model` defaults to the policy the run starts from (model.path, or the tiny model
+    made in the run directory), so a config names its model once.
+    """
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    apply_overrides(data, list(overrides))
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    rollout = data.setdefault("rollout", {})
+    if isinstance(rollout, dict) and "model" not in rollout:
+        run_dir = (data.get("run") or {}).get("dir", RunConfig.dir) if isinstance(data.get("run"), dict) else RunConfig.dir
+        rollout["model"] = str(model.get("path") or Path(run_dir) / "model")
+    return from_dict(TrainConfig, data)
+
+
+def resolved_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,288 @@
+"""The learner ranks as Ray actors: one `LearnerWorker` per torch.distributed rank, driven SPMD.
+
+    group = LearnerGroup(cfg, hf_dir, world_size=tp*pp*dp, placement_group=pg)
+    metrics = group.train_step(batch)            # every rank gets the same global batch
+    logprobs_bt = group.forward_logprobs(tokens_bt)
+    group.save(ckpt_dir); group.load(ckpt_dir)
+    for hf_name, tensor in group.hf_state(): ... # full HF-named tensors, for publication
+
+Each worker initialises torch.distributed (gloo on CPU, NCCL on GPU) with its rank, builds the
+Megatron learner (`megatron_rl.learner.Learner`), fills it from the Hugging Face checkpoint
+(through the shared conversion mapping) and plugs the GRPO loss into the learner's
+per-micro-batch loss interface.  The driver never touches tensors of a single rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int, deterministic: bool, threads: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+class LearnerWorker:
+    """One learner rank (wrapped by ray.remote in LearnerGroup)."""
+
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int,
+                 learner_cfg, loss_cfg, hf_dir: str, seed: int, deterministic: bool, threads: int):
+        from megatron_rl.conversion.hf_io import HFCheckpoint
+        from megatron_rl.conversion.model_io import fill_from_hf
+        from megatron_rl.learner import Learner
+        from megatron_rl.models.hf_config import load_hf_config, padded_vocab_size
+        from megatron_rl.platform import detect_platform
+        from megatron_rl.platform.parallel import init_distributed
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        seed_everything(seed, deterministic, threads)
+        self.rank, self.world_size = rank, world_size
+        self.loss_cfg = loss_cfg
+        self.platform = detect_platform(dtype=learner_cfg.dtype)
+        init_distributed(self.platform, rank=rank, world_size=world_size)
+        self.hf_cfg = load_hf_config(hf_dir)
+        self.learner = Learner(learner_cfg, self.hf_cfg, self.platform)
+        from megatron.core import parallel_state as ps
+
+        tp = learner_cfg.tensor_model_parallel_size
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.padded_vocab = padded_vocab_size(self.hf_cfg.vocab_size, tp)
+        ckpt = HFCheckpoint(hf_dir, self.hf_cfg)
+        fill_from_hf(self.learner.model[0].module, self.hf_cfg, ckpt, self.tp_rank, tp, self.padded_vocab)
+        # Megatron's optimizer keeps fp32 main params for bf16 models: copy the loaded weights in.
+        if hasattr(self.learner.optimizer, "reload_model_params"):
+            self.learner.optimizer.reload_model_params()
+        self.hf_dir, self._ckpt = hf_dir, ckpt
+        self.reference = self._build_reference() if loss_cfg.kl_coef > 0 else None
+
+    def _build_reference(self):
+        """A frozen copy of the initial policy, same layout, forward only."""
+        from megatron_rl.conversion.model_io import fill_from_hf
+        from megatron_rl.models.builder import build_gpt_model
+
+        lc = self.learner.cfg
+        ref = build_gpt_model(self.hf_cfg, platform=self.platform, tp=lc.tensor_model_parallel_size,
+                              pp=lc.pipeline_model_parallel_size, config=self.learner.config)
+        fill_from_hf(ref, self.hf_cfg, self._ckpt, self.tp_rank, lc.tensor_model_parallel_size, self.padded_vocab)
+        ref.requires_grad_(False)
+        return ref
+
+    def ready(self) -> int:
+        return self.rank
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def _loss_fn(self, logprobs_bt: torch.Tensor, mb: dict):
+        from megatron_rl.grpo.loss import grpo_loss
+
+        cfg = self.loss_cfg
+        return grpo_loss(
+            logprobs_bt, mb["behavior_logprobs"], mb.get("ref_logprobs"), mb["advantages"], mb["loss_mask"], cfg,
+            old_logprobs_bt=logprobs_bt.detach() if cfg.tis_cap is not None else None,
+            token_denominator=float(mb["token_denominator"]),
+        )
+
+    def train_step(self, batch: dict) -> dict[str, float]:
+        if self.reference is not None:
+            batch = dict(batch, ref_logprobs=self._reference_logprobs(batch["tokens"]))
+        return self.learner.train_step(batch, self._loss_fn)
+
+    def forward_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
+        return self.learner.forward_logprobs(tokens_bt)
+
+    def reference_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
+        if self.reference is None:
+            self.reference = self._build_reference()
+        return self._reference_logprobs(tokens_bt)
+
+    def _reference_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
+        # Swap the frozen reference module in for one forward-only pass of the learner's schedule.
+        ddp = self.learner.model[0]
+        policy = ddp.module
+        ddp.module = self.reference
+        try:
+            return self.learner.forward_logprobs(tokens_bt)
+        finally:
+            ddp.module = policy
+
+    # ---- weights out -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def hf_state(self) -> dict[str, torch.Tensor] | None:
+        """Full HF-named tensors of the current policy on global rank 0 (None elsewhere).
+
+        TP shards are all-gathered within each TP group; each pipeline stage contributes the
+        layers it owns (gathered to rank 0 over the pipeline group on data-parallel rank 0).
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.conversion import mapping
+        from megatron_rl.conversion.model_io import canonical_params
+
+        params = canonical_params(self.learner.model[0].module)
+        tp = ps.get_tensor_model_parallel_world_size()
+        full: dict[str, torch.Tensor] = {}
+        for name, p in params.items():
+            t = p.detach().float().cpu() if p.dtype != torch.float32 else p.detach().cpu()
+            if tp > 1 and mapping.tp_kind(name) != "replicated":
+                shards = [torch.empty_like(p) for _ in range(tp)]
+                dist.all_gather(shards, p.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+                t = mapping.tp_gather(name, [s.cpu() for s in shards])
+            full[name] = t
+        if ps.get_data_parallel_rank() != 0 or ps.get_tensor_model_parallel_rank() != 0:
+            return None
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            stages = [None] * ps.get_pipeline_model_parallel_world_size()
+            dist.all_gather_object(stages, full, group=ps.get_pipeline_model_parallel_group())
+            full = {}
+            for stage in stages:
+                for name, t in stage.items():
+                    full.setdefault(name, t)  # tied embeddings appear on the first and last stage
+        if self.rank != 0:
+            return None
+        hf: dict[str, torch.Tensor] = {}
+        for group in mapping.groups(self.hf_cfg):
+            members = {n: t for n, t in full.items() if mapping.group_of(n) == group}
+            for hf_name, tensor in mapping.mcore_to_hf_group(self.hf_cfg, group, members):
+                hf[hf_name] = tensor.contiguous()
+        return hf
+
+    def connect_rollout(self, rollout_workers: list, bucket_bytes: int) -> None:
+        """Rank 0 becomes rank 0 of the publication group formed with every rollout engine."""
+        if self.rank != 0:
+            return
+        import ray
+
+        from megatron_rl.publish import WeightPublisher
+
+        self.publisher = WeightPublisher(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes)
+        self.publisher.connect(rollout_workers)
+
+    def publish(self, version: int) -> dict | None:
+        """Gather the policy (every rank takes part) and publish it from rank 0 as `version`."""
+        state = self.hf_state()
+        if self.rank != 0:
+            return None
+        report = self.publisher.publish(version, list(state.items()))
+        return {"committed": report.committed, "seconds": report.seconds, "bytes": report.manifest.nbytes,
+                "errors": [r["error"] for r in report.results if not r["committed"]]}
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def save(self, weights_dir: str) -> None:
+        """Megatron distributed checkpoint of model + optimizer + scheduler (collective)."""
+        from megatron.core import dist_checkpointing
+
+        Path(weights_dir).mkdir(parents=True, exist_ok=True)
+        sd = self.learner.sharded_state_dict()
+        extra = {"scheduler": sd.pop("scheduler"), "step": sd.pop("step")}
+        dist_checkpointing.save(sd, weights_dir)
+        torch.save(extra, Path(weights_dir) / f"extra_rank{self.rank:05d}.pt")
+
+    def rng_state(self) -> dict:
+        from megatron_rl.checkpoint import capture_rng_state
+
+        return capture_rng_state()
+
+    def set_rng_state(self, state: dict) -> None:
+        from megatron_rl.checkpoint import restore_rng_state
+
+        restore_rng_state(state)
+
+    def load(self, weights_dir: str) -> int:
+        from megatron.core import dist_checkpointing
+
+        sd = self.learner.sharded_state_dict(is_loading=True)
+        sd.pop("scheduler"), sd.pop("step")
+        state = dist_checkpointing.load(sd, weights_dir, strict="raise_all")
+        self.learner.model[0].module.load_state_dict(state["model"], strict=False)
+        self.learner.optimizer.load_state_dict(state["optimizer"])
+        extra = torch.load(Path(weights_dir) / f"extra_rank{self.rank:05d}.pt", weights_only=False)
+        self.learner.scheduler.load_state_dict(extra["scheduler"])
+        self.learner.step = int(extra["step"])
+        return self.learner.step
+
+
+class LearnerGroup:
+    """All learner ranks, driven in lock step; methods return rank 0's answer."""
+
+    def __init__(self, *, learner_cfg, loss_cfg, hf_dir: str, data_parallel_size: int, seed: int,
+                 deterministic: bool, threads: int, num_cpus_per_rank: float = 0.5, num_gpus_per_rank: float = 0.0,
+                 placement_group=None):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from megatron_rl.platform.spawn import free_port
+
+        world = learner_cfg.tensor_model_parallel_size * learner_cfg.pipeline_model_parallel_size
+        world *= data_parallel_size
+        self.world_size = world
+        addr = ray.util.get_node_ip_address()
+        port = free_port()
+        cls = ray.remote(LearnerWorker)
+        self.workers = []
+        for rank in range(world):
+            opts: dict = {"num_cpus": num_cpus_per_rank, "num_gpus": num_gpus_per_rank}
+            if placement_group is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=rank)
+            self.workers.append(cls.options(**opts).remote(
+                rank=rank, world_size=world, master_addr=addr, master_port=port, learner_cfg=learner_cfg,
+                loss_cfg=loss_cfg, hf_dir=hf_dir, seed=seed, deterministic=deterministic, threads=threads))
+        ray.get([w.ready.remote() for w in self.workers])
+
+    def _all(self, method: str, *args) -> list:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def train_step(self, batch: dict) -> dict[str, float]:
+        return self._all("train_step", batch)[0]
+
+    def forward_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
+        return self._all("forward_logprobs", tokens_bt)[0]
+
+    def reference_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
+        return self._all("reference_logprobs", tokens_bt)[0]
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        return self._all("hf_state")[0]
+
+    def connect_rollout(self, rollout_workers: list, bucket_bytes: int) -> None:
+        self._all("connect_rollout", rollout_workers, bucket_bytes)
+
+    def publish(self, version: int) -> dict:
+        return self._all("publish", version)[0]
+
+    def save(self, weights_dir: str) -> None:
+        self._all("save", weights_dir)
+
+    def load(self, weights_dir: str) -> int:
+        return self._all("load", weights_dir)[0]
+
+    def rng_states(self) -> dict[int, dict]:
+        return dict(enumerate(self._all("rng_state")))
+
+    def set_rng_states(self, states: dict[int, dict]) -> None:
+        import ray
+
+        ray.get([w.set_rng_state.remote(states[r]) for r, w in enumerate(self.workers)])
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)

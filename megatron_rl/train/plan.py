@@ -1,0 +1,92 @@
+"""Everything checked before work starts, and the plan `train --dry-run` prints.
+
+    plan = check_and_plan(cfg)     # raises ValueError/FileNotFoundError naming the problem
+
+Checks: the model (config.json readable, architecture supported), the learner and rollout
+layouts against the model's heads, KV heads and layers, the data (JSONL files and fields),
+and a checkpoint to resume from (its tokenizer must be this run's).  No Ray, vLLM or
+Megatron is started.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_rl.train.config import TrainConfig
+
+
+def model_config(cfg: TrainConfig):
+    """The HFModelConfig the run will use (a tiny spec is built in memory, not written)."""
+    from megatron_rl.models.hf_config import load_hf_config
+
+    if cfg.model.path is not None:
+        return load_hf_config(cfg.model.path)
+    from megatron_rl.models.tiny import build_config
+
+    spec = cfg.model.tiny
+    return load_hf_config(build_config(spec.arch, spec.size).to_dict())
+
+
+def check_resume_tokenizer(cfg: TrainConfig) -> str | None:
+    """Refuse to resume a checkpoint written with another tokenizer; returns the checkpoint path."""
+    from megatron_rl.checkpoint import latest_committed, read_manifest
+    from megatron_rl.models.tokenizer import tokenizer_hash
+
+    run_dir = Path(cfg.run.dir)
+    ckpt = latest_committed(run_dir / "checkpoints") if cfg.run.resume else None
+    if ckpt is None:
+        return None
+    model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
+    if (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists():
+        ours = tokenizer_hash(model_dir)
+        theirs = read_manifest(ckpt).get("tokenizer_hash")
+        if theirs and theirs != ours:
+            raise ValueError(f"checkpoint {ckpt} was written with tokenizer {theirs[:12]}..., but "
+                             f"{model_dir} has tokenizer {ours[:12]}...: refusing to resume across tokenizers")
+    return str(ckpt)
+
+
+def check_and_plan(cfg: TrainConfig) -> dict:
+    from megatron_rl.models.hf_config import check_parallel_layout
+    from megatron_rl.train.roles import load_data
+
+    hf = model_config(cfg)
+    lc = cfg.learner
+    check_parallel_layout(hf, lc.tensor_model_parallel_size, lc.pipeline_model_parallel_size,
+                          cfg.run.learner_data_parallel_size)
+    if hf.num_heads % cfg.rollout.tensor_parallel_size or hf.num_kv_heads % cfg.rollout.tensor_parallel_size:
+        raise ValueError(f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide "
+                         f"num_heads {hf.num_heads} and num_kv_heads {hf.num_kv_heads}")
+    if lc.global_batch_size % (lc.micro_batch_size * cfg.run.learner_data_parallel_size):
+        raise ValueError(f"learner.global_batch_size {lc.global_batch_size} is not divisible by micro_batch_size x "
+                         f"run.learner_data_parallel_size = {lc.micro_batch_size} x {cfg.run.learner_data_parallel_size}")
+    splits, template = load_data(cfg)
+    resume_from = check_resume_tokenizer(cfg)
+    ranks = lc.tensor_model_parallel_size * lc.pipeline_model_parallel_size * cfg.run.learner_data_parallel_size
+    return {
+        "mode": cfg.run.mode,
+        "placement": cfg.run.placement,
+        "model": cfg.model.path or f"tiny {cfg.model.tiny.arch}/{cfg.model.tiny.size} (made in {cfg.run.dir}/model)",
+        "model_params": _param_count(hf),
+        "learner": {"ranks": ranks, "tp": lc.tensor_model_parallel_size, "pp": lc.pipeline_model_parallel_size,
+                    "dp": cfg.run.learner_data_parallel_size, "global_batch": lc.global_batch_size,
+                    "micro_batch": lc.micro_batch_size, "distributed_optimizer": lc.use_distributed_optimizer},
+        "rollout": {"groups": cfg.run.rollout_groups, "tp": cfg.rollout.tensor_parallel_size,
+                    "samples_per_step": cfg.samples_per_step, "group_size": cfg.run.group_size,
+                    "max_tokens": cfg.rollout.max_tokens},
+        "data": {"task": cfg.data.task, "train": len(splits["train"]), "dev": len(splits["dev"]),
+                 "test": len(splits["test"]), "version": splits["train"].dataset_version[:16],
+                 "template": template.template},
+        "steps": cfg.run.steps,
+        "max_staleness": cfg.coordinator.max_staleness,
+        "run_dir": cfg.run.dir,
+        "resume_from": resume_from,
+    }
+
+
+def _param_count(hf) -> int:
+    from megatron_rl.planner.ledger import ModelDims
+
+    return ModelDims(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+                     num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads,
+                     head_dim=hf.head_dim, tie_word_embeddings=hf.tie_word_embeddings).num_params

@@ -1,0 +1,361 @@
+"""The roles of a training run and the one method per phase the driver calls.
+
+    roles = Roles.build(cfg)        # Ray, model, tokenizer, data, coordinator, rollout, verifier, learner
+    state = roles.resume()          # newest COMMITTED checkpoint, or step 0
+    ... the loop in driver.py ...
+    roles.close()
+
+Who owns what: the coordinator owns the queue and admission; the rollout fleet owns the vLLM
+engines; the learner group owns the Megatron ranks and publishes from rank 0; the verifier pool
+owns grading; this module only moves data between them and reports what happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+import numpy as np
+
+from megatron_rl import __version__
+from megatron_rl.config import config_hash
+from megatron_rl.train.config import TrainConfig, resolved_dict
+from megatron_rl.train.producer import Producer, TrainState
+from megatron_rl.train.telemetry import Telemetry
+
+logger = logging.getLogger(__name__)
+
+QUEUE_DB = "queue.db"
+QUEUE_SNAPSHOT = "queue_snapshot.db"
+
+
+@dataclasses.dataclass
+class Roles:
+    cfg: TrainConfig
+    run_dir: Path
+    model_dir: Path
+    tokenizer: object
+    tokenizer_hash: str
+    splits: dict
+    template: object
+    cursor: object
+    coordinator: object
+    fleet: object
+    verifier: object
+    learner: object
+    metrics: object
+    own_ray: bool
+    telemetry: Telemetry = dataclasses.field(default_factory=Telemetry)
+    initial_eval: float | None = None
+    _producer: Producer | None = None
+
+    # ---- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, cfg: TrainConfig) -> "Roles":
+        import ray
+        from transformers import AutoTokenizer
+
+        from megatron_rl.coordinator import start_coordinator
+        from megatron_rl.data.cursor import DataCursor
+        from megatron_rl.metrics import MetricsLogger
+        from megatron_rl.models.tokenizer import tokenizer_hash
+        from megatron_rl.reward.pool import VerifierPool
+        from megatron_rl.train.learner_group import LearnerGroup, seed_everything
+        from megatron_rl.train.rollout_fleet import RolloutFleet
+
+        run_dir = Path(cfg.run.dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(resolved_dict(cfg), indent=2, sort_keys=True))
+        seed_everything(cfg.run.seed, cfg.run.deterministic, cfg.run.torch_threads)
+        model_dir = prepare_model(cfg, run_dir)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        splits, template = load_data(cfg)
+        cursor = DataCursor(len(splits["train"]), seed=cfg.data.seed,
+                            dataset_version=splits["train"].dataset_version)
+
+        own_ray = not ray.is_initialized()
+        if own_ray:
+            if cfg.run.use_existing_ray:
+                ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
+            else:
+                ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+        tok_hash = tokenizer_hash(model_dir)
+        restore_queue_snapshot(run_dir, cfg)
+        coord_cfg = dataclasses.replace(cfg.coordinator, wal_path=str(run_dir / QUEUE_DB))
+        coordinator = start_coordinator(coord_cfg, tokenizer_hash=tok_hash)
+        rollout_cfg = dataclasses.replace(cfg.rollout, model=str(model_dir))
+        fleet = RolloutFleet(rollout_cfg, num_groups=cfg.run.rollout_groups)
+        learner = LearnerGroup(learner_cfg=cfg.learner, loss_cfg=cfg.loss, hf_dir=str(model_dir),
+                               data_parallel_size=cfg.run.learner_data_parallel_size, seed=cfg.learner.seed,
+                               deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads)
+        learner.connect_rollout(fleet.workers, bucket_bytes=cfg.run.publish_bucket_mib << 20)
+        verifier = VerifierPool(cfg.reward)
+        metrics = MetricsLogger(run_dir / "metrics")
+        return cls(cfg=cfg, run_dir=run_dir, model_dir=model_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
+                   splits=splits, template=template, cursor=cursor, coordinator=coordinator, fleet=fleet,
+                   verifier=verifier, learner=learner, metrics=metrics, own_ray=own_ray)
+
+    def producer(self) -> Producer:
+        self._producer = Producer(self)
+        return self._producer
+
+    # ---- resume and checkpoint -------------------------------------------------------------------
+
+    def resume(self) -> TrainState:
+        import ray
+
+        from megatron_rl.checkpoint import latest_committed, load_checkpoint, load_rng_state
+
+        state = TrainState(step=0, version=0)
+        ckpt = latest_committed(self.run_dir / "checkpoints") if self.cfg.run.resume else None
+        if ckpt is not None:
+            manifest = load_checkpoint(ckpt, tokenizer_hash=self.tokenizer_hash)
+            if manifest["config_hash"] != config_hash(self.cfg):
+                logger.warning("resuming %s written with a different config (hash %s, now %s)",
+                               ckpt, manifest["config_hash"][:12], config_hash(self.cfg)[:12])
+            self.learner.load(str(ckpt / "weights"))
+            self.learner.set_rng_states({r: load_rng_state(ckpt, r) for r in manifest["rng"]["ranks"]})
+            self.cursor.load_state_dict(manifest["data_cursor"])
+            state = TrainState(step=int(manifest["step"]), version=int(manifest["policy_version"]))
+            self.initial_eval = manifest.get("extra", {}).get("initial_test_reward")
+            logger.info("resumed from %s: step %d, policy version %d", ckpt, state.step, state.version)
+            report = self.learner.publish(state.version)
+            if not report["committed"]:
+                raise RuntimeError(f"could not publish the resumed weights: {report['errors']}")
+        ray.get(self.coordinator.set_version.remote(state.version))
+        return state
+
+    def checkpoint(self, state: TrainState) -> Path:
+        import ray
+
+        from megatron_rl.checkpoint import rotate, save_checkpoint
+
+        position = ray.get(self.coordinator.position.remote())
+        ckpts = self.run_dir / "checkpoints"
+
+        def save_fn(tmp: Path) -> None:
+            self.learner.save(str(tmp / "weights"))
+            snapshot_queue(self.run_dir / QUEUE_DB, tmp / QUEUE_SNAPSHOT)
+
+        path = save_checkpoint(
+            ckpts, state.step, policy_version=state.version, config_hash=config_hash(self.cfg),
+            save_fn=save_fn, tokenizer_hash=self.tokenizer_hash, data_cursor=self.cursor.state_dict(),
+            coordinator_log_position=position, rng_states=self.learner.rng_states(),
+            extra={"initial_test_reward": self.initial_eval, "package_version": __version__},
+        )
+        rotate(ckpts, self.cfg.run.keep_checkpoints)
+        logger.info("checkpoint %s committed", path)
+        return path
+
+    # ---- the phases ------------------------------------------------------------------------------
+
+    def next_prompts(self, round_: int) -> tuple[list[list[int]], list[dict]]:
+        """The prompts of one rollout round (advances the data cursor)."""
+        ds = self.splits["train"]
+        prompts, extra = [], []
+        for idx in self.cursor.next_indices(self.cfg.run.prompts_per_step):
+            ex = ds[idx]
+            prompts.append(self.template.encode(ex, self.tokenizer))
+            extra.append({"prompt_id": ex.id, "answer": ex.answer, "round": round_})
+        return prompts, extra
+
+    def score(self, step: int, samples: list) -> tuple[list, float]:
+        """Grade every sample in the verifier pool; build contract-complete trajectories."""
+        from megatron_rl.trajectory import make_trajectory
+
+        t0 = time.perf_counter()
+        texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
+        scores = self.verifier.score(texts, [s.extra["answer"] for s in samples],
+                                     [len(s.response_tokens) for s in samples])
+        scored_at = time.time()
+        trajs = []
+        group_index: dict[str, int] = {}
+        for s, sc in zip(samples, scores):
+            key = f"r{s.extra['round']:06d}/{s.extra['prompt_id']}"
+            i = group_index[key] = group_index.get(key, -1) + 1
+            components = {} if not sc.ok else {
+                "correctness": sc.correctness, "format": sc.format, "overlong": sc.overlong}
+            if sc.ok and self.cfg.reward.correctness_only:
+                components = {"correctness": sc.correctness}
+            if sc.ok:  # weights applied so the components sum to the verifier's reward
+                components = weighted_components(components, self.cfg.reward)
+            trajs.append(make_trajectory(
+                id=f"{key}/{i}", prompt_id=s.extra["prompt_id"],
+                dataset_version=self.splits["train"].dataset_version, policy_versions=s.policy_versions,
+                tokenizer_hash=self.tokenizer_hash, prompt_tokens=s.prompt_tokens,
+                response_tokens=s.response_tokens, behavior_logprobs=s.behavior_logprobs,
+                sampling_config=s.sampling, reward_components=components, grader_version=sc.grader_version,
+                terminal_reason=s.finish_reason, rollout_started_at=s.started_at, scored_at=scored_at,
+                status="ok" if sc.ok else "verifier_error", error_code=sc.error or "",
+            ))
+        return trajs, time.perf_counter() - t0
+
+    def enqueue(self, trajs: list, leases: list[str] | None = None) -> dict:
+        import ray
+
+        result = ray.get(self.coordinator.put_many.remote(trajs, leases))
+        if result.rejected:
+            logger.warning("coordinator rejected %d trajectories, e.g. %s", len(result.rejected),
+                           next(iter(result.rejected.values())))
+        return {"accepted": len(result.accepted), "rejected": len(result.rejected), "dropped": len(result.dropped)}
+
+    def take(self, step: int, version: int) -> list:
+        """One batch inside the version window [v - max_staleness, v], waiting for it if needed."""
+        import ray
+
+        window_lo = version - self.cfg.coordinator.max_staleness
+        need = self.cfg.samples_per_step
+        deadline = time.monotonic() + self.cfg.run.take_timeout_s
+        while True:
+            batch = ray.get(self.coordinator.take.remote(need, min_version=window_lo, max_version=version,
+                                                         request_id=f"step-{step}"))
+            if len(batch) == need:
+                return batch
+            if batch:  # partial batches go back only by being retaken under the same request id
+                return batch
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {step}: no trajectories within versions [{window_lo}, {version}] "
+                                   f"after {self.cfg.run.take_timeout_s} s")
+            time.sleep(0.05)
+
+    def learn(self, taken: list, version: int) -> tuple[dict, float]:
+        from megatron_rl.train.batch import build_batch
+
+        t0 = time.perf_counter()
+        batch, adv_stats = build_batch(taken, pad_id=self.tokenizer.pad_token_id or 0, loss_cfg=self.cfg.loss,
+                                       micro_batch_size=self.cfg.learner.micro_batch_size)
+        out = {f"adv/{k}": v for k, v in adv_stats.items()}
+        if self.cfg.run.measure_lag:
+            out["lag_per_seq"] = lag_per_sequence(self.learner.forward_logprobs(batch["tokens"]), batch)
+        out.update(self.learner.train_step(batch))
+        out["dv"] = [version - t.oldest_version for t in taken]
+        return out, time.perf_counter() - t0
+
+    def publish(self, version: int) -> float:
+        import ray
+
+        t0 = time.perf_counter()
+        report = self.learner.publish(version)
+        if not report["committed"]:
+            raise RuntimeError(f"publication of version {version} was refused: {report['errors']}")
+        ray.get(self.coordinator.set_version.remote(version))
+        return time.perf_counter() - t0
+
+    # ---- reporting -------------------------------------------------------------------------------
+
+    def log_step(self, step: int, samples, trajs, taken, learn: dict, phases: dict) -> None:
+        import ray
+
+        queue = ray.get(self.coordinator.metrics.remote())
+        self.metrics.log(step, self.telemetry.step_metrics(samples, trajs, taken, learn, phases, queue,
+                                                           self.verifier.counters()))
+
+    def log_eval(self, step: int, split: str) -> float:
+        """Greedy reward on a held-out split (dev during training, the hidden test split at the ends)."""
+        ds = self.splits[split]
+        examples = [ds[i] for i in range(min(self.cfg.data.eval_size, len(ds)))]
+        prompts = [self.template.encode(ex, self.tokenizer) for ex in examples]
+        samples = self.fleet.generate(prompts, n=1, sampling={"temperature": 0.0, "seed": 0},
+                                      extra=[{} for _ in examples])
+        texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
+        scores = self.verifier.score(texts, [ex.answer for ex in examples], [len(s.response_tokens) for s in samples])
+        valid = [sc.reward for sc in scores if sc.ok]
+        reward = float(np.mean(valid)) if valid else float("nan")
+        correct = float(np.mean([sc.correctness for sc in scores if sc.ok])) if valid else float("nan")
+        self.metrics.log(step, {f"eval/{split}_reward": reward, f"eval/{split}_correctness": correct})
+        if step == 0 and split == "test" and self.initial_eval is None:
+            self.initial_eval = reward
+        logger.info("eval step %d on %s: mean reward %.3f, correctness %.3f", step, split, reward, correct)
+        return reward
+
+    def close(self) -> None:
+        import ray
+
+        if self._producer is not None:
+            self._producer.stop()
+        for closer in (self.metrics.close, self.verifier.close, self.fleet.shutdown, self.learner.shutdown):
+            try:
+                closer()
+            except Exception as err:  # shutting down: report, keep closing the rest
+                logger.warning("while closing: %s", err)
+        if self.own_ray:
+            ray.shutdown()
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:
+    """The HF model directory to start from (a tiny random model is made on first use)."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path).resolve()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: no config.json in {path}")
+        return path
+    from megatron_rl.models.tiny import make_tiny_model
+
+    path = run_dir / "model"
+    if not (path / "config.json").is_file():
+        spec = cfg.model.tiny
+        make_tiny_model(path, arch=spec.arch, size=spec.size, seed=spec.seed)
+    return path
+
+
+def load_data(cfg: TrainConfig):
+    from megatron_rl.data.builtin import DIGIT_MAX_TEMPLATE, make_digit_max
+    from megatron_rl.data.dataset import PromptTemplate
+    from megatron_rl.data.jsonl import load_jsonl
+
+    if cfg.data.task == "digit_max":
+        splits = make_digit_max(seed=cfg.data.seed)
+        template = DIGIT_MAX_TEMPLATE
+    else:
+        kw = dict(question_field=cfg.data.question_field, answer_field=cfg.data.answer_field)
+        train = load_jsonl(cfg.data.train_file, split="train", **kw)
+        held = load_jsonl(cfg.data.eval_file, split="test", **kw) if cfg.data.eval_file else train
+        splits = {"train": train, "dev": held, "test": held}
+        template = PromptTemplate("{question}")
+    if cfg.data.template is not None:
+        template = PromptTemplate(cfg.data.template)
+    return splits, template
+
+
+def weighted_components(components: dict, reward_cfg) -> dict:
+    weights = {"correctness": reward_cfg.correctness_weight, "format": reward_cfg.format_weight,
+               "overlong": reward_cfg.overlong_weight}
+    return {k: float(v) * weights[k] for k, v in components.items() if v is not None}
+
+
+def lag_per_sequence(learner_logprobs_bt, batch: dict) -> list[float]:
+    """D_lag per sequence: mean over its response tokens of |log pi_learner - log mu_behavior|."""
+    mask = batch["loss_mask"]
+    diff = (learner_logprobs_bt - batch["behavior_logprobs"]).abs() * mask
+    counts = mask.sum(dim=1)
+    return [float(d / c) for d, c in zip(diff.sum(dim=1), counts) if c > 0]
+
+
+def snapshot_queue(src: Path, dst: Path) -> None:
+    """Consistent copy of the coordinator's SQLite log (SQLite's online backup)."""
+    if not src.exists():
+        return
+    with sqlite3.connect(str(src)) as a, sqlite3.connect(str(dst)) as b:
+        a.backup(b)
+
+
+def restore_queue_snapshot(run_dir: Path, cfg: TrainConfig) -> None:
+    """Put the queue back as it was at the checkpoint we resume from (if any)."""
+    from megatron_rl.checkpoint import latest_committed
+
+    ckpt = latest_committed(run_dir / "checkpoints") if cfg.run.resume else None
+    live = run_dir / QUEUE_DB
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(live) + suffix).unlink(missing_ok=True)
+    if ckpt is not None and (ckpt / QUEUE_SNAPSHOT).exists():
+        shutil.copyfile(ckpt / QUEUE_SNAPSHOT, live)

@@ -1,0 +1,88 @@
+"""What one training step reports, grouped by TensorBoard panel.
+
+    tel = Telemetry(window=50)
+    metrics_logger.log(step, tel.step_metrics(...))
+
+Panels: learn/ (reward and its components, KL to the reference, entropy estimate, response
+length, clip fraction, grad norm), numerics/ (non-finite counts, extreme logprobs),
+system/ (generated and learned tokens/s, ESR and effective TPS, phase times, memory),
+latency/ (rollout and verifier P50/P95/P99 over a sliding window, verifier errors),
+queue/ (the coordinator's gauges, plus the taken batch's version lag Δv and D_lag P50/P95/P99).
+
+ESR (effective sample ratio) = tokens that were valid (graded), fresh (taken inside the
+version window) and informative (non-zero advantage) / tokens generated this round;
+effective TPS = generated TPS x ESR.  Two lags are kept apart: `learn/kl_ref` is the KL to
+the frozen reference model, `queue/d_lag_*` is |log pi_learner - log mu_behavior|.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import resource
+
+import numpy as np
+
+from megatron_rl.metrics import percentiles
+
+
+class Telemetry:
+    def __init__(self, window: int = 50):
+        self.rollout_s: collections.deque = collections.deque(maxlen=window)
+        self.verify_s: collections.deque = collections.deque(maxlen=window)
+
+    def step_metrics(self, samples: list, trajs: list, taken: list, learn: dict, phases: dict,
+                     queue: dict, verifier_counters: dict) -> dict[str, float]:
+        self.rollout_s.append(phases["rollout"])
+        self.verify_s.append(phases["score"])
+        out: dict[str, float] = {}
+        # learn/
+        valid = [t for t in trajs if t.in_loss]
+        out["learn/reward_mean"] = _mean([t.reward for t in valid])
+        for comp in sorted({k for t in valid for k in t.reward_components}):
+            out[f"learn/reward_{comp}"] = _mean([t.reward_components.get(comp, 0.0) for t in valid])
+        gen_tokens = sum(len(s.response_tokens) for s in samples)
+        out["learn/response_length"] = gen_tokens / max(len(samples), 1)
+        logps = np.concatenate([np.asarray(s.behavior_logprobs, np.float64) for s in samples]) if samples else np.zeros(0)
+        out["learn/entropy_estimate"] = float(-logps.mean()) if logps.size else float("nan")
+        for key in ("loss", "pg_loss", "kl_ref", "clip_fraction", "ratio_mean", "ratio_max", "grad_norm", "lr",
+                    "d_lag", "lag_weight"):
+            if key in learn:
+                out[f"learn/{key}"] = float(learn[key])
+        out["learn/zero_variance_groups"] = learn.get("adv/zero_variance_groups", 0.0)
+        out["learn/invalid_samples"] = learn.get("adv/invalid_samples", 0.0)
+        # numerics/
+        out["numerics/nonfinite_loss"] = float(not math.isfinite(learn.get("loss", float("nan"))))
+        out["numerics/nonfinite_grad_norm"] = float(not math.isfinite(learn.get("grad_norm", float("nan"))))
+        out["numerics/nonfinite_behavior_logprobs"] = float((~np.isfinite(logps)).sum())
+        out["numerics/min_behavior_logprob"] = float(logps.min()) if logps.size else 0.0
+        out["numerics/lag_quarantined"] = float(learn.get("lag_quarantined", 0.0))
+        out["numerics/update_successful"] = float(learn.get("update_successful", 1.0))
+        # system/
+        gen_tps = gen_tokens / max(phases["rollout"], 1e-9)
+        informative = learn.get("adv/informative_tokens", 0.0)
+        esr = informative / gen_tokens if gen_tokens else 0.0
+        learned = sum(t.num_tokens for t in taken)
+        out.update({
+            "system/generated_tokens_per_s": gen_tps,
+            "system/learned_tokens_per_s": learned / max(phases["learn"], 1e-9),
+            "system/esr": esr,
+            "system/effective_tokens_per_s": gen_tps * esr,
+            "system/driver_max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        })
+        for name, seconds in phases.items():
+            out[f"system/time_{name}_s"] = float(seconds)
+        # latency/
+        out.update(percentiles(list(self.rollout_s), "latency/rollout_round_s"))
+        out.update(percentiles(list(self.verify_s), "latency/verifier_batch_s"))
+        for code, count in verifier_counters.items():
+            out[f"latency/verifier_{code}"] = float(count)
+        # queue/
+        out.update({k: float(v) for k, v in queue.items()})
+        out.update(percentiles(learn.get("dv", []) or [0.0], "queue/taken_dv"))
+        out.update(percentiles(learn.get("lag_per_seq", []) or [0.0], "queue/d_lag"))
+        return out
+
+
+def _mean(values: list) -> float:
+    return float(np.mean(values)) if values else float("nan")

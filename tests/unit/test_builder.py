@@ -1,0 +1,184 @@
+"""The builder's Megatron model computes what transformers computes for Llama and Qwen2.
+
+    python -m pytest tests/unit/test_builder.py -q
+
+A tiny HF model with random weights is built in the test; its weights are copied by hand (a
+minimal local mapping, not the project's converter) into a TP1 Megatron model, and the logits
+must agree within 1e-4.  That pins rope, GQA grouping, qkv bias, RMSNorm and tied embeddings.
+The Megatron side runs in a spawned gloo process (run_distributed), keeping this process clean.
+"""
+
+import json
+
+import pytest
+import torch
+
+from megatron_rl.models.hf_config import (
+    HFModelConfig,
+    check_parallel_layout,
+    load_hf_config,
+    padded_vocab_size,
+)
+from megatron_rl.platform.spawn import run_distributed
+
+pytestmark = pytest.mark.unit
+
+TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+
+
+def _hf_model(arch: str, tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = LlamaConfig(**TINY, tie_word_embeddings=tie, rope_theta=5000.0)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = Qwen2Config(**TINY, tie_word_embeddings=tie, rope_theta=5000.0)
+        model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # random norms and biases, so a missing mapping cannot hide
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    return model.float().eval()
+
+
+def _to_megatron(hf_sd: dict, cfg: HFModelConfig, vocab_padded: int) -> dict:
+    """HF Llama/Qwen2 names -> Megatron GPTModel (local spec, TP1) names."""
+    out = {}
+    emb = torch.zeros(vocab_padded, cfg.hidden_size)
+    emb[: cfg.vocab_size] = hf_sd["model.embed_tokens.weight"]
+    out["embedding.word_embeddings.weight"] = emb
+    per_group = cfg.num_heads // cfg.num_kv_heads
+    for i in range(cfg.num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[mg + "input_layernorm.weight"] = hf_sd[hf + "input_layernorm.weight"]
+        out[mg + "pre_mlp_layernorm.weight"] = hf_sd[hf + "post_attention_layernorm.weight"]
+        for suffix in (["weight", "bias"] if cfg.qkv_bias else ["weight"]):
+            q = hf_sd[hf + f"self_attn.q_proj.{suffix}"].reshape(cfg.num_kv_heads, per_group * cfg.head_dim, -1)
+            k = hf_sd[hf + f"self_attn.k_proj.{suffix}"].reshape(cfg.num_kv_heads, cfg.head_dim, -1)
+            v = hf_sd[hf + f"self_attn.v_proj.{suffix}"].reshape(cfg.num_kv_heads, cfg.head_dim, -1)
+            qkv = torch.cat([q, k, v], dim=1)  # per kv group: its q heads, then k, then v
+            out[mg + f"self_attention.linear_qkv.{suffix}"] = qkv.reshape(-1, *qkv.shape[2:]).squeeze(-1)
+        out[mg + "self_attention.linear_proj.weight"] = hf_sd[hf + "self_attn.o_proj.weight"]
+        out[mg + "mlp.linear_fc1.weight"] = torch.cat([hf_sd[hf + "mlp.gate_proj.weight"], hf_sd[hf + "mlp.up_proj.weight"]])
+        out[mg + "mlp.linear_fc2.weight"] = hf_sd[hf + "mlp.down_proj.weight"]
+    out["decoder.final_layernorm.weight"] = hf_sd["model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        head = torch.zeros(vocab_padded, cfg.hidden_size)
+        head[: cfg.vocab_size] = hf_sd["lm_head.weight"]
+        out["output_layer.weight"] = head
+    return out
+
+
+def _megatron_logits(rank, world, cfg_dict, hf_sd, tokens):
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.platform import detect_platform
+    from megatron_rl.platform.parallel import parallel_scope
+
+    cfg = load_hf_config(cfg_dict)
+    with parallel_scope(tp=1, pp=1):
+        model = build_gpt_model(cfg, platform=detect_platform("cpu"), tp=1, pp=1)
+        sd = _to_megatron(hf_sd, cfg, padded_vocab_size(cfg.vocab_size, 1))
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        assert not missing and not unexpected, (missing, unexpected)
+        model.eval()
+        with torch.no_grad():
+            pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+            logits = model(tokens, pos, attention_mask=None)  # [B, T, V_padded]
+        return logits[..., : cfg.vocab_size]
+
+
+CASES = [("llama", False), ("llama", True), ("qwen2", False)]
+
+
+def _megatron_logits_all(rank, world, jobs):
+    return [_megatron_logits(rank, world, *job) for job in jobs]
+
+
+@pytest.fixture(scope="module")
+def parity_runs():
+    """HF logits and Megatron logits for every case, computed in ONE spawned process."""
+    jobs, expected = [], []
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(1))
+    for arch, tie in CASES:
+        hf = _hf_model(arch, tie)
+        with torch.no_grad():
+            expected.append(hf(tokens).logits)  # [B, T, V]
+        cfg_dict = hf.config.to_dict() | {"architectures": [type(hf).__name__]}
+        jobs.append((cfg_dict, {k: v.detach().clone() for k, v in hf.state_dict().items()}, tokens))
+    (got,) = run_distributed(_megatron_logits_all, 1, jobs, timeout=240)
+    return dict(zip(CASES, zip(jobs, expected, got)))
+
+
+@pytest.mark.parametrize("arch,tie", CASES)
+def test_megatron_logits_match_transformers(parity_runs, arch, tie):
+    (cfg_dict, _, _), expected, got = parity_runs[(arch, tie)]
+    cfg = load_hf_config(cfg_dict)
+    assert cfg.arch == arch and cfg.qkv_bias == (arch == "qwen2") and cfg.tie_word_embeddings == tie
+    assert cfg.rope_theta == 5000.0 and cfg.num_kv_heads == 2 and cfg.head_dim == 16
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def _write(tmp_path, data):
+    (tmp_path / "config.json").write_text(json.dumps(data) if isinstance(data, dict) else data)
+    return tmp_path
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 1e6}
+
+
+def test_load_hf_config_from_dir_and_file(tmp_path):
+    _write(tmp_path, LLAMA)
+    for source in (tmp_path, tmp_path / "config.json", str(tmp_path)):
+        cfg = load_hf_config(source)
+        assert (cfg.arch, cfg.head_dim, cfg.rope_theta, cfg.qkv_bias) == ("llama", 16, 1e6, False)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "yarn"),
+    ({"hidden_act": "gelu"}, "gelu"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads 3"),
+    ({"vocab_size": None}, "vocab_size"),
+    ({"hidden_size": "64"}, "hidden_size"),
+])
+def test_load_hf_config_refuses_what_we_do_not_implement(tmp_path, change, match):
+    with pytest.raises(ValueError, match=match):
+        load_hf_config(_write(tmp_path, LLAMA | change))
+
+
+def test_load_hf_config_missing_or_corrupt(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "config.json")):
+        load_hf_config(tmp_path)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_hf_config(_write(tmp_path, "{not json"))
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(100, 1) == 128
+    assert padded_vocab_size(128, 1) == 128
+    assert padded_vocab_size(129, 2) == 256
+    assert padded_vocab_size(151936, 4) == 152064
+    assert padded_vocab_size(257, 2) % 256 == 0
+    with pytest.raises(ValueError):
+        padded_vocab_size(0, 1)
+
+
+def test_check_parallel_layout_names_the_number():
+    cfg = load_hf_config(LLAMA)
+    check_parallel_layout(cfg, tp=2, pp=4)
+    with pytest.raises(ValueError, match="num_heads 4 .* 8"):
+        check_parallel_layout(cfg, tp=8, pp=1)
+    with pytest.raises(ValueError, match="num_kv_heads 2 .* 4"):
+        check_parallel_layout(load_hf_config(LLAMA | {"num_attention_heads": 8}), tp=4, pp=1)
+    with pytest.raises(ValueError, match="num_layers 4 .* 3"):
+        check_parallel_layout(cfg, tp=1, pp=3)
+    with pytest.raises(ValueError, match="tp"):
+        check_parallel_layout(cfg, tp=0, pp=1)

@@ -1,0 +1,132 @@
+"""Property-based tests (hypothesis) of the queue invariants, in memory and with the WAL
+(including restarts between operations):
+
+  * no trajectory outside the requested version window is ever returned;
+  * duplicates never double-count; a retried take (same request id) returns the same batch;
+  * every valid trajectory offered ends exactly once: consumed, dropped (with a reason) or
+    still queued; invalid ones are rejected and never stored or returned.
+
+    python -m pytest tests/unit/test_coordinator_props.py -q
+"""
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_rl.coordinator import CoordinatorConfig, TrajectoryQueue
+from megatron_rl.trajectory import make_trajectory
+
+pytestmark = pytest.mark.unit
+TOK = "c" * 64
+LAG = 2
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def traj(idx, versions):
+    r = len(versions)
+    return make_trajectory(id=f"t{idx}", prompt_id=f"p{idx % 3}", dataset_version="d", policy_versions=versions,
+                           tokenizer_hash=TOK, prompt_tokens=[1], response_tokens=[2] * r,
+                           behavior_logprobs=[-0.5] * r, reward_components={"r": 1.0}, grader_version="g",
+                           terminal_reason="eos", rollout_started_at=0.0, scored_at=0.0)
+
+
+put_op = st.tuples(st.just("put"), st.lists(st.tuples(st.integers(0, 14), st.integers(0, 3), st.booleans(),
+                                                      st.booleans()), min_size=1, max_size=5))
+take_op = st.tuples(st.just("take"), st.integers(0, 4), st.one_of(st.none(), st.tuples(st.integers(0, 3),
+                                                                                      st.integers(0, 3))),
+                    st.one_of(st.none(), st.sampled_from(["r0", "r1", "r2"])))
+version_op = st.tuples(st.just("version"), st.integers(0, 2))
+tick_op = st.tuples(st.just("tick"), st.floats(0, 40))
+restart_op = st.tuples(st.just("restart"))
+
+
+def run_ops(ops, wal_path):
+    clock = Clock()
+    cfg = CoordinatorConfig(batch_size=4, max_staleness=50, max_version_lag=LAG, max_age_s=60,
+                            compact_every=10_000, wal_path=wal_path)
+    q = TrajectoryQueue(cfg, tokenizer_hash=TOK, clock=clock)
+    offered, consumed, takes = set(), [], {}
+    for op in ops:
+        if op[0] == "put":
+            batch, bad_ids = [], set()
+            for idx, age, mixed, bad in op[1]:
+                v = max(0, q.version - age)
+                t = traj(idx, [v, min(v + 1, q.version)] if mixed else [v])
+                if bad:  # a corrupted copy: wrong checksum
+                    t = dataclasses.replace(t, response_tokens=t.response_tokens + 1)
+                    bad_ids.add(t.id)
+                batch.append(t)
+            known = {t.id for t in batch if q.outcome(t.id) is not None}
+            accepted_before = q.metrics()["queue/accepted"]
+            res = q.put_many(batch)
+            for t in batch:
+                if t.id in res.rejected:
+                    assert res.rejected[t.id].startswith("checksum")
+            assert set(res.accepted).isdisjoint(known)  # an id already known is never accepted again
+            assert set(res.duplicates) >= {t.id for t in batch if t.id in known and t.id not in bad_ids}
+            assert q.metrics()["queue/accepted"] == accepted_before + len(res.accepted)
+            offered |= set(res.accepted) | set(res.dropped)
+        elif op[0] == "take":
+            _, n, window, request_id = op
+            lo, hi = (q.version - LAG, q.version) if window is None else \
+                (q.version - max(window), q.version - min(window))
+            batch = q.take(n, min_version=lo, max_version=hi, request_id=request_id)
+            ids = [t.id for t in batch]
+            if request_id in takes:
+                assert ids == takes[request_id]  # a retried take returns the same batch
+                continue
+            assert len(ids) <= n
+            for t in batch:  # every token's policy version inside the window
+                assert lo <= int(t.policy_versions.min()) and int(t.policy_versions.max()) <= hi
+            consumed.extend(ids)
+            if request_id is not None:
+                takes[request_id] = ids
+        elif op[0] == "version":
+            q.set_version(q.version + op[1])
+        elif op[0] == "tick":
+            clock.now += op[1]
+        elif op[0] == "restart" and wal_path:
+            q.close()
+            q = TrajectoryQueue(cfg, tokenizer_hash=TOK, clock=clock)
+        check_partition(q, offered, consumed)
+    q.close()
+
+
+def check_partition(q, offered, consumed):
+    assert len(consumed) == len(set(consumed)), "a trajectory was consumed twice"
+    queued = set(q.queued_ids())
+    assert queued <= offered
+    for tid in offered:
+        outcome = q.outcome(tid)
+        assert (outcome == "queued") == (tid in queued)
+        assert (outcome == "consumed") == (tid in consumed), (tid, outcome)
+        assert outcome in ("queued", "consumed") or outcome.startswith("dropped/"), (tid, outcome)
+    m = q.metrics()
+    dropped = sum(v for k, v in m.items() if k.startswith("queue/dropped/"))
+    assert m["queue/consumed"] == len(consumed)
+    assert len(offered) == len(consumed) + len(queued) + dropped  # each exactly once
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(put_op, take_op, put_op, take_op, version_op, tick_op), min_size=4, max_size=30))
+def test_invariants_in_memory(ops):
+    run_ops(ops, "")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(put_op, take_op, put_op, take_op, version_op, tick_op, restart_op), min_size=4,
+                max_size=25))
+def test_invariants_with_wal_and_restarts(ops):
+    with tempfile.TemporaryDirectory() as tmp:
+        run_ops(ops, str(Path(tmp) / "queue.db"))

@@ -1,0 +1,262 @@
+"""GRPO loss and advantages against hand-written loops over plain Python floats.
+
+    python -m pytest tests/unit/test_loss.py -q
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from megatron_rl.grpo import (
+    GRPOLossConfig,
+    compute_advantages,
+    group_advantages,
+    grpo_loss,
+    kl_estimate,
+    rewards_from_scores,
+)
+from megatron_rl.reward import RewardConfig, Score, score_response
+
+pytestmark = pytest.mark.unit
+
+
+def _batch(seed=0, b=3, t=5):
+    g = torch.Generator().manual_seed(seed)
+    behavior = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2 - 0.1
+    logprobs = behavior + 0.4 * (torch.rand(b, t, generator=g, dtype=torch.float64) - 0.5)
+    ref = behavior + 0.3 * (torch.rand(b, t, generator=g, dtype=torch.float64) - 0.5)
+    adv = torch.tensor([1.5, -0.7, 0.3], dtype=torch.float64)[:b]
+    mask = torch.ones(b, t, dtype=torch.float64)
+    mask[0, 3:] = 0
+    mask[2, 1:] = 0
+    return logprobs, behavior, ref, adv, mask
+
+
+def _loop_loss(lp, mu, ref, adv, mask, eps_lo, eps_hi, beta, est, agg, old=None, cap=None):
+    """Independent reference: one token at a time, Python floats."""
+    per_seq, all_tok = [], []
+    for i in range(len(lp)):
+        toks = []
+        for j in range(len(lp[i])):
+            if mask[i][j] == 0:
+                continue
+            anchor = mu[i][j] if old is None else old[i][j]
+            r = math.exp(lp[i][j] - anchor)
+            rc = min(max(r, 1 - eps_lo), 1 + eps_hi)
+            pg = -min(r * adv[i], rc * adv[i])
+            if cap is not None:
+                pg *= min(math.exp(old[i][j] - mu[i][j]), cap)
+            d = ref[i][j] - lp[i][j]
+            k = {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - 1 - d}[est]
+            toks.append(pg + beta * k)
+        all_tok += toks
+        if toks:
+            per_seq.append(sum(toks) / len(toks))
+    return sum(all_tok) / len(all_tok) if agg == "token" else sum(per_seq) / len(per_seq)
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_loss_matches_token_loop(agg, est):
+    lp, mu, ref, adv, mask = _batch()
+    cfg = GRPOLossConfig(clip_eps_low=0.1, clip_eps_high=0.15, kl_coef=0.05, kl_estimator=est, aggregation=agg)
+    loss, metrics = grpo_loss(lp, mu, ref, adv, mask, cfg)
+    expected = _loop_loss(lp.tolist(), mu.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.1, 0.15, 0.05, est, agg)
+    assert float(loss) == pytest.approx(expected, rel=1e-10)
+    assert metrics["tokens"] == float(mask.sum())
+
+
+def test_tis_weights_match_loop():
+    lp, mu, ref, adv, mask = _batch(seed=3)
+    old = mu + torch.tensor([[0.9, -0.2, 0.1, 2.0, 0.0]] * 3, dtype=torch.float64)
+    cfg = GRPOLossConfig(tis_cap=2.0)
+    loss, metrics = grpo_loss(lp, mu, None, adv, mask, cfg, old_logprobs_bt=old)
+    expected = _loop_loss(
+        lp.tolist(), mu.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.2, 0.0, "k1", "token",
+        old=old.tolist(), cap=2.0,
+    )
+    assert float(loss) == pytest.approx(expected, rel=1e-10)
+    # offsets 0.9 and 2.0 give exp() > 2: truncated wherever those columns are unmasked.
+    offsets = [0.9, -0.2, 0.1, 2.0, 0.0]
+    truncated = sum(1 for row in mask.tolist() for j, m in enumerate(row) if m and math.exp(offsets[j]) > 2.0)
+    assert truncated == 4
+    assert metrics["tis_truncated_fraction"] == pytest.approx(truncated / float(mask.sum()))
+
+
+def test_tis_without_old_logprobs_is_an_error():
+    lp, mu, _, adv, mask = _batch()
+    with pytest.raises(ValueError, match="old_logprobs_bt"):
+        grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig(tis_cap=2.0))
+
+
+def test_on_policy_ratio_is_one_and_gradient_follows_advantage():
+    _, mu, _, _, mask = _batch()
+    adv = torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64)
+    lp = mu.clone().requires_grad_(True)
+    loss, metrics = grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig())
+    assert metrics["ratio_mean"] == pytest.approx(1.0)
+    assert metrics["ratio_max"] == pytest.approx(1.0)
+    assert metrics["clip_fraction"] == 0.0
+    assert metrics["d_lag"] == pytest.approx(0.0)
+    loss.backward()
+    # Descending the loss must raise log-probs of positive-advantage tokens, lower negative ones.
+    assert (lp.grad[0][mask[0] > 0] < 0).all()
+    assert (lp.grad[1][mask[1] > 0] > 0).all()
+    assert (lp.grad[2] == 0).all()
+    assert (lp.grad[mask == 0] == 0).all()
+
+
+def test_clip_high_side_stops_gradient_for_positive_advantage():
+    mu = torch.zeros(1, 2, dtype=torch.float64) - 1.0
+    lp = (mu + torch.tensor([[math.log(1.5), math.log(1.1)]], dtype=torch.float64)).requires_grad_(True)
+    cfg = GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.3)
+    loss, metrics = grpo_loss(lp, mu, None, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 2), cfg)
+    loss.backward()
+    # token 0: r=1.5 > 1.3 -> clipped term 1.3*2 selected, constant; token 1: r=1.1 inside.
+    assert float(loss) == pytest.approx(-(1.3 * 2 + 1.1 * 2) / 2)
+    assert lp.grad[0, 0] == 0
+    assert lp.grad[0, 1] == pytest.approx(-1.1 * 2 / 2)
+    assert metrics["clip_fraction"] == pytest.approx(0.5)
+
+
+def test_clip_low_side_stops_gradient_for_negative_advantage():
+    mu = torch.zeros(1, 2, dtype=torch.float64) - 1.0
+    lp = (mu + torch.tensor([[math.log(0.5), math.log(1.6)]], dtype=torch.float64)).requires_grad_(True)
+    cfg = GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.3)
+    loss, metrics = grpo_loss(lp, mu, None, torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 2), cfg)
+    loss.backward()
+    # token 0: r=0.5 < 0.8 -> clipped 0.8*(-1) is the min -> constant; token 1: r=1.6, min picks unclipped.
+    assert float(loss) == pytest.approx(-(-0.8 + -1.6) / 2)
+    assert lp.grad[0, 0] == 0
+    assert lp.grad[0, 1] == pytest.approx(1.6 / 2)
+    assert metrics["clip_fraction"] == pytest.approx(0.5)
+    assert metrics["ratio_max"] == pytest.approx(1.6)
+
+
+def test_kl_estimators_formula_and_sign():
+    g = torch.Generator().manual_seed(1)
+    lp = -torch.rand(200, generator=g, dtype=torch.float64) * 3
+    ref = -torch.rand(200, generator=g, dtype=torch.float64) * 3
+    for est in ("k1", "k2", "k3"):
+        got = kl_estimate(lp, ref, est)
+        for a, b, k in zip(lp.tolist(), ref.tolist(), got.tolist()):
+            r = math.exp(b - a)
+            want = {"k1": -math.log(r), "k2": 0.5 * math.log(r) ** 2, "k3": (r - 1) - math.log(r)}[est]
+            assert k == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert (kl_estimate(lp, ref, "k2") >= 0).all()
+    assert (kl_estimate(lp, ref, "k3") >= 0).all()
+    assert (kl_estimate(lp, ref, "k1") < 0).any()
+    assert (kl_estimate(lp, lp, "k3") == 0).all()
+
+
+def test_kl_penalty_gradient_pulls_toward_reference():
+    mu = torch.full((1, 3), -1.0, dtype=torch.float64)
+    ref = torch.full((1, 3), -1.0, dtype=torch.float64)
+    lp = torch.full((1, 3), -0.5, dtype=torch.float64, requires_grad=True)  # above the reference
+    loss, metrics = grpo_loss(lp, mu, ref, torch.zeros(1, dtype=torch.float64), torch.ones(1, 3),
+                              GRPOLossConfig(kl_coef=1.0, kl_estimator="k3"))
+    loss.backward()
+    assert (lp.grad > 0).all()  # descent lowers log π_θ toward π_ref
+    assert metrics["kl_ref"] == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    assert "d_lag" in metrics and metrics["d_lag"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("action", ["quarantine", "downweight"])
+def test_lag_guard(action):
+    lp, mu, _, adv, mask = _batch()
+    lp = lp.detach().requires_grad_(True)
+    base, base_m = grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig())
+    d_lag = sum(abs(a - b) for ra, rb, rm in zip(lp.tolist(), mu.tolist(), mask.tolist())
+                for a, b, m in zip(ra, rb, rm) if m) / float(mask.sum())
+    assert base_m["d_lag"] == pytest.approx(d_lag)
+    threshold = d_lag / 2
+    loss, m = grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig(lag_threshold=threshold, lag_action=action))
+    loss.backward()
+    if action == "quarantine":
+        assert float(loss) == 0.0 and m["lag_quarantined"] == 1.0
+        assert (lp.grad == 0).all()
+    else:
+        assert float(loss) == pytest.approx(float(base) * 0.5)
+        assert m["lag_weight"] == pytest.approx(0.5)
+    # Under the threshold nothing changes.
+    loss2, m2 = grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig(lag_threshold=d_lag * 2))
+    assert float(loss2) == pytest.approx(float(base)) and m2["lag_weight"] == 1.0
+
+
+def test_padding_values_do_not_leak():
+    lp, mu, ref, adv, mask = _batch()
+    lp2, mu2 = lp.clone(), mu.clone()
+    lp2[mask == 0] = -float("inf")
+    mu2[mask == 0] = float("nan")
+    lp2.requires_grad_(True)
+    loss, m = grpo_loss(lp2, mu2, ref, adv, mask, GRPOLossConfig(kl_coef=0.1), entropy_bt=torch.ones_like(lp))
+    loss.backward()
+    ref_loss, _ = grpo_loss(lp, mu, ref, adv, mask, GRPOLossConfig(kl_coef=0.1))
+    assert float(loss) == pytest.approx(float(ref_loss))
+    assert torch.isfinite(lp2.grad).all() and m["entropy"] == pytest.approx(1.0)
+
+
+def test_group_advantages_match_loop_and_skip_invalid():
+    rewards = torch.tensor([[1.0, 0.0, 1.0, float("nan")], [0.5, 0.5, 0.5, 0.5], [1.0, float("nan"), 0.0, 0.0]])
+    valid = ~torch.isnan(rewards)
+    adv, keep, stats = group_advantages(rewards, valid, eps=1e-6)
+    for n in range(3):
+        vals = [float(r) for r, v in zip(rewards[n], valid[n]) if v]
+        mean, std = statistics.mean(vals), statistics.stdev(vals)
+        for g in range(4):
+            if not valid[n, g]:
+                assert adv[n, g] == 0 and not keep[n, g]
+            else:
+                want = 0.0 if std == 0 else (float(rewards[n, g]) - mean) / max(std, 1e-6)
+                assert float(adv[n, g]) == pytest.approx(want, rel=1e-6)
+    assert stats["zero_variance_groups"] == 1.0
+    assert stats["invalid_samples"] == 2.0
+    assert keep[1].all()
+    _, keep_f, stats_f = group_advantages(rewards, valid, filter_zero_variance=True)
+    assert not keep_f[1].any() and stats_f["kept_samples"] == 6.0
+
+
+def test_group_with_one_valid_member_has_no_signal():
+    rewards = torch.tensor([[1.0, float("nan")]])
+    adv, keep, stats = group_advantages(rewards, ~torch.isnan(rewards), filter_zero_variance=True)
+    assert adv.abs().sum() == 0 and stats["zero_variance_groups"] == 1.0 and not keep.any()
+
+
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(ValueError, match="clip_eps_low"):
+        GRPOLossConfig(clip_eps_low=1.0)
+    with pytest.raises(ValueError, match="kl_estimator"):
+        GRPOLossConfig(kl_estimator="k4")
+    with pytest.raises(ValueError, match="lag_action"):
+        GRPOLossConfig(lag_action="drop")
+    lp, mu, _, adv, mask = _batch()
+    with pytest.raises(ValueError, match="behavior_logprobs_bt shape"):
+        grpo_loss(lp, mu[:, :2], None, adv, mask, GRPOLossConfig())
+    with pytest.raises(ValueError, match="NaN"):
+        group_advantages(torch.tensor([[float("nan"), 1.0]]))
+
+
+def test_scores_to_loss_excludes_failed_graders():
+    cfg_r = RewardConfig(extractors=["leading_number"], format_extractors=["leading_number"], format_weight=0.0)
+    version = cfg_r.grader_version()
+    scores = [score_response("7", "7", cfg_r), Score.failed("timeout", version), score_response("1", "7", cfg_r),
+              score_response("2", "2", cfg_r), score_response("2", "2", cfg_r), Score.failed("crash", version)]
+    rewards, valid = rewards_from_scores(scores, group_size=3)
+    assert valid.tolist() == [[True, False, True], [True, True, False]]
+    cfg = GRPOLossConfig(filter_zero_variance=True)
+    adv, keep, stats = compute_advantages(rewards, valid, cfg)
+    # group 0: rewards {1, 0} -> mean 0.5, sample std sqrt(0.5); group 1 has zero variance.
+    assert adv[0].tolist() == pytest.approx([0.5 / math.sqrt(0.5), 0.0, -0.5 / math.sqrt(0.5)])
+    assert keep.tolist() == [[True, False, True], [False, False, False]] and stats["zero_variance_groups"] == 1
+    mask = torch.ones(6, 2) * keep.reshape(-1, 1)
+    lp = torch.zeros(6, 2, requires_grad=True)
+    loss, m = grpo_loss(lp, lp.detach(), None, adv.reshape(-1), mask, cfg)
+    loss.backward()
+    assert m["tokens"] == 4.0
+    assert lp.grad[0].lt(0).all() and lp.grad[2].gt(0).all() and lp.grad[[1, 3, 4, 5]].eq(0).all()
+    with pytest.raises(ValueError, match="group_size=4"):
+        rewards_from_scores(scores, group_size=4)

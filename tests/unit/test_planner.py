@@ -1,0 +1,77 @@
+"""Planner ledger against numbers computed by hand (see the comments for each step)."""
+
+import pytest
+
+from megatron_rl.planner.ledger import (
+    GIB, LearnerLayout, ModelDims, RolloutLayout, compare_placements, kv_cache_bytes,
+    learner_ledger, rollout_ledger,
+)
+
+pytestmark = pytest.mark.unit
+
+SMALL = ModelDims(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def test_param_count_by_hand():
+    # attention: q 64*64 + k,v 2*64*32 + o 64*64 = 12288; mlp 3*64*128 = 24576; norms 128
+    # 2 layers * 36992 + embeddings 2*1000*64 + final norm 64 = 202048
+    assert SMALL.num_params == 202048
+
+
+def test_qwen2_7b_param_count_matches_published_size():
+    qwen7b = ModelDims(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                       num_heads=28, num_kv_heads=4, head_dim=128)
+    assert abs(qwen7b.num_params / 1e9 - 7.61) < 0.01
+
+
+def test_learner_ledger_by_hand():
+    lay = LearnerLayout(tp=1, pp=1, dp=2, dtype="bf16", grad_reduce_in_fp32=True,
+                        use_distributed_optimizer=True, micro_batch_size=1, seq_length=16,
+                        reference_model=True, ddp_bucket_params=1000)
+    led = learner_ledger(SMALL, lay, reserve_fraction=0.1)
+    p = 202048
+    expected = {
+        "weights": p * 2, "grads": p * 4, "master_weights": p * 4 / 2, "optimizer_states": p * 8 / 2,
+        "reference_model": p * 2,
+        "activations": 2 * 1 * 16 * 1 * 64 * 34,  # layers * inflight * s*b*h*(10+24/tp)
+        "logits": 16 * 1000 * 4 * 2, "comm_buffers": 2 * 1000 * 4,
+    }
+    for key, val in expected.items():
+        assert led.items[key] == pytest.approx(val), key
+    assert led.items["reserve"] == pytest.approx(0.1 * 3034304)
+    assert led.total == pytest.approx(3034304 * 1.1)
+
+
+def test_unsharded_bytes_per_param_in_documented_range():
+    lay = LearnerLayout(dp=1, dtype="bf16", use_distributed_optimizer=False, reference_model=False)
+    led = learner_ledger(SMALL, lay, reserve_fraction=0.0)
+    per_param = sum(led.items[k] for k in ("weights", "grads", "master_weights", "optimizer_states"))
+    assert per_param / SMALL.num_params == 18
+    lay32 = LearnerLayout(dp=1, dtype="fp32", use_distributed_optimizer=False, reference_model=False)
+    led32 = learner_ledger(SMALL, lay32, reserve_fraction=0.0)
+    per_param32 = sum(led32.items[k] for k in ("weights", "grads", "master_weights", "optimizer_states"))
+    assert per_param32 / SMALL.num_params == 16
+
+
+def test_kv_cache_formula():
+    roll = RolloutLayout(tp=2, max_num_seqs=8, max_model_len=100, dtype="bf16")
+    # 2 * B * L * H_kv * d * T * bytes / TP = 2*8*2*2*16*100*2/2
+    assert kv_cache_bytes(SMALL, roll) == 2 * 8 * 2 * 2 * 16 * 100 * 2 / 2
+
+
+def test_7b_does_not_fit_one_small_gpu_and_names_largest_item():
+    qwen7b = ModelDims(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                       num_heads=28, num_kv_heads=4, head_dim=128)
+    lay = LearnerLayout(tp=1, pp=1, dp=1, use_distributed_optimizer=False)
+    roll = RolloutLayout(tp=1, groups=1)
+    led, rled = learner_ledger(qwen7b, lay, 0.15), rollout_ledger(qwen7b, roll, 0.15)
+    verdicts = {v.placement: v for v in compare_placements(led, rled, lay, roll, gpu_memory_gib=80, gpus_available=8)}
+    assert not verdicts["colocated"].fits and not verdicts["disaggregated"].fits
+    assert verdicts["colocated"].largest_item == "learner/optimizer_states"
+    # Sharding the optimizer over 8 ranks with TP=2 (4 DP) brings it within 80 GiB.
+    lay8 = LearnerLayout(tp=2, pp=1, dp=4, use_distributed_optimizer=True, activation_checkpointing=True)
+    roll8 = RolloutLayout(tp=2, groups=4, max_num_seqs=64, max_model_len=2048)
+    led8, rled8 = learner_ledger(qwen7b, lay8, 0.15), rollout_ledger(qwen7b, roll8, 0.15)
+    col = compare_placements(led8, rled8, lay8, roll8, gpu_memory_gib=80, gpus_available=8)
+    assert col[1].placement == "colocated" and col[1].fits and col[1].peak_bytes_per_gpu < 80 * GIB
