@@ -38,7 +38,7 @@ import hashlib
 import json
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -244,8 +244,10 @@ def make_trajectory(
 
 
 def validate(traj: Any, *, tokenizer_hash: str | None = None, current_version: int | None = None,
-             check_checksum: bool = True) -> None:
+             check_checksum: bool = True) -> tuple[int, int]:
     """Check the contract; raise TrajectoryError(reason, message) on the first violation.
+
+    Returns (oldest, newest) policy version of the response tokens.
 
     Checks, in order: schema, length, logprobs, status/reward, version, tokenizer, checksum.
     With check_checksum=False the caller verifies it afterwards with `verify_checksum`.
@@ -295,6 +297,7 @@ def validate(traj: Any, *, tokenizer_hash: str | None = None, current_version: i
                                            f"is not the run's {tokenizer_hash[:12]!r}")
     if check_checksum:
         verify_checksum(traj)
+    return oldest, newest
 
 
 def verify_checksum(traj: Trajectory, wire: bytes | None = None) -> None:

@@ -93,17 +93,22 @@ def fill_from_hf(model, cfg, ckpt, tp_rank: int, tp: int, padded_vocab: int, pro
         del full
         if progress is not None:
             progress(group, i + 1, len(stage_groups))
+    if filled != len(params):
+        raise ValueError(f"filled {filled} of the stage's {len(params)} parameters from the HF checkpoint")
     return filled
 
 
 def save_model(model, weights_dir: Path) -> None:
     """Write this stage's shards into a distributed checkpoint (collective over all ranks)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     weights_dir = Path(weights_dir)
     weights_dir.mkdir(parents=True, exist_ok=True)
+    # One writer process per rank (default 2): conversion ranks already fill the CPU cores.
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
     with _children_allowed():
-        dist_checkpointing.save(_unwrap(model).sharded_state_dict(), str(weights_dir))
+        dist_checkpointing.save(_unwrap(model).sharded_state_dict(), str(weights_dir), sharded_strategy=strategy)
 
 
 @contextlib.contextmanager

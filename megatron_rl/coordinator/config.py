@@ -41,7 +41,9 @@ class CoordinatorConfig:
     wal_path: str = ""
     """SQLite write-ahead log file; empty keeps the queue in memory only (no durability)."""
     wal_synchronous: Literal["FULL", "NORMAL"] = "FULL"
-    """SQLite synchronous mode: FULL fsyncs every commit (survives power loss); NORMAL survives process kill only."""
+    """SQLite synchronous: FULL fsyncs each commit (survives power loss); NORMAL only a process kill (faster).
+
+    FULL is the default because a consumption rolled back by a power loss could be taken twice."""
     compact_every: int = 256
     """Compact the log after this many logged batch operations."""
     take_replay_window: int = 8

@@ -14,6 +14,9 @@ one transaction per call before the call returns, and a new queue on the same fi
 where the last one stopped (TTL re-evaluated).  `actor.py` wraps this class in Ray.
 
 Version lag (dv) is measured from a trajectory's OLDEST per-token policy version.
+Compaction forgets a finished id once its oldest version lags the learner by more than
+`max_version_lag`; a copy re-sent after that is still never consumed: the version TTL drops
+it on arrival (counted as dropped/version_lag rather than as a duplicate).
 """
 
 from __future__ import annotations
@@ -151,8 +154,8 @@ class TrajectoryQueue:
         blobs: dict[str, bytes] = {}
         for traj in trajs:
             try:
-                validate(traj, tokenizer_hash=self.tokenizer_hash, current_version=self._version,
-                         check_checksum=False)
+                oldest, newest = validate(traj, tokenizer_hash=self.tokenizer_hash, current_version=self._version,
+                                          check_checksum=False)
                 blob = traj.to_bytes() if self._wal is not None else None
                 verify_checksum(traj, blob)
             except TrajectoryError as err:
@@ -166,7 +169,7 @@ class TrajectoryQueue:
                 result.duplicates.append(tid)
                 self._counters["duplicates"] += 1
                 continue
-            entry = _Entry(traj, self._next_seq + len(new), now, traj.oldest_version, int(traj.policy_versions.max()))
+            entry = _Entry(traj, self._next_seq + len(new), now, oldest, newest)
             reason = self._drop_reason(entry, now)
             if reason is None and per_prompt is not None:
                 reason = "quota_prompt" if per_prompt[traj.prompt_id] >= self.config.max_queued_per_prompt else None
@@ -182,7 +185,6 @@ class TrajectoryQueue:
                 per_source[traj.source] += 1
             new[tid] = entry
             blobs[tid] = blob
-            self._counters[f"status/{traj.status}"] += 1
         rows = [(e.seq, tid, e.enqueued_at, e.min_version, blobs[tid]) for tid, e in new.items()] \
             if self._wal is not None else []
         with self._atomic():
@@ -190,6 +192,7 @@ class TrajectoryQueue:
             self._next_seq += len(new)
             self._queue.update(new)
             self._counters["accepted"] += len(new)
+            self._counters.update(f"status/{e.traj.status}" for e in new.values())
             result.position = self._commit(enqueued=rows, finished=finished)
         result.accepted = list(new)
         self._maybe_compact(force=False)
@@ -225,11 +228,12 @@ class TrajectoryQueue:
             for tid in ids:
                 del self._queue[tid]
             self._counters["consumed"] += len(ids)
-            take = (request_id, ids, probs) if request_id is not None else None
+            # An empty take consumed nothing: a retry with the same request id may take afresh.
+            take = (request_id, ids, probs) if request_id is not None and ids else None
             self._commit(finished=finished, take=take)
         self._starving = len(batch) < n
         self._maybe_compact(force=False)
-        if request_id is not None:
+        if take is not None:
             self._remember_take(request_id, batch)
         return batch
 
@@ -326,7 +330,11 @@ class TrajectoryQueue:
                 continue
             self._queue[tid] = _Entry(traj, seq, enqueued_at, traj.oldest_version, int(traj.policy_versions.max()))
         for request_id, ids, probs in state.takes:
-            batch = [Trajectory.from_bytes(state.payloads[tid]) for tid in ids]
+            try:
+                batch = [Trajectory.from_bytes(state.payloads[tid]) for tid in ids]
+            except (KeyError, TrajectoryError) as err:
+                logger.error("WAL replay: take %r cannot be replayed (%r); a retry will take afresh", request_id, err)
+                continue
             batch = [t if p is None else dataclasses.replace(t, sampling_probability=p) for t, p in zip(batch, probs)]
             self._remember_take(request_id, batch)
         n_queued = len(self._queue)

@@ -2,13 +2,15 @@
 
     wal = WriteAheadLog("run/queue.db", synchronous="FULL")
     state = wal.load()                       # what the last process left behind
-    wal.commit(enqueued=[...], consumed=[...], dropped=[...], take=..., meta={...})
+    wal.commit(enqueued=[row, ...], finished=[row, ...], take=(request_id, ids, probs), meta={...})
     wal.compact(current_version=7, max_version_lag=1, keep_takes=8)
 
 One `commit` is one SQLite transaction, so a batch call (put_many, take) costs one commit.
-The queue acknowledges only after `commit` returns.  Journal mode is WAL; `synchronous`
-FULL fsyncs the log at every commit (an acknowledged trajectory survives power loss),
-NORMAL only guarantees survival of a process kill (the OS still holds the pages).
+The queue acknowledges only after `commit` returns.  Journal mode is WAL: a commit is one
+sequential append to the -wal file (a rollback journal needs two fsyncs per commit).
+`synchronous=FULL` (default) fsyncs that append at every commit, so an acknowledged
+trajectory or consumption survives power loss; NORMAL skips it and only guarantees survival
+of a process kill (the OS still holds the pages); both pass the SIGKILL test.
 
 Tables:
     traj  (seq, id, enqueued_at, min_version, payload)  every accepted trajectory's bytes
@@ -17,8 +19,8 @@ Tables:
     takes (request_id, pos, ids, probs)                 recent take batches, for replay
     meta  (key, value)                                  position, version, counters
 A trajectory is queued iff its `traj` row has no `done` row (matched by seq; the queue
-keeps ids unique, so `traj.id` needs no index).  `position` counts
-commits; checkpoints record it.  Compaction deletes the payloads of finished trajectories
+keeps ids unique, so `traj.id` needs no index).  `position` counts commits; checkpoints
+record it.  Compaction deletes the payloads of finished trajectories
 (except those of the last `keep_takes` takes) and forgets finished ids once they are too
 old to pass the version TTL again, so the file stays bounded.
 """

@@ -97,6 +97,7 @@ class Learner:
             fp16=self.platform.dtype == torch.float16,
         )
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        _patch_torch_adam_state_loading(self.optimizer)
         self.scheduler = self._build_scheduler()
         # What Megatron's schedules read from the model config during forward_backward.
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -244,6 +245,8 @@ class Learner:
     def sharded_state_dict(self, is_loading: bool = False) -> dict:
         """Megatron dist_checkpointing form (save at one layout, load at another)."""
         model_sd = self.model[0].module.sharded_state_dict()
+        if is_loading:
+            self._materialize_optimizer_state()
         if self.cfg.use_distributed_optimizer:
             optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                          metadata=self.OPTIMIZER_CKPT_METADATA)
@@ -251,6 +254,41 @@ class Learner:
             optim_sd = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
         return {"model": model_sd, "optimizer": optim_sd,
                 "scheduler": self.scheduler.state_dict(), "step": self.step}
+
+    def _materialize_optimizer_state(self) -> None:
+        """Give every parameter Adam state (zeros, step 0) before a checkpoint is loaded into it.
+
+        Without Apex/TE, Megatron wraps torch.optim.Adam, whose state is empty until the first
+        step; the distributed optimizer's state_dict() (used to build the loading template)
+        then fails on the missing 'step'.  The loaded checkpoint overwrites these values.
+        """
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    state = inner.state[p]
+                    if not state:
+                        state["exp_avg"] = torch.zeros_like(p.data)
+                        state["exp_avg_sq"] = torch.zeros_like(p.data)
+                    state.setdefault("step", torch.tensor(0.0))
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Load what dist_checkpointing.load returned for `sharded_state_dict(is_loading=True)`."""
+        self.model[0].module.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._unshare_adam_steps()
+
+    def _unshare_adam_steps(self) -> None:
+        """Give each parameter its own Adam 'step' tensor after a load.
+
+        Megatron restores torch Adam's step by assigning ONE tensor to every parameter's state;
+        torch's Adam then increments it in place once per parameter, so bias correction would
+        run ahead after a resume.  A private copy per parameter restores torch's semantics.
+        """
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for state in opt.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
 
     def load_state_dict(self, state: dict) -> None:
         self.model[0].module.load_state_dict(state["model"])
@@ -263,3 +301,31 @@ class Learner:
         if self._owns_parallel:
             destroy_parallel()
             self._owns_parallel = False
+
+
+def _patch_torch_adam_state_loading(optimizer) -> None:
+    """Let Megatron-Core 0.16's distributed optimizer load checkpoints into torch.optim.Adam.
+
+    Without Apex/TE the inner optimizer is torch's Adam, whose per-parameter state carries a
+    'step' tensor.  `load_parameter_state_from_fully_reshardable` leaves 'step' out of the
+    tensors it hands to `_set_main_param_and_optimizer_states` (step is restored from the
+    param groups instead), but that method copies every key of the *destination* state and
+    fails with KeyError('step').  Copy the keys that were loaded instead.  Only applied where
+    the inner optimizer is torch's Adam; Apex/TE optimizers keep Megatron's method.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(opt.optimizer, torch.optim.Adam):
+            continue
+        if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue
+
+        def set_states(model_param, tensors, _opt=opt):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            dst = {"param": main_param, **_opt.optimizer.state[main_param]}
+            for key, value in tensors.items():
+                dst[key].copy_(value)
+
+        opt._set_main_param_and_optimizer_states = set_states

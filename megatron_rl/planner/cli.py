@@ -37,7 +37,9 @@ def plan_for_config(cfg) -> dict:
                          max_num_seqs=max_seqs, max_model_len=rc.max_model_len)
     reserve = cfg.cluster.reserve_fraction
     led, rled = learner_ledger(model, lay, reserve), rollout_ledger(model, roll, reserve)
-    verdicts = compare_placements(led, rled, lay, roll, cfg.cluster.gpu_memory_gib, cfg.cluster.gpus)
+    # Colocated roles only free vLLM's memory between turns when its sleep mode is enabled.
+    sleep = bool(rc.engine_options.get("enable_sleep_mode", False))
+    verdicts = compare_placements(led, rled, lay, roll, cfg.cluster.gpu_memory_gib, cfg.cluster.gpus, sleep_mode=sleep)
     return {
         "model_params": model.num_params,
         "gpu_memory_gib": cfg.cluster.gpu_memory_gib,

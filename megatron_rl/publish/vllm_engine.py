@@ -37,10 +37,22 @@ log = logging.getLogger(__name__)
 BACKEND = "megatron_rl_gloo"
 
 
+def enable_cpu_amx() -> None:
+    """Ask Linux for AMX tile permission in this process (CPU only; harmless elsewhere).
+
+    vLLM worker processes started with "spawn" (always, inside Ray actors) otherwise die
+    with SIGILL in the CPU attention kernels on AMX machines: the permission is per
+    process and only inherited through fork.
+    """
+    if not torch.cuda.is_available() and hasattr(torch.cpu, "_init_amx"):
+        torch.cpu._init_amx()
+
+
 def register() -> None:
     """Register the gloo backend with vLLM's factory (idempotent: plugins load repeatedly)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
+    enable_cpu_amx()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
 

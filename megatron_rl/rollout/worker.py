@@ -19,6 +19,7 @@ in-flight-update scheme can keep the same sample contract.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -63,16 +64,29 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     )
     if on_gpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    # Importing the extension in each vLLM worker registers the gloo backend there and
+    # requests AMX permission (spawned CPU workers die with SIGILL without it).
+    kwargs["worker_extension_cls"] = "megatron_rl.publish.vllm_engine.PublicationWorkerExtension"
     if cfg.weight_transfer == "gloo":
         from megatron_rl.publish.vllm_engine import BACKEND
 
         kwargs["weight_transfer_config"] = {"backend": BACKEND}
-        # Importing the extension in each vLLM worker also registers the gloo backend there.
-        kwargs["worker_extension_cls"] = "megatron_rl.publish.vllm_engine.PublicationWorkerExtension"
     elif cfg.weight_transfer == "nccl":
         kwargs["weight_transfer_config"] = {"backend": "nccl"}
     kwargs.update(cfg.engine_options)
     return kwargs
+
+
+def eos_token_ids(model_dir: str) -> list[int]:
+    """EOS ids from generation_config.json, else config.json (int or list), else []."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []
 
 
 class RolloutWorker:
@@ -93,6 +107,8 @@ class RolloutWorker:
         started = time.perf_counter()
         self.llm = LLM(**llm_kwargs(self.config, on_gpu))
         self.version = 0
+        # Without a tokenizer vLLM does not know EOS: stop on the checkpoint's eos ids.
+        self.eos_token_ids = eos_token_ids(self.config.model)
         log.info("vLLM engine for %s (TP=%d) up in %.1f s", self.config.model,
                  self.config.tensor_parallel_size, time.perf_counter() - started)
 
@@ -125,6 +141,8 @@ class RolloutWorker:
             if not p or not all(isinstance(t, int) and t >= 0 for t in p):
                 raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r:.80}")
         params = {**self.sampling_defaults(), **(sampling or {})}
+        if not params["ignore_eos"]:
+            params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(self.eos_token_ids))
         per_prompt = []
         for i in range(len(prompts)):
             seed = None if params["seed"] is None else params["seed"] + i

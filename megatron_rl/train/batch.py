@@ -76,5 +76,7 @@ def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_bat
         "advantages": advantages,
         "token_denominator": max(total_tokens, 1.0) / micro_batches,
     }
+    # Groups of unequal size are padded in the [N, G] matrix; count real samples only.
+    stats["invalid_samples"] = float(sum(not t.in_loss for t in trajs))
     stats.update(tokens_in_loss=total_tokens, informative_tokens=informative_tokens, sequences=float(b))
     return batch, stats

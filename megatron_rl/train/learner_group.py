@@ -1,6 +1,6 @@
 """The learner ranks as Ray actors: one `LearnerWorker` per torch.distributed rank, driven SPMD.
 
-    group = LearnerGroup(cfg, hf_dir, world_size=tp*pp*dp, placement_group=pg)
+    group = LearnerGroup(learner_cfg=..., loss_cfg=..., hf_dir=..., data_parallel_size=dp, placement=place.learner)
     metrics = group.train_step(batch)            # every rank gets the same global batch
     logprobs_bt = group.forward_logprobs(tokens_bt)
     group.save(ckpt_dir); group.load(ckpt_dir)
@@ -37,8 +37,21 @@ def seed_everything(seed: int, deterministic: bool, threads: int) -> None:
 class LearnerWorker:
     """One learner rank (wrapped by ray.remote in LearnerGroup)."""
 
-    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int,
-                 learner_cfg, loss_cfg, hf_dir: str, seed: int, deterministic: bool, threads: int):
+    def __init__(self, *, rank: int, world_size: int, learner_cfg, loss_cfg, hf_dir: str, seed: int,
+                 deterministic: bool, threads: int):
+        self.rank, self.world_size = rank, world_size
+        self._args = (learner_cfg, loss_cfg, hf_dir, seed, deterministic, threads)
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(this node's IP, a free port): rank 0 hosts the torch.distributed rendezvous."""
+        import ray
+
+        from megatron_rl.platform.spawn import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join torch.distributed, build the learner and load the initial policy."""
         from megatron_rl.conversion.hf_io import HFCheckpoint
         from megatron_rl.conversion.model_io import fill_from_hf
         from megatron_rl.learner import Learner
@@ -46,12 +59,12 @@ class LearnerWorker:
         from megatron_rl.platform import detect_platform
         from megatron_rl.platform.parallel import init_distributed
 
+        learner_cfg, loss_cfg, hf_dir, seed, deterministic, threads = self._args
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         seed_everything(seed, deterministic, threads)
-        self.rank, self.world_size = rank, world_size
         self.loss_cfg = loss_cfg
         self.platform = detect_platform(dtype=learner_cfg.dtype)
-        init_distributed(self.platform, rank=rank, world_size=world_size)
+        init_distributed(self.platform, rank=self.rank, world_size=self.world_size)
         self.hf_cfg = load_hf_config(hf_dir)
         self.learner = Learner(learner_cfg, self.hf_cfg, self.platform)
         from megatron.core import parallel_state as ps
@@ -66,6 +79,7 @@ class LearnerWorker:
             self.learner.optimizer.reload_model_params()
         self.hf_dir, self._ckpt = hf_dir, ckpt
         self.reference = self._build_reference() if loss_cfg.kl_coef > 0 else None
+        return self.rank
 
     def _build_reference(self):
         """A frozen copy of the initial policy, same layout, forward only."""
@@ -78,9 +92,6 @@ class LearnerWorker:
         fill_from_hf(ref, self.hf_cfg, self._ckpt, self.tp_rank, lc.tensor_model_parallel_size, self.padded_vocab)
         ref.requires_grad_(False)
         return ref
-
-    def ready(self) -> int:
-        return self.rank
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -208,8 +219,7 @@ class LearnerWorker:
         sd = self.learner.sharded_state_dict(is_loading=True)
         sd.pop("scheduler"), sd.pop("step")
         state = dist_checkpointing.load(sd, weights_dir, strict="raise_all")
-        self.learner.model[0].module.load_state_dict(state["model"], strict=False)
-        self.learner.optimizer.load_state_dict(state["optimizer"])
+        self.learner.load_sharded_state_dict(state)
         extra = torch.load(Path(weights_dir) / f"extra_rank{self.rank:05d}.pt", weights_only=False)
         self.learner.scheduler.load_state_dict(extra["scheduler"])
         self.learner.step = int(extra["step"])
@@ -220,29 +230,20 @@ class LearnerGroup:
     """All learner ranks, driven in lock step; methods return rank 0's answer."""
 
     def __init__(self, *, learner_cfg, loss_cfg, hf_dir: str, data_parallel_size: int, seed: int,
-                 deterministic: bool, threads: int, num_cpus_per_rank: float = 0.5, num_gpus_per_rank: float = 0.0,
-                 placement_group=None):
+                 deterministic: bool, threads: int, placement=None):
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from megatron_rl.platform.spawn import free_port
 
         world = learner_cfg.tensor_model_parallel_size * learner_cfg.pipeline_model_parallel_size
-        world *= data_parallel_size
-        self.world_size = world
-        addr = ray.util.get_node_ip_address()
-        port = free_port()
+        self.world_size = world * data_parallel_size
         cls = ray.remote(LearnerWorker)
-        self.workers = []
-        for rank in range(world):
-            opts: dict = {"num_cpus": num_cpus_per_rank, "num_gpus": num_gpus_per_rank}
-            if placement_group is not None:
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=rank)
-            self.workers.append(cls.options(**opts).remote(
-                rank=rank, world_size=world, master_addr=addr, master_port=port, learner_cfg=learner_cfg,
-                loss_cfg=loss_cfg, hf_dir=hf_dir, seed=seed, deterministic=deterministic, threads=threads))
-        ray.get([w.ready.remote() for w in self.workers])
+        self.workers = [
+            cls.options(**(placement(rank) if placement else {"num_cpus": 0})).remote(
+                rank=rank, world_size=self.world_size, learner_cfg=learner_cfg, loss_cfg=loss_cfg, hf_dir=hf_dir,
+                seed=seed, deterministic=deterministic, threads=threads)
+            for rank in range(self.world_size)
+        ]
+        addr, port = ray.get(self.workers[0].rendezvous_address.remote())
+        ray.get([w.setup.remote(addr, port) for w in self.workers])
 
     def _all(self, method: str, *args) -> list:
         import ray

@@ -51,6 +51,7 @@ class Roles:
     learner: object
     metrics: object
     own_ray: bool
+    placement: object
     telemetry: Telemetry = dataclasses.field(default_factory=Telemetry)
     initial_eval: float | None = None
     _producer: Producer | None = None
@@ -68,6 +69,7 @@ class Roles:
         from megatron_rl.models.tokenizer import tokenizer_hash
         from megatron_rl.reward.pool import VerifierPool
         from megatron_rl.train.learner_group import LearnerGroup, seed_everything
+        from megatron_rl.train.placement import Placement
         from megatron_rl.train.rollout_fleet import RolloutFleet
 
         run_dir = Path(cfg.run.dir).resolve()
@@ -90,17 +92,21 @@ class Roles:
         restore_queue_snapshot(run_dir, cfg)
         coord_cfg = dataclasses.replace(cfg.coordinator, wal_path=str(run_dir / QUEUE_DB))
         coordinator = start_coordinator(coord_cfg, tokenizer_hash=tok_hash)
+        lc = cfg.learner
+        ranks = lc.tensor_model_parallel_size * lc.pipeline_model_parallel_size * cfg.run.learner_data_parallel_size
+        place = Placement.create(cfg, ranks)
         rollout_cfg = dataclasses.replace(cfg.rollout, model=str(model_dir))
-        fleet = RolloutFleet(rollout_cfg, num_groups=cfg.run.rollout_groups)
-        learner = LearnerGroup(learner_cfg=cfg.learner, loss_cfg=cfg.loss, hf_dir=str(model_dir),
-                               data_parallel_size=cfg.run.learner_data_parallel_size, seed=cfg.learner.seed,
-                               deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads)
+        fleet = RolloutFleet(rollout_cfg, num_groups=cfg.run.rollout_groups, placement=place.rollout)
+        learner = LearnerGroup(learner_cfg=lc, loss_cfg=cfg.loss, hf_dir=str(model_dir),
+                               data_parallel_size=cfg.run.learner_data_parallel_size, seed=lc.seed,
+                               deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads,
+                               placement=place.learner)
         learner.connect_rollout(fleet.workers, bucket_bytes=cfg.run.publish_bucket_mib << 20)
         verifier = VerifierPool(cfg.reward)
         metrics = MetricsLogger(run_dir / "metrics")
         return cls(cfg=cfg, run_dir=run_dir, model_dir=model_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
                    splits=splits, template=template, cursor=cursor, coordinator=coordinator, fleet=fleet,
-                   verifier=verifier, learner=learner, metrics=metrics, own_ray=own_ray)
+                   verifier=verifier, learner=learner, metrics=metrics, own_ray=own_ray, placement=place)
 
     def producer(self) -> Producer:
         self._producer = Producer(self)
@@ -168,33 +174,12 @@ class Roles:
 
     def score(self, step: int, samples: list) -> tuple[list, float]:
         """Grade every sample in the verifier pool; build contract-complete trajectories."""
-        from megatron_rl.trajectory import make_trajectory
-
         t0 = time.perf_counter()
         texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
         scores = self.verifier.score(texts, [s.extra["answer"] for s in samples],
                                      [len(s.response_tokens) for s in samples])
-        scored_at = time.time()
-        trajs = []
-        group_index: dict[str, int] = {}
-        for s, sc in zip(samples, scores):
-            key = f"r{s.extra['round']:06d}/{s.extra['prompt_id']}"
-            i = group_index[key] = group_index.get(key, -1) + 1
-            components = {} if not sc.ok else {
-                "correctness": sc.correctness, "format": sc.format, "overlong": sc.overlong}
-            if sc.ok and self.cfg.reward.correctness_only:
-                components = {"correctness": sc.correctness}
-            if sc.ok:  # weights applied so the components sum to the verifier's reward
-                components = weighted_components(components, self.cfg.reward)
-            trajs.append(make_trajectory(
-                id=f"{key}/{i}", prompt_id=s.extra["prompt_id"],
-                dataset_version=self.splits["train"].dataset_version, policy_versions=s.policy_versions,
-                tokenizer_hash=self.tokenizer_hash, prompt_tokens=s.prompt_tokens,
-                response_tokens=s.response_tokens, behavior_logprobs=s.behavior_logprobs,
-                sampling_config=s.sampling, reward_components=components, grader_version=sc.grader_version,
-                terminal_reason=s.finish_reason, rollout_started_at=s.started_at, scored_at=scored_at,
-                status="ok" if sc.ok else "verifier_error", error_code=sc.error or "",
-            ))
+        trajs = to_trajectories(samples, scores, reward_cfg=self.cfg.reward, tokenizer_hash=self.tokenizer_hash,
+                                dataset_version=self.splits["train"].dataset_version)
         return trajs, time.perf_counter() - t0
 
     def enqueue(self, trajs: list, leases: list[str] | None = None) -> dict:
@@ -280,7 +265,8 @@ class Roles:
 
         if self._producer is not None:
             self._producer.stop()
-        for closer in (self.metrics.close, self.verifier.close, self.fleet.shutdown, self.learner.shutdown):
+        for closer in (self.metrics.close, self.verifier.close, self.fleet.shutdown, self.learner.shutdown,
+                       self.placement.remove):
             try:
                 closer()
             except Exception as err:  # shutting down: report, keep closing the rest
@@ -325,6 +311,37 @@ def load_data(cfg: TrainConfig):
     if cfg.data.template is not None:
         template = PromptTemplate(cfg.data.template)
     return splits, template
+
+
+def to_trajectories(samples: list, scores: list, *, reward_cfg, tokenizer_hash: str, dataset_version: str) -> list:
+    """Rollout samples + verifier scores -> Trajectories (ids '<round>/<prompt_id>/<i>').
+
+    A sample whose grading failed (timeout, crash) keeps no reward at all: status
+    'verifier_error' with the error code, so it is excluded from the loss and counted.
+    """
+    from megatron_rl.trajectory import make_trajectory
+
+    scored_at = time.time()
+    trajs = []
+    index: dict[str, int] = {}
+    for s, sc in zip(samples, scores, strict=True):
+        key = f"r{s.extra['round']:06d}/{s.extra['prompt_id']}"
+        i = index[key] = index.get(key, -1) + 1
+        components = {}
+        if sc.ok:
+            raw = {"correctness": sc.correctness} if reward_cfg.correctness_only else {
+                "correctness": sc.correctness, "format": sc.format, "overlong": sc.overlong}
+            components = weighted_components(raw, reward_cfg)  # sums to the verifier's reward
+        trajs.append(make_trajectory(
+            id=f"{key}/{i}", prompt_id=s.extra["prompt_id"], dataset_version=dataset_version,
+            policy_versions=s.policy_versions, tokenizer_hash=tokenizer_hash, prompt_tokens=s.prompt_tokens,
+            response_tokens=s.response_tokens, behavior_logprobs=s.behavior_logprobs, sampling_config=s.sampling,
+            reward_components=components, grader_version=sc.grader_version, terminal_reason=s.finish_reason,
+            rollout_started_at=s.started_at, scored_at=scored_at,
+            status="ok" if sc.ok else ("verifier_timeout" if sc.error == "timeout" else "verifier_error"),
+            error_code=sc.error or "",
+        ))
+    return trajs
 
 
 def weighted_components(components: dict, reward_cfg) -> dict:

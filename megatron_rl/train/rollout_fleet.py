@@ -36,9 +36,7 @@ class RolloutFleet:
         actor = ray.remote(RolloutWorker)
         self.workers = []
         for g in range(num_groups):
-            opts: dict = {"num_cpus": cfg.num_cpus}
-            if placement is not None:
-                opts.update(placement(g))
+            opts = placement(g) if placement is not None else {"num_cpus": cfg.num_cpus}
             self.workers.append(actor.options(**opts).remote(dataclasses.asdict(cfg)))
         ray.get([w.policy_version.remote() for w in self.workers])  # engines are up
 

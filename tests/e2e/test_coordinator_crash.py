@@ -37,7 +37,7 @@ def traj(tid):
 @pytest.fixture
 def ray_session():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 
@@ -66,8 +66,9 @@ def test_sigkill_loses_nothing_and_consumes_nothing_twice(ray_session, tmp_path)
 
     def consume():
         step = 0
+        deadline = time.time() + 300
         try:
-            while True:
+            while time.time() < deadline:
                 with lock:
                     done = not producing.is_set() and acked <= set(received)
                 if done:
@@ -96,9 +97,11 @@ def test_sigkill_loses_nothing_and_consumes_nothing_twice(ray_session, tmp_path)
     producing.clear()
     consumer.join(timeout=300)
     assert not errors, errors
+    assert not consumer.is_alive() and not any(t.is_alive() for t in producers)
     assert len(set(pids)) == 3, f"the actor was not restarted: pids {pids}"
     queued = ray.get(coord.queued_ids.remote(), timeout=120)
     assert len(acked) == PRODUCERS * BATCHES * BATCH
     assert len(received) == len(set(received)), "a trajectory was consumed twice"
     assert not acked - set(received) - set(queued), "acknowledged trajectories were lost"
+    assert acked == set(received) and not queued  # the consumer drained everything
     assert ray.get(coord.position.remote()) > 0

@@ -146,6 +146,8 @@ def test_take_with_request_id_replays_the_same_batch():
     assert [t.id for t in q.take(2, request_id="step-1")] == [t.id for t in first] == ["t0", "t1"]
     assert [t.id for t in q.take(2, request_id="step-2")] == ["t2", "t3"]
     assert len(q) == 2 and q.metrics()["queue/consumed"] == 4
+    assert q.take(2, request_id="step-3", min_version=5, max_version=5) == []  # nothing consumed ...
+    assert [t.id for t in q.take(2, request_id="step-3")] == ["t4", "t5"]  # ... so a retry takes afresh
 
 
 def test_rejections_are_counted_and_returned_not_stored():

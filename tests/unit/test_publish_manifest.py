@@ -1,0 +1,78 @@
+"""Publication manifest: bucket planning, packing, checksums, serialisation.
+
+    python -m pytest tests/unit/test_publish_manifest.py -q
+"""
+
+import pytest
+import torch
+
+from megatron_rl.publish.manifest import (
+    PublicationError,
+    PublicationManifest,
+    flatten_groups,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+    verify_bucket,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("model.embed_tokens.weight", torch.randn(8, 4, generator=g)),  # 128 B
+        ("model.layers.0.q.weight", torch.randn(4, 4, generator=g).to(torch.bfloat16)),  # 32 B
+        ("model.layers.0.q.bias", torch.randn(4, generator=g)),  # 16 B
+        ("model.norm.weight", torch.randn(300, generator=g)),  # 1200 B, bigger than a bucket
+    ]
+
+
+def test_plan_buckets_respects_size_and_order():
+    buckets = list(plan_buckets(_tensors(), bucket_bytes=160))
+    names = [[n for n, _ in b] for b in buckets]
+    assert names == [
+        ["model.embed_tokens.weight", "model.layers.0.q.weight"],
+        ["model.layers.0.q.bias"],
+        ["model.norm.weight"],
+    ]
+    with pytest.raises(ValueError, match="appears twice"):
+        list(plan_buckets(_tensors() + _tensors()[:1], 160))
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        list(plan_buckets(_tensors(), 0))
+
+
+def test_flatten_groups_accepts_pairs_and_groups():
+    t = _tensors()
+    assert [n for n, _ in flatten_groups([t[:2], t[2:]])] == [n for n, _ in t]
+    assert [n for n, _ in flatten_groups(iter(t))] == [n for n, _ in t]
+
+
+@pytest.mark.parametrize("algo", ["crc32", "sha256"])
+def test_pack_unpack_roundtrip_and_corruption(algo):
+    items = _tensors()[:3]
+    spec, buf = pack_bucket(0, items, algo)
+    assert spec.nbytes == buf.numel() == 128 + 32 + 16
+    assert verify_bucket(spec, buf, algo) is None
+    for (name, ref), (got_name, got) in zip(items, unpack_bucket(spec, buf)):
+        assert name == got_name and got.dtype == ref.dtype and torch.equal(got, ref)
+    buf[37] ^= 1
+    problem = verify_bucket(spec, buf, algo)
+    assert problem is not None and "bucket 0" in problem and "model.embed_tokens.weight" in problem
+    with pytest.raises(PublicationError, match="bucket 0"):
+        unpack_bucket(spec, buf[:-1])
+
+
+def test_manifest_roundtrip_and_validation():
+    specs = tuple(pack_bucket(i, b, "crc32")[0] for i, b in enumerate(plan_buckets(_tensors(), 160)))
+    m = PublicationManifest(version=7, checksum_algo="crc32", buckets=specs)
+    assert PublicationManifest.from_dict(m.to_dict()) == m
+    assert m.tensor_names == [n for n, _ in _tensors()]
+    assert m.nbytes == sum(t.numel() * t.element_size() for _, t in _tensors())
+    with pytest.raises(ValueError, match="checksum_algo 'md5'"):
+        PublicationManifest(version=1, checksum_algo="md5", buckets=specs)
+    with pytest.raises(ValueError, match="indices"):
+        PublicationManifest(version=1, checksum_algo="crc32", buckets=specs[1:])
+    with pytest.raises(ValueError, match="malformed"):
+        PublicationManifest.from_dict({"version": 1})

@@ -1,0 +1,80 @@
+"""Bad input to `megatron-rl train` is a clear error before any work starts (dry-run path).
+
+Each case runs the real CLI entry point in-process with --dry-run: no Ray, vLLM or Megatron
+is started, and the error message must name what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.cli import main
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny_cpu.yaml")
+
+
+def dry_run(capsys, *overrides: str) -> tuple[int, str, str]:
+    code = main(["train", "--config", TINY, "--dry-run", *overrides])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_valid_config_prints_the_plan(capsys, tmp_path):
+    code, out, _ = dry_run(capsys, f"run.dir={tmp_path}")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["mode"] == "sync" and plan["rollout"]["samples_per_step"] == 64
+    assert plan["data"]["train"] == 800 and plan["resume_from"] is None
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("learner.lr_typo=1", "learner.lr_typo"),                          # unknown key
+    ("run.steps=many", "run.steps"),                                    # wrong type
+    ("learner.tensor_model_parallel_size=3", "tensor parallel size 3"),  # 4 heads / 3
+    ("learner.pipeline_model_parallel_size=3", "pipeline parallel size 3"),  # 2 layers / 3
+    ("learner.global_batch_size=32", "learner.global_batch_size"),      # != prompts x G
+    ("run.mode=async", "coordinator.max_staleness"),                    # async with staleness 0
+    ("rollout.tensor_parallel_size=3", "rollout.tensor_parallel_size"),
+])
+def test_bad_config_is_named(capsys, override, needle):
+    code, _, err = dry_run(capsys, override)
+    assert code == 2
+    assert needle in err, err
+
+
+def test_dataset_missing_field_is_named(capsys, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n" + json.dumps({"question": "2+2"}) + "\n")
+    code, _, err = dry_run(capsys, "data.task=jsonl", f"data.train_file={data}")
+    assert code == 2
+    assert "train.jsonl:2" in err and "answer" in err, err
+
+
+def test_checkpoint_from_another_tokenizer_is_refused(capsys, tmp_path):
+    from megatron_rl.checkpoint import save_checkpoint
+    from megatron_rl.models.tiny import make_tiny_model
+
+    make_tiny_model(tmp_path / "model", arch="llama", size="tiny")
+    save_checkpoint(tmp_path / "checkpoints", 5, policy_version=5, config_hash="x",
+                    save_fn=lambda d: (d / "weights").mkdir(), tokenizer_hash="f" * 64)
+    code, _, err = dry_run(capsys, f"run.dir={tmp_path}")
+    assert code == 2
+    assert "refusing to resume across tokenizers" in err, err
+
+
+def test_planner_reports_a_layout_that_cannot_fit(capsys):
+    recipe = str(REPO / "configs" / "qwen2_7b_8gpu_colocated.yaml")
+    assert main(["plan", "--config", recipe, "--json"]) == 0
+    fits = json.loads(capsys.readouterr().out)
+    assert next(p for p in fits["placements"] if p["placement"] == "colocated")["fits"]
+    assert main(["plan", "--config", recipe, "--json", "cluster.gpu_memory_gib=24"]) == 1
+    small = json.loads(capsys.readouterr().out)
+    col = next(p for p in small["placements"] if p["placement"] == "colocated")
+    assert not col["fits"] and col["largest_item"].startswith("learner/")

@@ -1,0 +1,88 @@
+"""Trajectories -> learner batch, and what a verifier timeout does to a training step.
+
+A verifier timeout is not a zero reward: the sample is error-coded, gets no reward, is left
+out of its group's advantage statistics and out of the loss, and is counted in the metrics.
+The timeout is real (a grader test double that hangs, killed by the pool's per-call timeout).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from megatron_rl.grpo.loss import GRPOLossConfig
+from megatron_rl.reward.math_verifier import RewardConfig, score_response
+from megatron_rl.reward.pool import VerifierPool
+from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.train.batch import build_batch
+from megatron_rl.train.roles import to_trajectories
+from megatron_rl.train.telemetry import Telemetry
+
+pytestmark = pytest.mark.unit
+
+REWARD = RewardConfig(extractors=["leading_number"], format_extractors=["leading_number"], format_weight=0.5,
+                      timeout_s=1.0, num_workers=1)
+
+
+def hanging_grader(response, reference, cfg, length):
+    """Test double: the response 'HANG' never finishes grading; others grade normally."""
+    if response == "HANG":
+        time.sleep(600)
+    return score_response(response, reference, cfg, length)
+
+
+def sample(prompt, response, prompt_id, logp=-1.0):
+    now = time.time()
+    return RolloutSample(prompt_tokens=prompt, response_tokens=response, behavior_logprobs=[logp] * len(response),
+                         policy_versions=[3] * len(response), sampling={"temperature": 1.0}, finish_reason="stop",
+                         started_at=now, finished_at=now, extra={"round": 7, "prompt_id": prompt_id, "answer": "5"})
+
+
+def test_layout_of_tokens_masks_and_logprobs():
+    samples = [sample([1, 2, 3], [4, 5], "p", -0.5), sample([1, 2], [6, 7, 8], "p", -0.25)]
+    scores = [score_response(t, "5", REWARD) for t in ("5", "x")]
+    trajs = to_trajectories(samples, scores, reward_cfg=REWARD, tokenizer_hash="h", dataset_version="d")
+    assert [t.id for t in trajs] == ["r000007/p/0", "r000007/p/1"]
+    batch, stats = build_batch(trajs, pad_id=0, loss_cfg=GRPOLossConfig(), micro_batch_size=1)
+    assert batch["tokens"].tolist() == [[1, 2, 3, 4, 5], [1, 2, 6, 7, 8]]
+    # Prediction grid [B, T-1]: response token k of a P-token prompt sits at P + k - 1.
+    assert batch["loss_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+    assert batch["behavior_logprobs"].tolist() == [[0, 0, -0.5, -0.5], [0, -0.25, -0.25, -0.25]]
+    # Rewards 1.5 and 0: group mean 0.75, sample std sqrt(1.125) -> +-0.7071.
+    assert batch["advantages"].tolist() == pytest.approx([0.75 / math.sqrt(1.125), -0.75 / math.sqrt(1.125)])
+    assert stats["tokens_in_loss"] == 5 and stats["informative_tokens"] == 5
+    assert batch["token_denominator"] == pytest.approx(5 / 2)  # two micro-batches of one
+
+
+def test_verifier_timeout_is_excluded_and_counted():
+    samples = [sample([1, 2], [9], "a"), sample([1, 2], [9], "a"), sample([1, 2], [9], "a"),
+               sample([1, 3], [9], "b"), sample([1, 3], [9], "b")]
+    texts = ["5", "HANG", "1", "5", "5"]
+    with VerifierPool(REWARD, grader=hanging_grader) as pool:
+        scores = pool.score(texts, ["5"] * 5, [1] * 5)
+        counters = pool.counters()
+    assert scores[1].error == "timeout" and scores[1].reward is None
+    assert counters["timeout"] == 1
+    trajs = to_trajectories(samples, scores, reward_cfg=REWARD, tokenizer_hash="h", dataset_version="d")
+    assert trajs[1].status == "verifier_timeout" and trajs[1].error_code == "timeout"
+    assert trajs[1].reward is None and trajs[1].reward_components == {}
+    batch, stats = build_batch(trajs, pad_id=0, loss_cfg=GRPOLossConfig(), micro_batch_size=1)
+    assert batch["loss_mask"][1].sum() == 0  # excluded from the loss
+    # Group "a" is {1.5, 0.5}: the timed-out sample is not a zero pulling the mean down.
+    adv = batch["advantages"].tolist()
+    assert adv[1] == 0 and adv[0] == pytest.approx(-adv[2]) and adv[0] > 0
+    assert adv[0] == pytest.approx(0.5 / math.sqrt(0.5))
+    assert stats["invalid_samples"] == 1 and stats["zero_variance_groups"] == 1  # group "b": 1.5, 1.5
+    metrics = Telemetry().step_metrics(
+        samples, trajs, trajs, {"loss": 0.1, "grad_norm": 1.0, **{f"adv/{k}": v for k, v in stats.items()}},
+        {"rollout": 1.0, "score": 1.0, "learn": 1.0}, {"queue/depth": 0.0}, counters)
+    assert metrics["latency/verifier_timeout"] == 1
+    assert metrics["learn/invalid_samples"] == 1
+    assert metrics["learn/reward_mean"] == pytest.approx((1.5 + 0.5 + 1.5 + 1.5) / 4)  # over graded samples only
+
+
+def test_empty_batch_is_an_error():
+    with pytest.raises(ValueError, match="zero trajectories"):
+        build_batch([], pad_id=0, loss_cfg=GRPOLossConfig(), micro_batch_size=1)
