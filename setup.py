@@ -31,5 +31,9 @@ setup(
     python_requires=">=3.10",
     install_requires=BASE,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-rl=megatron_rl.cli:main"],
+        # Registers the gloo weight-transfer backend inside vLLM's engine processes.
+        "vllm.general_plugins": ["megatron_rl_gloo=megatron_rl.publish.vllm_engine:register"],
+    },
 )

@@ -73,6 +73,15 @@ CONF
   ;;
 stop)
   dir="$(realpath -m "${2:?stop needs a DIR}")"
+  if [ -f "$dir/slurmctld.pid" ] && kill -0 "$(cat "$dir/slurmctld.pid")" 2>/dev/null; then
+    # Jobs first (this cluster's jobs are all ours), so slurmd can clean up their processes.
+    export SLURM_CONF="$dir/slurm.conf"
+    jobs="$(squeue -h -o %i 2>/dev/null || true)"
+    if [ -n "$jobs" ]; then
+      scancel $jobs 2>/dev/null || true
+      for _ in $(seq 1 60); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 1; done
+    fi
+  fi
   for pidfile in "$dir/slurmd.pid" "$dir/slurmctld.pid" "$dir/munge/munged.pid"; do
     if [ -f "$pidfile" ]; then
       pid="$(cat "$pidfile")"

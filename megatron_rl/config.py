@@ -108,17 +108,25 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
-    """Read YAML `path` (optional), apply dotted `overrides`, build and validate `cls`."""
+def read_config_data(path: str | Path | None, overrides: list[str] = ()) -> dict:
+    """Plain data of YAML `path` (optional) with dotted `overrides` applied."""
     data: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({err})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
-    return from_dict(cls, apply_overrides(data, list(overrides)))
+    return apply_overrides(data, list(overrides))
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
+    """Read YAML `path` (optional), apply dotted `overrides`, build and validate `cls`."""
+    return from_dict(cls, read_config_data(path, overrides))
 
 
 def to_dict(cfg: Any) -> dict:

@@ -23,9 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-import yaml
-
-from megatron_rl.config import ConfigError, apply_overrides, from_dict
+from megatron_rl.config import ConfigError, from_dict, read_config_data
 from megatron_rl.coordinator.config import CoordinatorConfig
 from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import LearnerConfig
@@ -196,15 +194,7 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
     `rollout.model` defaults to the policy the run starts from (model.path, or the tiny model
     made in the run directory), so a config names its model once.
     """
-    data: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a mapping")
-    apply_overrides(data, list(overrides))
+    data = read_config_data(path, overrides)
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
     rollout = data.setdefault("rollout", {})
     if isinstance(rollout, dict) and "model" not in rollout:
