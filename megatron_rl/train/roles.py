@@ -203,8 +203,11 @@ class Roles:
                                                          request_id=f"step-{step}"))
             if len(batch) == need:
                 return batch
-            if batch:  # partial batches go back only by being retaken under the same request id
-                return batch
+            if batch:
+                # Rounds are produced B at a time inside the window, so a short batch means the
+                # coordinator dropped some (TTL, quota): say so rather than train on a partial step.
+                raise RuntimeError(f"step {step}: the coordinator returned {len(batch)} of {need} trajectories "
+                                   f"in versions [{window_lo}, {version}]; see queue/dropped_* metrics")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"step {step}: no trajectories within versions [{window_lo}, {version}] "
                                    f"after {self.cfg.run.take_timeout_s} s")

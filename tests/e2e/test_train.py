@@ -3,8 +3,9 @@
     python -m pytest tests/e2e/test_train.py -q
 
 Three real training runs of the tiny recipe (Megatron learner over gloo, vLLM CPU engine,
-Ray coordinator with its WAL, verifier pool): A runs 4 steps uninterrupted; B runs 2 steps,
-stops, and resumes from its checkpoint to step 4.  A and B must then agree exactly.
+Ray coordinator with its WAL, verifier pool): A runs 4 steps uninterrupted (colocated
+placement); B runs 2 steps, stops, and resumes from its checkpoint to step 4, with the
+disaggregated placement.  Placement moves actors, not numbers: A and B must agree exactly.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def _weights(ckpt_dir):
 def test_resume_is_exact(run_a, tmp_path):
     a, _ = run_a
     b = tmp_path / "run_b"
-    run_cli("train", "--config", str(TINY), f"run.dir={b}", "run.steps=2", *COMMON)
-    proc = run_cli("train", "--config", str(TINY), f"run.dir={b}", "run.steps=4", *COMMON)
+    disagg = "run.placement=disaggregated"
+    run_cli("train", "--config", str(TINY), f"run.dir={b}", "run.steps=2", disagg, *COMMON)
+    proc = run_cli("train", "--config", str(TINY), f"run.dir={b}", "run.steps=4", disagg, *COMMON)
     assert "resumed from" in proc.stderr
     rows_a = {r["step"]: r for r in read_jsonl(a / "metrics" / "metrics.jsonl") if "learn/loss" in r}
     rows_b = {r["step"]: r for r in read_jsonl(b / "metrics" / "metrics.jsonl") if "learn/loss" in r}
