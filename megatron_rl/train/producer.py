@@ -51,6 +51,9 @@ class Producer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # Data cursor as it was before each round drew its prompts: a checkpoint taken after
+        # step s resumes the cursor at round s, even if later rounds were already drawn.
+        self.cursor_before: dict[int, dict] = {}
 
     def start(self, state: TrainState) -> None:
         self._thread = threading.Thread(target=self._run, args=(state.step,), name="rollout-producer", daemon=True)
@@ -75,6 +78,8 @@ class Producer:
                 leases = self._admit(need)
                 if self._stop.is_set():
                     return
+                self.cursor_before[r] = self.roles.cursor.state_dict()
+                self.cursor_before.pop(r - 2 * (cfg.coordinator.max_staleness + 2), None)
                 prompts, extra = self.roles.next_prompts(r)
                 t0 = time.perf_counter()
                 samples = self.roles.fleet.generate(
@@ -99,6 +104,10 @@ class Producer:
             if item.index != step:
                 raise RuntimeError(f"rollout round {item.index} arrived for step {step}")
             return item.samples, item.leases, item.seconds
+
+    def cursor_for_round(self, r: int) -> dict:
+        """The data cursor a run resuming at round r must start from."""
+        return self.cursor_before.get(r, self.roles.cursor.state_dict())
 
     def stop(self) -> None:
         self._stop.set()

@@ -152,7 +152,7 @@ class Roles:
 
         path = save_checkpoint(
             ckpts, state.step, policy_version=state.version, config_hash=config_hash(self.cfg),
-            save_fn=save_fn, tokenizer_hash=self.tokenizer_hash, data_cursor=self.cursor.state_dict(),
+            save_fn=save_fn, tokenizer_hash=self.tokenizer_hash, data_cursor=self._producer.cursor_for_round(state.step),
             coordinator_log_position=position, rng_states=self.learner.rng_states(),
             extra={"initial_test_reward": self.initial_eval, "package_version": __version__},
         )
