@@ -156,7 +156,7 @@ def save_checkpoint(
     rng_states: Mapping[int, Mapping[str, Any]] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write step directory `run_dir/step_XXXXXX` by the protocol above; returns its path.
+    """Write step directory `run_dir/step_<step, 6 digits>` by the protocol above; returns its path.
 
     A committed directory for this step is never overwritten (FileExistsError); an
     uncommitted leftover of a crashed save is removed first.  If save_fn raises, the temp

@@ -17,7 +17,7 @@ import sys
 
 COMMAND_MODULES = [
     "megatron_rl.train.cli",
-    "megatron_rl.submit",
+    "megatron_rl.submit_cli",
     "megatron_rl.planner.cli",
     "megatron_rl.conversion.cli",
     "megatron_rl.models.tiny",

@@ -1,6 +1,6 @@
 """Small helpers the launch scripts call: waiting for a Ray cluster to assemble.
 
-    python -m megatron_rl.launch_support wait-ray --address HOST:PORT --nodes 2 --timeout 300
+    python -m megatron_rl.launch_cli wait-ray --address HOST:PORT --nodes 2 --timeout 300
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def wait_for_ray(address: str, nodes: int, timeout: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rl.launch_support")
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.launch_cli")
     sub = parser.add_subparsers(dest="cmd", required=True)
     wr = sub.add_parser("wait-ray", help="wait until a Ray cluster has N alive nodes")
     wr.add_argument("--address", required=True)
