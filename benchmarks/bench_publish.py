@@ -13,7 +13,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from megatron_rl.publish.trainer import free_port
+from megatron_rl.platform.spawn import free_port
 from megatron_rl.publish.wire import _bcast, open_group, receive_publication, send_publication
 
 

@@ -35,14 +35,13 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg, where)
-            except ConfigError as err:
-                errors.append(str(err))
+            except ConfigError:
+                continue
         raise ConfigError(f"{where}: {value!r} matches none of {hint}")
     if origin is typing.Literal:
         if value not in args:

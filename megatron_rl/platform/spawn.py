@@ -31,9 +31,10 @@ class DistributedChildError(RuntimeError):
     """A rank failed inside run_distributed; the message holds the child's traceback."""
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now (for a rendezvous about to be opened)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

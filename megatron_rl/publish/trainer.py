@@ -16,7 +16,6 @@ whose other ranks are every vLLM worker process of every rollout group (CPU path
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,16 +23,11 @@ from typing import Any
 
 import torch
 
+from megatron_rl.platform.spawn import free_port
 from megatron_rl.publish.manifest import DEFAULT_BUCKET_BYTES, BucketSpec, PublicationManifest
 from megatron_rl.publish.wire import open_group, send_publication
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

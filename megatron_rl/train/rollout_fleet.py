@@ -68,9 +68,6 @@ class RolloutFleet:
     def generate(self, prompts, *, n, sampling, extra) -> list[RolloutSample]:
         return self.collect(self.submit(prompts, n=n, sampling=sampling, extra=extra))
 
-    def versions(self) -> list[int]:
-        return ray.get([w.policy_version.remote() for w in self.workers])
-
     def shutdown(self) -> None:
         for w in self.workers:
             try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_rl.publish.trainer import free_port
+from megatron_rl.platform.spawn import free_port
 from megatron_rl.publish.wire import open_group, receive_publication, send_publication
 
 pytestmark = pytest.mark.dist
