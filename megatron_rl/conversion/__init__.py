@@ -5,6 +5,7 @@
     megatron-rl convert verify --hf MODEL_DIR --mcore MCORE_DIR --tp 2
 
 Modules: mapping (the shared name/layout mapping, pure), hf_io (safetensors read/write, atomic
-output dirs), model_io (a live GPTModel under canonical names, dist checkpoints, manifest),
+output dirs), dist_ckpt (Megatron-Core's torch_dist format, written and read tensor by tensor),
+model_io (a live GPTModel under canonical names, loading a checkpoint into it, manifest),
 hf_to_mcore, mcore_to_hf, verify (logit parity), cli.
 """

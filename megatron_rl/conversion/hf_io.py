@@ -3,7 +3,7 @@
     ckpt = HFCheckpoint(model_dir, cfg)          # checks every tensor's presence and shape
     tensors = ckpt.read_group("layer.3")         # {hf_name: tensor}, read on demand
     with atomic_output_dir(out, force=False) as tmp:
-        writer = HFWriter(tmp); writer.add(name, t) ...; writer.close()
+        writer = HFWriter(tmp, {name: (shape, dtype), ...}); writer.add(name, t) ...; writer.close()
     # `out` appears only when the block completes; an interrupted run leaves no `out`
 
 Single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`) checkpoints are
@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import uuid
@@ -23,7 +24,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from megatron_rl.conversion import mapping
 
@@ -105,51 +105,82 @@ class HFCheckpoint:
         return digest.hexdigest()
 
 
-class HFWriter:
-    """Write tensors one at a time into safetensors shards of at most `max_shard_bytes`.
+# safetensors dtype names (https://github.com/huggingface/safetensors, format section).
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
 
-    Holds at most one shard in memory.  close() writes the index when there is more than one
-    shard and renames a lone shard to `model.safetensors`.
+
+class HFWriter:
+    """Write a known set of tensors into safetensors shards of at most `max_shard_bytes`, streaming.
+
+    `layout` lists every tensor (name -> (shape, dtype)) in file order.  Since every size is
+    known up front, each shard's header is written first and each tensor goes straight to its
+    offset when add()ed, in any order: one tensor in memory, never a shard.  close() checks
+    that every tensor arrived and writes the index when there is more than one shard.
     """
 
-    def __init__(self, root: str | Path, max_shard_bytes: int = 4 << 30) -> None:
+    def __init__(self, root: str | Path, layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 max_shard_bytes: int = 4 << 30) -> None:
         self.root = Path(root)
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[tuple[str, list[str]]] = []
-        self.total_bytes = 0
+        shards: list[dict[str, tuple]] = [{}]
+        size = 0
+        for name, (shape, dtype) in layout.items():
+            if dtype not in SAFETENSORS_DTYPES:
+                raise ValueError(f"{name}: dtype {dtype} has no safetensors name")
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = (tuple(shape), dtype, size, size + nbytes)
+            size += nbytes
+        n = len(shards)
+        self.files = [self.root / (SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors") for i in range(n)]
+        self._slot: dict[str, tuple] = {}  # name -> (shard index, data start, shape, dtype, begin, end)
+        self._handles = []
+        for i, (path, shard) in enumerate(zip(self.files, shards)):
+            header = {name: {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [b, e]}
+                      for name, (shape, dtype, b, e) in shard.items()}
+            header["__metadata__"] = {"format": "pt"}
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+            f = open(path, "wb")
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            start = f.tell()
+            f.truncate(start + max((e for _, _, _, e in shard.values()), default=0))
+            self._handles.append(f)
+            for name, (shape, dtype, b, e) in shard.items():
+                self._slot[name] = (i, start, shape, dtype, b, e)
+        self._written: set[str] = set()
+        self.total_bytes = sum(e - b for *_, b, e in self._slot.values())
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor.contiguous()
-        self._pending_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def _flush(self) -> None:
-        fname = f"shard-{len(self._shards):05d}.safetensors"
-        save_file(self._pending, str(self.root / fname), metadata={"format": "pt"})
-        self._shards.append((fname, list(self._pending)))
-        self._pending, self._pending_bytes = {}, 0
+        if name not in self._slot:
+            raise KeyError(f"{name!r} is not in this checkpoint's layout")
+        if name in self._written:
+            raise ValueError(f"{name!r} was written twice")
+        shard, start, shape, dtype, begin, _ = self._slot[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the layout says {shape} {dtype}")
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()  # [nbytes]
+        f = self._handles[shard]
+        f.seek(start + begin)
+        f.write(memoryview(data))
+        self._written.add(name)
 
     def close(self) -> list[Path]:
-        if self._pending or not self._shards:
-            self._flush()
-        n = len(self._shards)
-        if n == 1:
-            os.replace(self.root / self._shards[0][0], self.root / SINGLE_NAME)
-            return [self.root / SINGLE_NAME]
-        weight_map, files = {}, []
-        for i, (fname, names) in enumerate(self._shards):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self.root / fname, self.root / final)
-            files.append(self.root / final)
-            weight_map.update({name: final for name in names})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.root / INDEX_NAME).write_text(json.dumps(index, indent=2))
-        return files
+        missing = [name for name in self._slot if name not in self._written]
+        if missing:
+            raise ValueError(f"{len(missing)} tensors were never written, e.g. {missing[0]!r}")
+        for f in self._handles:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        if len(self.files) > 1:
+            weight_map = {name: self.files[slot[0]].name for name, slot in self._slot.items()}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.root / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        return list(self.files)
 
 
 def copy_model_side_files(src: Path, dst: Path) -> list[str]:

@@ -6,11 +6,13 @@
     from megatron_rl.conversion.hf_to_mcore import convert_hf_to_mcore
     convert_hf_to_mcore(model_dir, out_dir, tp=2, pp=2, dtype="fp32")
 
-The model is built at TP x PP on CPU gloo ranks (one process when TP = PP = 1); each rank fills
-its shard group by group straight from the safetensors files and Megatron-Core's
-`dist_checkpointing` writes the result, so it loads at any other TP/PP.  Everything is checked
-before work starts (config, architecture, every tensor's shape, the layout) and written to a
-temporary sibling directory that is renamed into place only when complete.
+Layer group by layer group, the HF tensors are read from the safetensors files, put in
+Megatron's layout by the shared mapping (QKV per GQA group, [gate; up], vocabulary padded for
+TP) and written in Megatron-Core's torch_dist distributed-checkpoint format (dist_ckpt.py), so
+it loads at any TP/PP; no model is built and one group is in memory at a time.  TP and PP are
+checked against the model (heads, KV heads, layers) and TP sets the vocabulary padding.
+Everything is checked before work starts (config, architecture, every tensor's shape, the
+layout) and written to a temporary sibling directory renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -21,14 +23,18 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
 from megatron_rl import __version__
 from megatron_rl.conversion import mapping
 from megatron_rl.conversion.hf_io import HFCheckpoint, atomic_output_dir, copy_model_side_files
-from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, fill_from_hf, run_on_ranks, save_model, write_manifest
+from megatron_rl.conversion.dist_ckpt import DistCheckpointWriter
+from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, write_manifest
 
 logger = logging.getLogger(__name__)
 
-DTYPE_CHOICES = ("fp32", "bf16", "fp16")
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_CHOICES = tuple(TORCH_DTYPES)
 
 
 class GroupProgress:
@@ -45,27 +51,18 @@ class GroupProgress:
             self._next = frac + 0.1
 
 
-def _convert_rank(rank: int, world_size: int, hf_dir: str, weights_dir: str, tp: int, pp: int, dtype: str) -> dict:
-    """One rank: build its stage at TP x PP, fill it from the HF files, save collectively."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.hf_config import load_hf_config, padded_vocab_size
-    from megatron_rl.platform import detect_platform
-    from megatron_rl.platform.parallel import parallel_scope
-
-    cfg = load_hf_config(hf_dir)
-    ckpt = HFCheckpoint(hf_dir, cfg)
-    platform = detect_platform("cpu", dtype)
-    with parallel_scope(tp=tp, pp=pp):
-        # perform_initialization=False: every parameter is overwritten, random init is wasted time.
-        model = build_gpt_model(cfg, platform=platform, tp=tp, pp=pp, perform_initialization=False)
-        progress = GroupProgress(f"hf-to-mcore rank {rank}") if rank == 0 else None
-        filled = fill_from_hf(model, cfg, ckpt, ps.get_tensor_model_parallel_rank(), tp,
-                              padded_vocab_size(cfg.vocab_size, tp), progress)
-        n_params = sum(p.numel() for p in model.parameters())
-        save_model(model, Path(weights_dir))
-    return {"filled": filled, "params": n_params}
+def _write_weights(ckpt: HFCheckpoint, cfg, weights_dir: Path, padded_vocab: int, dtype: str) -> int:
+    """Stream every layer group: HF tensors -> full Megatron tensors -> the checkpoint. Returns bytes."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    writer = DistCheckpointWriter(weights_dir, cfg.num_layers)
+    progress = GroupProgress("hf-to-mcore")
+    all_groups = mapping.groups(cfg)
+    for i, group in enumerate(all_groups):
+        for name, tensor in mapping.hf_to_mcore_group(cfg, group, ckpt.read_group(group), padded_vocab).items():
+            writer.add(name, tensor.to(torch_dtype))
+        progress(group, i + 1, len(all_groups))
+    writer.close()
+    return writer.total_bytes
 
 
 def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "fp32",
@@ -91,7 +88,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     t0 = time.monotonic()
     with atomic_output_dir(out_dir, force=force) as tmp, concurrent.futures.ThreadPoolExecutor(1) as pool:
         source_hash = pool.submit(ckpt.content_hash)  # hashing overlaps the conversion
-        run_on_ranks(_convert_rank, tp * pp, str(hf_dir), str(tmp / WEIGHTS_DIR), tp, pp, dtype)
+        _write_weights(ckpt, cfg, tmp / WEIGHTS_DIR, padded_vocab_size(cfg.vocab_size, tp), dtype)
         (tmp / HF_DIR).mkdir()
         copy_model_side_files(hf_dir, tmp / HF_DIR)
         tok_hash = tokenizer_hash(hf_dir) if (hf_dir / "tokenizer.json").is_file() else None

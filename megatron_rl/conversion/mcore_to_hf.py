@@ -7,9 +7,9 @@
     convert_mcore_to_hf(mcore_dir, out_dir)
 
 Everything is rebuilt from the Megatron directory alone: its manifest, the HF config and
-tokenizer files kept in `hf/`, and the distributed checkpoint in `weights/` (loaded at TP1 PP1
-whatever layout wrote it).  Tensors stream group by group through `mapping.mcore_to_hf_group`
-into safetensors shards; vocabulary padding is removed.  The output dtype defaults to the
+tokenizer files kept in `hf/`, and the distributed checkpoint in `weights/` (read tensor by
+tensor, whatever TP/PP wrote it; no model is built).  Tensors stream group by group through
+`mapping.mcore_to_hf_group` straight into safetensors shards; vocabulary padding is removed.  The output dtype defaults to the
 source checkpoint's, so HF -> Megatron -> HF is bit-identical when no precision was lost.
 """
 
@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 from megatron_rl.conversion import mapping
+from megatron_rl.conversion.dist_ckpt import DistCheckpointReader
 from megatron_rl.conversion.hf_io import HFWriter, atomic_output_dir, copy_model_side_files
 from megatron_rl.conversion.hf_to_mcore import DTYPE_CHOICES, GroupProgress
-from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, canonical_params, load_model, read_manifest, run_on_ranks
+from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -33,31 +34,23 @@ HF_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 SHORT_TO_HF = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def _export_rank(rank: int, world_size: int, mcore_dir: str, out_tmp: str, out_dtype: str, max_shard_bytes: int) -> int:
-    """Load the checkpoint at TP1 PP1 and stream every group into HF safetensors."""
-    from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.hf_config import load_hf_config
-    from megatron_rl.platform import detect_platform
-    from megatron_rl.platform.parallel import parallel_scope
-
-    root = Path(mcore_dir)
-    manifest = read_manifest(root)
-    cfg = load_hf_config(root / HF_DIR)
-    dtype = HF_DTYPE_NAMES[out_dtype]
-    with parallel_scope(tp=1, pp=1):
-        model = build_gpt_model(cfg, platform=detect_platform("cpu", manifest["dtype"]), tp=1, pp=1,
-                                perform_initialization=False)
-        load_model(model, root / WEIGHTS_DIR)
-        params = canonical_params(model)
-        writer = HFWriter(out_tmp, max_shard_bytes=max_shard_bytes)
-        progress = GroupProgress("mcore-to-hf")
-        all_groups = mapping.groups(cfg)
+def _export_weights(weights_dir: Path, cfg, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int) -> int:
+    """Stream every layer group from the checkpoint into HF safetensors shards. Returns bytes written."""
+    reader = DistCheckpointReader(weights_dir)
+    table = mapping.name_table(cfg)
+    shapes = mapping.hf_shapes(cfg)
+    writer = HFWriter(out_dir, {h: (shapes[h], dtype) for e in table for h in e.hf}, max_shard_bytes=max_shard_bytes)
+    progress = GroupProgress("mcore-to-hf")
+    all_groups = mapping.groups(cfg)
+    try:
         for i, group in enumerate(all_groups):
-            mc = {n: p.detach() for n, p in params.items() if mapping.group_of(n) == group}
+            mc = {e.mcore: reader.tensor(e.mcore) for e in table if e.group == group}
             for name, tensor in mapping.mcore_to_hf_group(cfg, group, mc):
                 writer.add(name, tensor.to(dtype))
             progress(group, i + 1, len(all_groups))
         writer.close()
+    finally:
+        reader.close()
     return writer.total_bytes
 
 
@@ -81,7 +74,7 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, dtype: st
         raise ValueError(f"source dtype {out_dtype!r} in {mcore_dir} is not one of {sorted(HF_DTYPE_NAMES)}; pass --dtype")
     t0 = time.monotonic()
     with atomic_output_dir(out_dir, force=force) as tmp:
-        (total,) = run_on_ranks(_export_rank, 1, str(mcore_dir), str(tmp), out_dtype, max_shard_bytes)
+        total = _export_weights(mcore_dir / WEIGHTS_DIR, cfg, tmp, HF_DTYPE_NAMES[out_dtype], max_shard_bytes)
         copy_model_side_files(mcore_dir / HF_DIR, tmp)
         if out_dtype != cfg.torch_dtype:
             config = json.loads((tmp / "config.json").read_text())

@@ -2,22 +2,19 @@
 
     params = canonical_params(model)             # {"decoder.layers.5.mlp.linear_fc1.weight": Parameter}
     fill_from_hf(model, cfg, ckpt, tp_rank, tp)  # copy this rank's shard of every tensor
-    save_model(model, mcore_dir / WEIGHTS_DIR)   # Megatron-Core distributed checkpoint
-    load_model(model, mcore_dir / WEIGHTS_DIR)   # at any TP/PP
+    load_model(model, mcore_dir / WEIGHTS_DIR)   # a converted checkpoint, at any TP/PP
     manifest = read_manifest(mcore_dir)          # FileNotFoundError when it is not ours
 
 A converted Megatron directory holds:
-  weights/        dist_checkpointing (torch_dist) checkpoint, loadable at any TP/PP
+  weights/        dist_checkpointing (torch_dist) checkpoint, loadable at any TP/PP (dist_ckpt.py)
   hf/             the source's config.json, generation_config.json and tokenizer files
   manifest.json   architecture, source hash, dtype, tokenizer hash, tool version, ...
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import multiprocessing
 import re
 from pathlib import Path
 
@@ -96,34 +93,6 @@ def fill_from_hf(model, cfg, ckpt, tp_rank: int, tp: int, padded_vocab: int, pro
     if filled != len(params):
         raise ValueError(f"filled {filled} of the stage's {len(params)} parameters from the HF checkpoint")
     return filled
-
-
-def save_model(model, weights_dir: Path) -> None:
-    """Write this stage's shards into a distributed checkpoint (collective over all ranks)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    weights_dir = Path(weights_dir)
-    weights_dir.mkdir(parents=True, exist_ok=True)
-    # One writer process per rank (default 2): conversion ranks already fill the CPU cores.
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-    with _children_allowed():
-        dist_checkpointing.save(_unwrap(model).sharded_state_dict(), str(weights_dir), sharded_strategy=strategy)
-
-
-@contextlib.contextmanager
-def _children_allowed():
-    """Let a daemonic worker (e.g. a run_distributed rank) start the writer processes that
-    dist_checkpointing.save forks and its results Manager; they are joined before save returns."""
-    proc = multiprocessing.current_process()
-    was_daemon = proc.daemon
-    if was_daemon:
-        proc.daemon = False
-    try:
-        yield
-    finally:
-        if was_daemon:
-            proc.daemon = True
 
 
 def load_model(model, weights_dir: Path) -> None:

@@ -1,0 +1,250 @@
+"""A GPT model's Megatron-Core `torch_dist` checkpoint, written and read tensor by tensor.
+
+    writer = DistCheckpointWriter(weights_dir, num_layers=L)
+    writer.add("decoder.layers.3.mlp.linear_fc1.weight", fc1)   # canonical name, full tensor
+    writer.close()                                              # completeness check, metadata
+    reader = DistCheckpointReader(weights_dir)
+    fc1 = reader.tensor("decoder.layers.3.mlp.linear_fc1.weight")   # [2F, H], whatever layout wrote it
+
+This is the on-disk format `megatron.core.dist_checkpointing` writes for a GPTModel's
+`sharded_state_dict()` with the torch_dist backend (tests/dist/test_conversion.py compares
+the two item by item), so Megatron loads it at any TP/PP.  Writing it directly means a
+conversion never builds a model, never imports Megatron-Core and holds one layer group at a
+time.  The layout, as Megatron-Core 0.16 writes it:
+
+  metadata.json   {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                   "common_backend": "torch", "common_backend_version": 1}
+  common.pt       torch.save({}) -- a GPT model has no unsharded state
+  .metadata       pickled torch.distributed.checkpoint Metadata: every key's global shape,
+                  dtype and chunks, and where each chunk's bytes are
+  __0_0.distcp    each chunk torch.save'd back to back
+
+Transformer layers are stacked on a leading layer axis: canonical
+`decoder.layers.{i}.X` of shape S is the chunk at offset (i, 0, ...) of key
+`decoder.layers.X`, global shape (L, *S).  Each layer's linear modules also carry an
+`_extra_state` object (`decoder.layers.{module}._extra_state/shard_{i}_{L}`, the bytes of
+torch.save([None])) that strict loading expects.  Chunks Megatron wrote at TP > 1 (one per TP
+shard) are reassembled by the reader.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+import re
+import uuid
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                    "common_backend": "torch", "common_backend_version": 1}
+DATA_FILE = "__0_0.distcp"
+DCP_METADATA = ".metadata"
+# The per-layer modules whose (empty) extra state Megatron's local and TE linear layers save.
+EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def stacked_key(name: str) -> tuple[str, int | None]:
+    """Canonical name -> (checkpoint key, layer index or None for tensors outside the layers)."""
+    m = _LAYER.fullmatch(name)
+    if m:
+        return f"decoder.layers.{m.group(2)}", int(m.group(1))
+    return name, None
+
+
+def _owning(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when it owns exactly its storage, else a compact copy (torch.save writes whole storages)."""
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _save_without_crc(obj, f) -> None:
+    """torch.save without the zip records' crc32 (a third of the time; safetensors has none either,
+    and torch.load does not need it); the global torch setting is restored afterwards."""
+    from torch.serialization import get_crc32_options, set_crc32_options
+
+    previous = get_crc32_options()
+    set_crc32_options(False)
+    try:
+        torch.save(obj, f)
+    finally:
+        set_crc32_options(previous)
+
+
+class DistCheckpointWriter:
+    """Writes canonical GPT tensors one at a time into a torch_dist checkpoint directory."""
+
+    def __init__(self, root: str | Path, num_layers: int) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.num_layers = num_layers
+        # Unbuffered: torch.save writes large records itself; a BufferedWriter halves its speed.
+        self._file = open(self.root / DATA_FILE, "wb", buffering=0)
+        self._entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        self._storage: dict[MetadataIndex, _StorageInfo] = {}
+        self.total_bytes = 0
+
+    def _append(self, index: MetadataIndex, write) -> None:
+        offset = self._file.tell()
+        write(self._file)
+        self._storage[index] = _StorageInfo(DATA_FILE, offset, self._file.tell() - offset)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the full tensor `name` (canonical name; layers by global index)."""
+        key, layer = stacked_key(name)
+        shape = tuple(tensor.shape)
+        if layer is None:
+            chunk, offsets, global_shape = tensor, (0,) * len(shape), shape
+        else:
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"{name}: layer {layer} outside the model's {self.num_layers} layers")
+            chunk, offsets, global_shape = tensor.unsqueeze(0), (layer,) + (0,) * len(shape), (self.num_layers,) + shape
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = TensorStorageMetadata(
+                TensorProperties(dtype=tensor.dtype), torch.Size(global_shape), [])
+        elif tuple(entry.size) != global_shape or entry.properties.dtype != tensor.dtype:
+            raise ValueError(f"{name}: {tuple(shape)} {tensor.dtype} does not match the other layers' "
+                             f"{tuple(entry.size)[1:]} {entry.properties.dtype}")
+        index = MetadataIndex(key, torch.Size(offsets))
+        if index in self._storage:
+            raise ValueError(f"{name} was written twice")
+        entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(chunk.shape)))
+        data = _owning(chunk.detach().cpu())
+        self._append(index, lambda f: _save_without_crc(data, f))
+        self.total_bytes += data.numel() * data.element_size()
+        module, _, param = key.rpartition(".")
+        if layer is not None and param == "weight" and module.removeprefix("decoder.layers.") in EXTRA_STATE_MODULES:
+            self._add_extra_state(module, layer)
+
+    def _add_extra_state(self, module_key: str, layer: int) -> None:
+        key = f"{module_key}._extra_state/shard_{layer}_{self.num_layers}"
+        buf = io.BytesIO()
+        torch.save([None], buf)
+        self._entries[key] = BytesStorageMetadata()
+        self._append(MetadataIndex(key), lambda f: f.write(buf.getbuffer()))
+
+    def close(self) -> None:
+        """Check every key is fully covered, then write the metadata files (data first, fsynced)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        for key, entry in self._entries.items():
+            if isinstance(entry, TensorStorageMetadata):
+                covered = sum(math.prod(c.sizes) for c in entry.chunks)
+                if covered != math.prod(entry.size):
+                    raise ValueError(f"{key}: chunks cover {covered} of {math.prod(entry.size)} elements "
+                                     f"({len(entry.chunks)} of {self.num_layers} layers written?)")
+        metadata = Metadata(state_dict_metadata=self._entries, planner_data=None, storage_data=self._storage,
+                            storage_meta=StorageMeta(checkpoint_id=str(self.root), save_id=uuid.uuid4().hex))
+        metadata.version = CURRENT_DCP_VERSION
+        with open(self.root / DCP_METADATA, "wb") as f:
+            pickle.dump(metadata, f)
+        torch.save({}, self.root / "common.pt")
+        (self.root / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
+
+
+class _FileSlice(io.RawIOBase):
+    """A read-only view of bytes [offset, offset + length) of an open file (for torch.load)."""
+
+    def __init__(self, f, offset: int, length: int) -> None:
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, min(self._len, base + pos))
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self._len - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(buf)[:n])
+        self._pos += got
+        return got
+
+
+class DistCheckpointReader:
+    """Reads canonical GPT tensors from a torch_dist checkpoint, whatever TP/PP wrote it."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        marker = self.root / "metadata.json"
+        if not marker.is_file():
+            raise FileNotFoundError(f"{self.root} is not a Megatron-Core distributed checkpoint (no metadata.json)")
+        backend = json.loads(marker.read_text()).get("sharded_backend")
+        if backend != "torch_dist":
+            raise ValueError(f"{marker}: sharded_backend {backend!r}, only 'torch_dist' is supported")
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.metadata = FileSystemReader(str(self.root)).read_metadata()
+        self._files: dict[str, object] = {}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def _load_chunk(self, key: str, offsets) -> torch.Tensor:
+        info = self.metadata.storage_data[MetadataIndex(key, torch.Size(offsets))]
+        f = self._files.get(info.relative_path)
+        if f is None:
+            f = self._files[info.relative_path] = open(self.root / info.relative_path, "rb", buffering=0)
+        return torch.load(io.BufferedReader(_FileSlice(f, info.offset, info.length), 1 << 20),
+                          map_location="cpu", weights_only=True)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The full tensor `name` (canonical name), assembled from its chunks."""
+        key, layer = stacked_key(name)
+        entry = self.metadata.state_dict_metadata.get(key)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise KeyError(f"{name!r} (checkpoint key {key!r}) is not in {self.root}")
+        size = tuple(entry.size)
+        chunks = [c for c in entry.chunks if layer is None or (c.offsets[0] <= layer < c.offsets[0] + c.sizes[0])]
+        if layer is not None:
+            if not 0 <= layer < size[0]:
+                raise KeyError(f"{name!r}: layer {layer} outside the checkpoint's {size[0]} layers")
+            size = size[1:]
+        if len(chunks) == 1 and tuple(chunks[0].sizes)[-len(size):] == size and tuple(chunks[0].offsets[-len(size):]) == (0,) * len(size):
+            data = self._load_chunk(key, chunks[0].offsets)
+            return data[layer - chunks[0].offsets[0]] if layer is not None else data
+        out = torch.empty(size, dtype=entry.properties.dtype)
+        filled = 0
+        for c in chunks:
+            data = self._load_chunk(key, c.offsets)
+            if layer is not None:
+                data, offsets = data[layer - c.offsets[0]], tuple(c.offsets[1:])
+            else:
+                offsets = tuple(c.offsets)
+            region = out[tuple(slice(o, o + n) for o, n in zip(offsets, data.shape))]
+            region.copy_(data)
+            filled += data.numel()
+        if filled != out.numel():
+            raise ValueError(f"{name!r}: the checkpoint's chunks cover {filled} of {out.numel()} elements")
+        return out
