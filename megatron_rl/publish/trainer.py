@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from megatron_rl.platform.spawn import free_port
-from megatron_rl.publish.manifest import DEFAULT_BUCKET_BYTES, BucketSpec, PublicationManifest
+from megatron_rl.publish.manifest import DEFAULT_BUCKET_BYTES, DEFAULT_CHECKSUM, BucketSpec, PublicationManifest
 from megatron_rl.publish.wire import open_group, send_publication
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class WeightPublisher:
     """Rank 0 of the publication group; drives RolloutWorker actors through Ray."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 checksum_algo: str = "crc32", timeout_s: float = 600.0):
+                 checksum_algo: str = DEFAULT_CHECKSUM, timeout_s: float = 600.0):
         self.host, self.port = host, port
         self.bucket_bytes, self.checksum_algo, self.timeout_s = bucket_bytes, checksum_algo, timeout_s
         self.workers: list = []

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.publish.wire import ReceivedPublication, open_group, receive_publication
+from megatron_rl.publish.wire import ReceivedPublication, StagingBuffers, open_group, receive_publication
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class GlooWeightTransferEngine(_engine_base()):
         self.group = None
         self.rank = None
         self.staged: ReceivedPublication | None = None
+        self.staging = StagingBuffers()  # reused by every publication; emptied into the model at finish
         self.status: dict[str, Any] = {"version": None, "ok": None, "error": None, "bad_bucket": None}
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
@@ -114,7 +115,7 @@ class GlooWeightTransferEngine(_engine_base()):
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer used before init_weight_transfer_engine")
-        got = receive_publication(self.group)
+        got = receive_publication(self.group, self.staging)
         if got.ok and got.manifest.version != update_info.version:
             got = ReceivedPublication(
                 got.manifest, error=f"manifest version {got.manifest.version} != announced {update_info.version}"
@@ -145,6 +146,7 @@ class GlooWeightTransferEngine(_engine_base()):
     def shutdown(self) -> None:
         self.group = None
         self.staged = None
+        self.staging = StagingBuffers()
 
 
 class PublicationWorkerExtension:

@@ -2,23 +2,30 @@
 
     pg = open_group("127.0.0.1", port, rank=0, world_size=1 + n_rollout_workers)
     manifest = send_publication(pg, version=3, tensors=groups_of_name_tensor_pairs)   # rank 0
-    received = receive_publication(pg)                                                 # ranks 1..n
+    staging = StagingBuffers()                                                         # kept across versions
+    received = receive_publication(pg, staging)                                        # ranks 1..n
 
 Rank 0 is the trainer; every rollout worker process (each TP rank of each rollout group)
 is another rank and receives every byte.  A publication is a sequence of broadcasts:
 
-    per bucket:  control int64[3] = [BUCKET, header_len, nbytes], header JSON, data uint8[nbytes]
-    at the end:  control [END, header_len, 0], the full PublicationManifest as JSON
-    on failure:  control [ABORT, header_len, 0], the error text (the trainer's source raised)
+    per bucket:  control int64[4] = [BUCKET, header_len, nbytes, n_parts], header JSON,
+                 part sizes int64[n_parts], each part's bytes, checksum trailer uint8[64]
+    at the end:  control [END, header_len, 0, 0], the full PublicationManifest as JSON
+    on failure:  control [ABORT, header_len, 0, 0], the error text (the trainer's source raised)
 
-The trainer packs and checksums bucket k+1 on a helper thread while bucket k is on the
-wire; receivers verify bucket k on a helper thread while bucket k+1 arrives.  Tensors are
-pulled from the trainer's iterator on the calling thread only, so a source that gathers
-with collectives (Megatron TP/PP) keeps its collectives on one thread.
+Zero copy on both sides: the trainer broadcasts each tensor from where it lies (one part
+per tensor) while a helper thread hashes the same bytes, and sends the digest as the
+bucket's trailer; receivers take each part straight into its slice of a staging buffer,
+reused from one publication to the next, and verify bucket k on a helper thread while
+bucket k+1 arrives.  The part sizes travel as their own int64 message, so a receiver can
+drain a bucket whose JSON header arrived unreadable.  Tensors are pulled from the
+trainer's iterator on the calling thread only, so a source that gathers with collectives
+(Megatron TP/PP) keeps its collectives on one thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -31,13 +38,18 @@ import torch.distributed as dist
 
 from megatron_rl.publish.manifest import (
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_CHECKSUM,
     BucketSpec,
     PublicationManifest,
     bucket_from_dict,
     bucket_to_dict,
+    byte_view,
+    checksum_parts,
     flatten_groups,
+    new_hasher,
     pack_bucket,
     plan_buckets,
+    tensor_specs,
     unpack_bucket,
     verify_bucket,
 )
@@ -46,6 +58,7 @@ log = logging.getLogger(__name__)
 
 BUCKET, END, ABORT = 1, 2, 3
 STORE_PREFIX = "megatron_rl_publish"
+TRAILER_BYTES = 64  # the hex digest, ASCII, zero-padded
 
 
 def open_group(
@@ -60,17 +73,23 @@ def open_group(
 
 
 def _bcast(pg: dist.ProcessGroupGloo, tensor: torch.Tensor) -> None:
+    _bcast_many(pg, [tensor])
+
+
+def _bcast_many(pg: dist.ProcessGroupGloo, tensors: list[torch.Tensor]) -> None:
+    """Broadcast each tensor from rank 0, all queued at once (gloo runs them in order, with no
+    Python round trip between them), then wait for all."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    pg.broadcast([tensor], opts).wait()
+    works = [pg.broadcast([t], opts) for t in tensors if t.numel()]
+    for work in works:
+        work.wait()
 
 
-def _send_message(pg, kind: int, header: dict | str, data: torch.Tensor | None = None) -> None:
+def _send_control(pg, kind: int, header: dict | str, nbytes: int = 0, n_parts: int = 0) -> None:
     blob = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-    _bcast(pg, torch.tensor([kind, blob.numel(), 0 if data is None else data.numel()], dtype=torch.int64))
+    _bcast(pg, torch.tensor([kind, blob.numel(), nbytes, n_parts], dtype=torch.int64))
     _bcast(pg, blob)
-    if data is not None and data.numel():
-        _bcast(pg, data)
 
 
 def send_publication(
@@ -79,47 +98,81 @@ def send_publication(
     tensors: Iterable,
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    checksum_algo: str = "crc32",
+    checksum_algo: str = DEFAULT_CHECKSUM,
     fault_hook: Callable[[BucketSpec, torch.Tensor], None] | None = None,
 ) -> PublicationManifest:
     """Broadcast every tensor from rank 0 in checksummed buckets; returns the manifest.
 
     `tensors`: (hf_name, full_tensor) pairs, or groups (lists) of them, e.g. one per layer.
-    `fault_hook(spec, buf)` runs after checksumming and before sending: tests use it to
-    corrupt a bucket on the wire.  If `tensors` raises, receivers get ABORT and the
-    error propagates here.
+    `fault_hook(spec, buf)` gets a packed copy of each bucket after checksumming and before
+    sending (then the copy is sent): tests use it to corrupt a bucket on the wire.  If
+    `tensors` raises, receivers get ABORT and the error propagates here.
     """
+    new_hasher(checksum_algo)  # an unknown algorithm fails before anything is sent
     specs: list[BucketSpec] = []
-    planner = plan_buckets(flatten_groups(tensors), bucket_bytes)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-pack") as pool:
-        pending: Future | None = None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-hash") as pool:
         try:
-            for items in planner:
-                nxt = pool.submit(pack_bucket, len(specs) + (pending is not None), items, checksum_algo)
-                if pending is not None:
-                    _send_bucket(pg, *pending.result(), checksum_algo, specs, fault_hook)
-                pending = nxt
-            if pending is not None:
-                _send_bucket(pg, *pending.result(), checksum_algo, specs, fault_hook)
+            for items in plan_buckets(flatten_groups(tensors), bucket_bytes):
+                specs.append(_send_bucket(pg, len(specs), items, checksum_algo, pool, fault_hook))
         except Exception as err:
-            _send_message(pg, ABORT, f"trainer failed while publishing version {version}: {err!r}")
+            _send_control(pg, ABORT, f"trainer failed while publishing version {version}: {err!r}")
             raise
     manifest = PublicationManifest(version=version, checksum_algo=checksum_algo, buckets=tuple(specs))
-    _send_message(pg, END, manifest.to_dict())
+    _send_control(pg, END, manifest.to_dict())
     log.info("published version %d: %d buckets, %.1f MB", version, len(specs), manifest.nbytes / 1e6)
     return manifest
 
 
-def _send_bucket(pg, spec: BucketSpec, buf: torch.Tensor, algo: str, specs: list, fault_hook) -> None:
+def _send_bucket(pg, index: int, items: list, algo: str, pool: ThreadPoolExecutor, fault_hook) -> BucketSpec:
+    tensor_list, nbytes = tensor_specs(items)
+    parts = [byte_view(t) for _, t in items]  # [nbytes_i] uint8 views of the tensors themselves
+    digest = pool.submit(checksum_parts, parts, algo)  # hashing overlaps the sends below
     if fault_hook is not None:
+        spec, buf = pack_bucket(index, items, algo)
         fault_hook(spec, buf)
-    _send_message(pg, BUCKET, {"algo": algo, **bucket_to_dict(spec)}, buf)
-    specs.append(spec)
+        parts = [buf[t.offset : t.offset + t.nbytes] for t in tensor_list]
+    header = {"algo": algo, **bucket_to_dict(BucketSpec(index, tensor_list, nbytes, ""))}
+    _send_control(pg, BUCKET, header, nbytes, len(parts))
+    _bcast(pg, torch.tensor([p.numel() for p in parts], dtype=torch.int64))
+    _bcast_many(pg, parts)
+    spec = BucketSpec(index, tensor_list, nbytes, digest.result())
+    _bcast(pg, _trailer(spec.checksum))
+    return spec
+
+
+def _trailer(digest: str) -> torch.Tensor:
+    out = torch.zeros(TRAILER_BYTES, dtype=torch.uint8)
+    raw = digest.encode()[:TRAILER_BYTES]
+    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out
+
+
+class StagingBuffers:
+    """Receive buffers kept from one publication to the next (one per bucket index).
+
+    Reusing them spares the page faults of fresh memory on every publication.  The tensors
+    of a ReceivedPublication are views into these buffers: load (copy) them before the
+    next receive_publication with the same StagingBuffers.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def get(self, index: int, nbytes: int) -> torch.Tensor:
+        while len(self._buffers) <= index:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self._buffers[index].numel() < nbytes:
+            self._buffers[index] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffers[index][:nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers)
 
 
 @dataclass
 class ReceivedPublication:
-    """What a receiver got: the manifest, the tensors (views into bucket buffers), and the
+    """What a receiver got: the manifest, the tensors (views into staging buffers), and the
     first error (None when every bucket verified and matched the manifest)."""
 
     manifest: PublicationManifest | None
@@ -132,21 +185,22 @@ class ReceivedPublication:
         return self.error is None
 
 
-def receive_publication(pg: dist.ProcessGroupGloo) -> ReceivedPublication:
+def receive_publication(pg: dist.ProcessGroupGloo, staging: StagingBuffers | None = None) -> ReceivedPublication:
     """Receive one publication on a non-zero rank; never raises for bad data, reports it.
 
     Buckets are verified as they arrive; the result is `ok` only if every bucket's
     checksum matched and the final manifest lists exactly the buckets received.
     """
+    staging = staging if staging is not None else StagingBuffers()
     specs: list[BucketSpec] = []
     buffers: list[torch.Tensor] = []
     checks: list[Future] = []
     first_error: tuple[str, int | None] | None = None  # keep draining the stream after one
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-verify") as pool:
         while True:
-            control = torch.empty(3, dtype=torch.int64)
+            control = torch.empty(4, dtype=torch.int64)
             _bcast(pg, control)
-            kind, header_len, nbytes = (int(x) for x in control)
+            kind, header_len, nbytes, n_parts = (int(x) for x in control)
             blob = torch.empty(header_len, dtype=torch.uint8)
             _bcast(pg, blob)
             try:
@@ -155,12 +209,14 @@ def receive_publication(pg: dist.ProcessGroupGloo) -> ReceivedPublication:
                 header = None
                 first_error = first_error or (f"unreadable header of message {len(specs)}: {err}", len(specs))
             if kind == BUCKET:
-                data = torch.empty(nbytes, dtype=torch.uint8)
-                if nbytes:
-                    _bcast(pg, data)
-                if header is None:
+                data = _receive_parts(pg, staging.get(len(specs), nbytes), n_parts)
+                trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8)
+                _bcast(pg, trailer)
+                if header is None or data is None:
+                    first_error = first_error or (f"bucket {len(specs)}: part sizes disagree with its size", len(specs))
                     continue
-                spec = bucket_from_dict(header)
+                digest = bytes(trailer.numpy()).rstrip(b"\0").decode(errors="replace")
+                spec = dataclasses.replace(bucket_from_dict(header), checksum=digest)
                 specs.append(spec)
                 buffers.append(data)
                 checks.append(pool.submit(verify_bucket, spec, data, header["algo"]))
@@ -182,6 +238,16 @@ def receive_publication(pg: dist.ProcessGroupGloo) -> ReceivedPublication:
     return _check(manifest, specs, buffers, results)
 
 
+def _receive_parts(pg, buf: torch.Tensor, n_parts: int) -> torch.Tensor | None:
+    """Receive a bucket's parts back to back into `buf`; None (after draining) if sizes disagree."""
+    sizes = torch.empty(n_parts, dtype=torch.int64)
+    _bcast(pg, sizes)
+    fits = int(sizes.sum()) == buf.numel()
+    if fits:
+        _bcast_many(pg, list(torch.split(buf, sizes.tolist())))
+    else:  # drain the parts into scratch memory so the stream stays in step
+        _bcast_many(pg, [torch.empty(size, dtype=torch.uint8) for size in sizes.tolist()])
+    return buf if fits else None
 def _check(manifest, specs, buffers, results) -> ReceivedPublication:
     for spec, problem in zip(specs, results):
         if problem is not None:

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_rl.platform.spawn import free_port
-from megatron_rl.publish.wire import open_group, receive_publication, send_publication
+from megatron_rl.publish.wire import StagingBuffers, open_group, receive_publication, send_publication
 
 pytestmark = pytest.mark.dist
 
@@ -20,7 +20,9 @@ WORLD = 3
 def _weights(version):
     g = torch.Generator().manual_seed(version)
     return [[(f"model.layers.{i}.w", torch.randn(64, 32, generator=g)),
-             (f"model.layers.{i}.b", torch.randn(32, generator=g).to(torch.bfloat16))] for i in range(4)]
+             (f"model.layers.{i}.b", torch.randn(32, generator=g).to(torch.bfloat16)),
+             (f"model.layers.{i}.t", torch.randn(8, 16, generator=g).t()),  # not contiguous
+             (f"model.layers.{i}.e", torch.empty(0, 4))] for i in range(4)]
 
 
 def _corrupt_bucket_2(spec, buf):
@@ -43,8 +45,9 @@ def _run(rank, port, queue):
         except RuntimeError as err:
             queue.put((0, str(err)))
         return
+    staging = StagingBuffers()  # reused across the three publications, as a rollout engine does
     for _ in range(3):
-        got = receive_publication(pg)
+        got = receive_publication(pg, staging)
         queue.put((rank, got.ok, got.error, got.bad_bucket,
                    None if got.manifest is None else got.manifest.version,
                    [(n, t.clone()) for n, t in got.tensors]))
@@ -70,5 +73,5 @@ def test_publication_intact_corrupted_and_aborted():
         assert ok1 and err1 is None and v1 == 1
         assert [n for n, _ in t1] == [n for n, _ in expected]
         assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(t1, expected))
-        assert not ok2 and bad2 == 2 and v2 == 2 and "bucket 2" in err2 and "crc32 mismatch" in err2 and t2 == []
+        assert not ok2 and bad2 == 2 and v2 == 2 and "bucket 2" in err2 and "blocksum mismatch" in err2 and t2 == []
         assert not ok3 and "gather failed on stage 1" in err3 and t3 == []

@@ -9,6 +9,7 @@ import torch
 from megatron_rl.publish.manifest import (
     PublicationError,
     PublicationManifest,
+    checksum_parts,
     flatten_groups,
     pack_bucket,
     plan_buckets,
@@ -49,7 +50,7 @@ def test_flatten_groups_accepts_pairs_and_groups():
     assert [n for n, _ in flatten_groups(iter(t))] == [n for n, _ in t]
 
 
-@pytest.mark.parametrize("algo", ["crc32", "sha256"])
+@pytest.mark.parametrize("algo", ["blocksum", "blake3", "crc32", "sha256"])
 def test_pack_unpack_roundtrip_and_corruption(algo):
     items = _tensors()[:3]
     spec, buf = pack_bucket(0, items, algo)
@@ -76,3 +77,29 @@ def test_manifest_roundtrip_and_validation():
         PublicationManifest(version=1, checksum_algo="crc32", buckets=specs[1:])
     with pytest.raises(ValueError, match="malformed"):
         PublicationManifest.from_dict({"version": 1})
+
+
+def test_blocksum_detects_block_and_word_errors_and_ignores_alignment():
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randint(0, 256, (5 * 4096 + 100,), dtype=torch.uint8, generator=g),
+             torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8, generator=g)]
+    base = checksum_parts(parts, "blocksum")
+
+    def changed(edit) -> bool:
+        copy = [p.clone() for p in parts]
+        edit(copy)
+        return checksum_parts(copy, "blocksum") != base
+
+    assert changed(lambda c: c[0].__setitem__(4097, int(c[0][4097]) ^ 0x10))  # one bit in a block
+    assert changed(lambda c: c[0].__setitem__(-1, int(c[0][-1]) ^ 1))  # one bit in the tail
+    assert changed(lambda c: c[1][:4096].copy_(c[1][4096:8192].clone()))  # a block holding another block's data
+    assert changed(lambda c: c.reverse())  # tensors in the wrong order
+    # Same bytes at an odd offset inside a larger buffer (a receiver's bucket): same digest.
+    shifted = torch.empty(parts[0].numel() + 3, dtype=torch.uint8)
+    shifted[3:] = parts[0]
+    assert checksum_parts([shifted[3:], parts[1]], "blocksum") == base
+    # The documented blind spot: two 8-byte words swapped inside one block.
+    swapped = [p.clone() for p in parts]
+    w = swapped[0][:4096].view(torch.int64)
+    w[[0, 1]] = w[[1, 0]]
+    assert checksum_parts(swapped, "blocksum") == base
