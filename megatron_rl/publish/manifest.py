@@ -91,6 +91,21 @@ class PublicationManifest:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
+    def coverage_problem(self, expected: dict[str, tuple[int, ...]]) -> str | None:
+        """None if the publication holds exactly the `expected` tensors (HF name -> shape), else
+        what is missing, extra or misshapen (a partial model must never be committed)."""
+        got = {t.name: t.shape for b in self.buckets for t in b.tensors}
+        missing = sorted(set(expected) - set(got))
+        if missing:
+            return f"version {self.version} is missing {len(missing)} of the model's tensors, e.g. {missing[0]!r}"
+        extra = sorted(set(got) - set(expected))
+        if extra:
+            return f"version {self.version} has {len(extra)} tensors the model does not have, e.g. {extra[0]!r}"
+        for name, shape in expected.items():
+            if tuple(got[name]) != tuple(shape):
+                return f"version {self.version}: {name} has shape {tuple(got[name])}, the model's is {tuple(shape)}"
+        return None
+
     def to_dict(self) -> dict:
         return {
             "version": self.version,

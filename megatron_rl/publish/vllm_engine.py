@@ -15,7 +15,9 @@ module registers the backend; RolloutWorker does both).  Then, through the LLM o
     llm.finish_weight_update()      # commits only if this worker verified every bucket
 
 `update_weights` receives the whole publication (wire.receive_publication) into staging
-buffers and verifies every bucket; nothing touches the model yet.  `finish_weight_update`
+buffers, verifies every bucket and checks that it holds exactly the model's tensors (names
+and shapes from the model's config.json through the shared mapping: nothing missing, nothing
+extra); nothing touches the model yet.  `finish_weight_update`
 loads the staged tensors through vLLM's layerwise reload only when all of them verified;
 otherwise it drops them, and the model keeps serving the previous version.  A refusal is
 reported (bucket index and tensor names) through `megatron_rl_publication_status`, never
@@ -57,6 +59,20 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
 
 
+def expected_tensors(model_dir: str) -> dict[str, tuple[int, ...]] | None:
+    """HF name -> shape of every tensor a publication to this model must hold, from its
+    config.json through the shared conversion mapping; None (and a warning) for a model the
+    mapping does not cover, whose publications are then checked by checksums only."""
+    from megatron_rl.conversion.mapping import hf_shapes
+    from megatron_rl.models.hf_config import load_hf_config
+
+    try:
+        return hf_shapes(load_hf_config(model_dir))
+    except (OSError, ValueError) as err:
+        log.warning("publications to %s are not checked for completeness: %s", model_dir, err)
+        return None
+
+
 @dataclass
 class GlooInitInfo:
     """Where the trainer's TCPStore listens and this engine's first rank in the group."""
@@ -94,6 +110,7 @@ class GlooWeightTransferEngine(_engine_base()):
         self.rank = None
         self.staged: ReceivedPublication | None = None
         self.staging = StagingBuffers()  # reused by every publication; emptied into the model at finish
+        self.expected = expected_tensors(self.model_config.model)
         self.status: dict[str, Any] = {"version": None, "ok": None, "error": None, "bad_bucket": None}
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
@@ -120,6 +137,10 @@ class GlooWeightTransferEngine(_engine_base()):
             got = ReceivedPublication(
                 got.manifest, error=f"manifest version {got.manifest.version} != announced {update_info.version}"
             )
+        if got.ok and self.expected is not None:
+            problem = got.manifest.coverage_problem(self.expected)
+            if problem is not None:
+                got = ReceivedPublication(got.manifest, error=problem)
         self.staged = got
         self.status = {
             "version": update_info.version,

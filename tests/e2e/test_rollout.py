@@ -133,5 +133,10 @@ def test_publication_matches_transformers_and_bad_bucket_is_refused(cluster):
     for got_rows in _scores(workers):  # still serving version 1
         for got, want in zip(got_rows, ref):
             assert torch.allclose(got, want, atol=1e-4)
+    partial = [(k, v) for k, v in base.items() if k != "model.layers.1.mlp.down_proj.weight"]
+    incomplete = publisher.publish(3, partial)
+    assert not incomplete.committed
+    for r in incomplete.results:
+        assert r["version"] == 1 and "missing 1" in r["error"] and "model.layers.1.mlp.down_proj.weight" in r["error"]
     sample = ray.get(workers[1].generate.remote([SEQUENCES[0]], {"seed": 1, "max_tokens": 3}))[0]
     assert sample.policy_versions == [1] * len(sample.response_tokens)

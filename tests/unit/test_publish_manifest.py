@@ -103,3 +103,16 @@ def test_blocksum_detects_block_and_word_errors_and_ignores_alignment():
     w = swapped[0][:4096].view(torch.int64)
     w[[0, 1]] = w[[1, 0]]
     assert checksum_parts(swapped, "blocksum") == base
+
+
+def test_coverage_problem_names_missing_extra_and_misshapen_tensors():
+    specs = tuple(pack_bucket(i, b, "crc32")[0] for i, b in enumerate(plan_buckets(_tensors(), 160)))
+    m = PublicationManifest(version=4, checksum_algo="crc32", buckets=specs)
+    expected = {n: tuple(t.shape) for n, t in _tensors()}
+    assert m.coverage_problem(expected) is None
+    first = next(iter(expected))
+    assert "missing 1" in m.coverage_problem({**expected, "lm_head.weight": (8, 4)})
+    assert "lm_head.weight" in m.coverage_problem({**expected, "lm_head.weight": (8, 4)})
+    fewer = {k: v for k, v in expected.items() if k != first}
+    assert f"does not have, e.g. {first!r}" in m.coverage_problem(fewer)
+    assert f"{first} has shape" in m.coverage_problem({**expected, first: (1, 2, 3)})
