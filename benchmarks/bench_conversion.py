@@ -1,15 +1,15 @@
 """Benchmark HF <-> Megatron conversion against plain safetensors I/O of the same bytes.
 
-    python benchmarks/bench_conversion.py [--size medium] [--workdir DIR] [--keep]
+    python benchmarks/bench_conversion.py [--size medium] [--repeats 3] [--workdir DIR] [--keep]
 
 Makes a random Llama of `--size` (medium: ~283M params), then, each in a fresh process so the
-numbers include interpreter start and imports alike:
+numbers include interpreter start and imports alike, `--repeats` rounds of:
   baseline     read every tensor with safetensors and write them all back (same bytes)
   hf-to-mcore  `megatron-rl convert hf-to-mcore` at TP1 PP1
   mcore-to-hf  `megatron-rl convert mcore-to-hf`
-and prints wall time / baseline wall time (goal <= 2) and the converting process's peak RSS
-divided by the model's size in bytes, side by side.  The baseline's peak RSS ratio is printed
-too, for what a reader that holds the whole model costs.
+and prints the median wall time / median baseline wall time (goal <= 2) and the converting
+process's peak RSS divided by the model's size in bytes.  The baseline's peak RSS ratio is
+printed too, for what a reader that holds the whole model costs.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,7 @@ def main() -> int:
     parser.add_argument("--size", default="medium", help="make-tiny-model size preset (default medium, ~283M)")
     parser.add_argument("--workdir", default=None, help="where to write the models (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the written models")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the three commands (medians are reported)")
     args = parser.parse_args()
 
     from megatron_rl.models.tiny import make_tiny_model
@@ -66,14 +68,23 @@ def main() -> int:
         model_bytes = (hf / "model.safetensors").stat().st_size
         py = sys.executable
         (work / "baseline.py").write_text(BASELINE)
-        t_base, rss_base = timed([py, str(work / "baseline.py"), str(hf / "model.safetensors"), str(work / "copy.safetensors")])
-        t_h2m, rss_h2m = timed([py, "-m", "megatron_rl.cli", "--log-level", "WARNING", "convert", "hf-to-mcore",
-                                "--hf", str(hf), "--out", str(work / "mc"), "--force"])
-        t_m2h, rss_m2h = timed([py, "-m", "megatron_rl.cli", "--log-level", "WARNING", "convert", "mcore-to-hf",
-                                "--mcore", str(work / "mc"), "--out", str(work / "back"), "--force"])
+        commands = {
+            "baseline": [py, str(work / "baseline.py"), str(hf / "model.safetensors"), str(work / "copy.safetensors")],
+            "hf_to_mcore": [py, "-m", "megatron_rl.cli", "--log-level", "WARNING", "convert", "hf-to-mcore",
+                            "--hf", str(hf), "--out", str(work / "mc"), "--force"],
+            "mcore_to_hf": [py, "-m", "megatron_rl.cli", "--log-level", "WARNING", "convert", "mcore-to-hf",
+                            "--mcore", str(work / "mc"), "--out", str(work / "back"), "--force"],
+        }
+        runs = {name: [] for name in commands}
+        for _ in range(args.repeats):  # interleaved, so drift in machine speed hits all three alike
+            for name, cmd in commands.items():
+                runs[name].append(timed(cmd))
+        (t_base, rss_base), (t_h2m, rss_h2m), (t_m2h, rss_m2h) = (
+            (statistics.median(t for t, _ in r), max(m for _, m in r)) for r in runs.values())
         result = {
             "model_params_M": round(model_bytes / 4 / 1e6, 1),
             "model_bytes_GB": round(model_bytes / 1e9, 3),
+            "repeats": args.repeats,
             "baseline_s": round(t_base, 2),
             "hf_to_mcore_s": round(t_h2m, 2),
             "mcore_to_hf_s": round(t_m2h, 2),

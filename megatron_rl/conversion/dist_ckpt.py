@@ -36,19 +36,13 @@ import os
 import pickle
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+
+from megatron_rl.conversion.hf_io import BackgroundFlush
 
 BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                     "common_backend": "torch", "common_backend_version": 1}
@@ -87,6 +81,23 @@ def _save_without_crc(obj, f) -> None:
         set_crc32_options(previous)
 
 
+def _dcp():
+    """torch.distributed.checkpoint's metadata types (importing the package takes ~1 s: DTensor)."""
+    import torch.distributed.checkpoint.filesystem as filesystem
+    import torch.distributed.checkpoint.metadata as metadata
+
+    return filesystem, metadata
+
+
+@dataclass
+class _Entry:
+    """One checkpoint key as written so far: a tensor (dtype, global size, chunks) or an object."""
+
+    dtype: torch.dtype | None = None  # None: a bytes object
+    size: tuple[int, ...] = ()
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # (offsets, sizes)
+
+
 class DistCheckpointWriter:
     """Writes canonical GPT tensors one at a time into a torch_dist checkpoint directory."""
 
@@ -96,14 +107,19 @@ class DistCheckpointWriter:
         self.num_layers = num_layers
         # Unbuffered: torch.save writes large records itself; a BufferedWriter halves its speed.
         self._file = open(self.root / DATA_FILE, "wb", buffering=0)
-        self._entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-        self._storage: dict[MetadataIndex, _StorageInfo] = {}
+        self._entries: dict[str, _Entry] = {}
+        self._storage: dict[tuple[str, tuple[int, ...] | None], tuple[int, int]] = {}  # -> (offset, length)
+        self._flush = BackgroundFlush()
         self.total_bytes = 0
+        # Only close() needs torch's checkpoint types: import them while the tensors are written.
+        pool = ThreadPoolExecutor(1, thread_name_prefix="import-dcp")
+        self._types = pool.submit(_dcp)
+        pool.shutdown(wait=False)
 
-    def _append(self, index: MetadataIndex, write) -> None:
+    def _append(self, key: str, offsets: tuple[int, ...] | None, write) -> None:
         offset = self._file.tell()
         write(self._file)
-        self._storage[index] = _StorageInfo(DATA_FILE, offset, self._file.tell() - offset)
+        self._storage[(key, offsets)] = (offset, self._file.tell() - offset)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Write the full tensor `name` (canonical name; layers by global index)."""
@@ -117,17 +133,16 @@ class DistCheckpointWriter:
             chunk, offsets, global_shape = tensor.unsqueeze(0), (layer,) + (0,) * len(shape), (self.num_layers,) + shape
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = TensorStorageMetadata(
-                TensorProperties(dtype=tensor.dtype), torch.Size(global_shape), [])
-        elif tuple(entry.size) != global_shape or entry.properties.dtype != tensor.dtype:
+            entry = self._entries[key] = _Entry(tensor.dtype, global_shape)
+        elif entry.size != global_shape or entry.dtype != tensor.dtype:
             raise ValueError(f"{name}: {tuple(shape)} {tensor.dtype} does not match the other layers' "
-                             f"{tuple(entry.size)[1:]} {entry.properties.dtype}")
-        index = MetadataIndex(key, torch.Size(offsets))
-        if index in self._storage:
+                             f"{entry.size[1:]} {entry.dtype}")
+        if (key, offsets) in self._storage:
             raise ValueError(f"{name} was written twice")
-        entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(chunk.shape)))
         data = _owning(chunk.detach().cpu())
-        self._append(index, lambda f: _save_without_crc(data, f))
+        self._append(key, offsets, lambda f: _save_without_crc(data, f))
+        entry.chunks.append((offsets, tuple(chunk.shape)))
+        self._flush.kick(self._file.fileno())
         self.total_bytes += data.numel() * data.element_size()
         module, _, param = key.rpartition(".")
         if layer is not None and param == "weight" and module.removeprefix("decoder.layers.") in EXTRA_STATE_MODULES:
@@ -137,23 +152,31 @@ class DistCheckpointWriter:
         key = f"{module_key}._extra_state/shard_{layer}_{self.num_layers}"
         buf = io.BytesIO()
         torch.save([None], buf)
-        self._entries[key] = BytesStorageMetadata()
-        self._append(MetadataIndex(key), lambda f: f.write(buf.getbuffer()))
+        self._entries[key] = _Entry()
+        self._append(key, None, lambda f: f.write(buf.getbuffer()))
 
     def close(self) -> None:
         """Check every key is fully covered, then write the metadata files (data first, fsynced)."""
-        self._file.flush()
+        self._flush.close()
         os.fsync(self._file.fileno())
         self._file.close()
         for key, entry in self._entries.items():
-            if isinstance(entry, TensorStorageMetadata):
-                covered = sum(math.prod(c.sizes) for c in entry.chunks)
-                if covered != math.prod(entry.size):
-                    raise ValueError(f"{key}: chunks cover {covered} of {math.prod(entry.size)} elements "
-                                     f"({len(entry.chunks)} of {self.num_layers} layers written?)")
-        metadata = Metadata(state_dict_metadata=self._entries, planner_data=None, storage_data=self._storage,
-                            storage_meta=StorageMeta(checkpoint_id=str(self.root), save_id=uuid.uuid4().hex))
-        metadata.version = CURRENT_DCP_VERSION
+            covered = sum(math.prod(sizes) for _, sizes in entry.chunks)
+            if entry.dtype is not None and covered != math.prod(entry.size):
+                raise ValueError(f"{key}: chunks cover {covered} of {math.prod(entry.size)} elements "
+                                 f"({len(entry.chunks)} of {self.num_layers} layers written?)")
+        fs, md = self._types.result()
+        entries = {
+            key: md.BytesStorageMetadata() if e.dtype is None else md.TensorStorageMetadata(
+                md.TensorProperties(dtype=e.dtype), torch.Size(e.size),
+                [md.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in e.chunks])
+            for key, e in self._entries.items()
+        }
+        storage = {md.MetadataIndex(key, None if offsets is None else torch.Size(offsets)): fs._StorageInfo(DATA_FILE, *where)
+                   for (key, offsets), where in self._storage.items()}
+        metadata = md.Metadata(state_dict_metadata=entries, planner_data=None, storage_data=storage,
+                               storage_meta=md.StorageMeta(checkpoint_id=str(self.root), save_id=uuid.uuid4().hex))
+        metadata.version = fs.CURRENT_DCP_VERSION
         with open(self.root / DCP_METADATA, "wb") as f:
             pickle.dump(metadata, f)
         torch.save({}, self.root / "common.pt")
@@ -204,6 +227,7 @@ class DistCheckpointReader:
         from torch.distributed.checkpoint import FileSystemReader
 
         self.metadata = FileSystemReader(str(self.root)).read_metadata()
+        self._types = _dcp()
         self._files: dict[str, object] = {}
 
     def close(self) -> None:
@@ -212,7 +236,7 @@ class DistCheckpointReader:
         self._files.clear()
 
     def _load_chunk(self, key: str, offsets) -> torch.Tensor:
-        info = self.metadata.storage_data[MetadataIndex(key, torch.Size(offsets))]
+        info = self.metadata.storage_data[self._types[1].MetadataIndex(key, torch.Size(offsets))]
         f = self._files.get(info.relative_path)
         if f is None:
             f = self._files[info.relative_path] = open(self.root / info.relative_path, "rb", buffering=0)
@@ -223,7 +247,7 @@ class DistCheckpointReader:
         """The full tensor `name` (canonical name), assembled from its chunks."""
         key, layer = stacked_key(name)
         entry = self.metadata.state_dict_metadata.get(key)
-        if not isinstance(entry, TensorStorageMetadata):
+        if not isinstance(entry, self._types[1].TensorStorageMetadata):
             raise KeyError(f"{name!r} (checkpoint key {key!r}) is not in {self.root}")
         size = tuple(entry.size)
         chunks = [c for c in entry.chunks if layer is None or (c.offsets[0] <= layer < c.offsets[0] + c.sizes[0])]

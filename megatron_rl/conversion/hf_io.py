@@ -12,8 +12,8 @@ both read; the writer produces either, depending on `max_shard_bytes`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -96,13 +96,41 @@ class HFCheckpoint:
         return {h: self.read(h) for e in mapping.name_table(self.cfg) if e.group == group for h in e.hf}
 
     def content_hash(self) -> str:
-        """sha256 over the safetensors files' bytes, in file-name order."""
-        digest = hashlib.sha256()
+        """blake3 over the safetensors files' bytes, in file-name order (~4x faster than sha256)."""
+        from blake3 import blake3
+
+        digest = blake3()
         for path in self.files:
             with open(path, "rb") as f:
                 while chunk := f.read(16 << 20):
                     digest.update(chunk)
         return digest.hexdigest()
+
+
+class BackgroundFlush:
+    """Push written data towards the disk while more is being produced.
+
+    `kick(fd)` starts an fsync of `fd` on a helper thread unless one is still running, so
+    the disk writes back earlier data while the caller computes and writes the next; the
+    caller's final fsync (durability before the directory is renamed into place) then has
+    little left to wait for.
+    """
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fsync")
+        self._running: concurrent.futures.Future | None = None
+
+    def kick(self, fd: int) -> None:
+        if self._running is None or self._running.done():
+            self._running = self._pool.submit(os.fsync, fd)
+
+    def close(self) -> None:
+        """Wait for the running fsync (its errors surface here) and stop the thread."""
+        try:
+            if self._running is not None:
+                self._running.result()
+        finally:
+            self._pool.shutdown()
 
 
 # safetensors dtype names (https://github.com/huggingface/safetensors, format section).
@@ -152,6 +180,7 @@ class HFWriter:
             for name, (shape, dtype, b, e) in shard.items():
                 self._slot[name] = (i, start, shape, dtype, b, e)
         self._written: set[str] = set()
+        self._flush = BackgroundFlush()
         self.total_bytes = sum(e - b for *_, b, e in self._slot.values())
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -167,11 +196,13 @@ class HFWriter:
         f.seek(start + begin)
         f.write(memoryview(data))
         self._written.add(name)
+        self._flush.kick(f.fileno())
 
     def close(self) -> list[Path]:
         missing = [name for name in self._slot if name not in self._written]
         if missing:
             raise ValueError(f"{len(missing)} tensors were never written, e.g. {missing[0]!r}")
+        self._flush.close()
         for f in self._handles:
             f.flush()
             os.fsync(f.fileno())
