@@ -130,46 +130,21 @@ class LearnerWorker:
 
     # ---- weights out -----------------------------------------------------------------------------
 
+    def weight_source(self):
+        """This rank's view of the policy as HF tensors, streamed group by group (publish.source)."""
+        from megatron_rl.publish.source import MegatronWeightSource
+
+        return MegatronWeightSource(self.learner.model[0].module, self.hf_cfg)
+
     @torch.no_grad()
     def hf_state(self) -> dict[str, torch.Tensor] | None:
         """Full HF-named tensors of the current policy on global rank 0 (None elsewhere).
 
-        TP shards are all-gathered within each TP group; each pipeline stage contributes the
-        layers it owns (gathered to rank 0 over the pipeline group on data-parallel rank 0).
+        Every rank takes part: TP shards are gathered per group on the stage that owns it and
+        pipeline stages send their groups to the first stage (MegatronWeightSource).
         """
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        from megatron_rl.conversion import mapping
-        from megatron_rl.conversion.model_io import canonical_params
-
-        params = canonical_params(self.learner.model[0].module)
-        tp = ps.get_tensor_model_parallel_world_size()
-        full: dict[str, torch.Tensor] = {}
-        for name, p in params.items():
-            t = p.detach().float().cpu() if p.dtype != torch.float32 else p.detach().cpu()
-            if tp > 1 and mapping.tp_kind(name) != "replicated":
-                shards = [torch.empty_like(p) for _ in range(tp)]
-                dist.all_gather(shards, p.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
-                t = mapping.tp_gather(name, [s.cpu() for s in shards])
-            full[name] = t
-        if ps.get_data_parallel_rank() != 0 or ps.get_tensor_model_parallel_rank() != 0:
-            return None
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            stages = [None] * ps.get_pipeline_model_parallel_world_size()
-            dist.all_gather_object(stages, full, group=ps.get_pipeline_model_parallel_group())
-            full = {}
-            for stage in stages:
-                for name, t in stage.items():
-                    full.setdefault(name, t)  # tied embeddings appear on the first and last stage
-        if self.rank != 0:
-            return None
-        hf: dict[str, torch.Tensor] = {}
-        for group in mapping.groups(self.hf_cfg):
-            members = {n: t for n, t in full.items() if mapping.group_of(n) == group}
-            for hf_name, tensor in mapping.mcore_to_hf_group(self.hf_cfg, group, members):
-                hf[hf_name] = tensor.contiguous()
-        return hf
+        state = dict(self.weight_source())
+        return state if self.rank == 0 else None
 
     def connect_rollout(self, rollout_workers: list, bucket_bytes: int) -> None:
         """Rank 0 becomes rank 0 of the publication group formed with every rollout engine."""
@@ -182,12 +157,16 @@ class LearnerWorker:
         self.publisher = WeightPublisher(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes)
         self.publisher.connect(rollout_workers)
 
+    @torch.no_grad()
     def publish(self, version: int) -> dict | None:
-        """Gather the policy (every rank takes part) and publish it from rank 0 as `version`."""
-        state = self.hf_state()
+        """Publish the policy from rank 0 as `version`, streamed: each group is gathered (every
+        rank takes part, in lockstep) only when the publisher pulls it into a bucket."""
+        source = self.weight_source()
         if self.rank != 0:
+            for _ in source:  # drive this rank's share of the gathers
+                pass
             return None
-        report = self.publisher.publish(version, list(state.items()))
+        report = self.publisher.publish(version, source)
         return {"committed": report.committed, "seconds": report.seconds, "bytes": report.manifest.nbytes,
                 "errors": [r["error"] for r in report.results if not r["committed"]]}
 

@@ -4,7 +4,7 @@
 
 Four gloo ranks (TP=2, PP=2) load a tiny Qwen2 checkpoint (QKV bias, GQA) through the shared
 conversion mapping, then `LearnerWorker.hf_state()` gathers TP shards and pipeline stages on
-rank 0 and maps them back to HF names: every tensor of the original checkpoint must come back,
+rank 0 and maps them back to HF names, group by group (MegatronWeightSource): every tensor of the original checkpoint must come back,
 none missing, none duplicated, none extra (vocabulary padding removed), bit for bit.
 """
 
@@ -28,7 +28,9 @@ def _publish_source(rank: int, world_size: int, hf_dir: str):
     worker = LearnerWorker(rank=rank, world_size=world_size, learner_cfg=cfg, loss_cfg=GRPOLossConfig(),
                            hf_dir=hf_dir, seed=0, deterministic=True, threads=1)
     worker.setup("127.0.0.1", 0)  # torch.distributed is already up in this child
-    return worker.hf_state()
+    source = worker.weight_source()
+    streamed = list(source)  # [(hf_name, tensor)] in stream order on rank 0, [] elsewhere
+    return worker.hf_state(), streamed, source.metadata()
 
 
 def test_tp2_pp2_learner_publishes_the_complete_model(tmp_path):
@@ -37,8 +39,11 @@ def test_tp2_pp2_learner_publishes_the_complete_model(tmp_path):
     hf_dir = make_tiny_model(tmp_path / "qwen2", arch="qwen2", size="tiny", seed=3)
     original = load_file(str(hf_dir / "model.safetensors"))
     results = run_distributed(_publish_source, 4, str(hf_dir), timeout=600)
-    assert all(r is None for r in results[1:]), "only rank 0 holds the published state"
-    published = results[0]
+    assert all(r[0] is None and r[1] == [] for r in results[1:]), "only rank 0 holds the published state"
+    published, streamed, metadata = results[0]
+    # The stream agrees with metadata() element by element (the contract vLLM's NCCL engine relies on).
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in streamed] == [(n, d, tuple(s)) for n, d, s in metadata]
+    assert all(r[2] == metadata for r in results[1:])
     assert sorted(published) == sorted(original)
     for name, tensor in original.items():
         assert published[name].shape == tensor.shape, name
