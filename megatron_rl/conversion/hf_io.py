@@ -172,7 +172,7 @@ class HFWriter:
             header["__metadata__"] = {"format": "pt"}
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-            f = open(path, "wb")
+            f = open(path, "wb", buffering=0)  # tensors are written whole; no buffer copy
             f.write(len(raw).to_bytes(8, "little") + raw)
             start = f.tell()
             f.truncate(start + max((e for _, _, _, e in shard.values()), default=0))

@@ -26,13 +26,13 @@ import time
 from typing import Any
 
 from megatron_rl.config import from_dict
+from megatron_rl.platform.priority import RAY_ACTOR_ENV, with_normal_priority
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.sample import RolloutSample
 
 log = logging.getLogger(__name__)
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos")
-
 
 def engine_env(cfg: RolloutConfig, on_gpu: bool) -> dict[str, str]:
     """Environment variables vLLM's CPU backend needs for this config (empty on GPU)."""
@@ -77,6 +77,28 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     return kwargs
 
 
+def undo_ray_niceness() -> None:
+    """In a Ray actor, reset a raised nice value before vLLM spawns its processes.
+
+    Generation is the whole job of this actor, so it runs at normal priority, like vLLM
+    started by hand (platform/priority.py says why).  For this thread only (Linux nice is per thread): it is the one that starts vLLM's
+    processes and threads, which inherit it.  Lowering nice needs CAP_SYS_NICE; without
+    it, only RAY_ACTOR_ENV in the actor's runtime_env (create_rollout_worker) helps.
+    """
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice <= 0:
+        return
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return  # not a Ray actor: the caller chose this priority
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except PermissionError:
+        log.warning("rollout actor runs at nice %d and may not lower it: vLLM loses the CPU to every "
+                    "normal-priority process; start it with runtime_env={'env_vars': %s}", nice, RAY_ACTOR_ENV)
+
+
 def eos_token_ids(model_dir: str) -> list[int]:
     """EOS ids from generation_config.json, else config.json (int or list), else []."""
     for name in ("generation_config.json", "config.json"):
@@ -96,6 +118,7 @@ class RolloutWorker:
         import torch
 
         self.config = config if isinstance(config, RolloutConfig) else from_dict(RolloutConfig, config)
+        undo_ray_niceness()
         on_gpu = torch.cuda.is_available()
         os.environ.update(engine_env(self.config, on_gpu))
         if self.config.weight_transfer == "gloo":
@@ -233,5 +256,5 @@ def create_rollout_worker(config: RolloutConfig, **ray_options):
     """Start a RolloutWorker Ray actor (ray.init must have run); returns its handle."""
     import ray
 
-    options = {"num_cpus": config.num_cpus, **ray_options}
+    options = with_normal_priority({"num_cpus": config.num_cpus, **ray_options})
     return ray.remote(RolloutWorker).options(**options).remote(dataclasses.asdict(config))

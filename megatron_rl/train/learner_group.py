@@ -212,11 +212,13 @@ class LearnerGroup:
                  deterministic: bool, threads: int, placement=None):
         import ray
 
+        from megatron_rl.platform.priority import with_normal_priority
+
         world = learner_cfg.tensor_model_parallel_size * learner_cfg.pipeline_model_parallel_size
         self.world_size = world * data_parallel_size
         cls = ray.remote(LearnerWorker)
         self.workers = [
-            cls.options(**(placement(rank) if placement else {"num_cpus": 0})).remote(
+            cls.options(**with_normal_priority(placement(rank) if placement else {"num_cpus": 0})).remote(
                 rank=rank, world_size=self.world_size, learner_cfg=learner_cfg, loss_cfg=loss_cfg, hf_dir=hf_dir,
                 seed=seed, deterministic=deterministic, threads=threads)
             for rank in range(self.world_size)

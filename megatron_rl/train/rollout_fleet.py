@@ -17,7 +17,7 @@ import ray
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.sample import RolloutSample
-from megatron_rl.rollout.worker import RolloutWorker
+from megatron_rl.rollout.worker import create_rollout_worker
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,10 @@ class PendingRollout:
 class RolloutFleet:
     def __init__(self, cfg: RolloutConfig, num_groups: int, placement=None):
         self.cfg = cfg
-        actor = ray.remote(RolloutWorker)
         self.workers = []
         for g in range(num_groups):
-            opts = placement(g) if placement is not None else {"num_cpus": cfg.num_cpus}
-            self.workers.append(actor.options(**opts).remote(dataclasses.asdict(cfg)))
+            opts = placement(g) if placement is not None else {}
+            self.workers.append(create_rollout_worker(cfg, **opts))
         ray.get([w.policy_version.remote() for w in self.workers])  # engines are up
 
     def submit(self, prompts: list[list[int]], *, n: int, sampling: dict, extra: list[dict]) -> PendingRollout:

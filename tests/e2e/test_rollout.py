@@ -97,6 +97,9 @@ def test_generate_sample_fields(cluster):
         assert [s.response_tokens for s in again] == [s.response_tokens for s in samples]
     with pytest.raises(ray.exceptions.RayTaskError, match="unknown sampling key 'temp'"):
         ray.get(workers[0].generate.remote(prompts, {"temp": 1.0}))
+    # Ray starts workers at nice 15; engines must not inherit it (platform/priority.py).
+    for w in workers:
+        assert ray.get(w.__ray_call__.remote(lambda self: os.getpriority(os.PRIO_PROCESS, 0))) == 0
 
 
 def test_publication_matches_transformers_and_bad_bucket_is_refused(cluster):

@@ -158,3 +158,12 @@ def test_shard_state_dict_tp_pp_rules():
     assert repadded["embedding.word_embeddings.weight"][100:].abs().sum() == 0
     with pytest.raises(ValueError, match="num_layers 2"):
         shard_state_dict(full, tp_rank=0, pp_rank=0, tp=1, pp=3, num_layers=2, tie_word_embeddings=False)
+
+
+def test_heavy_ray_actors_run_at_normal_priority_options():
+    from megatron_rl.platform.priority import with_normal_priority
+
+    opts = with_normal_priority({"num_cpus": 1})
+    assert opts == {"num_cpus": 1, "runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}}}
+    mine = with_normal_priority({"runtime_env": {"env_vars": {"RAY_worker_niceness": "5", "X": "1"}, "pip": []}})
+    assert mine["runtime_env"] == {"env_vars": {"RAY_worker_niceness": "5", "X": "1"}, "pip": []}
