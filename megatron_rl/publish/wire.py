@@ -8,24 +8,26 @@
 Rank 0 is the trainer; every rollout worker process (each TP rank of each rollout group)
 is another rank and receives every byte.  A publication is a sequence of broadcasts:
 
-    per bucket:  control int64[4] = [BUCKET, header_len, nbytes, n_parts], header JSON,
-                 part sizes int64[n_parts], each part's bytes, checksum trailer uint8[64]
-    at the end:  control [END, header_len, 0, 0], the full PublicationManifest as JSON
+    first:       control int64[4] = [BEGIN, header_len, 0, 0], JSON {"version", "algo"}
+    per bucket:  control [BUCKET, 0, nbytes, n_parts], part sizes int64[n_parts], each part
+    at the end:  control [END, header_len, 0, 0], the PublicationManifest as JSON (every
+                 bucket's tensors -- names, shapes, dtypes, offsets -- and checksum)
     on failure:  control [ABORT, header_len, 0, 0], the error text (the trainer's source raised)
 
-Zero copy on both sides: the trainer broadcasts each tensor from where it lies (one part
-per tensor) while a helper thread hashes the same bytes, and sends the digest as the
-bucket's trailer; receivers take each part straight into its slice of a staging buffer,
-reused from one publication to the next, and verify bucket k on a helper thread while
-bucket k+1 arrives.  The part sizes travel as their own int64 message, so a receiver can
-drain a bucket whose JSON header arrived unreadable.  Tensors are pulled from the
-trainer's iterator on the calling thread only, so a source that gathers with collectives
-(Megatron TP/PP) keeps its collectives on one thread.
+Zero copy on both sides and no stall between buckets: the trainer broadcasts each tensor
+from where it lies (one part per tensor) while a helper thread hashes the same bytes, and
+moves on to the next bucket without waiting for the digest, which travels in the final
+manifest; receivers take each part straight into its slice of a staging buffer (reused
+from one publication to the next) and hash bucket k on a helper thread while bucket k+1
+arrives.  At END a receiver accepts the publication only if every bucket's size, part
+sizes and digest match the manifest.  Tensors are pulled from the trainer's iterator on
+the calling thread only, so a source that gathers with collectives (Megatron TP/PP) keeps
+its collectives on one thread.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import datetime
 import json
 import logging
@@ -37,12 +39,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.publish.manifest import (
+    CHECKSUMS,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHECKSUM,
     BucketSpec,
     PublicationManifest,
-    bucket_from_dict,
-    bucket_to_dict,
     byte_view,
     checksum_parts,
     flatten_groups,
@@ -51,14 +52,13 @@ from megatron_rl.publish.manifest import (
     plan_buckets,
     tensor_specs,
     unpack_bucket,
-    verify_bucket,
 )
 
 log = logging.getLogger(__name__)
 
-BUCKET, END, ABORT = 1, 2, 3
+BEGIN, BUCKET, END, ABORT = 0, 1, 2, 3
 STORE_PREFIX = "megatron_rl_publish"
-TRAILER_BYTES = 64  # the hex digest, ASCII, zero-padded
+MAX_BUCKETS_IN_FLIGHT = 2  # queued on the trainer beyond the one being filled (memory bound)
 
 
 def open_group(
@@ -72,24 +72,32 @@ def open_group(
     return dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, world_size, timeout)
 
 
+def _ibcast(pg: dist.ProcessGroupGloo, tensors: list[torch.Tensor]) -> list:
+    """Queue a broadcast from rank 0 of each non-empty tensor; returns the works (gloo runs
+    them in order, with no Python round trip between them).  Keep the tensors alive until
+    every work is waited for."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return [pg.broadcast([t], opts) for t in tensors if t.numel()]
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
 def _bcast(pg: dist.ProcessGroupGloo, tensor: torch.Tensor) -> None:
     _bcast_many(pg, [tensor])
 
 
 def _bcast_many(pg: dist.ProcessGroupGloo, tensors: list[torch.Tensor]) -> None:
-    """Broadcast each tensor from rank 0, all queued at once (gloo runs them in order, with no
-    Python round trip between them), then wait for all."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    works = [pg.broadcast([t], opts) for t in tensors if t.numel()]
-    for work in works:
-        work.wait()
+    _wait(_ibcast(pg, tensors))
 
 
-def _send_control(pg, kind: int, header: dict | str, nbytes: int = 0, n_parts: int = 0) -> None:
-    blob = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-    _bcast(pg, torch.tensor([kind, blob.numel(), nbytes, n_parts], dtype=torch.int64))
-    _bcast(pg, blob)
+def _send_control(pg, kind: int, header: dict | str | None, nbytes: int = 0, n_parts: int = 0) -> None:
+    raw = b"" if header is None else json.dumps(header).encode()
+    _bcast(pg, torch.tensor([kind, len(raw), nbytes, n_parts], dtype=torch.int64))
+    _bcast(pg, torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8))
 
 
 def send_publication(
@@ -109,42 +117,38 @@ def send_publication(
     `tensors` raises, receivers get ABORT and the error propagates here.
     """
     new_hasher(checksum_algo)  # an unknown algorithm fails before anything is sent
-    specs: list[BucketSpec] = []
+    layouts: list[tuple[tuple, int]] = []
+    digests: list[Future] = []
+    in_flight: collections.deque = collections.deque()  # (works, tensors they read) per bucket
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-hash") as pool:
         try:
+            _send_control(pg, BEGIN, {"version": version, "algo": checksum_algo})
             for items in plan_buckets(flatten_groups(tensors), bucket_bytes):
-                specs.append(_send_bucket(pg, len(specs), items, checksum_algo, pool, fault_hook))
+                tensor_list, nbytes = tensor_specs(items)
+                parts = [byte_view(t) for _, t in items]  # [nbytes_i] uint8 views of the tensors themselves
+                digests.append(pool.submit(checksum_parts, parts, checksum_algo))  # overlaps the sends
+                if fault_hook is not None:
+                    spec, buf = pack_bucket(len(layouts), items, checksum_algo)
+                    fault_hook(spec, buf)
+                    parts = [buf[t.offset : t.offset + t.nbytes] for t in tensor_list]
+                control = torch.tensor([BUCKET, 0, nbytes, len(parts)], dtype=torch.int64)
+                sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
+                # Queued, not waited for: the next bucket's messages follow without draining the link.
+                in_flight.append((_ibcast(pg, [control, sizes, *parts]), [control, sizes, *parts]))
+                layouts.append((tensor_list, nbytes))
+                while len(in_flight) > MAX_BUCKETS_IN_FLIGHT:
+                    _wait(in_flight.popleft()[0])
+            while in_flight:
+                _wait(in_flight.popleft()[0])
+            buckets = tuple(BucketSpec(i, tensor_list, nbytes, digest.result())
+                            for i, ((tensor_list, nbytes), digest) in enumerate(zip(layouts, digests)))
         except Exception as err:
             _send_control(pg, ABORT, f"trainer failed while publishing version {version}: {err!r}")
             raise
-    manifest = PublicationManifest(version=version, checksum_algo=checksum_algo, buckets=tuple(specs))
+    manifest = PublicationManifest(version=version, checksum_algo=checksum_algo, buckets=buckets)
     _send_control(pg, END, manifest.to_dict())
-    log.info("published version %d: %d buckets, %.1f MB", version, len(specs), manifest.nbytes / 1e6)
+    log.info("published version %d: %d buckets, %.1f MB", version, len(buckets), manifest.nbytes / 1e6)
     return manifest
-
-
-def _send_bucket(pg, index: int, items: list, algo: str, pool: ThreadPoolExecutor, fault_hook) -> BucketSpec:
-    tensor_list, nbytes = tensor_specs(items)
-    parts = [byte_view(t) for _, t in items]  # [nbytes_i] uint8 views of the tensors themselves
-    digest = pool.submit(checksum_parts, parts, algo)  # hashing overlaps the sends below
-    if fault_hook is not None:
-        spec, buf = pack_bucket(index, items, algo)
-        fault_hook(spec, buf)
-        parts = [buf[t.offset : t.offset + t.nbytes] for t in tensor_list]
-    header = {"algo": algo, **bucket_to_dict(BucketSpec(index, tensor_list, nbytes, ""))}
-    _send_control(pg, BUCKET, header, nbytes, len(parts))
-    _bcast(pg, torch.tensor([p.numel() for p in parts], dtype=torch.int64))
-    _bcast_many(pg, parts)
-    spec = BucketSpec(index, tensor_list, nbytes, digest.result())
-    _bcast(pg, _trailer(spec.checksum))
-    return spec
-
-
-def _trailer(digest: str) -> torch.Tensor:
-    out = torch.zeros(TRAILER_BYTES, dtype=torch.uint8)
-    raw = digest.encode()[:TRAILER_BYTES]
-    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return out
 
 
 class StagingBuffers:
@@ -188,38 +192,34 @@ class ReceivedPublication:
 def receive_publication(pg: dist.ProcessGroupGloo, staging: StagingBuffers | None = None) -> ReceivedPublication:
     """Receive one publication on a non-zero rank; never raises for bad data, reports it.
 
-    Buckets are verified as they arrive; the result is `ok` only if every bucket's
-    checksum matched and the final manifest lists exactly the buckets received.
+    Each bucket is hashed as soon as it has arrived; the result is `ok` only if the final
+    manifest lists exactly the buckets received (sizes and part sizes) and every digest
+    matches it.
     """
     staging = staging if staging is not None else StagingBuffers()
-    specs: list[BucketSpec] = []
-    buffers: list[torch.Tensor] = []
-    checks: list[Future] = []
-    first_error: tuple[str, int | None] | None = None  # keep draining the stream after one
+    received: list[tuple[torch.Tensor | None, list[int]]] = []  # (bucket bytes or None, part sizes)
+    digests: list[Future | None] = []
+    begin: dict | None = None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-verify") as pool:
         while True:
             control = torch.empty(4, dtype=torch.int64)
             _bcast(pg, control)
             kind, header_len, nbytes, n_parts = (int(x) for x in control)
-            blob = torch.empty(header_len, dtype=torch.uint8)
-            _bcast(pg, blob)
-            try:
-                header = json.loads(bytes(blob.numpy()).decode())
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                header = None
-                first_error = first_error or (f"unreadable header of message {len(specs)}: {err}", len(specs))
+            header = _receive_header(pg, header_len)
             if kind == BUCKET:
-                data = _receive_parts(pg, staging.get(len(specs), nbytes), n_parts)
-                trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8)
-                _bcast(pg, trailer)
-                if header is None or data is None:
-                    first_error = first_error or (f"bucket {len(specs)}: part sizes disagree with its size", len(specs))
-                    continue
-                digest = bytes(trailer.numpy()).rstrip(b"\0").decode(errors="replace")
-                spec = dataclasses.replace(bucket_from_dict(header), checksum=digest)
-                specs.append(spec)
-                buffers.append(data)
-                checks.append(pool.submit(verify_bucket, spec, data, header["algo"]))
+                sizes = torch.empty(n_parts, dtype=torch.int64)
+                _bcast(pg, sizes)
+                sizes = sizes.tolist()
+                buf, works = _receive_parts(pg, staging.get(len(received), nbytes), sizes)
+                received.append((buf, sizes))
+                algo = begin.get("algo") if isinstance(begin, dict) else None
+                ok = buf is not None and algo in CHECKSUMS
+                # The helper thread waits for the parts, then hashes, while the next bucket arrives.
+                digests.append(pool.submit(_hash_when_received, works, buf, sizes, algo) if ok else None)
+                if not ok:
+                    _wait(works)
+            elif kind == BEGIN:
+                begin = header
             elif kind == ABORT:
                 return ReceivedPublication(None, error=str(header))
             elif kind == END:
@@ -227,35 +227,58 @@ def receive_publication(pg: dist.ProcessGroupGloo, staging: StagingBuffers | Non
             else:
                 # Unknown kind: the stream is unreadable, sizes included; give up on it.
                 return ReceivedPublication(None, error=f"unknown publication message kind {kind}")
-        results = [f.result() for f in checks]
-    if first_error is not None or header is None:
-        msg, idx = first_error or ("unreadable final manifest", None)
-        return ReceivedPublication(None, error=msg, bad_bucket=idx)
+        got = [None if d is None else d.result() for d in digests]
+    if not isinstance(begin, dict) or not isinstance(header, dict):
+        return ReceivedPublication(None, error="unreadable publication header or final manifest")
     try:
         manifest = PublicationManifest.from_dict(header)
     except ValueError as err:
         return ReceivedPublication(None, error=str(err))
-    return _check(manifest, specs, buffers, results)
+    if manifest.version != begin.get("version") or manifest.checksum_algo != begin.get("algo"):
+        return ReceivedPublication(manifest, error=f"manifest (version {manifest.version}, {manifest.checksum_algo}) "
+                                                   f"disagrees with the announced {begin}")
+    return _check(manifest, received, got)
 
 
-def _receive_parts(pg, buf: torch.Tensor, n_parts: int) -> torch.Tensor | None:
-    """Receive a bucket's parts back to back into `buf`; None (after draining) if sizes disagree."""
-    sizes = torch.empty(n_parts, dtype=torch.int64)
-    _bcast(pg, sizes)
-    fits = int(sizes.sum()) == buf.numel()
-    if fits:
-        _bcast_many(pg, list(torch.split(buf, sizes.tolist())))
-    else:  # drain the parts into scratch memory so the stream stays in step
-        _bcast_many(pg, [torch.empty(size, dtype=torch.uint8) for size in sizes.tolist()])
-    return buf if fits else None
-def _check(manifest, specs, buffers, results) -> ReceivedPublication:
-    for spec, problem in zip(specs, results):
+def _receive_header(pg, header_len: int):
+    """The JSON that follows a control message (None when empty or unreadable)."""
+    blob = torch.empty(header_len, dtype=torch.uint8)
+    _bcast(pg, blob)
+    if not header_len:
+        return None
+    try:
+        return json.loads(bytes(blob.numpy()).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def _receive_parts(pg, buf: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor | None, list]:
+    """Queue the receives of a bucket's parts back to back into `buf`: (buf, works), or
+    (None, works) into scratch memory when the sizes disagree (the stream stays in step)."""
+    if min(sizes, default=0) >= 0 and sum(sizes) == buf.numel():
+        return buf, _ibcast(pg, list(torch.split(buf, sizes)))
+    return None, _ibcast(pg, [torch.empty(max(size, 0), dtype=torch.uint8) for size in sizes])
+
+
+def _hash_when_received(works: list, buf: torch.Tensor, sizes: list[int], algo: str) -> str:
+    _wait(works)
+    return checksum_parts(list(torch.split(buf, sizes)), algo)
+
+
+def _check(manifest: PublicationManifest, received: list, digests: list) -> ReceivedPublication:
+    """Accept only if the received buckets are exactly the manifest's, byte for byte."""
+    if len(received) != len(manifest.buckets):
+        n = min(len(received), len(manifest.buckets))
+        return ReceivedPublication(manifest, bad_bucket=n, error=f"bucket {n}: {len(received)} buckets received, "
+                                                                 f"the manifest lists {len(manifest.buckets)}")
+    for spec, (buf, sizes), digest in zip(manifest.buckets, received, digests):
+        problem = None
+        if buf is None or buf.numel() != spec.nbytes or sizes != [t.nbytes for t in spec.tensors]:
+            problem = f"{spec.describe()}: received sizes disagree with the manifest"
+        elif digest != spec.checksum:
+            problem = f"{spec.describe()}: {manifest.checksum_algo} mismatch (expected {spec.checksum}, got {digest})"
         if problem is not None:
             log.warning("publication version %d refused: %s", manifest.version, problem)
             return ReceivedPublication(manifest, error=problem, bad_bucket=spec.index)
-    if tuple(specs) != manifest.buckets:
-        n = next((i for i, (a, b) in enumerate(zip(specs, manifest.buckets)) if a != b), min(len(specs), len(manifest.buckets)))
-        problem = f"bucket {n}: received bucket list disagrees with the manifest ({len(specs)} received, {len(manifest.buckets)} listed)"
-        return ReceivedPublication(manifest, error=problem, bad_bucket=n)
-    tensors = [pair for spec, buf in zip(specs, buffers) for pair in unpack_bucket(spec, buf)]
+    tensors = [pair for spec, (buf, _) in zip(manifest.buckets, received) for pair in unpack_bucket(spec, buf)]
     return ReceivedPublication(manifest, tensors=tensors)
