@@ -8,7 +8,8 @@ buffers reused as a rollout engine reuses them) to `receivers` processes, then b
 the same number of bytes as one flat buffer into a buffer allocated once.  Rounds
 alternate publication and raw broadcast; the first round warms up and each reported time
 is the median of the rest.  One line per checksum algorithm: the ratio publish / raw
-(goal <= 1.5 with the default algorithm), so the cost of each digest is visible.
+(goal <= 1.5 with the default algorithm), so the cost of each digest is visible; and the
+same bytes as one bare broadcast per tensor, the floor of sending tensors where they lie.
 """
 
 import argparse
@@ -20,7 +21,7 @@ import torch.multiprocessing as mp
 
 from megatron_rl.platform.spawn import free_port
 from megatron_rl.publish.manifest import CHECKSUMS, DEFAULT_CHECKSUM
-from megatron_rl.publish.wire import StagingBuffers, _bcast, open_group, receive_publication, send_publication
+from megatron_rl.publish.wire import StagingBuffers, _bcast, _ibcast, _wait, open_group, receive_publication, send_publication
 
 
 def make_groups(params_m: float, hidden: int = 1024, ffn: int = 2816, kv: int = 512):
@@ -40,6 +41,12 @@ def run(rank, world, port, params_m, bucket_mb, algos, rounds, out):
         nbytes[0] = sum(t.numel() * 4 for grp in groups for _, t in grp)
     _bcast(pg, nbytes)
     flat = torch.ones(int(nbytes[0]), dtype=torch.uint8)
+    # The same bytes as one broadcast per tensor (no protocol, no checksum): the floor of any
+    # zero-copy design over gloo.
+    sizes = [t.numel() * 4 for grp in make_groups(params_m) for _, t in grp] if rank else None
+    parts = [t.view(-1).view(torch.uint8) for grp in groups for _, t in grp] if rank == 0 else \
+        list(torch.split(torch.ones(sum(sizes), dtype=torch.uint8), sizes))
+    per_tensor = []
     staging = StagingBuffers()  # a rollout engine keeps its staging buffers between publications
     times = {algo: [] for algo in algos}
     raw = []
@@ -59,8 +66,14 @@ def run(rank, world, port, params_m, bucket_mb, algos, rounds, out):
             pg.barrier().wait()
             if r:
                 raw.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        _wait(_ibcast(pg, parts))
+        pg.barrier().wait()
+        if r:
+            per_tensor.append(time.perf_counter() - t0)
     if rank == 0:
-        out.put((int(nbytes[0]), {a: statistics.median(t) for a, t in times.items()}, statistics.median(raw)))
+        out.put((int(nbytes[0]), {a: statistics.median(t) for a, t in times.items()}, statistics.median(raw),
+                 len(parts), statistics.median(per_tensor)))
 
 
 def main():
@@ -81,10 +94,11 @@ def main():
              for r in range(world)]
     for p in procs:
         p.start()
-    nbytes, t_pub, t_raw = out.get()
+    nbytes, t_pub, t_raw, n_parts, t_parts = out.get()
     for p in procs:
         p.join()
     print(f"bytes={nbytes / 1e9:.2f} GB receivers={args.receivers} bucket={args.bucket_mb} MiB raw_broadcast={t_raw:.2f}s")
+    print(f"no protocol, one broadcast per tensor ({n_parts}): {t_parts:.2f}s ratio={t_parts / t_raw:.2f}")
     for algo, t in t_pub.items():
         goal = " (goal <= 1.5)" if algo == DEFAULT_CHECKSUM else ""
         print(f"checksum={algo:<8} publish={t:.2f}s ratio={t / t_raw:.2f}{goal}")
