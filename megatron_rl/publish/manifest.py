@@ -147,6 +147,19 @@ class _Crc32:
         return f"{self.value:08x}"
 
 
+class _OverBytes:
+    """A bytes hasher (zlib / hashlib / blake3) fed uint8 CPU tensors."""
+
+    def __init__(self, hasher) -> None:
+        self._hasher = hasher
+
+    def update(self, part: torch.Tensor) -> None:
+        self._hasher.update(memoryview(part.numpy()))
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
+
+
 class _BlockSum:
     """The "blocksum" digest (see the module docstring); update() takes uint8 CPU tensors."""
 
@@ -175,17 +188,17 @@ class _BlockSum:
 
 
 def new_hasher(algo: str):
-    """An object with update(part) and hexdigest() for `algo`; all release the GIL while hashing."""
+    """An object with update(uint8 CPU tensor) and hexdigest() for `algo`; all release the GIL."""
     if algo == "blocksum":
         return _BlockSum()
     if algo == "blake3":
         from blake3 import blake3
 
-        return blake3()
+        return _OverBytes(blake3())
     if algo == "crc32":
-        return _Crc32()
+        return _OverBytes(_Crc32())
     if algo == "sha256":
-        return hashlib.sha256()
+        return _OverBytes(hashlib.sha256())
     raise ValueError(f"checksum algorithm {algo!r} is not one of {list(CHECKSUMS)}")
 
 
@@ -198,7 +211,7 @@ def checksum_parts(parts: Iterable[torch.Tensor], algo: str) -> str:
     """Checksum (hex) of a bucket given as its tensors' bytes (uint8 CPU tensors, in order)."""
     hasher = new_hasher(algo)
     for part in parts:
-        hasher.update(part if algo == "blocksum" else memoryview(part.numpy()))
+        hasher.update(part)
     return hasher.hexdigest()
 
 

@@ -87,11 +87,7 @@ def _wait(works: list) -> None:
 
 
 def _bcast(pg: dist.ProcessGroupGloo, tensor: torch.Tensor) -> None:
-    _bcast_many(pg, [tensor])
-
-
-def _bcast_many(pg: dist.ProcessGroupGloo, tensors: list[torch.Tensor]) -> None:
-    _wait(_ibcast(pg, tensors))
+    _wait(_ibcast(pg, [tensor]))
 
 
 def _send_control(pg, kind: int, header: dict | str | None, nbytes: int = 0, n_parts: int = 0) -> None:
