@@ -18,8 +18,8 @@ Zero copy on both sides and no stall between buckets: the trainer broadcasts eac
 from where it lies (one part per tensor) while a helper thread hashes the same bytes, and
 moves on to the next bucket without waiting for the digest, which travels in the final
 manifest; receivers take each part straight into its slice of a staging buffer (reused
-from one publication to the next) and hash bucket k on a helper thread while bucket k+1
-arrives.  At END a receiver accepts the publication only if every bucket's size, part
+from one publication to the next) and a helper thread hashes each part as soon as it has
+landed, while the following parts arrive.  At END a receiver accepts the publication only if every bucket's size, part
 sizes and digest match the manifest.  Tensors are pulled from the trainer's iterator on
 the calling thread only, so a source that gathers with collectives (Megatron TP/PP) keeps
 its collectives on one thread.
@@ -210,8 +210,8 @@ def receive_publication(pg: dist.ProcessGroupGloo, staging: StagingBuffers | Non
                 received.append((buf, sizes))
                 algo = begin.get("algo") if isinstance(begin, dict) else None
                 ok = buf is not None and algo in CHECKSUMS
-                # The helper thread waits for the parts, then hashes, while the next bucket arrives.
-                digests.append(pool.submit(_hash_when_received, works, buf, sizes, algo) if ok else None)
+                # The helper thread hashes each part as it lands, while the rest keep arriving.
+                digests.append(pool.submit(_hash_on_arrival, works, torch.split(buf, sizes), algo) if ok else None)
                 if not ok:
                     _wait(works)
             elif kind == BEGIN:
@@ -256,9 +256,17 @@ def _receive_parts(pg, buf: torch.Tensor, sizes: list[int]) -> tuple[torch.Tenso
     return None, _ibcast(pg, [torch.empty(max(size, 0), dtype=torch.uint8) for size in sizes])
 
 
-def _hash_when_received(works: list, buf: torch.Tensor, sizes: list[int], algo: str) -> str:
-    _wait(works)
-    return checksum_parts(list(torch.split(buf, sizes)), algo)
+def _hash_on_arrival(works: list, parts: tuple[torch.Tensor, ...], algo: str) -> str:
+    """Checksum of a bucket's `parts`, each hashed as soon as its broadcast has landed, while
+    its bytes are still in cache (`works`: one per non-empty part, in order, as _ibcast
+    returns them)."""
+    hasher = new_hasher(algo)
+    pending = iter(works)
+    for part in parts:
+        if part.numel():
+            next(pending).wait()
+        hasher.update(part)
+    return hasher.hexdigest()
 
 
 def _check(manifest: PublicationManifest, received: list, digests: list) -> ReceivedPublication:
