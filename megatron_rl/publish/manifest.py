@@ -154,14 +154,15 @@ class _OverBytes:
         self._hasher = hasher
 
     def update(self, part: torch.Tensor) -> None:
-        self._hasher.update(memoryview(part.numpy()))
+        self._hasher.update(memoryview(part.cpu().numpy()))
 
     def hexdigest(self) -> str:
         return self._hasher.hexdigest()
 
 
 class _BlockSum:
-    """The "blocksum" digest (see the module docstring); update() takes uint8 CPU tensors."""
+    """The "blocksum" digest (see the module docstring); update() takes uint8 tensors on any
+    device (on a GPU the block sums are computed there and only they cross to the host)."""
 
     words = BLOCK_BYTES // 8
 
@@ -179,16 +180,16 @@ class _BlockSum:
             if body.storage_offset() % 8:  # view(int64) needs 8-byte aligned offsets
                 body = body.clone()
             sums = body.view(torch.int64).view(-1, self.words).sum(dim=1)  # [blocks], wraps on overflow
-            self._digest.update(memoryview(sums.numpy()).cast("B"))
+            self._digest.update(memoryview(sums.cpu().numpy()).cast("B"))
         if full < n:
-            self._digest.update(memoryview(part[full:].numpy()))
+            self._digest.update(memoryview(part[full:].cpu().numpy()))
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
 
 
 def new_hasher(algo: str):
-    """An object with update(uint8 CPU tensor) and hexdigest() for `algo`; all release the GIL."""
+    """An object with update(uint8 tensor) and hexdigest() for `algo`; all release the GIL."""
     if algo == "blocksum":
         return _BlockSum()
     if algo == "blake3":
@@ -202,13 +203,18 @@ def new_hasher(algo: str):
     raise ValueError(f"checksum algorithm {algo!r} is not one of {list(CHECKSUMS)}")
 
 
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor [nbytes] on its own device (no copy if contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes as a flat uint8 CPU tensor [nbytes]; no copy when it is contiguous on CPU."""
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return raw_bytes(t.to("cpu"))
 
 
 def checksum_parts(parts: Iterable[torch.Tensor], algo: str) -> str:
-    """Checksum (hex) of a bucket given as its tensors' bytes (uint8 CPU tensors, in order)."""
+    """Checksum (hex) of a bucket given as its tensors' bytes (uint8 tensors, in order)."""
     hasher = new_hasher(algo)
     for part in parts:
         hasher.update(part)
@@ -303,3 +309,76 @@ def verify_bucket(spec: BucketSpec, buf: torch.Tensor, algo: str) -> str | None:
     if got != spec.checksum:
         return f"{spec.describe()}: {algo} mismatch (expected {spec.checksum}, got {got})"
     return None
+
+
+class ManifestRecorder:
+    """Pass (name, tensor) pairs through unchanged while recording the manifest of what passed.
+
+        recorder = ManifestRecorder(pairs, version=4)
+        send_somehow(iter(recorder))          # e.g. vLLM's packed NCCL producer
+        manifest = recorder.manifest()        # complete once the iteration is
+
+    For transports that carry tensors but no manifest (vLLM's NCCL backend): the manifest
+    then travels separately, and receivers check what they staged with `verify_tensors`.
+    Tensors are grouped as `plan_buckets` groups them and hashed on their own device, so a
+    bucket's tensors are held (at most `bucket_bytes`) until the bucket is full.
+    `fault_hook(spec, buf)`, as in wire.send_publication, gets a packed CPU copy of each
+    bucket after hashing; the tensors passed on are then views of that copy (tests corrupt
+    bytes that way).
+    """
+
+    def __init__(self, pairs: Iterable, version: int, *, checksum_algo: str = DEFAULT_CHECKSUM,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, fault_hook=None) -> None:
+        new_hasher(checksum_algo)  # an unknown algorithm fails here
+        self._pairs, self.version, self.checksum_algo = pairs, version, checksum_algo
+        self.bucket_bytes, self.fault_hook = bucket_bytes, fault_hook
+        self._buckets: list[BucketSpec] = []
+        self._done = False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for items in plan_buckets(flatten_groups(self._pairs), self.bucket_bytes):
+            specs, nbytes = tensor_specs(items)
+            digest = checksum_parts([raw_bytes(t) for _, t in items], self.checksum_algo)
+            spec = BucketSpec(len(self._buckets), specs, nbytes, digest)
+            self._buckets.append(spec)
+            if self.fault_hook is not None:
+                device = items[0][1].device
+                _, buf = pack_bucket(spec.index, items, self.checksum_algo)
+                self.fault_hook(spec, buf)
+                items = [(name, t.to(device)) for name, t in unpack_bucket(spec, buf)]
+            yield from items
+        self._done = True
+
+    def manifest(self) -> PublicationManifest:
+        if not self._done:
+            raise RuntimeError("the manifest is known only after every tensor has passed")
+        return PublicationManifest(self.version, self.checksum_algo, tuple(self._buckets))
+
+
+def verify_tensors(manifest: PublicationManifest, tensors: list[tuple[str, torch.Tensor]]) -> tuple[str | None, int | None]:
+    """Check received (name, tensor) pairs against a manifest that travelled separately.
+
+    Returns (None, None) when they are exactly the manifest's tensors -- same names in the
+    same order, shapes, dtypes -- and every bucket's checksum matches; else (problem, index
+    of the first bad bucket).
+    """
+    got = iter(tensors)
+    for spec in manifest.buckets:
+        parts = []
+        for t in spec.tensors:
+            pair = next(got, None)
+            if pair is None:
+                return f"{spec.describe()}: {t.name} never arrived", spec.index
+            name, tensor = pair
+            if name != t.name or tuple(tensor.shape) != tuple(t.shape) or dtype_name(tensor.dtype) != t.dtype:
+                return (f"{spec.describe()}: expected {t.name} {list(t.shape)} {t.dtype}, received {name} "
+                        f"{list(tensor.shape)} {dtype_name(tensor.dtype)}"), spec.index
+            parts.append(raw_bytes(tensor))
+        digest = checksum_parts(parts, manifest.checksum_algo)
+        if digest != spec.checksum:
+            return (f"{spec.describe()}: {manifest.checksum_algo} mismatch (expected {spec.checksum}, "
+                    f"got {digest})"), spec.index
+    extra = next(got, None)
+    if extra is not None:
+        return f"received {extra[0]} and more beyond the manifest's {len(manifest.tensor_names)} tensors", len(manifest.buckets)
+    return None, None

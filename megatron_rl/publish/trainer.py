@@ -9,8 +9,16 @@
 
 `tensors` is any iterable of (hf_name, full_tensor) pairs or of lists of them (one list
 per layer is what a Megatron source gathering TP shards per layer naturally yields); it
-is consumed lazily, on the calling thread.  The trainer process is rank 0 of a gloo group
-whose other ranks are every vLLM worker process of every rollout group (CPU path).
+is consumed lazily, on the calling thread.  The trainer process is rank 0 of a group whose
+other ranks are every vLLM worker process of every rollout group:
+
+  transport="gloo" (CPU; default)  our wire protocol (wire.py), manifest on the wire.
+  transport="nccl" (GPU)           vLLM's NCCL communicator and packed broadcast carry the
+                                   tensors (on the trainer's GPU); a ManifestRecorder hashes
+                                   them on the way, and the manifest follows by RPC
+                                   (commit_weights).  `tensors` must then say up front what it
+                                   yields: a list, or a source with metadata() (MegatronWeightSource).
+Either way a rollout group commits a version only when all of it verified (vllm_engine.py).
 """
 
 from __future__ import annotations
@@ -24,8 +32,19 @@ from typing import Any
 import torch
 
 from megatron_rl.platform.spawn import free_port
-from megatron_rl.publish.manifest import DEFAULT_BUCKET_BYTES, DEFAULT_CHECKSUM, BucketSpec, PublicationManifest
+from megatron_rl.publish.manifest import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_CHECKSUM,
+    BucketSpec,
+    ManifestRecorder,
+    PublicationManifest,
+    dtype_name,
+    flatten_groups,
+)
 from megatron_rl.publish.wire import open_group, send_publication
+
+TRANSPORTS = ("gloo", "nccl")
+NCCL_BUFFERS = 2  # vLLM's packed broadcast: buffers in flight on each side
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +66,10 @@ class WeightPublisher:
     """Rank 0 of the publication group; drives RolloutWorker actors through Ray."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 checksum_algo: str = DEFAULT_CHECKSUM, timeout_s: float = 600.0):
-        self.host, self.port = host, port
+                 checksum_algo: str = DEFAULT_CHECKSUM, timeout_s: float = 600.0, transport: str = "gloo"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"publication transport {transport!r} is not one of {list(TRANSPORTS)}")
+        self.host, self.port, self.transport = host, port, transport
         self.bucket_bytes, self.checksum_algo, self.timeout_s = bucket_bytes, checksum_algo, timeout_s
         self.workers: list = []
         self.group = None
@@ -63,12 +84,18 @@ class WeightPublisher:
         world = 1 + sum(sizes)
         port = self.port or free_port(self.host)
         offsets = [1 + sum(sizes[:i]) for i in range(len(workers))]
-        refs = [
-            w.init_weight_transfer.remote(dict(master_address=self.host, master_port=port, rank_offset=off,
-                                               world_size=world, timeout_s=self.timeout_s))
-            for w, off in zip(workers, offsets)
-        ]
-        self.group = open_group(self.host, port, 0, world, self.timeout_s)
+        info = dict(master_address=self.host, master_port=port, world_size=world)
+        if self.transport == "nccl":  # vLLM's fields; the worker decodes chunks as we encode them
+            info.update(packed=True, packed_buffer_size_bytes=self.bucket_bytes, packed_num_buffers=NCCL_BUFFERS)
+        else:
+            info.update(timeout_s=self.timeout_s)
+        refs = [w.init_weight_transfer.remote(dict(info, rank_offset=off)) for w, off in zip(workers, offsets)]
+        if self.transport == "nccl":
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+            self.group = trainer_init(info)  # rank 0, on this process's current CUDA device
+        else:
+            self.group = open_group(self.host, port, 0, world, self.timeout_s)
         ray.get(refs)
         self.workers = list(workers)
         log.info("publication group up: %d rollout groups, world size %d, port %d", len(workers), world, port)
@@ -81,10 +108,13 @@ class WeightPublisher:
         if self.group is None:
             raise RuntimeError("publish() before connect()")
         started = time.perf_counter()
-        refs = [w.receive_weights.remote(version) for w in self.workers]
-        manifest = send_publication(self.group, version, tensors, bucket_bytes=self.bucket_bytes,
-                                    checksum_algo=self.checksum_algo, fault_hook=fault_hook)
-        results = ray.get(refs)
+        if self.transport == "nccl":
+            manifest, results = self._publish_nccl(version, tensors, fault_hook)
+        else:
+            refs = [w.receive_weights.remote(version) for w in self.workers]
+            manifest = send_publication(self.group, version, tensors, bucket_bytes=self.bucket_bytes,
+                                        checksum_algo=self.checksum_algo, fault_hook=fault_hook)
+            results = ray.get(refs)
         report = PublicationReport(manifest, results, time.perf_counter() - started)
         if not report.committed:
             log.warning("version %d refused by %d of %d rollout groups: %s", version,
@@ -92,3 +122,47 @@ class WeightPublisher:
                         next(r["error"] for r in results if not r["committed"]))
         return report
 
+
+    def _publish_nccl(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest, list[dict]]:
+        """Tensors through vLLM's packed NCCL broadcast, hashed on the way; then the manifest
+        by RPC, and each group commits all of it or nothing."""
+        import ray
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        meta = announced_metadata(tensors)
+        refs = [w.receive_weights.remote(version, meta) for w in self.workers]
+        recorder = ManifestRecorder(tensors, version, checksum_algo=self.checksum_algo,
+                                    bucket_bytes=self.bucket_bytes, fault_hook=fault_hook)
+        packed_nccl_broadcast_producer(iterator=as_announced(recorder, meta), group=self.group, src=0,
+                                       post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes,
+                                       num_buffers=NCCL_BUFFERS)
+        torch.cuda.current_stream().synchronize()
+        ray.get(refs)
+        manifest = recorder.manifest()
+        return manifest, ray.get([w.commit_weights.remote(manifest.to_dict()) for w in self.workers])
+
+
+def announced_metadata(tensors) -> list[tuple[str, str, list[int]]]:
+    """(name, dtype name, shape) of every tensor `tensors` will yield, in order, known before
+    any is produced: from its metadata() (MegatronWeightSource), or read off a list."""
+    if hasattr(tensors, "metadata"):
+        return [(name, dtype_name(dtype), list(shape)) for name, dtype, shape in tensors.metadata()]
+    if isinstance(tensors, (list, tuple)):
+        return [(name, dtype_name(t.dtype), list(t.shape)) for name, t in flatten_groups(tensors)]
+    raise TypeError("the NCCL transport announces every tensor before sending: pass a list of (name, tensor) "
+                    f"pairs or groups, or a source with metadata(), not {type(tensors).__name__}")
+
+
+def as_announced(pairs, meta: list[tuple[str, str, list[int]]]):
+    """`pairs` unchanged, checked against what the receivers were told: a disagreement would
+    leave them cutting the byte stream differently (a hang or garbage), so it raises, naming it."""
+    count = 0
+    for name, tensor in pairs:
+        if count >= len(meta) or (name, dtype_name(tensor.dtype), list(tensor.shape)) != tuple(meta[count]):
+            told = meta[count] if count < len(meta) else "nothing more"
+            raise ValueError(f"tensor {count} is {name} {dtype_name(tensor.dtype)} {list(tensor.shape)}, "
+                             f"the receivers were told {told}")
+        count += 1
+        yield name, tensor
+    if count != len(meta):
+        raise ValueError(f"{count} tensors sent, the receivers were told {len(meta)}")

@@ -1,5 +1,8 @@
 """vLLM weight-transfer backend "megatron_rl_gloo": receive checked publications on CPU.
 
+(Its GPU sibling "megatron_rl_nccl", publish/vllm_nccl.py, shares the staging and
+all-or-nothing commit below, VerifiedCommit, and differs only in how bytes arrive.)
+
 Loaded inside vLLM's worker processes, either by the general-plugin entry point
 
     [vllm.general_plugins] megatron_rl_gloo = megatron_rl.publish.vllm_engine:register
@@ -37,6 +40,7 @@ from megatron_rl.publish.wire import ReceivedPublication, StagingBuffers, open_g
 log = logging.getLogger(__name__)
 
 BACKEND = "megatron_rl_gloo"
+NCCL_BACKEND = "megatron_rl_nccl"  # vLLM's NCCL transfer + our manifest check (publish/vllm_nccl.py)
 
 
 def enable_cpu_amx() -> None:
@@ -51,12 +55,16 @@ def enable_cpu_amx() -> None:
 
 
 def register() -> None:
-    """Register the gloo backend with vLLM's factory (idempotent: plugins load repeatedly)."""
+    """Register both backends with vLLM's factory (idempotent: plugins load repeatedly).
+    The NCCL one is imported only when an engine asks for it."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     enable_cpu_amx()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
+    if NCCL_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(NCCL_BACKEND, "megatron_rl.publish.vllm_nccl",
+                                                    "CheckedNCCLWeightTransferEngine")
 
 
 def expected_tensors(model_dir: str) -> dict[str, tuple[int, ...]] | None:
@@ -97,7 +105,44 @@ def _engine_base():
     return WeightTransferEngine
 
 
-class GlooWeightTransferEngine(_engine_base()):
+class VerifiedCommit:
+    """What both backends share: a publication is staged, checked as a whole, then loaded
+    into the model at finish_weight_update -- or dropped, and the model keeps serving the
+    version it had.  Mixed into a vLLM WeightTransferEngine (needs self.model, model_config)."""
+
+    def _init_commit(self) -> None:
+        self.rank = None
+        self.staged: ReceivedPublication | None = None
+        self.expected = expected_tensors(self.model_config.model)
+        self.status: dict[str, Any] = {"version": None, "ok": None, "error": None, "bad_bucket": None}
+
+    def _stage(self, got: ReceivedPublication, version: int) -> None:
+        """Keep `got` for finish_weight_update if it is `version` and exactly the model's tensors."""
+        if got.ok and got.manifest.version != version:
+            got = ReceivedPublication(got.manifest, error=f"manifest version {got.manifest.version} != announced {version}")
+        if got.ok and self.expected is not None:
+            problem = got.manifest.coverage_problem(self.expected)
+            if problem is not None:
+                got = ReceivedPublication(got.manifest, error=problem)
+        self.staged = got
+        self.status = {"version": version, "ok": got.ok, "error": got.error, "bad_bucket": got.bad_bucket,
+                       "rank": self.rank, "tensors": len(got.tensors)}
+
+    def finish_weight_update(self) -> None:
+        staged, self.staged = self.staged, None
+        if staged is None or not staged.ok:
+            log.warning("publication not committed: %s", None if staged is None else staged.error)
+            self.status["committed"] = False
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(iter(staged.tensors))
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.status["committed"] = True
+
+
+class GlooWeightTransferEngine(VerifiedCommit, _engine_base()):
     """Receives publications by gloo broadcast from the trainer (rank 0) and verifies them."""
 
     init_info_cls = GlooInitInfo
@@ -106,12 +151,9 @@ class GlooWeightTransferEngine(_engine_base()):
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
+        self._init_commit()
         self.group = None
-        self.rank = None
-        self.staged: ReceivedPublication | None = None
         self.staging = StagingBuffers()  # reused by every publication; emptied into the model at finish
-        self.expected = expected_tensors(self.model_config.model)
-        self.status: dict[str, Any] = {"version": None, "ok": None, "error": None, "bad_bucket": None}
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         pc = self.parallel_config
@@ -132,37 +174,7 @@ class GlooWeightTransferEngine(_engine_base()):
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer used before init_weight_transfer_engine")
-        got = receive_publication(self.group, self.staging)
-        if got.ok and got.manifest.version != update_info.version:
-            got = ReceivedPublication(
-                got.manifest, error=f"manifest version {got.manifest.version} != announced {update_info.version}"
-            )
-        if got.ok and self.expected is not None:
-            problem = got.manifest.coverage_problem(self.expected)
-            if problem is not None:
-                got = ReceivedPublication(got.manifest, error=problem)
-        self.staged = got
-        self.status = {
-            "version": update_info.version,
-            "ok": got.ok,
-            "error": got.error,
-            "bad_bucket": got.bad_bucket,
-            "rank": self.rank,
-            "tensors": len(got.tensors),
-        }
-
-    def finish_weight_update(self) -> None:
-        staged, self.staged = self.staged, None
-        if staged is None or not staged.ok:
-            log.warning("publication not committed: %s", None if staged is None else staged.error)
-            self.status["committed"] = False
-            return
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-        self.model.load_weights(iter(staged.tensors))
-        finalize_layerwise_reload(self.model, self.model_config)
-        self.status["committed"] = True
+        self._stage(receive_publication(self.group, self.staging), update_info.version)
 
     def shutdown(self) -> None:
         self.group = None
@@ -175,12 +187,20 @@ class PublicationWorkerExtension:
 
     def megatron_rl_publication_status(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)
-        return dict(engine.status) if isinstance(engine, GlooWeightTransferEngine) else {}
+        return dict(engine.status) if isinstance(engine, VerifiedCommit) else {}
+
+    def megatron_rl_verify_publication(self, manifest: dict) -> dict[str, Any]:
+        """Check what the NCCL backend staged against the trainer's manifest; returns the status."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not hasattr(engine, "verify"):
+            raise RuntimeError(f"weight transfer backend is not {NCCL_BACKEND}: nothing to verify")
+        engine.verify(manifest)
+        return dict(engine.status)
 
     def megatron_rl_drop_publication(self) -> None:
         """Discard a staged publication (another worker of the group refused it)."""
         engine = getattr(self, "weight_transfer_engine", None)
-        if isinstance(engine, GlooWeightTransferEngine):
+        if isinstance(engine, VerifiedCommit):
             engine.staged = None
 
     def megatron_rl_weight_checksum(self) -> float:

@@ -50,7 +50,8 @@ class RolloutConfig:
     """Behaviour logprobs after temperature/top-k/top-p ("processed_logprobs", the
     distribution actually sampled) or of the raw model ("raw_logprobs")."""
     weight_transfer: str = "gloo"
-    """How new weights arrive: "gloo" (CPU, checked buckets), "nccl" (vLLM's GPU backend) or "none"."""
+    """How new weights arrive: "gloo" (CPU, checked buckets), "nccl" (GPU: vLLM's NCCL transfer,
+    checked before commit; disaggregated placement only) or "none" (generation only, no publication)."""
     cpu_threads_bind: str | None = None
     """VLLM_CPU_OMP_THREADS_BIND; None picks "0|1|..." (one core per TP rank) when TP > 1 on CPU."""
     num_cpus: float = 0.0

@@ -72,7 +72,9 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
 
         kwargs["weight_transfer_config"] = {"backend": BACKEND}
     elif cfg.weight_transfer == "nccl":
-        kwargs["weight_transfer_config"] = {"backend": "nccl"}
+        from megatron_rl.publish.vllm_engine import NCCL_BACKEND
+
+        kwargs["weight_transfer_config"] = {"backend": NCCL_BACKEND}
     kwargs.update(cfg.engine_options)
     return kwargs
 
@@ -121,8 +123,8 @@ class RolloutWorker:
         undo_ray_niceness()
         on_gpu = torch.cuda.is_available()
         os.environ.update(engine_env(self.config, on_gpu))
-        if self.config.weight_transfer == "gloo":
-            import megatron_rl.publish.vllm_engine  # noqa: F401  (registers the backend here too)
+        if self.config.weight_transfer != "none":
+            import megatron_rl.publish.vllm_engine  # noqa: F401  (registers the backends here too)
         from vllm import LLM
 
         if not os.path.isdir(self.config.model):
@@ -211,17 +213,35 @@ class RolloutWorker:
         self._require_transfer()
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
-    def receive_weights(self, version: int) -> dict[str, Any]:
-        """Receive one publication; commit it on every worker of the group or on none.
+    def receive_weights(self, version: int, metadata: list | None = None) -> dict[str, Any] | None:
+        """Receive one publication.
 
-        Returns {"committed", "version" (now serving), "error", "bad_bucket", "workers"}.
+        gloo: the manifest comes on the wire; commits it on every worker of the group or on
+        none and returns {"committed", "version" (now serving), "error", "bad_bucket", "workers"}.
+        nccl: `metadata` [(name, dtype name, shape)] says what arrives; the tensors are only
+        kept, and commit_weights(manifest) decides (returns None here).
         """
         self._require_transfer()
+        info: dict[str, Any] = {"version": int(version)}
         if self.config.weight_transfer == "nccl":
-            raise ValueError("receive_weights is the gloo protocol; NCCL groups use vLLM's trainer engine")
+            if metadata is None:
+                raise ValueError("an NCCL publication needs the tensors' (name, dtype, shape) up front")
+            info.update(names=[m[0] for m in metadata], dtype_names=[m[1] for m in metadata],
+                        shapes=[list(m[2]) for m in metadata])
         self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": {"version": int(version)}})
-        statuses = self.llm.collective_rpc("megatron_rl_publication_status")
+        self.llm.update_weights({"update_info": info})
+        if self.config.weight_transfer == "nccl":
+            return None
+        return self._commit(version, self.llm.collective_rpc("megatron_rl_publication_status"))
+
+    def commit_weights(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """NCCL: check what every worker kept against the trainer's manifest; commit on all or none."""
+        if self.config.weight_transfer != "nccl":
+            raise ValueError("commit_weights is for rollout.weight_transfer 'nccl' (gloo commits in receive_weights)")
+        statuses = self.llm.collective_rpc("megatron_rl_verify_publication", args=(manifest,))
+        return self._commit(int(manifest.get("version", -1)), statuses)
+
+    def _commit(self, version: int, statuses: list[dict[str, Any]]) -> dict[str, Any]:
         bad = [s for s in statuses if not s.get("ok")]
         if bad:
             self.llm.collective_rpc("megatron_rl_drop_publication")

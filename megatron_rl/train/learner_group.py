@@ -66,6 +66,7 @@ class LearnerWorker:
         self.platform = detect_platform(dtype=learner_cfg.dtype)
         init_distributed(self.platform, rank=self.rank, world_size=self.world_size)
         self.hf_cfg = load_hf_config(hf_dir)
+        self.publish_device = "cpu"  # where published tensors are materialised (connect_rollout)
         self.learner = Learner(learner_cfg, self.hf_cfg, self.platform)
         from megatron.core import parallel_state as ps
 
@@ -130,11 +131,11 @@ class LearnerWorker:
 
     # ---- weights out -----------------------------------------------------------------------------
 
-    def weight_source(self):
+    def weight_source(self, device: str = "cpu"):
         """This rank's view of the policy as HF tensors, streamed group by group (publish.source)."""
         from megatron_rl.publish.source import MegatronWeightSource
 
-        return MegatronWeightSource(self.learner.model[0].module, self.hf_cfg)
+        return MegatronWeightSource(self.learner.model[0].module, self.hf_cfg, device=device)
 
     @torch.no_grad()
     def hf_state(self) -> dict[str, torch.Tensor] | None:
@@ -146,22 +147,25 @@ class LearnerWorker:
         state = dict(self.weight_source())
         return state if self.rank == 0 else None
 
-    def connect_rollout(self, rollout_workers: list, bucket_bytes: int) -> None:
-        """Rank 0 becomes rank 0 of the publication group formed with every rollout engine."""
+    def connect_rollout(self, rollout_workers: list, bucket_bytes: int, transport: str = "gloo") -> None:
+        """Rank 0 becomes rank 0 of the publication group formed with every rollout engine.
+        `transport`: "gloo" (CPU tensors) or "nccl" (tensors stay on this rank's GPU)."""
+        self.publish_device = "cuda" if transport == "nccl" else "cpu"
         if self.rank != 0:
             return
         import ray
 
         from megatron_rl.publish import WeightPublisher
 
-        self.publisher = WeightPublisher(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes)
+        self.publisher = WeightPublisher(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes,
+                                         transport=transport)
         self.publisher.connect(rollout_workers)
 
     @torch.no_grad()
     def publish(self, version: int) -> dict | None:
         """Publish the policy from rank 0 as `version`, streamed: each group is gathered (every
         rank takes part, in lockstep) only when the publisher pulls it into a bucket."""
-        source = self.weight_source()
+        source = self.weight_source(self.publish_device)
         if self.rank != 0:
             for _ in source:  # drive this rank's share of the gathers
                 pass
@@ -243,8 +247,8 @@ class LearnerGroup:
     def hf_state(self) -> dict[str, torch.Tensor]:
         return self._all("hf_state")[0]
 
-    def connect_rollout(self, rollout_workers: list, bucket_bytes: int) -> None:
-        self._all("connect_rollout", rollout_workers, bucket_bytes)
+    def connect_rollout(self, rollout_workers: list, bucket_bytes: int, transport: str = "gloo") -> None:
+        self._all("connect_rollout", rollout_workers, bucket_bytes, transport)
 
     def publish(self, version: int) -> dict:
         return self._all("publish", version)[0]

@@ -101,7 +101,8 @@ class Roles:
                                data_parallel_size=cfg.run.learner_data_parallel_size, seed=lc.seed,
                                deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads,
                                placement=place.learner)
-        learner.connect_rollout(fleet.workers, bucket_bytes=cfg.run.publish_bucket_mib << 20)
+        learner.connect_rollout(fleet.workers, bucket_bytes=cfg.run.publish_bucket_mib << 20,
+                                transport=cfg.rollout.weight_transfer)
         verifier = VerifierPool(cfg.reward)
         metrics = MetricsLogger(run_dir / "metrics")
         return cls(cfg=cfg, run_dir=run_dir, model_dir=model_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,

@@ -42,6 +42,8 @@ def test_valid_config_prints_the_plan(capsys, tmp_path):
     ("learner.global_batch_size=32", "learner.global_batch_size"),      # != prompts x G
     ("run.mode=async", "coordinator.max_staleness"),                    # async with staleness 0
     ("rollout.tensor_parallel_size=3", "rollout.tensor_parallel_size"),
+    ("rollout.weight_transfer=nccl", "run.placement 'disaggregated'"),  # NCCL: no two ranks on one GPU
+    ("rollout.weight_transfer=none", "could never reach the rollout engines"),
 ])
 def test_bad_config_is_named(capsys, override, needle):
     code, _, err = dry_run(capsys, override)

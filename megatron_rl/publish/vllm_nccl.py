@@ -1,0 +1,110 @@
+"""vLLM weight-transfer backend "megatron_rl_nccl": vLLM's NCCL transfer, checked before commit.
+
+GPU path.  The bytes travel as vLLM's own NCCL backend sends them (its communicator and its
+packed, double-buffered broadcast; nothing of that is rewritten here).  What vLLM's engine
+does not do is wait: it loads each chunk into the model as it arrives, so a publication
+that fails half way leaves a model half old, half new.  This engine keeps vLLM's receive
+and changes what happens to the tensors:
+
+    trainer (WeightPublisher, transport="nccl")        each vLLM worker (this engine)
+    ----------------------------------------------     ----------------------------------
+    RPC receive_weights(version, names/shapes/dtypes)  start: nothing touches the model
+    ManifestRecorder hashes each bucket on the GPU  -> packed NCCL broadcast -> tensors kept
+    as it passes to vLLM's packed producer             (views of the received chunks)
+    RPC commit_weights(manifest)                       verify: names, order, shapes, dtypes
+                                                       and every bucket digest (on the GPU)
+                                                       finish: load all, or drop all
+
+so the all-or-nothing rule and the report (bucket index and tensor names) are the same as
+on the gloo path (VerifiedCommit).  The received chunks stay alive until finish: a worker
+holds one extra model's worth of GPU memory during a publication.
+
+Not run in CI (no GPU there); tests/gpu/test_gpu_publish_nccl.py checks it on two GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+from megatron_rl.publish.manifest import PublicationManifest, verify_tensors
+from megatron_rl.publish.vllm_engine import VerifiedCommit
+from megatron_rl.publish.wire import ReceivedPublication
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckedNCCLUpdateInfo(NCCLWeightTransferUpdateInfo):
+    """vLLM's per-round metadata (names, dtype names, shapes) plus the version announced."""
+
+    version: int = -1
+
+
+class CheckedNCCLWeightTransferEngine(VerifiedCommit, NCCLWeightTransferEngine):
+    """vLLM's NCCL receive into kept tensors; the model changes only after verify() passed."""
+
+    update_info_cls = CheckedNCCLUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._init_commit()
+        self.received: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+
+    def init_transfer_engine(self, init_info) -> None:
+        super().init_transfer_engine(init_info)
+        pc = self.parallel_config
+        self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+
+    def start_weight_update(self) -> None:
+        # vLLM's engine starts a layerwise reload of the live model here; we do that only at finish.
+        self.staged, self.received = None, None
+
+    def receive_weights(self, update_info: CheckedNCCLUpdateInfo) -> None:
+        if self.model_update_group is None:
+            raise RuntimeError("NCCL weight transfer used before init_weight_transfer_engine")
+        expected = ((name, (shape, getattr(torch, dtype)))
+                    for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes))
+        kept: list[tuple[str, torch.Tensor]] = []
+        if self.packed:
+            # Each chunk is a fresh buffer; keeping views of it keeps it (nothing is copied).
+            packed_nccl_broadcast_consumer(iterator=expected, group=self.model_update_group, src=0,
+                                           post_unpack_func=kept.extend, buffer_size_bytes=self.packed_buffer_size_bytes,
+                                           num_buffers=self.packed_num_buffers, device=self.device)
+        else:
+            for name, (shape, dtype) in expected:
+                tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                self.model_update_group.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+                kept.append((name, tensor))
+        torch.cuda.current_stream().synchronize()
+        self.received = (update_info.version, kept)
+        self.status = {"version": update_info.version, "ok": None, "error": "received; waiting for the manifest",
+                       "bad_bucket": None, "rank": self.rank, "tensors": len(kept)}
+
+    def verify(self, manifest: dict[str, Any]) -> None:
+        """Check the kept tensors against the trainer's manifest; stage them only if all match."""
+        if self.received is None:
+            self.status = {"version": None, "ok": False, "error": "verify before any publication arrived",
+                           "bad_bucket": None, "rank": self.rank, "tensors": 0}
+            return
+        version, kept = self.received
+        self.received = None
+        try:
+            parsed = PublicationManifest.from_dict(manifest)
+        except ValueError as err:
+            self._stage(ReceivedPublication(None, error=str(err)), version)
+            return
+        problem, bad = verify_tensors(parsed, kept)
+        got = ReceivedPublication(parsed, tensors=kept) if problem is None else \
+            ReceivedPublication(parsed, error=problem, bad_bucket=bad)
+        self._stage(got, version)
+
+    def shutdown(self) -> None:
+        self.staged, self.received = None, None
+        super().shutdown()
