@@ -303,14 +303,6 @@ def unpack_bucket(spec: BucketSpec, buf: torch.Tensor) -> list[tuple[str, torch.
     return out
 
 
-def verify_bucket(spec: BucketSpec, buf: torch.Tensor, algo: str) -> str | None:
-    """None if `buf` matches the spec's checksum, else a message naming the bucket."""
-    got = checksum(spec.tensors, buf, algo)
-    if got != spec.checksum:
-        return f"{spec.describe()}: {algo} mismatch (expected {spec.checksum}, got {got})"
-    return None
-
-
 class ManifestRecorder:
     """Pass (name, tensor) pairs through unchanged while recording the manifest of what passed.
 
@@ -355,7 +347,9 @@ class ManifestRecorder:
         return PublicationManifest(self.version, self.checksum_algo, tuple(self._buckets))
 
 
-def verify_tensors(manifest: PublicationManifest, tensors: list[tuple[str, torch.Tensor]]) -> tuple[str | None, int | None]:
+def verify_tensors(
+    manifest: PublicationManifest, tensors: list[tuple[str, torch.Tensor]]
+) -> tuple[str | None, int | None]:
     """Check received (name, tensor) pairs against a manifest that travelled separately.
 
     Returns (None, None) when they are exactly the manifest's tensors -- same names in the
@@ -380,5 +374,6 @@ def verify_tensors(manifest: PublicationManifest, tensors: list[tuple[str, torch
                     f"got {digest})"), spec.index
     extra = next(got, None)
     if extra is not None:
-        return f"received {extra[0]} and more beyond the manifest's {len(manifest.tensor_names)} tensors", len(manifest.buckets)
+        count = len(manifest.tensor_names)
+        return f"received {extra[0]} and more beyond the manifest's {count} tensors", len(manifest.buckets)
     return None, None

@@ -119,7 +119,8 @@ class VerifiedCommit:
     def _stage(self, got: ReceivedPublication, version: int) -> None:
         """Keep `got` for finish_weight_update if it is `version` and exactly the model's tensors."""
         if got.ok and got.manifest.version != version:
-            got = ReceivedPublication(got.manifest, error=f"manifest version {got.manifest.version} != announced {version}")
+            got = ReceivedPublication(got.manifest,
+                                      error=f"manifest version {got.manifest.version} != announced {version}")
         if got.ok and self.expected is not None:
             problem = got.manifest.coverage_problem(self.expected)
             if problem is not None:

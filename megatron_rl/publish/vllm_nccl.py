@@ -75,7 +75,8 @@ class CheckedNCCLWeightTransferEngine(VerifiedCommit, NCCLWeightTransferEngine):
         if self.packed:
             # Each chunk is a fresh buffer; keeping views of it keeps it (nothing is copied).
             packed_nccl_broadcast_consumer(iterator=expected, group=self.model_update_group, src=0,
-                                           post_unpack_func=kept.extend, buffer_size_bytes=self.packed_buffer_size_bytes,
+                                           post_unpack_func=kept.extend,
+                                           buffer_size_bytes=self.packed_buffer_size_bytes,
                                            num_buffers=self.packed_num_buffers, device=self.device)
         else:
             for name, (shape, dtype) in expected:

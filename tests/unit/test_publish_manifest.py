@@ -14,7 +14,7 @@ from megatron_rl.publish.manifest import (
     pack_bucket,
     plan_buckets,
     unpack_bucket,
-    verify_bucket,
+    verify_tensors,
 )
 
 pytestmark = pytest.mark.unit
@@ -55,12 +55,13 @@ def test_pack_unpack_roundtrip_and_corruption(algo):
     items = _tensors()[:3]
     spec, buf = pack_bucket(0, items, algo)
     assert spec.nbytes == buf.numel() == 128 + 32 + 16
-    assert verify_bucket(spec, buf, algo) is None
+    manifest = PublicationManifest(version=0, checksum_algo=algo, buckets=(spec,))
+    assert verify_tensors(manifest, unpack_bucket(spec, buf)) == (None, None)
     for (name, ref), (got_name, got) in zip(items, unpack_bucket(spec, buf)):
         assert name == got_name and got.dtype == ref.dtype and torch.equal(got, ref)
     buf[37] ^= 1
-    problem = verify_bucket(spec, buf, algo)
-    assert problem is not None and "bucket 0" in problem and "model.embed_tokens.weight" in problem
+    problem, bad = verify_tensors(manifest, unpack_bucket(spec, buf))
+    assert bad == 0 and "bucket 0" in problem and "model.embed_tokens.weight" in problem
     with pytest.raises(PublicationError, match="bucket 0"):
         unpack_bucket(spec, buf[:-1])
 

@@ -11,7 +11,13 @@ transfer itself needs two GPUs (tests/gpu/test_gpu_publish_nccl.py).
 import pytest
 import torch
 
-from megatron_rl.publish.manifest import ManifestRecorder, PublicationManifest, pack_bucket, plan_buckets, verify_tensors
+from megatron_rl.publish.manifest import (
+    ManifestRecorder,
+    PublicationManifest,
+    pack_bucket,
+    plan_buckets,
+    verify_tensors,
+)
 from megatron_rl.publish.trainer import WeightPublisher, announced_metadata, as_announced
 
 pytestmark = pytest.mark.unit
@@ -143,7 +149,8 @@ def test_nccl_engine_stages_only_a_publication_that_verifies():
     partial_manifest, partial = _record(groups[:2])
     short = engine_holding(7, partial)
     short.verify(partial_manifest.to_dict())
-    assert not short.status["ok"] and "missing 1" in short.status["error"] and "model.norm.weight" in short.status["error"]
+    assert not short.status["ok"] and "missing 1" in short.status["error"]
+    assert "model.norm.weight" in short.status["error"]
 
     garbled = engine_holding(7, passed)
     garbled.verify({"version": 7})
