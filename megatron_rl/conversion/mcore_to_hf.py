@@ -25,13 +25,13 @@ import torch
 from megatron_rl.conversion import mapping
 from megatron_rl.conversion.dist_ckpt import DistCheckpointReader
 from megatron_rl.conversion.hf_io import HFWriter, atomic_output_dir, copy_model_side_files
-from megatron_rl.conversion.hf_to_mcore import DTYPE_CHOICES, GroupProgress
+from megatron_rl.conversion.hf_to_mcore import DTYPE_CHOICES, TORCH_DTYPES, GroupProgress
 from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, read_manifest
 
 logger = logging.getLogger(__name__)
 
-HF_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SHORT_TO_HF = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+SHORT_TO_HF = {short: str(dtype).removeprefix("torch.") for short, dtype in TORCH_DTYPES.items()}  # fp32 -> float32
+HF_DTYPE_NAMES = {SHORT_TO_HF[short]: dtype for short, dtype in TORCH_DTYPES.items()}  # float32 -> torch.float32
 
 
 def _export_weights(weights_dir: Path, cfg, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int) -> int:
