@@ -338,6 +338,8 @@ class ManifestRecorder:
                 _, buf = pack_bucket(spec.index, items, self.checksum_algo)
                 self.fault_hook(spec, buf)
                 items = [(name, t.to(device)) for name, t in unpack_bucket(spec, buf)]
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # the copies are complete before anyone packs them
             yield from items
         self._done = True
 

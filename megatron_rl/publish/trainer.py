@@ -131,8 +131,16 @@ class WeightPublisher:
 
         meta = announced_metadata(tensors)
         refs = [w.receive_weights.remote(version, meta) for w in self.workers]
+        # A worker that failed before entering the broadcast would leave us blocked in NCCL
+        # forever (checked without waiting, best effort); a source that raises mid-stream
+        # leaves the workers blocked instead (the group must be rebuilt then).
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if done:
+            ray.get(done)  # raises the worker's error
+            raise RuntimeError(f"{len(done)} rollout group(s) left the NCCL publication before it started")
         recorder = ManifestRecorder(tensors, version, checksum_algo=self.checksum_algo,
                                     bucket_bytes=self.bucket_bytes, fault_hook=fault_hook)
+        torch.cuda.current_stream().synchronize()  # tensors made just before on this stream are complete
         packed_nccl_broadcast_producer(iterator=as_announced(recorder, meta), group=self.group, src=0,
                                        post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes,
                                        num_buffers=NCCL_BUFFERS)
@@ -146,11 +154,18 @@ def announced_metadata(tensors) -> list[tuple[str, str, list[int]]]:
     """(name, dtype name, shape) of every tensor `tensors` will yield, in order, known before
     any is produced: from its metadata() (MegatronWeightSource), or read off a list."""
     if hasattr(tensors, "metadata"):
-        return [(name, dtype_name(dtype), list(shape)) for name, dtype, shape in tensors.metadata()]
-    if isinstance(tensors, (list, tuple)):
-        return [(name, dtype_name(t.dtype), list(t.shape)) for name, t in flatten_groups(tensors)]
-    raise TypeError("the NCCL transport announces every tensor before sending: pass a list of (name, tensor) "
-                    f"pairs or groups, or a source with metadata(), not {type(tensors).__name__}")
+        meta = [(name, dtype_name(dtype), list(shape)) for name, dtype, shape in tensors.metadata()]
+    elif isinstance(tensors, (list, tuple)):
+        meta = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in flatten_groups(tensors)]
+    else:
+        raise TypeError("the NCCL transport announces every tensor before sending: pass a list of "
+                        f"(name, tensor) pairs or groups, or a source with metadata(), not {type(tensors).__name__}")
+    seen: set[str] = set()
+    for name, _, _ in meta:
+        if name in seen:  # found now, not half way through a broadcast the receivers cannot leave
+            raise ValueError(f"tensor {name!r} appears twice in one publication")
+        seen.add(name)
+    return meta
 
 
 def as_announced(pairs, meta: list[tuple[str, str, list[int]]]):

@@ -135,11 +135,17 @@ class VerifiedCommit:
             log.warning("publication not committed: %s", None if staged is None else staged.error)
             self.status["committed"] = False
             return
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
-        self.model.load_weights(iter(staged.tensors))
+        with disable_mtp_completeness_check():
+            self.model.load_weights(iter(staged.tensors))
         finalize_layerwise_reload(self.model, self.model_config)
+        if torch.cuda.is_available():
+            # The staged tensors may live on other streams (NCCL path): finish every copy out of
+            # them before they are freed and their memory reused.
+            torch.cuda.synchronize()
         self.status["committed"] = True
 
 

@@ -16,8 +16,9 @@ and changes what happens to the tensors:
                                                        finish: load all, or drop all
 
 so the all-or-nothing rule and the report (bucket index and tensor names) are the same as
-on the gloo path (VerifiedCommit).  The received chunks stay alive until finish: a worker
-holds one extra model's worth of GPU memory during a publication.
+on the gloo path (VerifiedCommit).  The received chunks stay alive until finish: every
+worker -- each TP rank -- holds the whole unsharded model once more in GPU memory during a
+publication, outside vLLM's gpu_memory_utilization budget; leave room for it.
 
 Not run in CI (no GPU there); tests/gpu/test_gpu_publish_nccl.py checks it on two GPUs.
 """
@@ -105,6 +106,10 @@ class CheckedNCCLWeightTransferEngine(VerifiedCommit, NCCLWeightTransferEngine):
         got = ReceivedPublication(parsed, tensors=kept) if problem is None else \
             ReceivedPublication(parsed, error=problem, bad_bucket=bad)
         self._stage(got, version)
+
+    def finish_weight_update(self) -> None:
+        self.received = None  # never verified: nothing of it may stay alive
+        super().finish_weight_update()
 
     def shutdown(self) -> None:
         self.staged, self.received = None, None

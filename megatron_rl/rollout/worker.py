@@ -238,7 +238,13 @@ class RolloutWorker:
         """NCCL: check what every worker kept against the trainer's manifest; commit on all or none."""
         if self.config.weight_transfer != "nccl":
             raise ValueError("commit_weights is for rollout.weight_transfer 'nccl' (gloo commits in receive_weights)")
-        statuses = self.llm.collective_rpc("megatron_rl_verify_publication", args=(manifest,))
+        try:
+            statuses = self.llm.collective_rpc("megatron_rl_verify_publication", args=(manifest,))
+        except Exception:
+            # Close the update session either way, or the next publication cannot start.
+            self.llm.collective_rpc("megatron_rl_drop_publication")
+            self.llm.finish_weight_update()
+            raise
         return self._commit(int(manifest.get("version", -1)), statuses)
 
     def _commit(self, version: int, statuses: list[dict[str, Any]]) -> dict[str, Any]:
@@ -248,6 +254,10 @@ class RolloutWorker:
         self.llm.finish_weight_update()
         if not bad:
             self.version = int(version)
+            # Cached prefix KV was computed with the old weights: a later prompt sharing a prefix
+            # would otherwise generate from it under the new version's stamp.
+            if not self.llm.reset_prefix_cache():
+                log.warning("version %d committed but vLLM kept its prefix cache (requests running?)", version)
         else:
             log.warning("refused publication %d, still serving version %d: %s", version, self.version, bad[0]["error"])
         return {

@@ -35,7 +35,9 @@ def cluster(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     workers = []
     try:
-        common = dict(model=str(model), max_model_len=128, dtype="float32", max_tokens=8)
+        # 32-token KV blocks, so a 48-token prompt leaves a full block in vLLM's prefix cache.
+        common = dict(model=str(model), max_model_len=128, dtype="float32", max_tokens=8,
+                      engine_options={"block_size": 32})
         workers = [create_rollout_worker(RolloutConfig(tensor_parallel_size=tp, **common)) for tp in (1, 2)]
         publisher = WeightPublisher(bucket_bytes=256 * 1024)
         publisher.connect(workers)
@@ -110,6 +112,8 @@ def test_publication_matches_transformers_and_bad_bucket_is_refused(cluster):
     base = load_file(model_dir / "model.safetensors")
     g = torch.Generator().manual_seed(0)
     new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    long_prompt = [BOS_ID] + [23 + i % 60 for i in range(47)]
+    ray.get([w.generate.remote([long_prompt], {"seed": 3, "max_tokens": 1}) for w in workers])  # cached, old weights
     # One group per layer, as a Megatron source gathering TP shards would yield them.
     layers = sorted({k.split(".")[2] for k in new if k.startswith("model.layers.")})
     groups = [[(k, v) for k, v in new.items() if not k.startswith("model.layers.")]]
@@ -124,6 +128,12 @@ def test_publication_matches_transformers_and_bad_bucket_is_refused(cluster):
     for got_rows in _scores(workers):
         for got, want in zip(got_rows, ref):
             assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    # Nothing generated after the switch uses old weights, cached prompt KV included.
+    for w in workers:
+        (sample,) = ray.get(w.generate.remote([long_prompt], {"seed": 3, "max_tokens": 1}))
+        assert sample.policy_versions == [1]
+        (scored,) = ray.get(w.score.remote([long_prompt + sample.response_tokens]))  # prompt logprobs: no cache
+        assert abs(sample.behavior_logprobs[0] - scored[-1]) < 1e-4, (sample.behavior_logprobs[0], scored[-1])
 
     def corrupt(spec, buf):
         if spec.index == 1:

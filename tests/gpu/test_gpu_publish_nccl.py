@@ -56,8 +56,10 @@ def test_nccl_publication_commits_whole_or_not_at_all(tmp_path):
         cfg = RolloutConfig(model=str(model_dir), max_model_len=128, dtype="float32", max_tokens=8,
                             weight_transfer="nccl", gpu_memory_utilization=0.3)
         worker = create_rollout_worker(cfg, num_gpus=1)
-        engine_gpu = int(ray.get(worker.__ray_call__.remote(lambda self: ray.get_gpu_ids()))[0])
-        torch.cuda.set_device(next(d for d in range(torch.cuda.device_count()) if d != engine_gpu))
+        # The trainer takes a GPU other than the engine's (told apart by UUID, whatever the numbering).
+        engine_uuid = ray.get(worker.__ray_call__.remote(lambda self: str(torch.cuda.get_device_properties(0).uuid)))
+        torch.cuda.set_device(next(d for d in range(torch.cuda.device_count())
+                                   if str(torch.cuda.get_device_properties(d).uuid) != engine_uuid))
         publisher = WeightPublisher(bucket_bytes=256 * 1024, transport="nccl")
         publisher.connect([worker])
 

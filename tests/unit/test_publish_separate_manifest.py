@@ -114,6 +114,8 @@ def test_trainer_announces_before_sending_and_refuses_to_send_anything_else():
         list(as_announced(iter(_flat(groups)[:3]), meta))
     with pytest.raises(TypeError, match="announces every tensor before sending"):
         announced_metadata(iter(_flat(groups)))
+    with pytest.raises(ValueError, match="'model.norm.weight' appears twice"):
+        announced_metadata(groups + [groups[-1]])
     with pytest.raises(ValueError, match="transport 'ib'"):
         WeightPublisher(transport="ib")
 
