@@ -122,7 +122,6 @@ class WeightPublisher:
                         next(r["error"] for r in results if not r["committed"]))
         return report
 
-
     def _publish_nccl(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest, list[dict]]:
         """Tensors through vLLM's packed NCCL broadcast, hashed on the way; then the manifest
         by RPC, and each group commits all of it or nothing."""
