@@ -19,10 +19,10 @@ from where it lies (one part per tensor) while a helper thread hashes the same b
 moves on to the next bucket without waiting for the digest, which travels in the final
 manifest; receivers take each part straight into its slice of a staging buffer (reused
 from one publication to the next) and a helper thread hashes each part as soon as it has
-landed, while the following parts arrive.  At END a receiver accepts the publication only if every bucket's size, part
-sizes and digest match the manifest.  Tensors are pulled from the trainer's iterator on
-the calling thread only, so a source that gathers with collectives (Megatron TP/PP) keeps
-its collectives on one thread.
+landed, while the following parts arrive.  At END a receiver accepts the publication only
+if every bucket's size, part sizes and digest match the manifest.  Tensors are pulled from
+the trainer's iterator on the calling thread only, so a source that gathers with
+collectives (Megatron TP/PP) keeps its collectives on one thread.
 """
 
 from __future__ import annotations

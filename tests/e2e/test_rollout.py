@@ -18,11 +18,11 @@ from megatron_rl.models.tiny import make_tiny_model
 from megatron_rl.models.tokenizer import BOS_ID
 from megatron_rl.publish import WeightPublisher
 from megatron_rl.rollout import RolloutConfig, create_rollout_worker
+from tests.reference import SEQUENCES, hf_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-SEQUENCES = [[BOS_ID, 23, 24, 17, 29, 35, 23, 31], [BOS_ID, 78, 75, 82, 82, 85, 6, 61, 85]]
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +53,6 @@ def cluster(tmp_path_factory):
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old
-
-
-def _hf_reference(model_dir, state):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    model.load_state_dict(state, strict=False)
-    out = []
-    for seq in SEQUENCES:
-        ids = torch.tensor([seq])  # [1, T]
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0].double(), -1)  # [T, V]
-        out.append(logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1))  # [T-1]
-    return out
 
 
 def _scores(workers):
@@ -124,7 +110,7 @@ def test_publication_matches_transformers_and_bad_bucket_is_refused(cluster):
     assert len(report.manifest.buckets) > 2
     assert [r["version"] for r in report.results] == [1, 1]
     assert len(report.results[1]["workers"]) == 2  # both TP ranks of the TP=2 group verified
-    ref = _hf_reference(model_dir, new)
+    ref = hf_logprobs(model_dir, new)
     for got_rows in _scores(workers):
         for got, want in zip(got_rows, ref):
             assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()

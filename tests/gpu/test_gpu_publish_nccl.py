@@ -20,34 +20,17 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs two CUDA devices (trainer and rollout engine each on its own)")]
 
 REPO = Path(__file__).resolve().parents[2]
-BOS_ID = 1  # megatron_rl.models.tokenizer.BOS_ID (asserted in the test)
-SEQUENCES = [[BOS_ID, 23, 24, 17, 29, 35, 23, 31], [BOS_ID, 78, 75, 82, 82, 85, 6, 61, 85]]
-
-
-def _hf_logprobs(model_dir, state):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    model.load_state_dict(state, strict=False)
-    rows = []
-    for seq in SEQUENCES:
-        ids = torch.tensor([seq])  # [1, T]
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0].double(), -1)  # [T, V]
-        rows.append(logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1))  # [T-1]
-    return rows
 
 
 def test_nccl_publication_commits_whole_or_not_at_all(tmp_path):
     import ray
     from safetensors.torch import load_file
 
-    from megatron_rl.models import tokenizer
     from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.publish import WeightPublisher
     from megatron_rl.rollout import RolloutConfig, create_rollout_worker
+    from tests.reference import SEQUENCES, hf_logprobs
 
-    assert tokenizer.BOS_ID == BOS_ID
     model_dir = make_tiny_model(tmp_path / "qwen2", arch="qwen2", seed=2)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)  # the actor's GPU
@@ -69,7 +52,7 @@ def test_nccl_publication_commits_whole_or_not_at_all(tmp_path):
         report = publisher.publish(1, [(k, v.cuda()) for k, v in new.items()])
         assert report.committed, report.results
         assert len(report.manifest.buckets) > 2
-        want = _hf_logprobs(model_dir, new)
+        want = hf_logprobs(model_dir, new)
         got = [torch.tensor(s[1:], dtype=torch.float64) for s in ray.get(worker.score.remote(SEQUENCES))]
         for g_row, w_row in zip(got, want):
             assert torch.allclose(g_row, w_row, atol=1e-4), (g_row - w_row).abs().max()

@@ -1,0 +1,27 @@
+"""Teacher-forced logprobs from transformers: the reference vLLM's scores are compared with.
+
+    from tests.reference import SEQUENCES, hf_logprobs
+    want = hf_logprobs(model_dir, state)          # one [T-1] float64 tensor per sequence
+"""
+
+import torch
+
+from megatron_rl.models.tokenizer import BOS_ID
+
+SEQUENCES = [[BOS_ID, 23, 24, 17, 29, 35, 23, 31], [BOS_ID, 78, 75, 82, 82, 85, 6, 61, 85]]
+
+
+def hf_logprobs(model_dir, state: dict, sequences=SEQUENCES) -> list[torch.Tensor]:
+    """Logprob of every token after the first given its prefix, with `state` loaded over the
+    checkpoint in `model_dir` (names it lacks keep the checkpoint's values)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model.load_state_dict(state, strict=False)
+    out = []
+    for seq in sequences:
+        ids = torch.tensor([seq])  # [1, T]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].double(), -1)  # [T, V]
+        out.append(logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1))  # [T-1]
+    return out
