@@ -109,6 +109,8 @@ class Score:
     grader_version: str
     extracted: str | None = None
     detail: str = ""
+    components: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The weighted parts of `reward` (they sum to it): what a trajectory records."""
 
     @property
     def ok(self) -> bool:
@@ -213,9 +215,18 @@ def score_response(response: str, reference: str, cfg: RewardConfig, length: int
     correct = 1.0 if answer is not None and answers_match(answer, reference) else 0.0
     fmt = 1.0 if how is not None and how in cfg.format_extractors else 0.0
     over = overlong_penalty(len(response) if length is None else length, cfg.overlong_limit, cfg.overlong_buffer)
+    components = reward_components(correct, fmt, over, cfg)
+    return Score(reward=sum(components.values()), correctness=correct, format=fmt, overlong=over, error=None,
+                 grader_version=cfg.grader_version(), extracted=answer, components=components)
+
+
+def reward_components(correct: float, fmt: float, over: float, cfg: RewardConfig) -> dict[str, float]:
+    """The weighted reward components; their sum is THE reward, for training and eval alike.
+
+    `correctness_only` (control runs): {"correctness": c}, unweighted; otherwise
+    {"correctness": w_c c, "format": w_f f, "overlong": w_o o}.
+    """
     if cfg.correctness_only:
-        reward = correct
-    else:
-        reward = cfg.correctness_weight * correct + cfg.format_weight * fmt + cfg.overlong_weight * over
-    return Score(reward=reward, correctness=correct, format=fmt, overlong=over, error=None,
-                 grader_version=cfg.grader_version(), extracted=answer)
+        return {"correctness": float(correct)}
+    return {"correctness": cfg.correctness_weight * correct, "format": cfg.format_weight * fmt,
+            "overlong": cfg.overlong_weight * over}

@@ -179,7 +179,7 @@ class Roles:
         texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
         scores = self.verifier.score(texts, [s.extra["answer"] for s in samples],
                                      [len(s.response_tokens) for s in samples])
-        trajs = to_trajectories(samples, scores, reward_cfg=self.cfg.reward, tokenizer_hash=self.tokenizer_hash,
+        trajs = to_trajectories(samples, scores, tokenizer_hash=self.tokenizer_hash,
                                 dataset_version=self.splits["train"].dataset_version)
         return trajs, time.perf_counter() - t0
 
@@ -255,10 +255,12 @@ class Roles:
                                       extra=[{} for _ in examples])
         texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
         scores = self.verifier.score(texts, [ex.answer for ex in examples], [len(s.response_tokens) for s in samples])
-        valid = [sc.reward for sc in scores if sc.ok]
-        reward = float(np.mean(valid)) if valid else float("nan")
-        correct = float(np.mean([sc.correctness for sc in scores if sc.ok])) if valid else float("nan")
-        self.metrics.log(step, {f"eval/{split}_reward": reward, f"eval/{split}_correctness": correct})
+        reward, correct, errors = eval_summary(scores)
+        self.metrics.log(step, {f"eval/{split}_reward": reward, f"eval/{split}_correctness": correct,
+                                f"eval/{split}_verifier_errors": float(errors)})
+        if errors:
+            logger.warning("eval step %d on %s: %d of %d responses could not be graded (excluded from the means)",
+                           step, split, errors, len(scores))
         if step == 0 and split == "test" and self.initial_eval is None:
             self.initial_eval = reward
         logger.info("eval step %d on %s: mean reward %.3f, correctness %.3f", step, split, reward, correct)
@@ -317,7 +319,7 @@ def load_data(cfg: TrainConfig):
     return splits, template
 
 
-def to_trajectories(samples: list, scores: list, *, reward_cfg, tokenizer_hash: str, dataset_version: str) -> list:
+def to_trajectories(samples: list, scores: list, *, tokenizer_hash: str, dataset_version: str) -> list:
     """Rollout samples + verifier scores -> Trajectories (ids '<round>/<prompt_id>/<i>').
 
     A sample whose grading failed (timeout, crash) keeps no reward at all: status
@@ -331,11 +333,8 @@ def to_trajectories(samples: list, scores: list, *, reward_cfg, tokenizer_hash: 
     for s, sc in zip(samples, scores, strict=True):
         key = f"r{s.extra['round']:06d}/{s.extra['prompt_id']}"
         i = index[key] = index.get(key, -1) + 1
-        components = {}
-        if sc.ok:
-            raw = {"correctness": sc.correctness} if reward_cfg.correctness_only else {
-                "correctness": sc.correctness, "format": sc.format, "overlong": sc.overlong}
-            components = weighted_components(raw, reward_cfg)  # sums to the verifier's reward
+        # The verifier's weighted components: they sum to the reward eval reports too.
+        components = dict(sc.components) if sc.ok else {}
         trajs.append(make_trajectory(
             id=f"{key}/{i}", prompt_id=s.extra["prompt_id"], dataset_version=dataset_version,
             policy_versions=s.policy_versions, tokenizer_hash=tokenizer_hash, prompt_tokens=s.prompt_tokens,
@@ -348,10 +347,15 @@ def to_trajectories(samples: list, scores: list, *, reward_cfg, tokenizer_hash: 
     return trajs
 
 
-def weighted_components(components: dict, reward_cfg) -> dict:
-    weights = {"correctness": reward_cfg.correctness_weight, "format": reward_cfg.format_weight,
-               "overlong": reward_cfg.overlong_weight}
-    return {k: float(v) * weights[k] for k, v in components.items() if v is not None}
+def eval_summary(scores: list) -> tuple[float, float, int]:
+    """(mean reward, mean correctness, verifier errors) of one eval pass.  A response the
+    verifier could not grade is neither a zero nor silently dropped: it is excluded from
+    both means and counted (NaN means when nothing could be graded)."""
+    graded = [sc for sc in scores if sc.ok]
+    if not graded:
+        return float("nan"), float("nan"), len(scores)
+    return (float(np.mean([sc.reward for sc in graded])), float(np.mean([sc.correctness for sc in graded])),
+            len(scores) - len(graded))
 
 
 def lag_per_sequence(learner_logprobs_bt, batch: dict) -> list[float]:

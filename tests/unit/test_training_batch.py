@@ -43,7 +43,7 @@ def sample(prompt, response, prompt_id, logp=-1.0):
 def test_layout_of_tokens_masks_and_logprobs():
     samples = [sample([1, 2, 3], [4, 5], "p", -0.5), sample([1, 2], [6, 7, 8], "p", -0.25)]
     scores = [score_response(t, "5", REWARD) for t in ("5", "x")]
-    trajs = to_trajectories(samples, scores, reward_cfg=REWARD, tokenizer_hash="h", dataset_version="d")
+    trajs = to_trajectories(samples, scores, tokenizer_hash="h", dataset_version="d")
     assert [t.id for t in trajs] == ["r000007/p/0", "r000007/p/1"]
     batch, stats = build_batch(trajs, pad_id=0, loss_cfg=GRPOLossConfig(), micro_batch_size=1)
     assert batch["tokens"].tolist() == [[1, 2, 3, 4, 5], [1, 2, 6, 7, 8]]
@@ -65,7 +65,7 @@ def test_verifier_timeout_is_excluded_and_counted():
         counters = pool.counters()
     assert scores[1].error == "timeout" and scores[1].reward is None
     assert counters["timeout"] == 1
-    trajs = to_trajectories(samples, scores, reward_cfg=REWARD, tokenizer_hash="h", dataset_version="d")
+    trajs = to_trajectories(samples, scores, tokenizer_hash="h", dataset_version="d")
     assert trajs[1].status == "verifier_timeout" and trajs[1].error_code == "timeout"
     assert trajs[1].reward is None and trajs[1].reward_components == {}
     batch, stats = build_batch(trajs, pad_id=0, loss_cfg=GRPOLossConfig(), micro_batch_size=1)
