@@ -108,13 +108,24 @@ def _engine_base():
 class VerifiedCommit:
     """What both backends share: a publication is staged, checked as a whole, then loaded
     into the model at finish_weight_update -- or dropped, and the model keeps serving the
-    version it had.  Mixed into a vLLM WeightTransferEngine (needs self.model, model_config)."""
+    version it had.  Mixed into a vLLM WeightTransferEngine (needs self.model, model_config).
+
+    Loading itself can still fail on one worker after others of the group succeeded (an
+    out-of-memory error, a loader bug).  The group then decides together (RolloutWorker):
+    every worker `rollback()`s to the version it served before -- the host copy of the last
+    publication the whole group accepted (`accept(keep_copy=True)`), or for version 0 the
+    checkpoint on disk -- so a group never serves half old, half new weights.
+    """
 
     def _init_commit(self) -> None:
         self.rank = None
         self.staged: ReceivedPublication | None = None
         self.expected = expected_tensors(self.model_config.model)
         self.status: dict[str, Any] = {"version": None, "ok": None, "error": None, "bad_bucket": None}
+        self.loaded: list[tuple[str, torch.Tensor]] | None = None  # loaded, not yet accepted by the group
+        self.rollback_tensors: list[tuple[str, torch.Tensor]] | None = None  # host copy of the serving version
+        self.rollback_from_disk = True  # nothing published yet: the serving version is the checkpoint
+        self.fail_load_after: int | None = None  # drills: the next load raises after this many tensors
 
     def _stage(self, got: ReceivedPublication, version: int) -> None:
         """Keep `got` for finish_weight_update if it is `version` and exactly the model's tensors."""
@@ -131,22 +142,92 @@ class VerifiedCommit:
 
     def finish_weight_update(self) -> None:
         staged, self.staged = self.staged, None
+        self.loaded = None
         if staged is None or not staged.ok:
             log.warning("publication not committed: %s", None if staged is None else staged.error)
             self.status["committed"] = False
             return
+        try:
+            self._load(staged.tensors)
+        except Exception as err:  # noqa: BLE001 -- reported; the group rolls every worker back
+            log.error("rank %s: loading publication %s failed: %r", self.rank, self.status.get("version"), err)
+            self.status.update(committed=False, ok=False, load_failed=True,
+                               error=f"rank {self.rank}: load_weights failed: {err!r}")
+            self._settle_after_failed_load()
+            return
+        self.loaded = staged.tensors
+        self.status["committed"] = True
+
+    def _load(self, tensors) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
         with disable_mtp_completeness_check():
-            self.model.load_weights(iter(staged.tensors))
+            self.model.load_weights(self._feed(tensors))
         finalize_layerwise_reload(self.model, self.model_config)
         if torch.cuda.is_available():
             # The staged tensors may live on other streams (NCCL path): finish every copy out of
             # them before they are freed and their memory reused.
             torch.cuda.synchronize()
-        self.status["committed"] = True
+
+    def _feed(self, tensors):
+        for i, item in enumerate(tensors):
+            if self.fail_load_after is not None and i >= self.fail_load_after:
+                self.fail_load_after = None
+                raise RuntimeError(f"injected load failure after {i} tensors (drill)")
+            yield item
+
+    def _settle_after_failed_load(self) -> None:
+        """Close the interrupted layerwise reload so every layer is materialised again (with
+        mixed values) and a full reload -- the rollback -- starts from a clean state."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except Exception as err:  # noqa: BLE001 -- the rollback will report the worker broken
+            log.error("rank %s: could not close the failed reload: %r", self.rank, err)
+
+    def accept(self, keep_copy: bool) -> None:
+        """Every worker of the group loaded the publication: it is now the version a later
+        failed load rolls back to (kept as a host copy, or not at all when keep_copy is off)."""
+        loaded, self.loaded = self.loaded, None
+        self.rollback_from_disk = False
+        if not keep_copy or loaded is None:
+            self.rollback_tensors = None
+            return
+        names = [n for n, _ in loaded]
+        if self.rollback_tensors is None or [n for n, _ in self.rollback_tensors] != names:
+            self.rollback_tensors = [(n, t.detach().to("cpu", copy=True)) for n, t in loaded]
+            return
+        for (_, dst), (_, src) in zip(self.rollback_tensors, loaded):
+            dst.copy_(src)
+
+    def rollback(self) -> None:
+        """Reload the version served before the failed publication (raises if none is kept)."""
+        self.loaded = None
+        if self.rollback_tensors is not None:
+            source = iter(self.rollback_tensors)
+        elif self.rollback_from_disk:
+            source = checkpoint_tensors(self.model_config.model)
+        else:
+            raise RuntimeError("no rollback copy is kept (rollout.keep_rollback_copy is false)")
+        self._load(source)
+
+
+def checkpoint_tensors(model_dir: str):
+    """(name, tensor) of every tensor in a HF checkpoint directory's safetensors files."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir} to roll back to")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 class GlooWeightTransferEngine(VerifiedCommit, _engine_base()):
@@ -209,6 +290,31 @@ class PublicationWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         if isinstance(engine, VerifiedCommit):
             engine.staged = None
+
+    def megatron_rl_accept_publication(self, keep_copy: bool) -> None:
+        """Every worker loaded the publication: make it the version to roll back to."""
+        self._commit_engine().accept(keep_copy)
+
+    def megatron_rl_rollback_publication(self) -> dict[str, Any]:
+        """Reload the previous version after a failed load somewhere in the group."""
+        engine = self._commit_engine()
+        try:
+            engine.rollback()
+        except Exception as err:  # noqa: BLE001 -- reported to the group, which stops serving
+            return {"rank": engine.rank, "ok": False, "error": repr(err)}
+        return {"rank": engine.rank, "ok": True, "error": None}
+
+    def megatron_rl_fail_next_load(self, after_tensors: int, worker_rank: int | None = None) -> None:
+        """Drill hook: the next load on this engine worker (or only on worker `worker_rank`,
+        the vLLM rank inside the group) raises after `after_tensors` tensors."""
+        if worker_rank is None or getattr(self, "rank", None) == worker_rank:
+            self._commit_engine().fail_load_after = int(after_tensors)
+
+    def _commit_engine(self) -> VerifiedCommit:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, VerifiedCommit):
+            raise RuntimeError("weight transfer backend is not one of megatron-rl's checked backends")
+        return engine
 
     def megatron_rl_weight_checksum(self) -> float:
         """Sum of all parameters of this worker's shard (a cheap equality probe for tests)."""

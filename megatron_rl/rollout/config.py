@@ -52,6 +52,10 @@ class RolloutConfig:
     weight_transfer: str = "gloo"
     """How new weights arrive: "gloo" (CPU, checked buckets), "nccl" (GPU: vLLM's NCCL transfer,
     checked before commit; disaggregated placement only) or "none" (generation only, no publication)."""
+    keep_rollback_copy: bool = True
+    """Keep a host-memory copy of the serving weights, so that a publication whose load fails on
+    one worker after others loaded it is rolled back on all of them (costs one copy of the model
+    per worker).  Off: such a group serves nothing until the next publication commits."""
     cpu_threads_bind: str | None = None
     """VLLM_CPU_OMP_THREADS_BIND; None picks "0|1|..." (one core per TP rank) when TP > 1 on CPU."""
     num_cpus: float = 0.0

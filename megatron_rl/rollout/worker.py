@@ -172,7 +172,7 @@ class RolloutWorker:
         for i in range(len(prompts)):
             seed = None if params["seed"] is None else params["seed"] + i
             per_prompt.append(SamplingParams(n=n, logprobs=0, detokenize=False, **{**params, "seed": seed}))
-        version = self.version
+        version = self._serving_version()
         started = time.time()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False)
         finished = time.time()
@@ -248,25 +248,59 @@ class RolloutWorker:
         return self._commit(int(manifest.get("version", -1)), statuses)
 
     def _commit(self, version: int, statuses: list[dict[str, Any]]) -> dict[str, Any]:
+        """All or nothing over the group: every worker verified, the prefix cache is empty, and
+        every worker loaded -- or the group keeps (or, after a failed load, reloads) the version
+        it served."""
         bad = [s for s in statuses if not s.get("ok")]
+        # Cached prefix KV is computed with the weights serving now: emptied before the switch
+        # (nothing runs in between, the actor serves one call at a time), or no switch at all.
+        if not bad and not self.llm.reset_prefix_cache():
+            bad = [{"ok": False, "bad_bucket": None,
+                    "error": "vLLM did not reset its prefix cache (requests running?): publication not loaded"}]
         if bad:
             self.llm.collective_rpc("megatron_rl_drop_publication")
         self.llm.finish_weight_update()
         if not bad:
-            self.version = int(version)
-            # Cached prefix KV was computed with the old weights: a later prompt sharing a prefix
-            # would otherwise generate from it under the new version's stamp.
-            if not self.llm.reset_prefix_cache():
-                log.warning("version %d committed but vLLM kept its prefix cache (requests running?)", version)
-        else:
-            log.warning("refused publication %d, still serving version %d: %s", version, self.version, bad[0]["error"])
+            loaded = self.llm.collective_rpc("megatron_rl_publication_status")
+            bad = [s for s in loaded if not s.get("committed")]
+            if bad:
+                self._roll_back(version, bad)
+            else:
+                self.llm.collective_rpc("megatron_rl_accept_publication", args=(self.config.keep_rollback_copy,))
+                self.version = int(version)
+        if bad:
+            log.warning("refused publication %d, serving version %s: %s", version, self.version, bad[0]["error"])
         return {
             "committed": not bad,
             "version": self.version,
             "error": bad[0]["error"] if bad else None,
-            "bad_bucket": bad[0]["bad_bucket"] if bad else None,
+            "bad_bucket": bad[0].get("bad_bucket") if bad else None,
             "workers": statuses,
         }
+
+    def _roll_back(self, version: int, failed: list[dict[str, Any]]) -> None:
+        """A worker failed to load `version` after others may have: every worker reloads the
+        version served before.  If that fails too the group serves nothing (version None)."""
+        self.llm.reset_prefix_cache()
+        results = self.llm.collective_rpc("megatron_rl_rollback_publication")
+        broken = [r for r in results if not r["ok"]]
+        if broken:
+            log.error("rollback after failed load of version %d failed (%s): this group serves no version until "
+                      "a publication commits", version, broken[0]["error"])
+            self.version = None
+        else:
+            log.warning("load of version %d failed on %d worker(s) (%s): rolled back to version %d",
+                        version, len(failed), failed[0]["error"], self.version)
+
+    def _serving_version(self) -> int:
+        if self.version is None:
+            raise RuntimeError("this rollout group holds no complete policy version (a failed load could not be "
+                               "rolled back); it serves again after the next committed publication")
+        return self.version
+
+    def fail_next_load(self, after_tensors: int, worker_rank: int | None = None) -> None:
+        """Drill hook: the next publication's load raises on engine worker `worker_rank` (all if None)."""
+        self.llm.collective_rpc("megatron_rl_fail_next_load", args=(after_tensors, worker_rank))
 
     def weight_checksums(self) -> list[float]:
         """Per-worker parameter sums (debug: weights equal after a sync)."""

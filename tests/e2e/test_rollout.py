@@ -139,3 +139,57 @@ def test_publication_matches_transformers_and_bad_bucket_is_refused(cluster):
         assert r["version"] == 1 and "missing 1" in r["error"] and "model.layers.1.mlp.down_proj.weight" in r["error"]
     sample = ray.get(workers[1].generate.remote([SEQUENCES[0]], {"seed": 1, "max_tokens": 3}))[0]
     assert sample.policy_versions == [1] * len(sample.response_tokens)
+
+
+def test_failed_load_on_one_tp_rank_rolls_the_whole_group_back(cluster):
+    """Worker 1 of the TP=2 group fails half-way through loading: both workers reload the
+    version they served (a host copy), the version stamp stays, and the next publication loads."""
+    import ray
+    from safetensors.torch import load_file
+
+    model_dir, workers, publisher = cluster
+    tp2 = workers[1]
+    version = ray.get(tp2.policy_version.remote())
+    before_scores, before_sums = _scores([tp2])[0], ray.get(tp2.weight_checksums.remote())
+    base = load_file(model_dir / "model.safetensors")
+    g = torch.Generator().manual_seed(7)
+    new = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+
+    ray.get(tp2.fail_next_load.remote(3, 1))
+    report = publisher.publish(version + 10, list(new.items()))
+    assert not report.committed
+    tp1_result, tp2_result = report.results
+    assert tp1_result["committed"] and tp1_result["version"] == version + 10  # the other group is unaffected
+    assert not tp2_result["committed"] and tp2_result["version"] == version
+    assert "load_weights failed" in tp2_result["error"] and "injected load failure" in tp2_result["error"]
+    assert ray.get(tp2.weight_checksums.remote()) == before_sums  # both TP ranks back to the old weights
+    for got, want in zip(_scores([tp2])[0], before_scores):
+        assert torch.allclose(got, want, atol=1e-6)
+    (sample,) = ray.get(tp2.generate.remote([SEQUENCES[0]], {"seed": 1, "max_tokens": 3}))
+    assert sample.policy_versions == [version] * len(sample.response_tokens)
+
+    again = publisher.publish(version + 11, list(new.items()))  # nothing left half-done
+    assert again.committed, again.results
+    ref = hf_logprobs(model_dir, new)
+    for got_rows in _scores(workers):
+        for got, want in zip(got_rows, ref):
+            assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_publication_is_refused_when_the_prefix_cache_cannot_be_reset(cluster):
+    import ray
+    from safetensors.torch import load_file
+
+    model_dir, workers, publisher = cluster
+    tp1 = workers[0]
+    version = ray.get(tp1.policy_version.remote())
+    before = ray.get(tp1.weight_checksums.remote())
+    # Test double for vLLM refusing the reset (it does while requests are running).
+    ray.get(tp1.__ray_call__.remote(lambda self: setattr(self.llm, "reset_prefix_cache", lambda: False)))
+    try:
+        report = publisher.publish(version + 1, list(load_file(model_dir / "model.safetensors").items()))
+    finally:
+        ray.get(tp1.__ray_call__.remote(lambda self: delattr(self.llm, "reset_prefix_cache")))
+    result = report.results[0]
+    assert not result["committed"] and result["version"] == version and "prefix cache" in result["error"]
+    assert ray.get(tp1.weight_checksums.remote()) == before  # the old weights still serve
