@@ -63,8 +63,12 @@ class DataConfig:
     """Seed that freezes the built-in task's train/dev/test split and the shuffle order."""
     train_file: Optional[str] = None
     """JSONL training file (task=jsonl)."""
-    eval_file: Optional[str] = None
-    """JSONL held-out file (task=jsonl)."""
+    dev_file: Optional[str] = None
+    """JSONL dev split, evaluated during training (task=jsonl); None carves it from train_file."""
+    test_file: Optional[str] = None
+    """JSONL hidden test split, evaluated at the start and end only (task=jsonl); None carves it from train_file."""
+    holdout_fraction: float = 0.1
+    """Share of train_file carved (with data.seed) into each held-out split that has no file."""
     question_field: str = "question"
     """JSONL field holding the problem text."""
     answer_field: str = "answer"
@@ -79,6 +83,8 @@ class DataConfig:
             raise ConfigError("data.train_file is required when data.task is 'jsonl'")
         if self.eval_size < 1:
             raise ConfigError(f"data.eval_size must be >= 1, got {self.eval_size}")
+        if not 0 < self.holdout_fraction < 0.5:
+            raise ConfigError(f"data.holdout_fraction must be in (0, 0.5), got {self.holdout_fraction}")
 
 
 @dataclass(kw_only=True)

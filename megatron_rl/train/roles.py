@@ -304,15 +304,18 @@ def load_data(cfg: TrainConfig):
     from megatron_rl.data.builtin import DIGIT_MAX_TEMPLATE, make_digit_max
     from megatron_rl.data.dataset import PromptTemplate
     from megatron_rl.data.jsonl import load_jsonl
+    from megatron_rl.data.splits import holdout_splits
 
     if cfg.data.task == "digit_max":
         splits = make_digit_max(seed=cfg.data.seed)
         template = DIGIT_MAX_TEMPLATE
     else:
         kw = dict(question_field=cfg.data.question_field, answer_field=cfg.data.answer_field)
-        train = load_jsonl(cfg.data.train_file, split="train", **kw)
-        held = load_jsonl(cfg.data.eval_file, split="test", **kw) if cfg.data.eval_file else train
-        splits = {"train": train, "dev": held, "test": held}
+        d = cfg.data
+        splits = holdout_splits(load_jsonl(d.train_file, split="train", **kw),
+                                dev=load_jsonl(d.dev_file, split="dev", **kw) if d.dev_file else None,
+                                test=load_jsonl(d.test_file, split="test", **kw) if d.test_file else None,
+                                seed=d.seed, fraction=d.holdout_fraction)
         template = PromptTemplate("{question}")
     if cfg.data.template is not None:
         template = PromptTemplate(cfg.data.template)

@@ -80,3 +80,25 @@ def test_planner_reports_a_layout_that_cannot_fit(capsys):
     small = json.loads(capsys.readouterr().out)
     col = next(p for p in small["placements"] if p["placement"] == "colocated")
     assert not col["fits"] and col["largest_item"].startswith("learner/")
+
+
+def _write_jsonl(path, questions):
+    path.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in questions))
+    return path
+
+
+def test_jsonl_held_out_splits_are_carved_disjoint(capsys, tmp_path):
+    data = _write_jsonl(tmp_path / "train.jsonl", [f"{i}+0" for i in range(40)])
+    code, out, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", "data.task=jsonl", f"data.train_file={data}")
+    assert code == 0, err
+    sizes = json.loads(out)["data"]
+    assert (sizes["train"], sizes["dev"], sizes["test"]) == (32, 4, 4)  # was 40/40/40: held-out = training data
+
+
+def test_jsonl_test_file_sharing_training_questions_is_refused(capsys, tmp_path):
+    train = _write_jsonl(tmp_path / "train.jsonl", [f"{i}+0" for i in range(40)])
+    test = _write_jsonl(tmp_path / "test.jsonl", ["100+0", "7+0", "101+0"])
+    code, _, err = dry_run(capsys, f"run.dir={tmp_path / 'run'}", "data.task=jsonl", f"data.train_file={train}",
+                           f"data.test_file={test}")
+    assert code == 2
+    assert "1 question(s) appear in more than one split" in err and "'7+0'" in err and "test (id 2)" in err, err
