@@ -26,7 +26,9 @@ def add_hf_to_mcore_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_mcore_to_hf_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mcore", required=True, help="Megatron directory written by hf-to-mcore")
+    p.add_argument("--mcore", required=True,
+                   help="Megatron directory written by hf-to-mcore, or a committed training checkpoint "
+                        "(RUN_DIR/checkpoints/step_N)")
     p.add_argument("--out", required=True, help="HF output directory (must not exist, unless --force)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="output dtype (default: the source's)")
     p.add_argument("--max-shard-gb", type=float, default=4.0, help="safetensors shard size limit (default 4)")

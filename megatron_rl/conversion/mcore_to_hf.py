@@ -1,6 +1,7 @@
 """Convert a Megatron directory written by hf-to-mcore back into a Hugging Face checkpoint.
 
     megatron-rl convert mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--dtype bf16]
+    megatron-rl convert mcore-to-hf --mcore RUN_DIR/checkpoints/step_000060 --out HF_DIR   # a trained policy
     python tools/convert_megatron_to_hf.py --mcore MCORE_DIR --out HF_DIR
 
     from megatron_rl.conversion.mcore_to_hf import convert_mcore_to_hf
@@ -11,6 +12,11 @@ tokenizer files kept in `hf/`, and the distributed checkpoint in `weights/` (rea
 tensor, whatever TP/PP wrote it; no model is built).  Tensors stream group by group through
 `mapping.mcore_to_hf_group` straight into safetensors shards; vocabulary padding is removed.  The output dtype defaults to the
 source checkpoint's, so HF -> Megatron -> HF is bit-identical when no precision was lost.
+
+A training checkpoint (a committed `RUN_DIR/checkpoints/step_N`) exports the same way: its files
+are verified against its COMMITTED manifest, the HF config and tokenizer come from the model the
+run started from (`RUN_DIR/config.json` names it; its tokenizer must hash to the checkpoint's),
+and only the policy's weights are read from `weights/` (the optimizer state stays behind).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from megatron_rl.conversion import mapping
 from megatron_rl.conversion.dist_ckpt import DistCheckpointReader
 from megatron_rl.conversion.hf_io import HFWriter, atomic_output_dir, copy_model_side_files
 from megatron_rl.conversion.hf_to_mcore import DTYPE_CHOICES, TORCH_DTYPES, GroupProgress
+from megatron_rl.checkpoint import MANIFEST as COMMITTED
 from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, read_manifest
 
 logger = logging.getLogger(__name__)
@@ -65,8 +72,13 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, dtype: st
     mcore_dir, out_dir = Path(mcore_dir), Path(out_dir)
     if out_dir.exists() and not force:
         raise FileExistsError(f"output directory {out_dir} already exists (use --force to replace it)")
-    manifest = read_manifest(mcore_dir)
-    cfg = load_hf_config(mcore_dir / HF_DIR)
+    if (mcore_dir / COMMITTED).is_file():
+        hf_dir = training_checkpoint_model_dir(mcore_dir)
+        manifest = {}
+    else:
+        hf_dir = mcore_dir / HF_DIR
+        manifest = read_manifest(mcore_dir)
+    cfg = load_hf_config(hf_dir)
     if dtype is not None and dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype {dtype!r} is not one of {list(DTYPE_CHOICES)}")
     out_dtype = SHORT_TO_HF[dtype] if dtype else manifest.get("source_dtype", cfg.torch_dtype)
@@ -75,10 +87,32 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, dtype: st
     t0 = time.monotonic()
     with atomic_output_dir(out_dir, force=force) as tmp:
         total = _export_weights(mcore_dir / WEIGHTS_DIR, cfg, tmp, HF_DTYPE_NAMES[out_dtype], max_shard_bytes)
-        copy_model_side_files(mcore_dir / HF_DIR, tmp)
+        copy_model_side_files(hf_dir, tmp)
         if out_dtype != cfg.torch_dtype:
             config = json.loads((tmp / "config.json").read_text())
             config["torch_dtype" if "torch_dtype" in config else "dtype"] = out_dtype
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     logger.info("wrote %s (%.1f MB %s) in %.1fs", out_dir, total / 1e6, out_dtype, time.monotonic() - t0)
     return out_dir
+
+
+def training_checkpoint_model_dir(ckpt_dir: Path) -> Path:
+    """The HF directory whose config and tokenizer a training checkpoint's weights belong to.
+
+    Verifies the checkpoint's files against its manifest and the tokenizer against the hash the
+    checkpoint recorded; errors name the file or field.
+    """
+    from megatron_rl.checkpoint import load_checkpoint
+    from megatron_rl.models.tokenizer import tokenizer_hash
+
+    run_dir = ckpt_dir.resolve().parent.parent
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{ckpt_dir} looks like a training checkpoint but {config_path} (the run's resolved "
+                                f"config, which names its model) is missing")
+    model_path = (json.loads(config_path.read_text()).get("model") or {}).get("path")
+    model_dir = Path(model_path) if model_path else run_dir / "model"
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"model.path of the run in {run_dir}: no config.json in {model_dir}")
+    load_checkpoint(ckpt_dir, tokenizer_hash=tokenizer_hash(model_dir))  # sha256 of every file, tokenizer match
+    return model_dir

@@ -21,7 +21,6 @@ import sqlite3
 import time
 from pathlib import Path
 
-import numpy as np
 
 from megatron_rl import __version__
 from megatron_rl.config import config_hash
@@ -54,6 +53,7 @@ class Roles:
     placement: object
     telemetry: Telemetry = dataclasses.field(default_factory=Telemetry)
     initial_eval: float | None = None
+    last_eval: dict | None = None
     _producer: Producer | None = None
 
     # ---- construction ------------------------------------------------------------------------
@@ -247,24 +247,25 @@ class Roles:
                                                            self.verifier.counters()))
 
     def log_eval(self, step: int, split: str) -> float:
-        """Greedy reward on a held-out split (dev during training, the hidden test split at the ends)."""
+        """Greedy pass@1 on a held-out split (dev during training, the hidden test split at the
+        ends); logs reward, correctness and format apart, returns the mean reward."""
+        from megatron_rl.evaluation import Decoding, evaluate
+
         ds = self.splits[split]
         examples = [ds[i] for i in range(min(self.cfg.data.eval_size, len(ds)))]
-        prompts = [self.template.encode(ex, self.tokenizer) for ex in examples]
-        samples = self.fleet.generate(prompts, n=1, sampling={"temperature": 0.0, "seed": 0},
-                                      extra=[{} for _ in examples])
-        texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
-        scores = self.verifier.score(texts, [ex.answer for ex in examples], [len(s.response_tokens) for s in samples])
-        reward, correct, errors = eval_summary(scores)
-        self.metrics.log(step, {f"eval/{split}_reward": reward, f"eval/{split}_correctness": correct,
-                                f"eval/{split}_verifier_errors": float(errors)})
-        if errors:
+        result = evaluate(self.fleet, self.verifier, examples, self.template, self.tokenizer, Decoding(), split=split)
+        self.last_eval = s = result.summary()
+        self.metrics.log(step, {f"eval/{split}_reward": s["reward"], f"eval/{split}_correctness": s["correctness"],
+                                f"eval/{split}_format": s["format"],
+                                f"eval/{split}_verifier_errors": float(s["verifier_errors"])})
+        if s["verifier_errors"]:
             logger.warning("eval step %d on %s: %d of %d responses could not be graded (excluded from the means)",
-                           step, split, errors, len(scores))
+                           step, split, s["verifier_errors"], len(examples))
         if step == 0 and split == "test" and self.initial_eval is None:
-            self.initial_eval = reward
-        logger.info("eval step %d on %s: mean reward %.3f, correctness %.3f", step, split, reward, correct)
-        return reward
+            self.initial_eval = s["reward"]
+        logger.info("eval step %d on %s: mean reward %.3f, correctness %.3f", step, split, s["reward"],
+                    s["correctness"])
+        return s["reward"]
 
     def close(self) -> None:
         import ray
@@ -348,17 +349,6 @@ def to_trajectories(samples: list, scores: list, *, tokenizer_hash: str, dataset
             error_code=sc.error or "",
         ))
     return trajs
-
-
-def eval_summary(scores: list) -> tuple[float, float, int]:
-    """(mean reward, mean correctness, verifier errors) of one eval pass.  A response the
-    verifier could not grade is neither a zero nor silently dropped: it is excluded from
-    both means and counted (NaN means when nothing could be graded)."""
-    graded = [sc for sc in scores if sc.ok]
-    if not graded:
-        return float("nan"), float("nan"), len(scores)
-    return (float(np.mean([sc.reward for sc in graded])), float(np.mean([sc.correctness for sc in graded])),
-            len(scores) - len(graded))
 
 
 def lag_per_sequence(learner_logprobs_bt, batch: dict) -> list[float]:

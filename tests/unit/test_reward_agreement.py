@@ -1,19 +1,24 @@
-"""One reward for training and eval, and eval that counts what it could not grade.
+"""One reward for training and eval; eval statistics that count what they could not grade.
 
 The trajectory's reward (what GRPO learns from) and the eval mean (what a run reports) both
 come from the verifier's weighted components, so no setting can make them disagree; a response
 the verifier failed on is excluded from the eval means and counted, never silently dropped.
+pass@k is checked against its closed form.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 
 import pytest
 
+from megatron_rl.data.dataset import Example
+from megatron_rl.evaluation import Decoding, EvalResult, example_outcome, pass_at_k
 from megatron_rl.reward.math_verifier import RewardConfig, Score, score_response
 from megatron_rl.rollout.sample import RolloutSample
-from megatron_rl.train.roles import eval_summary, to_trajectories
+from megatron_rl.train.roles import to_trajectories
 
 pytestmark = pytest.mark.unit
 
@@ -38,19 +43,39 @@ def test_trajectory_reward_equals_the_reward_eval_reports(cfg):
     trajs = to_trajectories([_sample([3] * len(t)) for t in texts], scores, tokenizer_hash="h", dataset_version="d")
     for traj, score in zip(trajs, scores):
         assert traj.reward == pytest.approx(score.reward)
-    eval_reward, _, _ = eval_summary(scores)
-    assert eval_reward == pytest.approx(sum(t.reward for t in trajs) / len(trajs))
+    result = EvalResult("test", Decoding(), [example_outcome(Example(id=str(i), question="q", answer="5"), [t], [sc])
+                                             for i, (t, sc) in enumerate(zip(texts, scores))])
+    assert result.summary()["reward"] == pytest.approx(sum(t.reward for t in trajs) / len(trajs))
     if cfg.correctness_only:
         assert [t.reward for t in trajs] == [1.0, 0.0, 0.0, 1.0]  # the control: correctness alone
 
 
 def test_eval_counts_verifier_errors_instead_of_dropping_them_silently():
     cfg = RewardConfig(extractors=["leading_number"], format_extractors=["leading_number"])
+    ex = Example(id="a", question="q", answer="5")
     scores = [score_response("5", "5", cfg), score_response("4", "5", cfg),
               Score.failed("timeout", cfg.grader_version()), Score.failed("crash", cfg.grader_version())]
-    reward, correctness, errors = eval_summary(scores)
-    assert errors == 2
-    assert correctness == pytest.approx(0.5)  # over the two graded responses only, never as zeros
-    assert reward == pytest.approx((scores[0].reward + scores[1].reward) / 2)
-    nothing = eval_summary([Score.failed("timeout", cfg.grader_version())])
-    assert nothing[2] == 1 and nothing[0] != nothing[0]  # NaN: no graded response, no number
+    result = EvalResult("test", Decoding(samples=4, temperature=1.0), [example_outcome(ex, ["5", "4", "?", "?"], scores)])
+    s = result.summary(ks=(1, 2))
+    assert s["verifier_errors"] == 2
+    assert s["correctness"] == pytest.approx(0.5)  # over the two graded responses only, never as zeros
+    assert s["reward"] == pytest.approx((scores[0].reward + scores[1].reward) / 2)
+    assert s["pass@1"] == pytest.approx(0.5) and s["pass@2"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="pass@8 needs at least 8 samples"):
+        result.summary(ks=(8,))
+    nothing = EvalResult("test", Decoding(), [example_outcome(ex, ["?"], [Score.failed("timeout", "g")])]).summary()
+    assert nothing["verifier_errors"] == 1 and math.isnan(nothing["correctness"])
+
+
+@pytest.mark.parametrize("n, c, k", [(5, 2, 1), (5, 2, 2), (6, 3, 3), (4, 0, 2), (4, 4, 1), (7, 1, 7)])
+def test_pass_at_k_is_the_probability_a_random_k_subset_holds_a_correct_sample(n, c, k):
+    outcomes = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    exact = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+    assert pass_at_k(n, c, k) == pytest.approx(exact)
+    assert pass_at_k(n, c, 1) == pytest.approx(c / n)
+
+
+def test_decoding_refuses_greedy_with_several_samples():
+    with pytest.raises(ValueError, match="needs temperature > 0"):
+        Decoding(samples=4)

@@ -1,0 +1,134 @@
+"""`megatron-rl eval`: score a policy on a held-out split with fixed decoding, outside training.
+
+    megatron-rl eval --run RUN_DIR [--split test] [--samples N --k K --temperature T] [--json]
+    megatron-rl eval --model HF_DIR --config F [k=v ...] [--split test] [--json]
+
+`--run` evaluates the run's newest COMMITTED checkpoint (or `--checkpoint STEP_DIR`), exported
+once to `RUN_DIR/export/step_N` (a Hugging Face directory), with the data, reward and rollout
+settings of `RUN_DIR/config.json`.  `--model` evaluates a Hugging Face directory with the
+settings of `--config`.  One vLLM engine generates (no publication, no coordinator: the
+training queue is never read or written), the run's verifier grades, and the per-example
+outcomes are written as JSONL to `--out` (default `RUN_DIR/eval/<split>_step_N.jsonl`, or
+`eval_<model>_<split>.jsonl` here) so two evals can be compared example by example.  The last
+line printed is the JSON summary (decoding settings included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def _run_config(run_dir: Path, overrides: list[str]):
+    from megatron_rl.config import from_dict, read_config_data
+    from megatron_rl.train.config import TrainConfig
+
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--run {run_dir}: no config.json (not a training run directory)")
+    data = json.loads(path.read_text())
+    extra = read_config_data(None, overrides)
+    for section, values in extra.items():
+        data.setdefault(section, {}).update(values)
+    return from_dict(TrainConfig, data)
+
+
+def _exported_policy(run_dir: Path, checkpoint: str | None) -> tuple[Path, str]:
+    """HF directory of the run's newest committed checkpoint (exported on first use)."""
+    from megatron_rl.checkpoint import latest_committed
+    from megatron_rl.conversion.mcore_to_hf import convert_mcore_to_hf
+
+    ckpt = Path(checkpoint) if checkpoint else latest_committed(run_dir / "checkpoints")
+    if ckpt is None:
+        raise FileNotFoundError(f"--run {run_dir}: no COMMITTED checkpoint to evaluate")
+    out = run_dir / "export" / ckpt.name
+    if not (out / "config.json").is_file():
+        convert_mcore_to_hf(ckpt, out, force=out.exists())
+    return out, ckpt.name
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import ray
+
+    from megatron_rl.evaluation import Decoding, evaluate
+    from megatron_rl.reward.pool import VerifierPool
+    from megatron_rl.train.config import load_train_config
+    from megatron_rl.train.roles import load_data
+    from megatron_rl.train.rollout_fleet import RolloutFleet
+
+    if (args.run is None) == (args.model is None):
+        raise ValueError("give exactly one of --run RUN_DIR or --model HF_DIR")
+    temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
+    decoding = Decoding(samples=args.samples, temperature=temperature, seed=args.seed)
+    ks = sorted({1, args.k})
+    if args.k > args.samples:
+        raise ValueError(f"--k {args.k} needs --samples >= {args.k}")
+    if args.run is not None:
+        run_dir = Path(args.run).resolve()
+        cfg = _run_config(run_dir, args.overrides)
+        model_dir, tag = _exported_policy(run_dir, args.checkpoint)
+        out = Path(args.out) if args.out else run_dir / "eval" / f"{args.split}_{tag}.jsonl"
+    else:
+        if args.config is None:
+            raise ValueError("--model needs --config (for the data, reward and rollout settings)")
+        cfg = load_train_config(args.config, args.overrides)
+        model_dir = Path(args.model).resolve()
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"--model: no config.json in {model_dir}")
+        out = Path(args.out) if args.out else Path(f"eval_{model_dir.name}_{args.split}.jsonl")
+    splits, template = load_data(cfg)
+    ds = splits[args.split]
+    examples = [ds[i] for i in range(min(args.limit or cfg.data.eval_size, len(ds)))]
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    rollout_cfg = dataclasses.replace(cfg.rollout, model=str(model_dir), weight_transfer="none")
+    ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    verifier = VerifierPool(cfg.reward)
+    fleet = None
+    try:
+        fleet = RolloutFleet(rollout_cfg, num_groups=1)
+        result = evaluate(fleet, verifier, examples, template, tokenizer, decoding, split=args.split)
+    finally:
+        verifier.close()
+        if fleet is not None:
+            fleet.shutdown()
+        ray.shutdown()
+    summary = result.summary(ks)
+    summary.update(model=str(model_dir), dataset_version=ds.dataset_version, max_tokens=rollout_cfg.max_tokens,
+                   grader_version=cfg.reward.grader_version(), outcomes=str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for o in result.outcomes:
+            f.write(json.dumps(o) + "\n")
+    if not args.json:
+        for key in ("correctness", "format", "reward", *(f"pass@{k}" for k in ks)):
+            print(f"{key:>12}: {summary[key]:.4f}")
+        print(f"{'errors':>12}: {summary['verifier_errors']} of {len(examples) * decoding.samples} responses")
+    print(json.dumps(summary))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="score a policy on a held-out split (fixed decoding, pass@1 / pass@k)")
+    p.add_argument("--run", help="training run directory: evaluates its newest COMMITTED checkpoint")
+    p.add_argument("--checkpoint", help="with --run: this step directory instead of the newest")
+    p.add_argument("--model", help="Hugging Face model directory (with --config)")
+    p.add_argument("--config", help="with --model: config YAML for data, reward and rollout settings")
+    p.add_argument("--split", choices=("dev", "test"), default="test", help="held-out split (default test)")
+    p.add_argument("--samples", type=int, default=1, help="samples per example (default 1: greedy)")
+    p.add_argument("--k", type=int, default=1, help="also report pass@k (needs --samples >= k)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default 0 for one sample, 1.0 for several)")
+    p.add_argument("--seed", type=int, default=0, help="request seed (default 0)")
+    p.add_argument("--limit", type=int, default=None, help="examples to score (default data.eval_size)")
+    p.add_argument("--out", help="per-example outcomes JSONL")
+    p.add_argument("--json", action="store_true", help="print only the JSON summary line")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the config")
+    p.set_defaults(func=_cmd_eval)

@@ -1,0 +1,107 @@
+"""Held-out evaluation: fixed decoding, per-example outcomes, pass@1 and pass@k.
+
+    megatron-rl eval --run RUN_DIR [--split test] [--samples N --k K] [--json]
+    megatron-rl eval --model HF_DIR --config F [k=v ...] [--split test] [--json]
+
+    result = evaluate(fleet, verifier, examples, template, tokenizer, Decoding())
+    result.summary()    # {"reward", "correctness", "format", "verifier_errors", "pass@1", ...}
+    result.outcomes     # one dict per example: responses, rewards, correctness
+
+The decoding settings are fixed and recorded with every result: greedy (temperature 0, one
+sample) by default; with `samples` N > 1 each example gets N samples at `temperature` with a
+fixed seed, and pass@k uses the unbiased estimator of Chen et al. 2021 ("Evaluating Large
+Language Models Trained on Code", eq. 1): for c correct out of n samples,
+pass@k = 1 - C(n-c, k) / C(n, k), averaged over examples.
+
+Correctness, format and the composite reward are reported apart.  A response the verifier
+could not grade (timeout, crash) is excluded from the means and counted, never scored as
+zero.  Eval starts no coordinator: nothing it generates can reach a training queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(kw_only=True)
+class Decoding:
+    samples: int = 1
+    """Samples per example (1: greedy pass@1)."""
+    temperature: float = 0.0
+    """0 = greedy; must be > 0 when samples > 1."""
+    seed: int = 0
+    """Request seed (example i uses seed + i), so a sampled eval is reproducible."""
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise ValueError(f"eval samples must be >= 1, got {self.samples}")
+        if self.temperature < 0:
+            raise ValueError(f"eval temperature must be >= 0, got {self.temperature}")
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError("eval with samples > 1 needs temperature > 0 (greedy samples are all the same)")
+
+    def sampling(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "seed": self.seed}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from c correct of n samples: 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def example_outcome(example, texts: Sequence[str], scores: Sequence) -> dict[str, Any]:
+    """One example's record: its responses and their grades (None where grading failed)."""
+    return {"id": example.id, "answer": example.answer, "responses": list(texts),
+            "rewards": [sc.reward for sc in scores], "correctness": [sc.correctness for sc in scores],
+            "format": [sc.format for sc in scores], "errors": sum(not sc.ok for sc in scores)}
+
+
+@dataclasses.dataclass
+class EvalResult:
+    split: str
+    decoding: Decoding
+    outcomes: list[dict[str, Any]]
+    """Per example: id, answer, responses, rewards/correctness/format (None where ungraded), errors."""
+
+    def summary(self, ks: Sequence[int] = (1,)) -> dict[str, Any]:
+        flat = [(o["rewards"][j], o["correctness"][j], o["format"][j])
+                for o in self.outcomes for j in range(len(o["responses"])) if o["correctness"][j] is not None]
+        out: dict[str, Any] = {
+            "split": self.split, "examples": len(self.outcomes), "decoding": dataclasses.asdict(self.decoding),
+            "reward": float(np.mean([f[0] for f in flat])) if flat else float("nan"),
+            "correctness": float(np.mean([f[1] for f in flat])) if flat else float("nan"),
+            "format": float(np.mean([f[2] for f in flat])) if flat else float("nan"),
+            "verifier_errors": sum(o["errors"] for o in self.outcomes),
+        }
+        for k in ks:
+            if k > self.decoding.samples:
+                raise ValueError(f"pass@{k} needs at least {k} samples per example, eval drew {self.decoding.samples}")
+            per_example = []
+            for o in self.outcomes:
+                graded = [c for c in o["correctness"] if c is not None]
+                if len(graded) >= k:
+                    per_example.append(pass_at_k(len(graded), int(sum(c > 0 for c in graded)), k))
+            out[f"pass@{k}"] = float(np.mean(per_example)) if per_example else float("nan")
+        return out
+
+
+def evaluate(fleet, verifier, examples: Sequence, template, tokenizer, decoding: Decoding,
+             split: str = "test") -> EvalResult:
+    """Generate `decoding.samples` responses per example on `fleet`, grade them with `verifier`."""
+    prompts = [template.encode(ex, tokenizer) for ex in examples]
+    n = decoding.samples
+    samples = fleet.generate(prompts, n=n, sampling=decoding.sampling(), extra=[{} for _ in examples])
+    texts = [tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
+    answers = [ex.answer for ex in examples for _ in range(n)]
+    scores = verifier.score(texts, answers, [len(s.response_tokens) for s in samples])
+    outcomes = [example_outcome(ex, texts[i * n:(i + 1) * n], scores[i * n:(i + 1) * n])
+                for i, ex in enumerate(examples)]
+    return EvalResult(split=split, decoding=decoding, outcomes=outcomes)
