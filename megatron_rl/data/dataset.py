@@ -26,13 +26,24 @@ class Example:
     """The problem text substituted into the prompt template."""
     answer: str
     """Reference final answer the verifier compares against."""
+    metadata: str = ""
+    """Generator metadata as JSON (reasoning-gym tasks; their scorers may read it), else empty."""
+
+    @property
+    def reference(self) -> str:
+        """What the verifier receives: the answer, or the whole task entry as JSON when the
+        example carries generator metadata (reward.grader reasoning_gym)."""
+        if not self.metadata:
+            return self.answer
+        return json.dumps({"answer": self.answer, "metadata": json.loads(self.metadata)})
 
 
 def content_hash(examples: Sequence[Example]) -> str:
     """sha256 (hex) of the examples as canonical JSON, in order."""
     h = hashlib.sha256()
     for ex in examples:
-        h.update(json.dumps([ex.id, ex.question, ex.answer], ensure_ascii=False).encode())
+        fields = [ex.id, ex.question, ex.answer] + ([ex.metadata] if ex.metadata else [])
+        h.update(json.dumps(fields, ensure_ascii=False).encode())
         h.update(b"\n")
     return h.hexdigest()
 

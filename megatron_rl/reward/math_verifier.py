@@ -39,6 +39,7 @@ from typing import Any
 GRADER_NAME = "math"
 GRADER_REVISION = 1
 EXTRACTORS = ("boxed", "answer_is", "leading_number", "last_number")
+GRADERS = ("math", "math_verify", "reasoning_gym")
 
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+)?"
 _NUMBER_RE = re.compile(_NUMBER)
@@ -65,6 +66,9 @@ class RewardConfig:
     """w_o, weight of the overlong penalty."""
     correctness_only: bool = False
     """Control: reward = correctness alone (other components still reported)."""
+    grader: str = "math"
+    """Who decides correctness: "math" (this module), "math_verify" (the math-verify package, for
+    boxed math answers) or "reasoning_gym" (the task generator's own score_answer)."""
     timeout_s: float = 5.0
     """Per-response grading timeout in the pool; a timed-out worker is killed and replaced."""
     num_workers: int = 2
@@ -85,6 +89,8 @@ class RewardConfig:
                 raise ValueError(f"overlong_limit must be > 0 or None, got {self.overlong_limit}")
             if not 0 <= self.overlong_buffer < self.overlong_limit:
                 raise ValueError(f"overlong_buffer must be in [0, overlong_limit={self.overlong_limit}), got {self.overlong_buffer}")
+        if self.grader not in GRADERS:
+            raise ValueError(f"grader {self.grader!r} is not one of {list(GRADERS)}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.num_workers < 1:
@@ -94,7 +100,12 @@ class RewardConfig:
         """Name, revision and a hash of the scoring-relevant settings, e.g. 'math-1:3fa2c9d1'."""
         scoring = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("timeout_s", "num_workers")}
         digest = hashlib.sha256(json.dumps(scoring, sort_keys=True).encode()).hexdigest()[:8]
-        return f"{GRADER_NAME}-{GRADER_REVISION}:{digest}"
+        if self.grader == "math":
+            return f"{GRADER_NAME}-{GRADER_REVISION}:{digest}"
+        from importlib.metadata import version
+
+        package = {"math_verify": "math-verify", "reasoning_gym": "reasoning-gym"}[self.grader]
+        return f"{self.grader}-{version(package)}:{digest}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -212,7 +223,12 @@ def overlong_penalty(length: int, limit: int | None, buffer: int) -> float:
 def score_response(response: str, reference: str, cfg: RewardConfig, length: int | None = None) -> Score:
     """Grade one response against the reference answer.  length defaults to len(response)."""
     answer, how = extract_answer(response, cfg.extractors)
-    correct = 1.0 if answer is not None and answers_match(answer, reference) else 0.0
+    if cfg.grader == "math":
+        correct = 1.0 if answer is not None and answers_match(answer, reference) else 0.0
+    else:
+        from megatron_rl.reward.external import external_correctness
+
+        correct = external_correctness(cfg.grader, response, answer, reference)
     fmt = 1.0 if how is not None and how in cfg.format_extractors else 0.0
     over = overlong_penalty(len(response) if length is None else length, cfg.overlong_limit, cfg.overlong_buffer)
     components = reward_components(correct, fmt, over, cfg)

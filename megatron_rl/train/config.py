@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from megatron_rl.config import ConfigError, from_dict, read_config_data
 from megatron_rl.coordinator.config import CoordinatorConfig
@@ -57,8 +57,16 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    task: Literal["digit_max", "jsonl"] = "digit_max"
-    """Built-in verifiable task, or a JSONL file of math problems."""
+    task: Literal["digit_max", "jsonl", "reasoning_gym"] = "digit_max"
+    """Built-in verifiable task, a JSONL file of math problems, or a reasoning-gym generator."""
+    generator: Optional[str] = None
+    """reasoning-gym dataset name, e.g. chain_sum, basic_arithmetic, countdown (task=reasoning_gym)."""
+    generator_config: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the reasoning-gym generator (task=reasoning_gym)."""
+    train_size: int = 2000
+    """Training examples drawn from the generator (task=reasoning_gym)."""
+    holdout_size: int = 200
+    """Examples drawn for each of dev and test (task=reasoning_gym)."""
     seed: int = 0
     """Seed that freezes the built-in task's train/dev/test split and the shuffle order."""
     train_file: Optional[str] = None
@@ -81,6 +89,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.task == "jsonl" and not self.train_file:
             raise ConfigError("data.train_file is required when data.task is 'jsonl'")
+        if self.task == "reasoning_gym" and not self.generator:
+            raise ConfigError("data.generator (a reasoning-gym dataset name) is required when data.task is "
+                              "'reasoning_gym'")
         if self.eval_size < 1:
             raise ConfigError(f"data.eval_size must be >= 1, got {self.eval_size}")
         if not 0 < self.holdout_fraction < 0.5:

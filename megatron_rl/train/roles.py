@@ -65,6 +65,7 @@ class Roles:
 
         from megatron_rl.coordinator import start_coordinator
         from megatron_rl.data.cursor import DataCursor
+        from megatron_rl.data.reasoning_gym_task import check_encodable
         from megatron_rl.metrics import MetricsLogger
         from megatron_rl.models.tokenizer import tokenizer_hash
         from megatron_rl.reward.pool import VerifierPool
@@ -79,6 +80,7 @@ class Roles:
         model_dir = prepare_model(cfg, run_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         splits, template = load_data(cfg)
+        check_encodable(splits, template, tokenizer)
         cursor = DataCursor(len(splits["train"]), seed=cfg.data.seed,
                             dataset_version=splits["train"].dataset_version)
 
@@ -170,7 +172,7 @@ class Roles:
         for idx in self.cursor.next_indices(self.cfg.run.prompts_per_step):
             ex = ds[idx]
             prompts.append(self.template.encode(ex, self.tokenizer))
-            extra.append({"prompt_id": ex.id, "answer": ex.answer, "round": round_})
+            extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_})
         return prompts, extra
 
     def score(self, step: int, samples: list) -> tuple[list, float]:
@@ -310,6 +312,13 @@ def load_data(cfg: TrainConfig):
     if cfg.data.task == "digit_max":
         splits = make_digit_max(seed=cfg.data.seed)
         template = DIGIT_MAX_TEMPLATE
+    elif cfg.data.task == "reasoning_gym":
+        from megatron_rl.data.reasoning_gym_task import REASONING_GYM_TEMPLATE, make_reasoning_gym
+
+        d = cfg.data
+        splits = make_reasoning_gym(d.generator, d.generator_config, seed=d.seed, train_size=d.train_size,
+                                    holdout_size=d.holdout_size)
+        template = REASONING_GYM_TEMPLATE
     else:
         kw = dict(question_field=cfg.data.question_field, answer_field=cfg.data.answer_field)
         d = cfg.data
