@@ -219,7 +219,8 @@ class Learner:
         stats = self.forward_backward(batch, loss_fn)
         weight, metrics = step_fn(stats) if step_fn is not None else (1.0, dict(stats))
         metrics["loss"] = stats["loss"]
-        if ps.get_model_parallel_world_size() > 1:  # one decision for all TP/PP ranks
+        if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
+            # one decision for all TP/PP ranks of a replica (DP ranks hold the same reduced stats)
             w = torch.tensor([float(weight)], dtype=torch.float64, device=self.platform.device)
             dist.all_reduce(w, op=dist.ReduceOp.MIN, group=ps.get_model_parallel_group())
             weight = float(w.item())

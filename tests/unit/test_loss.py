@@ -279,3 +279,98 @@ def test_scores_to_loss_excludes_failed_graders():
     assert lp.grad[0].lt(0).all() and lp.grad[2].gt(0).all() and lp.grad[[1, 3, 4, 5]].eq(0).all()
     with pytest.raises(ValueError, match="group_size=4"):
         rewards_from_scores(scores, group_size=4)
+
+
+def _uneven_batch(seed=5):
+    """B=4 rows of uneven length; row 1 fully masked (a verifier error / filtered group)."""
+    g = torch.Generator().manual_seed(seed)
+    behavior = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 2 - 0.1
+    logprobs = behavior + 0.3 * (torch.rand(4, 6, generator=g, dtype=torch.float64) - 0.5)
+    ref = behavior + 0.3 * (torch.rand(4, 6, generator=g, dtype=torch.float64) - 0.5)
+    adv = torch.tensor([1.2, 0.0, -0.4, 0.9], dtype=torch.float64)
+    mask = torch.zeros(4, 6, dtype=torch.float64)
+    mask[0, :2] = 1
+    mask[2, :6] = 1
+    mask[3, 1:4] = 1
+    return logprobs, behavior, ref, adv, mask
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_micro_batches_with_global_denominators_give_the_batch_loss(agg):
+    # Two micro-batches of 2 (the first holds the masked row).  The learner averages micro-batch
+    # losses, so with N/K and S/K the mean must be the documented batch-wide formula, and the
+    # summed statistics must give the same metrics as one call on the whole batch.
+    lp, mu, ref, adv, mask = _uneven_batch()
+    cfg = GRPOLossConfig(aggregation=agg, kl_coef=0.05, clip_eps_low=0.1, clip_eps_high=0.1)
+    expected = _loop_loss(lp.tolist(), mu.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.1, 0.1, 0.05, "k2", agg)
+    n_tokens, n_seqs, k = float(mask.sum()), float((mask.sum(1) > 0).sum()), 2
+    assert (n_tokens, n_seqs) == (11.0, 3.0)
+    lp_full = lp.clone().requires_grad_(True)
+    full, full_stats = grpo_loss(lp_full, mu, ref, adv, mask, cfg)
+    full.backward()
+    lp_mb = lp.clone().requires_grad_(True)
+    losses, summed = [], {}
+    for rows in (slice(0, 2), slice(2, 4)):
+        loss, stats = grpo_loss(lp_mb[rows], mu[rows], ref[rows], adv[rows], mask[rows], cfg,
+                                token_denominator=n_tokens / k, sequence_denominator=n_seqs / k)
+        losses.append(loss)
+        for key, v in stats.items():
+            if v.dim():  # per-sequence: rows of the batch
+                summed[key] = torch.cat([summed[key], v]) if key in summed else v
+            else:
+                summed[key] = summed.get(key, 0.0) + v
+    (sum(losses) / k).backward()
+    assert float(full) == pytest.approx(expected, rel=1e-12)
+    assert float(sum(losses) / k) == pytest.approx(expected, rel=1e-12)
+    torch.testing.assert_close(lp_mb.grad, lp_full.grad, rtol=0, atol=1e-15)
+    got, want = grpo_metrics(summed, cfg), grpo_metrics(full_stats, cfg)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-12, abs=1e-15), key
+    assert got["loss"] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["on", "off"])
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_kl_estimator_expected_gradient_matches_its_documented_direction(est, policy):
+    # A 3-outcome categorical π_θ = softmax(θ): enumerate the outcomes for the exact expectation
+    # E_{x~μ}[∇ loss(x)] of the penalty as grpo_loss differentiates it (μ = π_θ on-policy).
+    from megatron_rl.grpo.loss import KL_GRADIENT, kl_metric_name
+
+    theta = torch.tensor([0.3, -0.5, 0.9], dtype=torch.float64, requires_grad=True)
+    logp = torch.log_softmax(theta, 0)
+    ref = torch.log_softmax(torch.tensor([-0.2, 0.7, 0.1], dtype=torch.float64), 0)
+    mu = logp.detach() if policy == "on" else torch.log_softmax(torch.tensor([0.8, 0.1, -0.6], dtype=torch.float64), 0)
+    cfg = GRPOLossConfig(kl_coef=1.0, kl_estimator=est)
+    expected_grad = torch.zeros(3, dtype=torch.float64)
+    for x in range(3):
+        loss, _ = grpo_loss(logp[x].reshape(1, 1), mu[x].reshape(1, 1), ref[x].reshape(1, 1),
+                            torch.zeros(1, dtype=torch.float64), torch.ones(1, 1), cfg)
+        expected_grad += mu[x].exp() * torch.autograd.grad(loss, theta, retain_graph=True)[0]
+    p, p_ref = logp.exp(), ref.exp()
+    kl_theta_ref = (p * (logp - ref)).sum()  # KL(π_θ‖π_ref)
+    kl_ref_theta = (p_ref * (ref - logp)).sum()  # KL(π_ref‖π_θ)
+    targets = {"theta_ref": torch.autograd.grad(kl_theta_ref, theta, retain_graph=True)[0],
+               "ref_theta": torch.autograd.grad(kl_ref_theta, theta, retain_graph=True)[0],
+               "none": torch.zeros(3, dtype=torch.float64)}
+    assert (targets["theta_ref"] - targets["ref_theta"]).abs().max() > 0.05  # the directions differ here
+    assert KL_GRADIENT[est] == {"k1": "none", "k2": "theta_ref", "k3": "ref_theta"}[est]
+    torch.testing.assert_close(expected_grad, targets[KL_GRADIENT[est]], rtol=0, atol=1e-12)
+    assert kl_metric_name(est) == f"kl_ref_{est}_grad_{KL_GRADIENT[est]}"
+    assert KL_GRADIENT[GRPOLossConfig().kl_estimator] == "theta_ref"  # the default descends KL(π_θ‖π_ref)
+
+
+def test_huge_log_ratios_give_finite_gradients():
+    # Token 0: log π_θ - log μ = 149 (exp overflows even float64 past 709, float32 past 88);
+    # token 1: log π_ref - log π_θ = 149 (k3's exp).  Clamped at ±20: finite loss and gradients.
+    mu = torch.tensor([[-150.0, -1.0]])
+    ref = torch.tensor([[-1.0, -1.0]])
+    for adv in (1.0, -1.0):
+        for cfg in (GRPOLossConfig(), GRPOLossConfig(kl_coef=0.1, kl_estimator="k3", tis_cap=2.0),
+                    GRPOLossConfig(kl_coef=0.1, kl_estimator="k2", aggregation="sequence")):
+            lp = torch.tensor([[-1.0, -150.0]], requires_grad=True)
+            loss, stats = grpo_loss(lp, mu, ref, torch.tensor([adv]), torch.ones(1, 2), cfg,
+                                    old_logprobs_bt=lp.detach() if cfg.tis_cap else None)
+            loss.backward()
+            assert torch.isfinite(loss) and torch.isfinite(lp.grad).all(), (adv, cfg, lp.grad)
+            assert math.isfinite(grpo_metrics(stats, cfg)["ratio_max"])
