@@ -140,7 +140,8 @@ def _work(rank, world, seq_batch, lag_batch):
         g_plain = _grads(module)
         before = {n: p.detach().clone() for n, p in module.named_parameters()}
         res["below"] = lag_step(b1, lag_threshold=0.6)
-        res["below_grad_diff"] = max((p.main_grad - g_plain[n]).abs().max().item() for n, p in module.named_parameters())
+        res["below_grad_diff"] = max((p.main_grad - g_plain[n]).abs().max().item()
+                                     for n, p in module.named_parameters())
         res["below_moved"] = max((p.detach() - before[n]).abs().max().item() for n, p in module.named_parameters())
         # 2. Above (0.5 > 0.4, although micro-batch 0 is at 0.1): quarantined, nothing moves.
         b2 = _with_behavior(lag_batch, learner.forward_logprobs(lag_batch["tokens"]), LAG_OFFSETS)
@@ -158,7 +159,8 @@ def _work(rank, world, seq_batch, lag_batch):
         learner.forward_backward(b2, plain_fn)
         g2 = _grads(module)
         res["down"] = lag_step(b2, lag_threshold=0.25, lag_action="downweight")
-        res["down_grad_diff"] = max((p.main_grad - 0.5 * g2[n]).abs().max().item() for n, p in module.named_parameters())
+        res["down_grad_diff"] = max((p.main_grad - 0.5 * g2[n]).abs().max().item()
+                                    for n, p in module.named_parameters())
         res["g2_max"] = max(g.abs().max().item() for g in g2.values())
         res["learner_step"] = learner.step
         learner.close()

@@ -302,7 +302,8 @@ def test_micro_batches_with_global_denominators_give_the_batch_loss(agg):
     # summed statistics must give the same metrics as one call on the whole batch.
     lp, mu, ref, adv, mask = _uneven_batch()
     cfg = GRPOLossConfig(aggregation=agg, kl_coef=0.05, clip_eps_low=0.1, clip_eps_high=0.1)
-    expected = _loop_loss(lp.tolist(), mu.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.1, 0.1, 0.05, "k2", agg)
+    expected = _loop_loss(lp.tolist(), mu.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
+                          0.1, 0.1, 0.05, "k2", agg)
     n_tokens, n_seqs, k = float(mask.sum()), float((mask.sum(1) > 0).sum()), 2
     assert (n_tokens, n_seqs) == (11.0, 3.0)
     lp_full = lp.clone().requires_grad_(True)
