@@ -1,8 +1,9 @@
 """GRPO policy loss: clipped surrogate against behavior logprobs, TIS, reference KL, lag guard.
 
-    cfg = GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.01, kl_estimator="k3")
-    loss, metrics = grpo_loss(logprobs_bt, behavior_logprobs_bt, ref_logprobs_bt, adv_b, mask_bt, cfg)
+    cfg = GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.01, kl_estimator="k2")
+    loss, stats = grpo_loss(logprobs_bt, behavior_logprobs_bt, ref_logprobs_bt, adv_b, mask_bt, cfg)
     loss.backward()
+    metrics = grpo_metrics(stats, cfg)          # {"pg_loss", "clip_fraction", "d_lag", ...}
 
 Shape legend: B = sequences in the micro-batch, T = response tokens (padded).  Every *_bt
 tensor holds the log-probability of the *sampled* token at each response position; mask_bt
@@ -10,52 +11,113 @@ is 1 on real response tokens and 0 on padding (and on rows dropped by the caller
 
 Notation: π_θ = learner policy being optimised (`logprobs_bt`, carries grad); μ = behavior
 policy that generated the tokens (vLLM's logprobs, `behavior_logprobs_bt`); π_old = optional
-proximal policy (`old_logprobs_bt`, learner before this update); π_ref = frozen reference.
+proximal policy (`old_logprobs_bt`, learner before this update); π_ref = frozen reference;
+sg(.) = stop-gradient.
 
 Surrogate (PPO, Schulman et al. 2017, eq. 7; asymmetric "clip-higher" from DAPO,
 Yu et al. 2025, sec. 3.1).  The anchor a is π_old when given, else μ:
 
-    r_t = exp(log π_θ - log a)
+    r_t = exp(clamp(log π_θ - log a, -R, R))              R = LOG_RATIO_BOUND = 20
     L_t^pg = -min(r_t Â, clip(r_t, 1 - ε_low, 1 + ε_high) Â)
+
+The clamp keeps exp() finite (an overflow would give 0·inf = NaN gradients even on clipped
+tokens); beyond ±R the ratio is constant, so such a token passes no gradient.  R = 20 is
+a ratio of 4.9e8, far outside any trust region.
 
 Truncated importance sampling (TIS; Yao et al. 2025, "Your Efficient RL Framework Secretly
 Brings You Off-Policy RL Training"; decoupled PPO, Hilton et al. 2022).  Needs π_old: the
 rollout engine's μ differs from the learner's π_old, so each token is re-weighted by
 
-    w_t = min(exp(log π_old - log μ), C)          (no gradient)
+    w_t = min(exp(clamp(log π_old - log μ, -R, R)), C)          (no gradient)
     L_t^pg <- w_t L_t^pg
 
 With one optimiser step per batch pass `old_logprobs_bt=logprobs_bt.detach()`: r_t = 1 in
 value and the update is w_t Â ∇log π_θ.
 
-Reference KL (Schulman 2020, "Approximating KL Divergence"), samples from π_θ, with
-δ_t = log π_ref - log π_θ:
-    k1 = -δ                 (unbiased, can be negative)
-    k2 = δ² / 2             (biased, ≥ 0)
-    k3 = exp(δ) - 1 - δ     (unbiased, ≥ 0)
-    L_t = L_t^pg + β k_t
+Reference KL (Schulman 2020, "Approximating KL Divergence"), δ_t = log π_ref - log π_θ:
 
-Aggregation: "token" averages L_t over all unmasked tokens of the batch (DAPO, Yu et al. 2025, sec. 3.3);
-"sequence" averages within each sequence, then over sequences (GRPO, Shao et al. 2024,
-eq. 3).
+    k1 = -δ                 value: unbiased for KL(π_θ‖π_ref) under x ~ π_θ, can be < 0
+    k2 = δ² / 2             value: biased (second order), ≥ 0
+    k3 = exp(δ) - 1 - δ     value: unbiased for KL(π_θ‖π_ref) under x ~ π_θ, ≥ 0
+                            (δ is clamped to ±R before exp, as above)
 
-Learner-to-behavior lag (not the reference KL): D_lag = mean_t |log π_θ - log μ| over
-unmasked tokens.  When D_lag exceeds `lag_threshold` the whole batch is quarantined (loss
-weight 0) or down-weighted by lag_threshold / D_lag.  Metric names keep the two apart:
-`kl_ref` is to the reference model, `d_lag` is to the behavior policy.
+What the penalty *optimises* is the expectation of its gradient, not its value.  The tokens
+are data (no score-function term), so with π = π_θ and x ~ π:
+
+    ∇k1 = ∇log π(x)                 E_π[∇k1] = Σ_x ∇π(x) = 0
+    ∇k2 = -δ ∇log π(x)              E_π[∇k2] = Σ_x ∇π(x) log(π/π_ref)(x) = ∇KL(π_θ‖π_ref)
+    ∇k3 = (1 - π_ref/π)(x) ∇log π   E_π[∇k3] = -Σ_x π_ref(x) ∇log π(x)   = ∇KL(π_ref‖π_θ)
+
+(the middle line uses ∇KL(π‖π_ref) = Σ ∇π log(π/π_ref) + Σ π ∇log π and Σ π ∇log π = 0).
+So only k2 descends KL(π_θ‖π_ref), the divergence this penalty is documented to be; it is
+the default.  k3 descends the reverse divergence KL(π_ref‖π_θ) (mass-covering: it pushes
+π_θ up wherever π_ref has mass), and k1 adds no expected gradient at all on-policy (only
+variance).  The reported metric names the divergence whose gradient is followed:
+`kl_ref_k2_grad_theta_ref`, `kl_ref_k3_grad_ref_theta`, `kl_ref_k1_grad_none` (values: the
+estimator's mean, an estimate of KL(π_θ‖π_ref) for all three).
+
+Off-policy the tokens come from μ, not π_θ.  With `kl_importance_correction` (default) each
+token's KL term is weighted by ρ_t = sg(exp(clamp(log π_θ - log μ, -R, R))) (truncated at C
+when TIS is on), so E_μ[ρ ∇k] = E_π[∇k] per token and the directions above hold.  As for
+the surrogate this corrects each token's own distribution given its prefix, not the
+distribution of the prefix (the usual per-token approximation); on-policy ρ_t = 1.
+
+    L_t = L_t^pg + β ρ_t k_t
+
+Aggregation, over the GLOBAL batch (all micro-batches of all data-parallel ranks):
+
+    "token"    (DAPO, Yu et al. 2025, sec. 3.3):  L = (1/N) Σ_i Σ_t m_it L_it,
+               N = Σ_it m_it (tokens in the loss)
+    "sequence" (GRPO, Shao et al. 2024, eq. 3):   L = (1/S) Σ_i (1/n_i) Σ_t m_it L_it,
+               n_i = Σ_t m_it, S = #{i : n_i > 0} (sequences in the loss)
+
+A micro-batch only sees its own rows, so the caller passes the global normaliser divided by
+the number K of micro-batches in the global batch (`token_denominator` = N / K,
+`sequence_denominator` = S / K; megatron_rl.train.batch computes both): Megatron's schedule
+averages the K_local micro-batch losses of a rank and DDP averages the dp ranks
+(K = K_local · dp), so the mean of the K micro-batch losses is exactly L.  Masked rows
+(verifier errors, filtered groups) are in neither N nor S.
+
+Learner-to-behavior lag (not the reference KL), over the global batch:
+
+    D_lag = (1/N) Σ_i Σ_t m_it |log π_θ - log μ|
+
+grpo_loss returns additive statistics (sums over its micro-batch, plus per-sequence sums
+Σ_t |Δ| and n_i), the learner sums them over micro-batches and data-parallel ranks, and
+`grpo_step_weight` turns them into D_lag (and its P50/P95/P99 over sequences) before the
+optimizer step.  When D_lag exceeds `lag_threshold` the whole step is quarantined (no
+optimizer step: weights, Adam moments and the LR schedule stay as they were; a zero loss
+would not do, Adam's momentum would still move the weights) or its gradient is multiplied
+by lag_threshold / D_lag (the same as scaling the batch loss; note that Adam is nearly
+invariant to a gradient scale, so this mostly reduces the batch's share of the moments).
+Metric names keep the two apart: `kl_ref_*` is to the reference model, `d_lag` is to the
+behavior policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Literal
+from typing import Literal, Mapping
 
 import torch
 
 from megatron_rl.grpo.advantages import group_advantages
+from megatron_rl.metrics import percentiles
 
 logger = logging.getLogger(__name__)
+
+LOG_RATIO_BOUND = 20.0
+"""R: every log-ratio is clamped to [-R, R] before exp() (ratios within [2e-9, 4.9e8])."""
+
+KL_GRADIENT = {"k1": "none", "k2": "theta_ref", "k3": "ref_theta"}
+"""Divergence whose gradient each estimator's penalty follows in expectation (see the module
+docstring): "theta_ref" = ∇KL(π_θ‖π_ref), "ref_theta" = ∇KL(π_ref‖π_θ), "none" = 0."""
+
+
+def kl_metric_name(estimator: str) -> str:
+    """Metric key of the KL penalty, naming the divergence its gradient follows."""
+    return f"kl_ref_{estimator}_grad_{KL_GRADIENT[estimator]}"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -65,21 +127,26 @@ class GRPOLossConfig:
     clip_eps_high: float = 0.2
     """ε_high: the ratio is clipped above at 1 + ε_high (acts when Â > 0); DAPO uses 0.28."""
     aggregation: Literal["token", "sequence"] = "token"
-    """"token": mean over all unmasked tokens; "sequence": mean per sequence, then over sequences."""
+    """"token": mean over all unmasked tokens of the batch; "sequence": mean per sequence, then over
+    the batch's sequences in the loss."""
     tis_cap: float | None = None
     """C for truncated importance weights min(π_old/μ, C); None disables TIS.  Needs old_logprobs_bt."""
     kl_coef: float = 0.0
     """β, weight of the KL penalty to the reference model; 0 disables it (ref logprobs unused)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Which of Schulman's estimators of KL(π_θ || π_ref) to use."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k2"
+    """Schulman's estimator used as the penalty.  Expected gradient: k2 ∇KL(π_θ‖π_ref) (default),
+    k3 ∇KL(π_ref‖π_θ), k1 zero on-policy."""
+    kl_importance_correction: bool = True
+    """Weight each token's KL term by sg(π_θ/μ) (truncated at tis_cap) so off-policy tokens give
+    the on-policy expected gradient; 1 on-policy."""
     adv_eps: float = 1e-6
     """ε floor of the group std in the advantage normalisation (used by compute_advantages)."""
     filter_zero_variance: bool = False
     """Drop samples of zero-variance groups from the loss (used by compute_advantages)."""
     lag_threshold: float | None = None
-    """D_lag above which a batch is quarantined or down-weighted; None disables the guard."""
+    """Batch-wide D_lag above which the step is quarantined or down-weighted; None disables the guard."""
     lag_action: Literal["quarantine", "downweight"] = "quarantine"
-    """"quarantine": loss weight 0; "downweight": loss weight lag_threshold / D_lag."""
+    """"quarantine": no optimizer step for this batch; "downweight": gradient x lag_threshold / D_lag."""
 
     def __post_init__(self) -> None:
         for name in ("clip_eps_low", "clip_eps_high"):
@@ -94,7 +161,7 @@ class GRPOLossConfig:
             raise ValueError(f"tis_cap must be > 0 or None, got {self.tis_cap}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.kl_estimator not in ("k1", "k2", "k3"):
+        if self.kl_estimator not in KL_GRADIENT:
             raise ValueError(f"kl_estimator must be one of 'k1', 'k2', 'k3', got {self.kl_estimator!r}")
         if not self.adv_eps > 0:
             raise ValueError(f"adv_eps must be > 0, got {self.adv_eps}")
@@ -116,25 +183,24 @@ def compute_advantages(
 
 
 def kl_estimate(logprobs_bt: torch.Tensor, ref_logprobs_bt: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(π_θ || π_ref) from tokens sampled by π_θ: [B, T] -> [B, T]."""
+    """Per-token k1/k2/k3 from tokens sampled by π_θ: [B, T] -> [B, T] (see the module docstring
+    for the value each estimates and the gradient each gives)."""
     delta = ref_logprobs_bt - logprobs_bt  # log(π_ref / π_θ)
     if estimator == "k1":
         return -delta
     if estimator == "k2":
         return 0.5 * delta**2
     if estimator == "k3":
+        delta = delta.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         return torch.expm1(delta) - delta
     raise ValueError(f"kl_estimator must be one of 'k1', 'k2', 'k3', got {estimator!r}")
 
 
-def _aggregate(values_bt: torch.Tensor, mask_bt: torch.Tensor, how: str, token_denominator: float | None) -> torch.Tensor:
-    """Masked mean of [B, T] values by token or by sequence -> scalar."""
+def _aggregate_sum(values_bt: torch.Tensor, mask_bt: torch.Tensor, how: str) -> torch.Tensor:
+    """Numerator of the aggregation: Σ_it m L (token) or Σ_i (1/n_i) Σ_t m L (sequence)."""
     if how == "token":
-        denom = mask_bt.sum() if token_denominator is None else torch.as_tensor(token_denominator, dtype=values_bt.dtype)
-        return (values_bt * mask_bt).sum() / denom.clamp(min=1)
-    per_seq_b = (values_bt * mask_bt).sum(dim=1) / mask_bt.sum(dim=1).clamp(min=1)  # [B]
-    has_tokens_b = (mask_bt.sum(dim=1) > 0).to(values_bt.dtype)
-    return (per_seq_b * has_tokens_b).sum() / has_tokens_b.sum().clamp(min=1)
+        return (values_bt * mask_bt).sum()
+    return ((values_bt * mask_bt).sum(dim=1) / mask_bt.sum(dim=1).clamp(min=1)).sum()
 
 
 def _check_shapes(mask_bt: torch.Tensor, advantages_b: torch.Tensor, **named: torch.Tensor | None) -> None:
@@ -145,6 +211,10 @@ def _check_shapes(mask_bt: torch.Tensor, advantages_b: torch.Tensor, **named: to
             raise ValueError(f"{name} shape {tuple(tensor.shape)} != mask_bt shape {tuple(mask_bt.shape)}")
     if advantages_b.shape != mask_bt.shape[:1]:
         raise ValueError(f"advantages_b shape {tuple(advantages_b.shape)} != [B] = {tuple(mask_bt.shape[:1])}")
+
+
+def _exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def grpo_loss(
@@ -158,14 +228,21 @@ def grpo_loss(
     old_logprobs_bt: torch.Tensor | None = None,
     entropy_bt: torch.Tensor | None = None,
     token_denominator: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO loss (scalar, differentiable w.r.t. logprobs_bt) and float metrics.
+    sequence_denominator: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss of one micro-batch (scalar, differentiable w.r.t. logprobs_bt) and its statistics.
 
     logprobs_bt [B, T] (grad), behavior_logprobs_bt [B, T], ref_logprobs_bt [B, T] or None,
     advantages_b [B], mask_bt [B, T] (0/1), old_logprobs_bt [B, T] or None (proximal policy,
-    needed for TIS), entropy_bt [B, T] or None (metric only).  token_denominator replaces the
-    local masked-token count in "token" aggregation (e.g. the global count across
-    data-parallel ranks and micro-batches).
+    needed for TIS), entropy_bt [B, T] or None (metric only).  token_denominator /
+    sequence_denominator replace the local token / sequence count of the "token" / "sequence"
+    aggregation: pass N/K and S/K of the global batch (module docstring); None = this call is
+    the whole batch.
+
+    The statistics are tensors on the loss's device, additive over micro-batches and ranks:
+    0-dim sums (tokens, sequences, rows, pg_sum, kl_sum, clip_sum, ratio_sum, adv_sum, ...) and
+    per-sequence [B] vectors (seq_tokens n_i, seq_lag_sum Σ_t |log π_θ - log μ|, seq_ratio_max).
+    `grpo_metrics` turns their batch-wide sums into metrics; the lag guard is not applied here.
     """
     _check_shapes(
         mask_bt,
@@ -183,79 +260,137 @@ def grpo_loss(
         )
     if cfg.kl_coef > 0 and ref_logprobs_bt is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs ref_logprobs_bt, got None")
-    mask = mask_bt.to(logprobs_bt.dtype)
-    n_tokens = mask.sum()
+    mask = mask_bt.to(device=logprobs_bt.device, dtype=logprobs_bt.dtype)
     # Padding may hold anything (e.g. -inf): zero it before exp() so no NaN leaks into grads.
     keep_bt = mask > 0
-    logprobs_bt = torch.where(keep_bt, logprobs_bt, torch.zeros_like(logprobs_bt))
-    behavior = torch.where(keep_bt, behavior_logprobs_bt.detach().to(mask.dtype), torch.zeros_like(mask))
-    if ref_logprobs_bt is not None:
-        ref_logprobs_bt = torch.where(keep_bt, ref_logprobs_bt.detach().to(mask.dtype), torch.zeros_like(mask))
-    if old_logprobs_bt is not None:
-        old_logprobs_bt = torch.where(keep_bt, old_logprobs_bt.detach().to(mask.dtype), torch.zeros_like(mask))
-    adv_bt = advantages_b.to(logprobs_bt.dtype)[:, None].expand_as(logprobs_bt)
-    anchor = behavior if old_logprobs_bt is None else old_logprobs_bt
+    zeros = torch.zeros_like(mask)
+
+    def masked(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep_bt, t.detach().to(mask), zeros)
+
+    logprobs_bt = torch.where(keep_bt, logprobs_bt, zeros)
+    behavior = masked(behavior_logprobs_bt)
+    ref = masked(ref_logprobs_bt) if ref_logprobs_bt is not None else None
+    old = masked(old_logprobs_bt) if old_logprobs_bt is not None else None
+    adv_bt = advantages_b.to(mask)[:, None].expand_as(logprobs_bt)
+    anchor = behavior if old is None else old
 
     # Clipped surrogate, per token.
-    ratio_bt = torch.exp(logprobs_bt - anchor)
+    ratio_bt = _exp_log_ratio(logprobs_bt - anchor)
     clipped_bt = ratio_bt.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
     pg_bt = -torch.minimum(ratio_bt * adv_bt, clipped_bt * adv_bt)
+
+    stats: dict[str, torch.Tensor] = {}
+    if cfg.tis_cap is not None:
+        with torch.no_grad():
+            raw_w_bt = _exp_log_ratio(anchor - behavior)
+            tis_w_bt = raw_w_bt.clamp(max=cfg.tis_cap)
+        pg_bt = pg_bt * tis_w_bt
+        stats["tis_weight_sum"] = (tis_w_bt * mask).sum()
+        stats["tis_truncated_sum"] = ((raw_w_bt > cfg.tis_cap).to(mask) * mask).sum()
+
+    if token_denominator is None and sequence_denominator is None:
+        denominators = {"token": mask.sum().clamp(min=1), "sequence": (mask.sum(dim=1) > 0).to(mask).sum().clamp(min=1)}
+    else:
+        denominators = {"token": token_denominator, "sequence": sequence_denominator}
+    denom = denominators[cfg.aggregation]
+    if denom is None:
+        raise ValueError(f"aggregation={cfg.aggregation!r} needs {cfg.aggregation}_denominator")
+    denom = torch.as_tensor(denom, dtype=mask.dtype, device=mask.device).clamp(min=1e-12)
+
+    pg_sum = _aggregate_sum(pg_bt, mask, cfg.aggregation)
+    loss = pg_sum / denom
+    stats["pg_sum"] = pg_sum.detach()
+    if ref is not None:
+        kl_bt = kl_estimate(logprobs_bt, ref, cfg.kl_estimator)
+        if cfg.kl_importance_correction:
+            with torch.no_grad():
+                rho_bt = _exp_log_ratio(logprobs_bt.detach() - behavior)
+                if cfg.tis_cap is not None:
+                    rho_bt = rho_bt.clamp(max=cfg.tis_cap)
+            kl_bt = kl_bt * rho_bt
+        kl_sum = _aggregate_sum(kl_bt, mask, cfg.aggregation)
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * kl_sum / denom
+        stats["kl_sum"] = kl_sum.detach()
+
     with torch.no_grad():
         clip_active_bt = ((adv_bt > 0) & (ratio_bt > 1.0 + cfg.clip_eps_high)) | (
             (adv_bt < 0) & (ratio_bt < 1.0 - cfg.clip_eps_low)
         )
-
-    metrics: dict[str, float] = {}
-    if cfg.tis_cap is not None:
-        with torch.no_grad():
-            raw_w_bt = torch.exp(anchor - behavior)
-            tis_w_bt = raw_w_bt.clamp(max=cfg.tis_cap)
-        pg_bt = pg_bt * tis_w_bt
-        metrics["tis_weight_mean"] = _masked_mean(tis_w_bt, mask)
-        metrics["tis_truncated_fraction"] = _masked_mean((raw_w_bt > cfg.tis_cap).to(mask.dtype), mask)
-
-    pg_loss = _aggregate(pg_bt, mask, cfg.aggregation, token_denominator)
-    loss = pg_loss
-    if ref_logprobs_bt is not None:
-        kl_bt = kl_estimate(logprobs_bt, ref_logprobs_bt, cfg.kl_estimator)
-        kl_loss = _aggregate(kl_bt, mask, cfg.aggregation, token_denominator)
-        if cfg.kl_coef > 0:
-            loss = loss + cfg.kl_coef * kl_loss
-        metrics["kl_ref"] = _masked_mean(kl_bt.detach(), mask)
-
-    # Learner-to-behavior lag guard.
-    with torch.no_grad():
-        d_lag = _masked_mean((logprobs_bt.detach() - behavior).abs(), mask)
-    lag_weight = 1.0
-    if cfg.lag_threshold is not None and d_lag > cfg.lag_threshold:
-        lag_weight = 0.0 if cfg.lag_action == "quarantine" else cfg.lag_threshold / d_lag
-        logger.warning(
-            "batch lag D_lag=%.4g > lag_threshold=%.4g: %s (loss weight %.3g)",
-            d_lag, cfg.lag_threshold, cfg.lag_action, lag_weight,
-        )
-    loss = loss * lag_weight
-
-    with torch.no_grad():
-        ratio_masked = ratio_bt.detach()[mask > 0]
-        metrics.update(
-            {
-                "loss": float(loss.detach()),
-                "pg_loss": float(pg_loss.detach()),
-                "clip_fraction": _masked_mean(clip_active_bt.to(mask.dtype), mask),
-                "ratio_mean": float(ratio_masked.mean()) if ratio_masked.numel() else 1.0,
-                "ratio_max": float(ratio_masked.max()) if ratio_masked.numel() else 1.0,
-                "d_lag": d_lag,
-                "lag_weight": lag_weight,
-                "lag_quarantined": float(lag_weight == 0.0),
-                "tokens": float(n_tokens),
-                "advantage_mean": float(advantages_b.float().mean()) if advantages_b.numel() else 0.0,
-            }
+        seq_tokens_b = mask.sum(dim=1)
+        ratio_d = ratio_bt.detach()
+        stats.update(
+            tokens=seq_tokens_b.sum(),
+            sequences=(seq_tokens_b > 0).to(mask).sum(),
+            rows=torch.tensor(float(mask.shape[0]), dtype=mask.dtype, device=mask.device),
+            clip_sum=(clip_active_bt.to(mask) * mask).sum(),
+            ratio_sum=(ratio_d * mask).sum(),
+            adv_sum=advantages_b.detach().to(mask).sum(),
+            seq_tokens=seq_tokens_b,
+            seq_lag_sum=((logprobs_bt.detach() - behavior).abs() * mask).sum(dim=1),
+            seq_ratio_max=torch.where(keep_bt, ratio_d, zeros).amax(dim=1) if mask.shape[1] else seq_tokens_b * 0,
         )
         if entropy_bt is not None:
-            metrics["entropy"] = _masked_mean(entropy_bt.detach().to(mask.dtype), mask)
-    return loss, metrics
+            stats["entropy_sum"] = masked(entropy_bt).mul(mask).sum()
+    return loss, stats
 
 
-def _masked_mean(values_bt: torch.Tensor, mask_bt: torch.Tensor) -> float:
-    picked = torch.where(mask_bt > 0, values_bt, torch.zeros_like(values_bt))
-    return float(picked.sum() / mask_bt.sum().clamp(min=1))
+def _scalar(value) -> float:
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def _vector(value) -> list[float]:
+    if isinstance(value, torch.Tensor):
+        return value.detach().double().flatten().tolist()
+    return [float(v) for v in value]
+
+
+def grpo_metrics(stats: Mapping, cfg: GRPOLossConfig) -> dict[str, float]:
+    """Batch-wide metrics from the SUMMED statistics of grpo_loss (tensors, floats or lists).
+
+    pg_loss / the KL term are their numerators over N (token) or S (sequence aggregation);
+    loss = pg_loss + β KL term (the guard's weight not applied); clip_fraction, ratio_mean,
+    entropy, tis_* are token means; ratio_max the batch max; advantage_mean the mean over rows;
+    d_lag = Σ|Δ| / N and d_lag/p50, /p95, /p99 over the sequences in the loss.
+    """
+    tokens, sequences = _scalar(stats["tokens"]), _scalar(stats["sequences"])
+    count = max(tokens if cfg.aggregation == "token" else sequences, 1.0)
+    per_token = max(tokens, 1.0)
+    out = {"tokens": tokens, "sequences": sequences, "pg_loss": _scalar(stats["pg_sum"]) / count}
+    out["loss"] = out["pg_loss"]
+    if "kl_sum" in stats:
+        kl = _scalar(stats["kl_sum"]) / count
+        out[kl_metric_name(cfg.kl_estimator)] = kl
+        if cfg.kl_coef > 0:
+            out["loss"] += cfg.kl_coef * kl
+    out["clip_fraction"] = _scalar(stats["clip_sum"]) / per_token
+    out["ratio_mean"] = _scalar(stats["ratio_sum"]) / per_token if tokens else 1.0
+    n_b, lag_b, rmax_b = _vector(stats["seq_tokens"]), _vector(stats["seq_lag_sum"]), _vector(stats["seq_ratio_max"])
+    out["ratio_max"] = max((r for r, n in zip(rmax_b, n_b) if n > 0), default=1.0)
+    out["advantage_mean"] = _scalar(stats["adv_sum"]) / max(_scalar(stats["rows"]), 1.0)
+    out["d_lag"] = sum(lag_b) / per_token
+    out.update(percentiles([d / n for d, n in zip(lag_b, n_b) if n > 0] or [0.0], "d_lag"))
+    for key, name in (("entropy_sum", "entropy"), ("tis_weight_sum", "tis_weight_mean"),
+                      ("tis_truncated_sum", "tis_truncated_fraction")):
+        if key in stats:
+            out[name] = _scalar(stats[key]) / per_token
+    return out
+
+
+def lag_guard_weight(d_lag: float, cfg: GRPOLossConfig) -> float:
+    """Weight of this step's gradient: 1 under the threshold, else 0 (quarantine) or threshold / D_lag."""
+    if cfg.lag_threshold is None or not d_lag > cfg.lag_threshold:
+        return 1.0
+    return 0.0 if cfg.lag_action == "quarantine" else cfg.lag_threshold / d_lag
+
+
+def grpo_step_weight(stats: Mapping, cfg: GRPOLossConfig) -> tuple[float, dict[str, float]]:
+    """The learner's step hook: (gradient weight from the batch-wide lag guard, metrics)."""
+    metrics = grpo_metrics(stats, cfg)
+    weight = lag_guard_weight(metrics["d_lag"], cfg)
+    if weight != 1.0:
+        logger.warning("batch lag D_lag=%.4g > lag_threshold=%.4g: %s (gradient weight %.3g)",
+                       metrics["d_lag"], cfg.lag_threshold, cfg.lag_action, weight)
+    metrics.update(lag_weight=weight, lag_quarantined=float(weight == 0.0))
+    return weight, metrics

@@ -14,11 +14,19 @@ same way and handed to the loss.
 
 The loss interface (GRPO and friends plug in here):
 
-    def loss_fn(logprobs_bt: Tensor, micro_batch: dict) -> tuple[Tensor, dict[str, float | Tensor]]
+    def loss_fn(logprobs_bt: Tensor, micro_batch: dict) -> tuple[Tensor, dict[str, Tensor | float]]
         # logprobs_bt [b, T-1]: log p(tokens[:, t+1] | tokens[:, :t+1]) under the current
         # policy, differentiable, already reduced over TP.  Return the micro-batch's scalar
-        # loss (a mean: the learner averages micro-batches, DDP averages data-parallel ranks)
-        # and metrics, which are averaged the same way and returned by train_step.
+        # loss (the learner averages micro-batches, DDP averages data-parallel ranks: give each
+        # micro-batch the global normaliser / number of micro-batches for an exact batch mean)
+        # and statistics, tensors on the loss's device: 0-dim ones are additive (summed over
+        # micro-batches and data-parallel ranks), [b] ones are per sequence (placed at their rows
+        # of the global batch, [B]).  One all-reduce per step, one host sync.
+
+    def step_fn(stats: dict[str, float | list[float]]) -> tuple[float, dict[str, float]]
+        # optional, train_step(batch, loss_fn, step_fn): sees the batch-wide statistics after
+        # the backward and before the optimizer step; returns the gradient weight (1: step as
+        # usual; 0: skip the step; otherwise the gradients are scaled by it) and the metrics.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from megatron_rl.platform.parallel import destroy_parallel, initialize_parallel
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, dict], tuple]
+StepFn = Callable[[dict], tuple]
 
 
 class Learner:
@@ -176,8 +185,10 @@ class Learner:
 
     # ---- public API ----------------------------------------------------------------------------
 
-    def train_step(self, batch: dict, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on the global `batch`; returns averaged metrics, loss, grad_norm, lr."""
+    def forward_backward(self, batch: dict, loss_fn: LossFn) -> dict:
+        """Gradients of the global `batch` in the DDP grad buffers (`param.main_grad`, reduced over
+        data-parallel ranks), no optimizer step; returns the batch-wide statistics (see
+        _reduce_metrics)."""
         from megatron.core import parallel_state as ps
 
         if batch["tokens"].shape[0] != self.cfg.global_batch_size:
@@ -189,24 +200,81 @@ class Learner:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(micro, batch["tokens"].shape[1], loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=self.cfg.global_batch_size)
+        return self._reduce_metrics(outputs if ps.is_pipeline_last_stage() else None,
+                                    batch["tokens"].shape[0], len(micro))
+
+    def train_step(self, batch: dict, loss_fn: LossFn, step_fn: StepFn | None = None) -> dict[str, float]:
+        """One optimizer step on the global `batch`; returns metrics, loss, grad_norm, lr.
+
+        With `step_fn`, its gradient weight w decides the step (the same on every rank):
+        w = 1 steps as usual; w = 0 skips it: no optimizer step (weights and optimizer state
+        untouched) and the LR schedule does not advance, as for any step that applies no update
+        (Megatron's skipped iteration); other w scale the reduced gradients before clipping and
+        the step, which equals scaling the batch loss.  `self.step` counts train_step calls
+        (batches consumed) either way; `update_successful` says whether weights moved and
+        `grad_norm` is that of the gradient handed to the optimizer (0 when skipped).
+        """
+        from megatron.core import parallel_state as ps
+
+        stats = self.forward_backward(batch, loss_fn)
+        weight, metrics = step_fn(stats) if step_fn is not None else (1.0, dict(stats))
+        metrics["loss"] = stats["loss"]
+        if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
+            # one decision for all TP/PP ranks of a replica (DP ranks hold the same reduced stats)
+            w = torch.tensor([float(weight)], dtype=torch.float64, device=self.platform.device)
+            dist.all_reduce(w, op=dist.ReduceOp.MIN, group=ps.get_model_parallel_group())
+            weight = float(w.item())
+        ok, grad_norm = False, 0.0
+        if weight > 0.0:
+            if weight != 1.0:
+                for chunk in self.model:
+                    chunk.scale_gradients(weight)
+            ok, grad_norm, _ = self.optimizer.step()
+            if ok:
+                self.scheduler.step(increment=self.cfg.global_batch_size)
         self.step += 1
-        metrics = self._reduce_metrics(outputs if ps.is_pipeline_last_stage() else None)
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        lr=self.optimizer.param_groups[0]["lr"], update_successful=float(bool(ok)))
         return metrics
 
-    def _reduce_metrics(self, outputs: list[dict] | None) -> dict[str, float]:
-        """Average over micro-batches and DP on the last stage, then share with every PP stage."""
+    def _reduce_metrics(self, outputs: list[dict] | None, batch_size: int, num_micro: int) -> dict:
+        """Batch-wide statistics on every rank, with one all-reduce over DP and one host sync.
+
+        0-dim statistics are summed over micro-batches and data-parallel ranks; [b] ones are put at
+        their rows of the global batch ([B], zeros elsewhere) and summed the same way (so they come
+        back as lists of B floats); `loss` is the mean of the micro-batch losses of the batch (the
+        objective the gradients are of).  Computed on the last pipeline stage, shared with the others.
+        """
         from megatron.core import parallel_state as ps
 
         payload = [None]
         if outputs is not None:
+            mbs = self.cfg.micro_batch_size
+            start = ps.get_data_parallel_rank() * (batch_size // self.dp)
+            device = self.platform.device
             keys = sorted(outputs[0])
-            stacked = torch.stack([torch.stack([o[k].reshape(()) for o in outputs]).mean() for k in keys])
-            dist.all_reduce(stacked, group=ps.get_data_parallel_group())
-            payload = [dict(zip(keys, (stacked / self.dp).tolist()))]
+            parts = []
+            for k in keys:
+                values = [torch.as_tensor(o[k], dtype=torch.float64, device=device) for o in outputs]
+                if values[0].dim() == 0:
+                    parts.append(torch.stack(values).sum().reshape(1))
+                else:
+                    if any(v.shape != (mbs,) for v in values):
+                        raise ValueError(f"statistic {k!r} must be 0-dim or [micro_batch_size={mbs}], "
+                                         f"got {tuple(values[0].shape)}")
+                    rows = torch.zeros(batch_size, dtype=torch.float64, device=device)
+                    rows[start:start + len(values) * mbs] = torch.cat(values)
+                    parts.append(rows)
+            flat = torch.cat(parts)
+            dist.all_reduce(flat, group=ps.get_data_parallel_group())
+            chunks = flat.tolist()
+            reduced, i = {}, 0
+            for k, part in zip(keys, parts):
+                n = part.numel()
+                reduced[k] = chunks[i:i + n] if outputs[0][k].dim() else chunks[i]
+                i += n
+            reduced["loss"] = reduced["loss"] / (num_micro * self.dp)
+            payload = [reduced]
         if ps.get_pipeline_model_parallel_world_size() > 1:
             src = ps.get_pipeline_model_parallel_last_rank()
             dist.broadcast_object_list(payload, src=src, group=ps.get_pipeline_model_parallel_group())

@@ -65,9 +65,14 @@ def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_bat
             if not keep_ng[n, g]:
                 mask[i] = 0.0  # excluded from the loss: verifier error or filtered group
     total_tokens = float(mask.sum())
+    total_sequences = float((mask.sum(dim=1) > 0).sum())
     informative_tokens = float(mask[advantages != 0].sum())
-    # The learner averages micro-batch losses; scaling each micro-batch's token sum by this
-    # denominator makes the average equal sum(loss over all tokens) / total_tokens.
+    # Global normalisers (megatron_rl.grpo.loss, "Aggregation"): the learner averages the K
+    # micro-batch losses of the whole batch (Megatron's schedule over a rank's micro-batches,
+    # DDP over data-parallel ranks), so a micro-batch divides its sum by N/K (token) or S/K
+    # (sequence) and the average is sum / N or sum of per-sequence means / S, exactly.
+    if b % micro_batch_size:
+        raise ValueError(f"batch of {b} sequences is not divisible by micro_batch_size={micro_batch_size}")
     micro_batches = b // micro_batch_size
     batch = {
         "tokens": tokens,
@@ -75,8 +80,10 @@ def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_bat
         "behavior_logprobs": behavior,
         "advantages": advantages,
         "token_denominator": max(total_tokens, 1.0) / micro_batches,
+        "sequence_denominator": max(total_sequences, 1.0) / micro_batches,
     }
     # Groups of unequal size are padded in the [N, G] matrix; count real samples only.
     stats["invalid_samples"] = float(sum(not t.in_loss for t in trajs))
-    stats.update(tokens_in_loss=total_tokens, informative_tokens=informative_tokens, sequences=float(b))
+    stats.update(tokens_in_loss=total_tokens, sequences_in_loss=total_sequences,
+                 informative_tokens=informative_tokens, sequences=float(b))
     return batch, stats

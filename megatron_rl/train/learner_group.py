@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,19 @@ def seed_everything(seed: int, deterministic: bool, threads: int) -> None:
     torch.set_num_threads(threads)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def grpo_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict, cfg):
+    """The learner's loss_fn: GRPO on one micro-batch of a batch from train.batch.build_batch,
+    normalised by the global batch's token / sequence counts (its *_denominator entries)."""
+    from megatron_rl.grpo.loss import grpo_loss
+
+    return grpo_loss(
+        logprobs_bt, mb["behavior_logprobs"], mb.get("ref_logprobs"), mb["advantages"], mb["loss_mask"], cfg,
+        old_logprobs_bt=logprobs_bt.detach() if cfg.tis_cap is not None else None,
+        token_denominator=float(mb["token_denominator"]),
+        sequence_denominator=float(mb["sequence_denominator"]),
+    )
 
 
 class LearnerWorker:
@@ -97,19 +111,14 @@ class LearnerWorker:
     # ---- training ------------------------------------------------------------------------------
 
     def _loss_fn(self, logprobs_bt: torch.Tensor, mb: dict):
-        from megatron_rl.grpo.loss import grpo_loss
-
-        cfg = self.loss_cfg
-        return grpo_loss(
-            logprobs_bt, mb["behavior_logprobs"], mb.get("ref_logprobs"), mb["advantages"], mb["loss_mask"], cfg,
-            old_logprobs_bt=logprobs_bt.detach() if cfg.tis_cap is not None else None,
-            token_denominator=float(mb["token_denominator"]),
-        )
+        return grpo_micro_batch_loss(logprobs_bt, mb, self.loss_cfg)
 
     def train_step(self, batch: dict) -> dict[str, float]:
+        from megatron_rl.grpo.loss import grpo_step_weight
+
         if self.reference is not None:
             batch = dict(batch, ref_logprobs=self._reference_logprobs(batch["tokens"]))
-        return self.learner.train_step(batch, self._loss_fn)
+        return self.learner.train_step(batch, self._loss_fn, partial(grpo_step_weight, cfg=self.loss_cfg))
 
     def forward_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
         return self.learner.forward_logprobs(tokens_bt)

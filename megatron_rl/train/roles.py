@@ -223,9 +223,12 @@ class Roles:
         batch, adv_stats = build_batch(taken, pad_id=self.tokenizer.pad_token_id or 0, loss_cfg=self.cfg.loss,
                                        micro_batch_size=self.cfg.learner.micro_batch_size)
         out = {f"adv/{k}": v for k, v in adv_stats.items()}
-        if self.cfg.run.measure_lag:
-            out["lag_per_seq"] = lag_per_sequence(self.learner.forward_logprobs(batch["tokens"]), batch)
-        out.update(self.learner.train_step(batch))
+        # D_lag (batch-wide and P50/P95/P99 over sequences) comes from the training forward itself:
+        # its logprobs are the learner's before this update (megatron_rl.grpo.loss.grpo_metrics).
+        learned = self.learner.train_step(batch)
+        if not self.cfg.run.measure_lag:
+            learned = {k: v for k, v in learned.items() if not k.startswith("d_lag/")}
+        out.update(learned)
         out["dv"] = [version - t.oldest_version for t in taken]
         return out, time.perf_counter() - t0
 
@@ -358,14 +361,6 @@ def to_trajectories(samples: list, scores: list, *, tokenizer_hash: str, dataset
             error_code=sc.error or "",
         ))
     return trajs
-
-
-def lag_per_sequence(learner_logprobs_bt, batch: dict) -> list[float]:
-    """D_lag per sequence: mean over its response tokens of |log pi_learner - log mu_behavior|."""
-    mask = batch["loss_mask"]
-    diff = (learner_logprobs_bt - batch["behavior_logprobs"]).abs() * mask
-    counts = mask.sum(dim=1)
-    return [float(d / c) for d, c in zip(diff.sum(dim=1), counts) if c > 0]
 
 
 def snapshot_queue(src: Path, dst: Path) -> None:

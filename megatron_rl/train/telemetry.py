@@ -4,15 +4,19 @@
     metrics_logger.log(step, tel.step_metrics(...))
 
 Panels: learn/ (reward and its components, KL to the reference, entropy estimate, response
-length, clip fraction, grad norm), numerics/ (non-finite counts, extreme logprobs),
-system/ (generated and learned tokens/s, ESR and effective TPS, phase times, memory),
-latency/ (rollout and verifier P50/P95/P99 over a sliding window, verifier errors),
-queue/ (the coordinator's gauges, plus the taken batch's version lag Δv and D_lag P50/P95/P99).
+length, clip fraction, grad norm, the batch's D_lag and its P50/P95/P99 over sequences),
+numerics/ (non-finite counts, extreme logprobs, lag quarantines), system/ (generated and
+learned tokens/s, ESR and effective TPS, phase times, memory), latency/ (rollout and verifier
+P50/P95/P99 over a sliding window, verifier errors), queue/ (the coordinator's gauges, plus the
+taken batch's version lag Δv).
 
 ESR (effective sample ratio) = tokens that were valid (graded), fresh (taken inside the
 version window) and informative (non-zero advantage) / tokens generated this round;
-effective TPS = generated TPS x ESR.  Two lags are kept apart: `learn/kl_ref` is the KL to
-the frozen reference model, `queue/d_lag_*` is |log pi_learner - log mu_behavior|.
+effective TPS = generated TPS x ESR.  Two lags are kept apart: `learn/kl_ref_<k>_grad_<dir>` is
+the KL penalty to the frozen reference model (named after the divergence its gradient follows,
+see megatron_rl.grpo.loss), `learn/d_lag*` is |log pi_learner - log mu_behavior| over the
+batch's tokens (d_lag, the value the lag guard acts on) and per sequence (d_lag/p50, /p95, /p99),
+measured by the training forward before the update.
 """
 
 from __future__ import annotations
@@ -45,10 +49,12 @@ class Telemetry:
         out["learn/response_length"] = gen_tokens / max(len(samples), 1)
         logps = np.concatenate([np.asarray(s.behavior_logprobs, np.float64) for s in samples]) if samples else np.zeros(0)
         out["learn/entropy_estimate"] = float(-logps.mean()) if logps.size else float("nan")
-        for key in ("loss", "pg_loss", "kl_ref", "clip_fraction", "ratio_mean", "ratio_max", "grad_norm", "lr",
-                    "d_lag", "lag_weight"):
+        for key in ("loss", "pg_loss", "clip_fraction", "ratio_mean", "ratio_max", "grad_norm", "lr",
+                    "d_lag", "d_lag/p50", "d_lag/p95", "d_lag/p99", "lag_weight"):
             if key in learn:
                 out[f"learn/{key}"] = float(learn[key])
+        for key in sorted(k for k in learn if k.startswith("kl_ref_")):  # named after its gradient's direction
+            out[f"learn/{key}"] = float(learn[key])
         out["learn/zero_variance_groups"] = learn.get("adv/zero_variance_groups", 0.0)
         out["learn/invalid_samples"] = learn.get("adv/invalid_samples", 0.0)
         # numerics/
@@ -80,7 +86,6 @@ class Telemetry:
         # queue/
         out.update({k: float(v) for k, v in queue.items()})
         out.update(percentiles(learn.get("dv", []) or [0.0], "queue/taken_dv"))
-        out.update(percentiles(learn.get("lag_per_seq", []) or [0.0], "queue/d_lag"))
         return out
 
 

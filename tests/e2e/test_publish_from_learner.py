@@ -28,4 +28,4 @@ def test_tp2_learner_publishes_to_rollout_group(tmp_path, rollout_tp):
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["queue/taken_dv/p99"] == 0  # step 2 sampled with the published version 1
     for r in rows:
-        assert r["queue/d_lag/p99"] < 1e-4, r["queue/d_lag/p99"]
+        assert r["learn/d_lag/p99"] < 1e-4, r["learn/d_lag/p99"]

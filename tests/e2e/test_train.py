@@ -42,13 +42,13 @@ def test_every_panel_reaches_tensorboard(run_a):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     expected = {
-        "learn/reward_mean", "learn/reward_correctness", "learn/reward_format", "learn/kl_ref",
+        "learn/reward_mean", "learn/reward_correctness", "learn/reward_format", "learn/kl_ref_k2_grad_theta_ref",
         "learn/entropy_estimate", "learn/response_length", "learn/clip_fraction", "learn/grad_norm",
         "numerics/nonfinite_loss", "numerics/nonfinite_grad_norm", "numerics/min_behavior_logprob",
         "system/generated_tokens_per_s", "system/learned_tokens_per_s", "system/esr",
         "system/effective_tokens_per_s", "system/time_learn_s", "system/driver_max_rss_gib",
         "latency/rollout_round_s/p50", "latency/verifier_batch_s/p99", "latency/verifier_timeout",
-        "queue/depth", "queue/age_s_p95", "queue/taken_dv/p95", "queue/d_lag/p50", "queue/d_lag/p99",
+        "queue/depth", "queue/age_s_p95", "queue/taken_dv/p95", "learn/d_lag", "learn/d_lag/p50", "learn/d_lag/p99",
         "eval/test_reward", "eval/dev_reward",
     }
     missing = sorted(expected - tags)
@@ -56,7 +56,7 @@ def test_every_panel_reaches_tensorboard(run_a):
     steps = [e.step for e in acc.Scalars("learn/reward_mean")]
     assert steps == [1, 2, 3, 4]
     # On-policy fp32: the learner scores the sampled tokens as vLLM did.
-    assert max(e.value for e in acc.Scalars("queue/d_lag/p99")) < 1e-4
+    assert max(e.value for e in acc.Scalars("learn/d_lag/p99")) < 1e-4
 
 
 def _weights(ckpt_dir):

@@ -16,7 +16,10 @@ from megatron_rl.grpo import (
     compute_advantages,
     group_advantages,
     grpo_loss,
+    grpo_metrics,
+    grpo_step_weight,
     kl_estimate,
+    lag_guard_weight,
     rewards_from_scores,
 )
 from megatron_rl.reward import RewardConfig, Score, score_response
@@ -37,7 +40,8 @@ def _batch(seed=0, b=3, t=5):
 
 
 def _loop_loss(lp, mu, ref, adv, mask, eps_lo, eps_hi, beta, est, agg, old=None, cap=None):
-    """Independent reference: one token at a time, Python floats."""
+    """Independent reference: one token at a time, Python floats.  The KL term carries the
+    per-token importance weight π_θ/μ (kl_importance_correction, the default)."""
     per_seq, all_tok = [], []
     for i in range(len(lp)):
         toks = []
@@ -52,7 +56,7 @@ def _loop_loss(lp, mu, ref, adv, mask, eps_lo, eps_hi, beta, est, agg, old=None,
                 pg *= min(math.exp(old[i][j] - mu[i][j]), cap)
             d = ref[i][j] - lp[i][j]
             k = {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - 1 - d}[est]
-            toks.append(pg + beta * k)
+            toks.append(pg + beta * math.exp(lp[i][j] - mu[i][j]) * k)
         all_tok += toks
         if toks:
             per_seq.append(sum(toks) / len(toks))
@@ -64,17 +68,20 @@ def _loop_loss(lp, mu, ref, adv, mask, eps_lo, eps_hi, beta, est, agg, old=None,
 def test_loss_matches_token_loop(agg, est):
     lp, mu, ref, adv, mask = _batch()
     cfg = GRPOLossConfig(clip_eps_low=0.1, clip_eps_high=0.15, kl_coef=0.05, kl_estimator=est, aggregation=agg)
-    loss, metrics = grpo_loss(lp, mu, ref, adv, mask, cfg)
+    loss, stats = grpo_loss(lp, mu, ref, adv, mask, cfg)
     expected = _loop_loss(lp.tolist(), mu.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.1, 0.15, 0.05, est, agg)
     assert float(loss) == pytest.approx(expected, rel=1e-10)
+    metrics = grpo_metrics(stats, cfg)
     assert metrics["tokens"] == float(mask.sum())
+    assert metrics["loss"] == pytest.approx(expected, rel=1e-10)
 
 
 def test_tis_weights_match_loop():
     lp, mu, ref, adv, mask = _batch(seed=3)
     old = mu + torch.tensor([[0.9, -0.2, 0.1, 2.0, 0.0]] * 3, dtype=torch.float64)
     cfg = GRPOLossConfig(tis_cap=2.0)
-    loss, metrics = grpo_loss(lp, mu, None, adv, mask, cfg, old_logprobs_bt=old)
+    loss, stats = grpo_loss(lp, mu, None, adv, mask, cfg, old_logprobs_bt=old)
+    metrics = grpo_metrics(stats, cfg)
     expected = _loop_loss(
         lp.tolist(), mu.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.2, 0.0, "k1", "token",
         old=old.tolist(), cap=2.0,
@@ -97,7 +104,8 @@ def test_on_policy_ratio_is_one_and_gradient_follows_advantage():
     _, mu, _, _, mask = _batch()
     adv = torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64)
     lp = mu.clone().requires_grad_(True)
-    loss, metrics = grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig())
+    loss, stats = grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig())
+    metrics = grpo_metrics(stats, GRPOLossConfig())
     assert metrics["ratio_mean"] == pytest.approx(1.0)
     assert metrics["ratio_max"] == pytest.approx(1.0)
     assert metrics["clip_fraction"] == 0.0
@@ -114,7 +122,8 @@ def test_clip_high_side_stops_gradient_for_positive_advantage():
     mu = torch.zeros(1, 2, dtype=torch.float64) - 1.0
     lp = (mu + torch.tensor([[math.log(1.5), math.log(1.1)]], dtype=torch.float64)).requires_grad_(True)
     cfg = GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.3)
-    loss, metrics = grpo_loss(lp, mu, None, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 2), cfg)
+    loss, stats = grpo_loss(lp, mu, None, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 2), cfg)
+    metrics = grpo_metrics(stats, cfg)
     loss.backward()
     # token 0: r=1.5 > 1.3 -> clipped term 1.3*2 selected, constant; token 1: r=1.1 inside.
     assert float(loss) == pytest.approx(-(1.3 * 2 + 1.1 * 2) / 2)
@@ -127,7 +136,8 @@ def test_clip_low_side_stops_gradient_for_negative_advantage():
     mu = torch.zeros(1, 2, dtype=torch.float64) - 1.0
     lp = (mu + torch.tensor([[math.log(0.5), math.log(1.6)]], dtype=torch.float64)).requires_grad_(True)
     cfg = GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.3)
-    loss, metrics = grpo_loss(lp, mu, None, torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 2), cfg)
+    loss, stats = grpo_loss(lp, mu, None, torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 2), cfg)
+    metrics = grpo_metrics(stats, cfg)
     loss.backward()
     # token 0: r=0.5 < 0.8 -> clipped 0.8*(-1) is the min -> constant; token 1: r=1.6, min picks unclipped.
     assert float(loss) == pytest.approx(-(-0.8 + -1.6) / 2)
@@ -157,34 +167,41 @@ def test_kl_penalty_gradient_pulls_toward_reference():
     mu = torch.full((1, 3), -1.0, dtype=torch.float64)
     ref = torch.full((1, 3), -1.0, dtype=torch.float64)
     lp = torch.full((1, 3), -0.5, dtype=torch.float64, requires_grad=True)  # above the reference
-    loss, metrics = grpo_loss(lp, mu, ref, torch.zeros(1, dtype=torch.float64), torch.ones(1, 3),
-                              GRPOLossConfig(kl_coef=1.0, kl_estimator="k3"))
-    loss.backward()
-    assert (lp.grad > 0).all()  # descent lowers log π_θ toward π_ref
-    assert metrics["kl_ref"] == pytest.approx(math.exp(-0.5) - 1 + 0.5)
-    assert "d_lag" in metrics and metrics["d_lag"] == pytest.approx(0.5)
+    for est in ("k2", "k3"):
+        lp.grad = None
+        cfg = GRPOLossConfig(kl_coef=1.0, kl_estimator=est)
+        loss, stats = grpo_loss(lp, mu, ref, torch.zeros(1, dtype=torch.float64), torch.ones(1, 3), cfg)
+        loss.backward()
+        assert (lp.grad > 0).all()  # descent lowers log π_θ toward π_ref
+        metrics = grpo_metrics(stats, cfg)
+        # Off-policy (μ = e^-1, π_θ = e^-0.5): the KL term carries the weight π_θ/μ = e^0.5.
+        k = {"k2": 0.5 * 0.5**2, "k3": math.exp(-0.5) - 1 + 0.5}[est]
+        assert metrics[f"kl_ref_{est}_grad_" + {"k2": "theta_ref", "k3": "ref_theta"}[est]] == pytest.approx(
+            math.exp(0.5) * k)
+        assert metrics["d_lag"] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("action", ["quarantine", "downweight"])
-def test_lag_guard(action):
+def test_lag_guard_weight_from_batch_wide_d_lag(action):
+    # The guard no longer touches the loss (it acted per micro-batch): grpo_step_weight turns the
+    # batch's summed statistics into D_lag and a gradient weight for the learner's step.
     lp, mu, _, adv, mask = _batch()
-    lp = lp.detach().requires_grad_(True)
-    base, base_m = grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig())
+    base, stats = grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig())
     d_lag = sum(abs(a - b) for ra, rb, rm in zip(lp.tolist(), mu.tolist(), mask.tolist())
                 for a, b, m in zip(ra, rb, rm) if m) / float(mask.sum())
-    assert base_m["d_lag"] == pytest.approx(d_lag)
-    threshold = d_lag / 2
-    loss, m = grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig(lag_threshold=threshold, lag_action=action))
-    loss.backward()
+    assert grpo_metrics(stats, GRPOLossConfig())["d_lag"] == pytest.approx(d_lag)
+    cfg = GRPOLossConfig(lag_threshold=d_lag / 2, lag_action=action)
+    guarded, _ = grpo_loss(lp, mu, None, adv, mask, cfg)
+    assert float(guarded) == float(base)
+    weight, m = grpo_step_weight(stats, cfg)
     if action == "quarantine":
-        assert float(loss) == 0.0 and m["lag_quarantined"] == 1.0
-        assert (lp.grad == 0).all()
+        assert weight == 0.0 and m["lag_quarantined"] == 1.0
     else:
-        assert float(loss) == pytest.approx(float(base) * 0.5)
-        assert m["lag_weight"] == pytest.approx(0.5)
+        assert weight == pytest.approx(0.5) and m["lag_weight"] == pytest.approx(0.5) and m["lag_quarantined"] == 0.0
     # Under the threshold nothing changes.
-    loss2, m2 = grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig(lag_threshold=d_lag * 2))
-    assert float(loss2) == pytest.approx(float(base)) and m2["lag_weight"] == 1.0
+    weight2, m2 = grpo_step_weight(stats, GRPOLossConfig(lag_threshold=d_lag * 2, lag_action=action))
+    assert weight2 == 1.0 and m2["lag_weight"] == 1.0 and m2["lag_quarantined"] == 0.0
+    assert lag_guard_weight(d_lag, GRPOLossConfig()) == 1.0
 
 
 def test_padding_values_do_not_leak():
@@ -193,7 +210,8 @@ def test_padding_values_do_not_leak():
     lp2[mask == 0] = -float("inf")
     mu2[mask == 0] = float("nan")
     lp2.requires_grad_(True)
-    loss, m = grpo_loss(lp2, mu2, ref, adv, mask, GRPOLossConfig(kl_coef=0.1), entropy_bt=torch.ones_like(lp))
+    loss, stats = grpo_loss(lp2, mu2, ref, adv, mask, GRPOLossConfig(kl_coef=0.1), entropy_bt=torch.ones_like(lp))
+    m = grpo_metrics(stats, GRPOLossConfig(kl_coef=0.1))
     loss.backward()
     ref_loss, _ = grpo_loss(lp, mu, ref, adv, mask, GRPOLossConfig(kl_coef=0.1))
     assert float(loss) == pytest.approx(float(ref_loss))
@@ -254,9 +272,106 @@ def test_scores_to_loss_excludes_failed_graders():
     assert keep.tolist() == [[True, False, True], [False, False, False]] and stats["zero_variance_groups"] == 1
     mask = torch.ones(6, 2) * keep.reshape(-1, 1)
     lp = torch.zeros(6, 2, requires_grad=True)
-    loss, m = grpo_loss(lp, lp.detach(), None, adv.reshape(-1), mask, cfg)
+    loss, stats = grpo_loss(lp, lp.detach(), None, adv.reshape(-1), mask, cfg)
+    m = grpo_metrics(stats, cfg)
     loss.backward()
     assert m["tokens"] == 4.0
     assert lp.grad[0].lt(0).all() and lp.grad[2].gt(0).all() and lp.grad[[1, 3, 4, 5]].eq(0).all()
     with pytest.raises(ValueError, match="group_size=4"):
         rewards_from_scores(scores, group_size=4)
+
+
+def _uneven_batch(seed=5):
+    """B=4 rows of uneven length; row 1 fully masked (a verifier error / filtered group)."""
+    g = torch.Generator().manual_seed(seed)
+    behavior = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 2 - 0.1
+    logprobs = behavior + 0.3 * (torch.rand(4, 6, generator=g, dtype=torch.float64) - 0.5)
+    ref = behavior + 0.3 * (torch.rand(4, 6, generator=g, dtype=torch.float64) - 0.5)
+    adv = torch.tensor([1.2, 0.0, -0.4, 0.9], dtype=torch.float64)
+    mask = torch.zeros(4, 6, dtype=torch.float64)
+    mask[0, :2] = 1
+    mask[2, :6] = 1
+    mask[3, 1:4] = 1
+    return logprobs, behavior, ref, adv, mask
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_micro_batches_with_global_denominators_give_the_batch_loss(agg):
+    # Two micro-batches of 2 (the first holds the masked row).  The learner averages micro-batch
+    # losses, so with N/K and S/K the mean must be the documented batch-wide formula, and the
+    # summed statistics must give the same metrics as one call on the whole batch.
+    lp, mu, ref, adv, mask = _uneven_batch()
+    cfg = GRPOLossConfig(aggregation=agg, kl_coef=0.05, clip_eps_low=0.1, clip_eps_high=0.1)
+    expected = _loop_loss(lp.tolist(), mu.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
+                          0.1, 0.1, 0.05, "k2", agg)
+    n_tokens, n_seqs, k = float(mask.sum()), float((mask.sum(1) > 0).sum()), 2
+    assert (n_tokens, n_seqs) == (11.0, 3.0)
+    lp_full = lp.clone().requires_grad_(True)
+    full, full_stats = grpo_loss(lp_full, mu, ref, adv, mask, cfg)
+    full.backward()
+    lp_mb = lp.clone().requires_grad_(True)
+    losses, summed = [], {}
+    for rows in (slice(0, 2), slice(2, 4)):
+        loss, stats = grpo_loss(lp_mb[rows], mu[rows], ref[rows], adv[rows], mask[rows], cfg,
+                                token_denominator=n_tokens / k, sequence_denominator=n_seqs / k)
+        losses.append(loss)
+        for key, v in stats.items():
+            if v.dim():  # per-sequence: rows of the batch
+                summed[key] = torch.cat([summed[key], v]) if key in summed else v
+            else:
+                summed[key] = summed.get(key, 0.0) + v
+    (sum(losses) / k).backward()
+    assert float(full) == pytest.approx(expected, rel=1e-12)
+    assert float(sum(losses) / k) == pytest.approx(expected, rel=1e-12)
+    torch.testing.assert_close(lp_mb.grad, lp_full.grad, rtol=0, atol=1e-15)
+    got, want = grpo_metrics(summed, cfg), grpo_metrics(full_stats, cfg)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-12, abs=1e-15), key
+    assert got["loss"] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["on", "off"])
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_kl_estimator_expected_gradient_matches_its_documented_direction(est, policy):
+    # A 3-outcome categorical π_θ = softmax(θ): enumerate the outcomes for the exact expectation
+    # E_{x~μ}[∇ loss(x)] of the penalty as grpo_loss differentiates it (μ = π_θ on-policy).
+    from megatron_rl.grpo.loss import KL_GRADIENT, kl_metric_name
+
+    theta = torch.tensor([0.3, -0.5, 0.9], dtype=torch.float64, requires_grad=True)
+    logp = torch.log_softmax(theta, 0)
+    ref = torch.log_softmax(torch.tensor([-0.2, 0.7, 0.1], dtype=torch.float64), 0)
+    mu = logp.detach() if policy == "on" else torch.log_softmax(torch.tensor([0.8, 0.1, -0.6], dtype=torch.float64), 0)
+    cfg = GRPOLossConfig(kl_coef=1.0, kl_estimator=est)
+    expected_grad = torch.zeros(3, dtype=torch.float64)
+    for x in range(3):
+        loss, _ = grpo_loss(logp[x].reshape(1, 1), mu[x].reshape(1, 1), ref[x].reshape(1, 1),
+                            torch.zeros(1, dtype=torch.float64), torch.ones(1, 1), cfg)
+        expected_grad += mu[x].exp() * torch.autograd.grad(loss, theta, retain_graph=True)[0]
+    p, p_ref = logp.exp(), ref.exp()
+    kl_theta_ref = (p * (logp - ref)).sum()  # KL(π_θ‖π_ref)
+    kl_ref_theta = (p_ref * (ref - logp)).sum()  # KL(π_ref‖π_θ)
+    targets = {"theta_ref": torch.autograd.grad(kl_theta_ref, theta, retain_graph=True)[0],
+               "ref_theta": torch.autograd.grad(kl_ref_theta, theta, retain_graph=True)[0],
+               "none": torch.zeros(3, dtype=torch.float64)}
+    assert (targets["theta_ref"] - targets["ref_theta"]).abs().max() > 0.05  # the directions differ here
+    assert KL_GRADIENT[est] == {"k1": "none", "k2": "theta_ref", "k3": "ref_theta"}[est]
+    torch.testing.assert_close(expected_grad, targets[KL_GRADIENT[est]], rtol=0, atol=1e-12)
+    assert kl_metric_name(est) == f"kl_ref_{est}_grad_{KL_GRADIENT[est]}"
+    assert KL_GRADIENT[GRPOLossConfig().kl_estimator] == "theta_ref"  # the default descends KL(π_θ‖π_ref)
+
+
+def test_huge_log_ratios_give_finite_gradients():
+    # Token 0: log π_θ - log μ = 149 (exp overflows even float64 past 709, float32 past 88);
+    # token 1: log π_ref - log π_θ = 149 (k3's exp).  Clamped at ±20: finite loss and gradients.
+    mu = torch.tensor([[-150.0, -1.0]])
+    ref = torch.tensor([[-1.0, -1.0]])
+    for adv in (1.0, -1.0):
+        for cfg in (GRPOLossConfig(), GRPOLossConfig(kl_coef=0.1, kl_estimator="k3", tis_cap=2.0),
+                    GRPOLossConfig(kl_coef=0.1, kl_estimator="k2", aggregation="sequence")):
+            lp = torch.tensor([[-1.0, -150.0]], requires_grad=True)
+            loss, stats = grpo_loss(lp, mu, ref, torch.tensor([adv]), torch.ones(1, 2), cfg,
+                                    old_logprobs_bt=lp.detach() if cfg.tis_cap else None)
+            loss.backward()
+            assert torch.isfinite(loss) and torch.isfinite(lp.grad).all(), (adv, cfg, lp.grad)
+            assert math.isfinite(grpo_metrics(stats, cfg)["ratio_max"])

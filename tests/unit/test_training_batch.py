@@ -54,6 +54,7 @@ def test_layout_of_tokens_masks_and_logprobs():
     assert batch["advantages"].tolist() == pytest.approx([0.75 / math.sqrt(1.125), -0.75 / math.sqrt(1.125)])
     assert stats["tokens_in_loss"] == 5 and stats["informative_tokens"] == 5
     assert batch["token_denominator"] == pytest.approx(5 / 2)  # two micro-batches of one
+    assert batch["sequence_denominator"] == pytest.approx(2 / 2)
 
 
 def test_verifier_timeout_is_excluded_and_counted():
@@ -70,6 +71,10 @@ def test_verifier_timeout_is_excluded_and_counted():
     assert trajs[1].reward is None and trajs[1].reward_components == {}
     batch, stats = build_batch(trajs, pad_id=0, loss_cfg=GRPOLossConfig(), micro_batch_size=1)
     assert batch["loss_mask"][1].sum() == 0  # excluded from the loss
+    # Global normalisers over K = 5 micro-batches of one: 4 tokens and 4 sequences in the loss.
+    assert batch["token_denominator"] == pytest.approx(4 / 5)
+    assert batch["sequence_denominator"] == pytest.approx(4 / 5)
+    assert stats["sequences_in_loss"] == 4
     # Group "a" is {1.5, 0.5}: the timed-out sample is not a zero pulling the mean down.
     adv = batch["advantages"].tolist()
     assert adv[1] == 0 and adv[0] == pytest.approx(-adv[2]) and adv[0] > 0
@@ -86,3 +91,18 @@ def test_verifier_timeout_is_excluded_and_counted():
 def test_empty_batch_is_an_error():
     with pytest.raises(ValueError, match="zero trajectories"):
         build_batch([], pad_id=0, loss_cfg=GRPOLossConfig(), micro_batch_size=1)
+
+
+def test_learner_metrics_reach_the_learn_panel():
+    samples = [sample([1, 2], [9], "a"), sample([1, 2], [9], "a")]
+    trajs = to_trajectories(samples, [score_response(t, "5", REWARD) for t in ("5", "1")], reward_cfg=REWARD,
+                            tokenizer_hash="h", dataset_version="d")
+    learn = {"loss": 0.1, "grad_norm": 1.0, "d_lag": 0.25, "d_lag/p50": 0.2, "d_lag/p95": 0.4, "d_lag/p99": 0.45,
+             "kl_ref_k2_grad_theta_ref": 0.01, "lag_weight": 0.0, "lag_quarantined": 1.0, "update_successful": 0.0}
+    metrics = Telemetry().step_metrics(samples, trajs, trajs, learn, {"rollout": 1.0, "score": 1.0, "learn": 1.0},
+                                       {}, {})
+    assert metrics["learn/d_lag"] == 0.25 and metrics["learn/d_lag/p50"] == 0.2
+    assert metrics["learn/d_lag/p95"] == 0.4 and metrics["learn/d_lag/p99"] == 0.45
+    assert metrics["learn/kl_ref_k2_grad_theta_ref"] == 0.01
+    assert metrics["numerics/lag_quarantined"] == 1.0 and metrics["numerics/update_successful"] == 0.0
+    assert not any(k.startswith("queue/d_lag") for k in metrics)
