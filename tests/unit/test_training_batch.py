@@ -95,7 +95,7 @@ def test_empty_batch_is_an_error():
 
 def test_learner_metrics_reach_the_learn_panel():
     samples = [sample([1, 2], [9], "a"), sample([1, 2], [9], "a")]
-    trajs = to_trajectories(samples, [score_response(t, "5", REWARD) for t in ("5", "1")], reward_cfg=REWARD,
+    trajs = to_trajectories(samples, [score_response(t, "5", REWARD) for t in ("5", "1")],
                             tokenizer_hash="h", dataset_version="d")
     learn = {"loss": 0.1, "grad_norm": 1.0, "d_lag": 0.25, "d_lag/p50": 0.2, "d_lag/p95": 0.4, "d_lag/p99": 0.45,
              "kl_ref_k2_grad_theta_ref": 0.01, "lag_weight": 0.0, "lag_quarantined": 1.0, "update_successful": 0.0}
