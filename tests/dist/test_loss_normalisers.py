@@ -47,7 +47,7 @@ def _batch(responses: list[list[int]], texts: list[str | None]) -> dict:
                for r in responses]
     scores = [score_response(t, "5", reward) if t is not None else Score.failed("timeout", reward.grader_version())
               for t in texts]
-    trajs = to_trajectories(samples, scores, reward_cfg=reward, tokenizer_hash="h", dataset_version="d")
+    trajs = to_trajectories(samples, scores, tokenizer_hash="h", dataset_version="d")
     batch, _ = build_batch(trajs, pad_id=0, loss_cfg=GRPOLossConfig(), micro_batch_size=2)
     return batch
 
