@@ -65,7 +65,9 @@ class Roles:
 
         from megatron_rl.coordinator import start_coordinator
         from megatron_rl.data.cursor import DataCursor
+        from megatron_rl.checkpoint import latest_committed
         from megatron_rl.data.reasoning_gym_task import check_encodable
+        from megatron_rl.run_manifest import model_identity, open_run
         from megatron_rl.metrics import MetricsLogger
         from megatron_rl.models.tokenizer import tokenizer_hash
         from megatron_rl.reward.pool import VerifierPool
@@ -81,6 +83,12 @@ class Roles:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         splits, template = load_data(cfg)
         check_encodable(splits, template, tokenizer)
+        tok_hash = tokenizer_hash(model_dir)
+        open_run(run_dir, kind="train", config_hash=config_hash(cfg),
+                 resuming=cfg.run.resume and latest_committed(run_dir / "checkpoints") is not None,
+                 identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
+                           "dataset_version": splits["train"].dataset_version,
+                           "grader_version": cfg.reward.grader_version()})
         cursor = DataCursor(len(splits["train"]), seed=cfg.data.seed,
                             dataset_version=splits["train"].dataset_version)
 
@@ -90,7 +98,6 @@ class Roles:
                 ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
             else:
                 ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
-        tok_hash = tokenizer_hash(model_dir)
         restore_queue_snapshot(run_dir, cfg)
         coord_cfg = dataclasses.replace(cfg.coordinator, wal_path=str(run_dir / QUEUE_DB))
         coordinator = start_coordinator(coord_cfg, tokenizer_hash=tok_hash)
@@ -275,6 +282,8 @@ class Roles:
     def close(self) -> None:
         import ray
 
+        from megatron_rl.run_manifest import close_run
+
         if self._producer is not None:
             self._producer.stop()
         for closer in (self.metrics.close, self.verifier.close, self.fleet.shutdown, self.learner.shutdown,
@@ -285,6 +294,7 @@ class Roles:
                 logger.warning("while closing: %s", err)
         if self.own_ray:
             ray.shutdown()
+        close_run(self.run_dir)
 
 
 # ---- helpers ------------------------------------------------------------------------------------

