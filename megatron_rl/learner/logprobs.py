@@ -42,6 +42,7 @@ import torch.distributed as dist
 from megatron_rl.learner.config import SamplingConfig
 
 OUT_OF_SUPPORT_LOGPROB = math.log(torch.finfo(torch.float32).tiny)  # about -87.3
+ROWS_PER_CHUNK = 1024  # token positions whose whole-vocabulary rows are masked at once
 
 
 def token_logprobs(logits_btv: torch.Tensor, tokens_bt: torch.Tensor, vocab_size: int,
@@ -74,20 +75,27 @@ def token_logprobs(logits_btv: torch.Tensor, tokens_bt: torch.Tensor, vocab_size
 
 def _local_keep_mask(local_btv: torch.Tensor, vocab_size: int, sampling: SamplingConfig,
                      start: int) -> torch.Tensor:
-    """This rank's columns of the keep-mask decided on whole rows: [B, T-1, V/tp] -> same, bool."""
+    """This rank's columns of the keep-mask decided on whole rows: [B, T-1, V/tp] -> same, bool.
+
+    Rows go ROWS_PER_CHUNK at a time, so the gathered rows and the sort's buffers stay bounded
+    (every TP rank holds the same rows, so each issues the same all-gathers).
+    """
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
-    full = local_btv
-    if tp > 1:
-        parts = [torch.empty_like(local_btv) for _ in range(tp)]
-        dist.all_gather(parts, local_btv.contiguous(), group=ps.get_tensor_model_parallel_group())
-        full = torch.cat(parts, dim=-1)  # [B, T-1, V_padded]
-    lead = full.shape[:-1]
-    real_nv = full[..., :vocab_size].reshape(-1, vocab_size)  # [N, V_real]
-    keep = torch.zeros(*lead, full.shape[-1], dtype=torch.bool, device=full.device)  # padded columns: False
-    keep[..., :vocab_size] = truncation_keep_mask(real_nv, sampling).reshape(*lead, vocab_size)
-    return keep[..., start:start + local_btv.shape[-1]]
+    local_v = local_btv.shape[-1]
+    rows_nv = local_btv.reshape(-1, local_v)  # [N, V/tp]
+    keep_nv = torch.zeros_like(rows_nv, dtype=torch.bool)  # padded columns stay False
+    for lo in range(0, rows_nv.shape[0], ROWS_PER_CHUNK):
+        chunk = rows_nv[lo:lo + ROWS_PER_CHUNK].contiguous()  # [n, V/tp]
+        if tp > 1:
+            parts = [torch.empty_like(chunk) for _ in range(tp)]
+            dist.all_gather(parts, chunk, group=ps.get_tensor_model_parallel_group())
+            chunk = torch.cat(parts, dim=-1)  # [n, V_padded]
+        full_keep = truncation_keep_mask(chunk[:, :vocab_size], sampling)  # [n, V_real]
+        real_cols = max(0, min(local_v, vocab_size - start))
+        keep_nv[lo:lo + ROWS_PER_CHUNK, :real_cols] = full_keep[:, start:start + real_cols]
+    return keep_nv.view_as(local_btv)
 
 
 def truncation_keep_mask(tempered_nv: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

@@ -5,7 +5,7 @@
 The reference is vLLM's own sampler code applied to the same logits (Sampler.apply_temperature,
 apply_top_k_top_p as the CPU engine calls it, Sampler.compute_logprobs): what the engine reports
 as processed_logprobs.  The learner's `token_logprobs` runs in 2 gloo processes on vocab shards
-(padded columns hold junk that must be masked) and must agree within 1e-6 wherever vLLM's
+(padded columns hold junk that must be masked; rows masked in one chunk or several) and must agree within 1e-6 wherever vLLM's
 log-probability is finite; where vLLM gives -inf (token cut by top-k/top-p) it must give
 OUT_OF_SUPPORT_LOGPROB.  Gradients must match autograd of the log-softmax over vLLM's kept tokens.
 """
@@ -28,6 +28,7 @@ SETTINGS = [  # (temperature, top_p, top_k)
     (1.3, 0.5, 7),
     (0.7, 0.95, 3),  # rows with ties at the 3rd value (see _logits)
 ]
+LAYOUTS = [(1, 1024), (2, 1024), (2, 5)]  # (TP size, rows masked per chunk: 5 splits the 24 rows unevenly)
 
 
 def _logits():
@@ -79,12 +80,14 @@ def _vllm_reference(logits_btv, tokens_bt, temperature, top_p, top_k):
 def _learner_side(rank, world):
     from megatron.core import parallel_state as ps
 
+    from megatron_rl.learner import logprobs
     from megatron_rl.learner.logprobs import token_logprobs
     from megatron_rl.platform.parallel import parallel_scope
 
     logits, tokens = _logits(), _tokens()
     out = {}
-    for tp in (1, 2):
+    for tp, rows_per_chunk in LAYOUTS:
+        logprobs.ROWS_PER_CHUNK = rows_per_chunk
         with parallel_scope(tp=tp, pp=1):
             width = PADDED // tp
             start = ps.get_tensor_model_parallel_rank() * width
@@ -95,7 +98,7 @@ def _learner_side(rank, world):
                                                                          top_k=top_k))
                 in_support = lp > -80
                 lp.masked_fill(~in_support, 0.0).sum().backward()
-                out[(tp, setting)] = {"logprobs": lp.detach(), "grad": local.grad, "start": start}
+                out[(tp, rows_per_chunk, setting)] = {"logprobs": lp.detach(), "grad": local.grad, "start": start}
     return out
 
 
@@ -104,9 +107,9 @@ def learner_runs():
     return run_distributed(_learner_side, 2, timeout=600)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l[0]}-chunk{l[1]}")
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"T{s[0]}-p{s[1]}-k{s[2]}")
-def test_learner_logprobs_equal_vllm_processed_logprobs(learner_runs, tp, setting):
+def test_learner_logprobs_equal_vllm_processed_logprobs(learner_runs, layout, setting):
     from megatron_rl.learner.logprobs import OUT_OF_SUPPORT_LOGPROB
 
     ref, ref_grad = _vllm_reference(_logits(), _tokens(), *setting)
@@ -114,7 +117,7 @@ def test_learner_logprobs_equal_vllm_processed_logprobs(learner_runs, tp, settin
     if setting[1] < 1 or setting[2] > 0:
         assert (~finite).any() and finite.any(), "the test must score tokens both kept and cut by truncation"
     for rank, out in enumerate(learner_runs):
-        got = out[(tp, setting)]
+        got = out[(*layout, setting)]
         torch.testing.assert_close(got["logprobs"][finite], ref[finite], atol=1e-6, rtol=0)
         assert (got["logprobs"][~finite] == OUT_OF_SUPPORT_LOGPROB).all(), f"rank {rank}"
         start = got["start"]
