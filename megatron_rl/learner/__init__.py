@@ -3,8 +3,8 @@
     from megatron_rl.learner import Learner, LearnerConfig
 """
 
-from megatron_rl.learner.config import LearnerConfig
+from megatron_rl.learner.config import LearnerConfig, SamplingConfig
 from megatron_rl.learner.learner import Learner, LossFn
 from megatron_rl.learner.logprobs import token_logprobs
 
-__all__ = ["Learner", "LearnerConfig", "LossFn", "token_logprobs"]
+__all__ = ["Learner", "LearnerConfig", "LossFn", "SamplingConfig", "token_logprobs"]

@@ -1,6 +1,8 @@
 """LearnerConfig: the learner's section of the run config (Megatron's names for Megatron's knobs).
+SamplingConfig: the distribution the rollout engine samples from, which the learner scores.
 
     cfg = LearnerConfig(tensor_model_parallel_size=2, global_batch_size=16, lr=1e-6)
+    sampling = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20)   # the rollout's numbers
 """
 
 from __future__ import annotations
@@ -70,3 +72,40 @@ class LearnerConfig:
             raise ValueError(f"learner.lr_decay_style must be constant|linear|cosine, got {self.lr_decay_style!r}")
         if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
             raise ValueError(f"learner.lr_decay_style={self.lr_decay_style!r} needs learner.lr_decay_steps")
+
+
+MIN_TEMPERATURE = 1e-5
+"""Below this temperature vLLM decodes greedily (its _SAMPLING_EPS): there is no distribution to score."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """The sampling distribution the learner scores: temperature, then top-k, then top-p (vLLM's order).
+
+    Not a section of the run config: it is built from the rollout section's numbers
+    (`TrainConfig.sampling`), so the learner always scores what the engine sampled.
+    """
+
+    temperature: float = 1.0
+    """Logits are divided by this before the softmax (> 0; greedy decoding is not a distribution)."""
+    top_p: float = 1.0
+    """Nucleus threshold in (0, 1]; 1.0 keeps the whole vocabulary."""
+    top_k: int = 0
+    """Keep the k most likely tokens (ties at the k-th value kept); 0 keeps the whole vocabulary."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not self.temperature >= MIN_TEMPERATURE:
+            raise ValueError(f"sampling.temperature must be >= {MIN_TEMPERATURE} (below it vLLM decodes greedily "
+                             f"and there is no distribution to score), got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+
+    @property
+    def truncates(self) -> bool:
+        """True when top-k or top-p removes tokens (the learner then needs the whole vocabulary row)."""
+        return self.top_p < 1 or self.top_k > 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_rl.learner.config import LearnerConfig
+from megatron_rl.learner.config import LearnerConfig, SamplingConfig
 from megatron_rl.learner.logprobs import token_logprobs
 from megatron_rl.models.builder import build_gpt_model, build_transformer_config
 from megatron_rl.models.hf_config import HFModelConfig, check_parallel_layout
@@ -54,13 +54,15 @@ StepFn = Callable[[dict], tuple]
 class Learner:
     """One rank's share of a Megatron-Core policy and its optimizer."""
 
-    def __init__(self, cfg: LearnerConfig, hf_cfg: HFModelConfig, platform: Platform | None = None):
+    def __init__(self, cfg: LearnerConfig, hf_cfg: HFModelConfig, platform: Platform | None = None,
+                 sampling: SamplingConfig | None = None):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg, self.hf_cfg = cfg, hf_cfg
+        self.sampling = sampling or SamplingConfig()  # the distribution every logprob here is taken under
         self.platform = platform or detect_platform(dtype=cfg.dtype)
         tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
         if not dist.is_initialized():
@@ -160,7 +162,7 @@ class Learner:
         return output, partial(self._loss_on_logits, loss_fn, mb)
 
     def _loss_on_logits(self, loss_fn: LossFn | None, mb: dict, logits_btv: torch.Tensor, non_loss_data=False):
-        logprobs_bt = token_logprobs(logits_btv, mb["tokens"], self.hf_cfg.vocab_size)  # [b, T-1]
+        logprobs_bt = token_logprobs(logits_btv, mb["tokens"], self.hf_cfg.vocab_size, self.sampling)  # [b, T-1]
         if non_loss_data:
             return logprobs_bt.detach()
         loss, metrics = loss_fn(logprobs_bt, mb)
@@ -282,7 +284,7 @@ class Learner:
 
     @torch.no_grad()
     def forward_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
-        """log p(tokens[:, t+1] | tokens[:, :t+1]) for a global [B, T] batch -> [B, T-1] on every rank."""
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) under `self.sampling`, global [B, T] -> [B, T-1] on every rank."""
         from megatron.core import parallel_state as ps
 
         micro = self._local_micro_batches({"tokens": tokens_bt})

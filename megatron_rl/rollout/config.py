@@ -35,11 +35,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take (GPU only)."""
     temperature: float = 1.0
-    """Default sampling temperature."""
+    """Default sampling temperature; when training, the learner scores with the same one."""
     top_p: float = 1.0
-    """Default nucleus sampling threshold (1.0 = off)."""
+    """Default nucleus sampling threshold (1.0 = off); the learner applies the same mask."""
     top_k: int = 0
-    """Default top-k (0 = off)."""
+    """Default top-k (0 = off; ties at the k-th logit kept); the learner applies the same mask."""
     max_tokens: int = 64
     """Default maximum response length."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -48,7 +48,8 @@ class RolloutConfig:
     """Keep generating past EOS (benchmarks)."""
     logprobs_mode: str = "processed_logprobs"
     """Behaviour logprobs after temperature/top-k/top-p ("processed_logprobs", the
-    distribution actually sampled) or of the raw model ("raw_logprobs")."""
+    distribution actually sampled) or of the raw model ("raw_logprobs": training refuses it
+    unless temperature is 1 and top-k/top-p are off, where both are the same)."""
     weight_transfer: str = "gloo"
     """How new weights arrive: "gloo" (CPU, checked buckets), "nccl" (GPU: vLLM's NCCL transfer,
     checked before commit; disaggregated placement only) or "none" (generation only, no publication)."""

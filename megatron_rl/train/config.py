@@ -1,6 +1,7 @@
 """The root training config: one section per component, each component's own dataclass.
 
-    cfg = load_train_config("configs/tiny_cpu.yaml", ["rollout.temperature=0.7"])
+    cfg = load_train_config("configs/tiny_cpu.yaml", ["rollout.top_p=0.9"])
+    cfg.sampling   # SamplingConfig the learner scores under: rollout.temperature/top_p/top_k
 
 Sections and their owners:
   model       ModelConfig        (here)                 what policy to start from
@@ -13,7 +14,9 @@ Sections and their owners:
   run         RunConfig          (here)                  mode, steps, placement, checkpoints
   cluster     ClusterConfig      (here)                  what the planner checks against
 Cross-section rules (the batch the learner takes equals prompts x group size, and so on)
-are checked in `TrainConfig.__post_init__`, naming both keys.
+are checked in `TrainConfig.__post_init__`, naming both keys.  The learner scores exactly the
+distribution the engine samples from: rollout.temperature, top_k and top_p reach it as
+`TrainConfig.sampling` (see megatron_rl/learner/logprobs.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, Literal, Optional
 from megatron_rl.config import ConfigError, from_dict, read_config_data
 from megatron_rl.coordinator.config import CoordinatorConfig
 from megatron_rl.grpo.loss import GRPOLossConfig
-from megatron_rl.learner.config import LearnerConfig
+from megatron_rl.learner.config import MIN_TEMPERATURE, LearnerConfig, SamplingConfig
 from megatron_rl.reward.math_verifier import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
 
@@ -206,6 +209,28 @@ class TrainConfig:
         if self.rollout.weight_transfer == "none":
             raise ConfigError("rollout.weight_transfer 'none' cannot train: the policy could never reach the "
                               "rollout engines (use 'gloo', or 'nccl' with run.placement 'disaggregated')")
+
+        self._check_sampling()
+
+    def _check_sampling(self) -> None:
+        """The rollout's sampling settings must describe a distribution the learner can score."""
+        ro = self.rollout
+        if ro.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"rollout.temperature {ro.temperature} is greedy decoding (vLLM treats < "
+                              f"{MIN_TEMPERATURE} as argmax): no distribution to learn from; use a temperature > 0")
+        if "logprobs_mode" in ro.engine_options:
+            raise ConfigError("rollout.engine_options.logprobs_mode: set rollout.logprobs_mode instead (the learner "
+                              "checks it against the sampling settings)")
+        if ro.logprobs_mode == "raw_logprobs" and (ro.temperature != 1 or self.sampling.truncates):
+            raise ConfigError(
+                f"rollout.logprobs_mode 'raw_logprobs' records the raw model's logprobs, but samples are drawn with "
+                f"rollout.temperature={ro.temperature}, top_p={ro.top_p}, top_k={ro.top_k}: the behavior logprobs "
+                f"would not be the sampling distribution; use 'processed_logprobs'")
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The distribution the rollout engine samples training data from, which the learner scores."""
+        return SamplingConfig(temperature=self.rollout.temperature, top_p=self.rollout.top_p, top_k=self.rollout.top_k)
 
     @property
     def samples_per_step(self) -> int:

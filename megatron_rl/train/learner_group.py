@@ -64,8 +64,8 @@ class LearnerWorker:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, master_addr: str, master_port: int) -> int:
-        """Join torch.distributed, build the learner and load the initial policy."""
+    def setup(self, master_addr: str, master_port: int, sampling=None) -> int:
+        """Join torch.distributed, build the learner (scoring under `sampling`) and load the initial policy."""
         from megatron_rl.conversion.hf_io import HFCheckpoint
         from megatron_rl.conversion.model_io import fill_from_hf
         from megatron_rl.learner import Learner
@@ -81,7 +81,7 @@ class LearnerWorker:
         init_distributed(self.platform, rank=self.rank, world_size=self.world_size)
         self.hf_cfg = load_hf_config(hf_dir)
         self.publish_device = "cpu"  # where published tensors are materialised (connect_rollout)
-        self.learner = Learner(learner_cfg, self.hf_cfg, self.platform)
+        self.learner = Learner(learner_cfg, self.hf_cfg, self.platform, sampling=sampling)
         from megatron.core import parallel_state as ps
 
         tp = learner_cfg.tensor_model_parallel_size
@@ -222,7 +222,7 @@ class LearnerGroup:
     """All learner ranks, driven in lock step; methods return rank 0's answer."""
 
     def __init__(self, *, learner_cfg, loss_cfg, hf_dir: str, data_parallel_size: int, seed: int,
-                 deterministic: bool, threads: int, placement=None):
+                 deterministic: bool, threads: int, placement=None, sampling=None):
         import ray
 
         from megatron_rl.platform.priority import with_normal_priority
@@ -237,7 +237,7 @@ class LearnerGroup:
             for rank in range(self.world_size)
         ]
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
-        ray.get([w.setup.remote(addr, port) for w in self.workers])
+        ray.get([w.setup.remote(addr, port, sampling) for w in self.workers])
 
     def _all(self, method: str, *args) -> list:
         import ray

@@ -6,8 +6,10 @@ At the current policy (step 0, or the newest checkpoint) it samples one round, g
 for every sampled token puts side by side: the behavior logprob (vLLM), the current logprob
 (Megatron learner, same weights), the reference logprob (the frozen initial policy), the loss
 mask, and per sequence the reward, the advantage and the sign of the gradient of the loss
-with respect to its logprobs.  At step 0 behavior and current must agree to ~1e-5 (fp32):
-the summary reports their mean absolute difference.
+with respect to its logprobs.  At step 0 behavior and current must agree to ~1e-5 (fp32), at
+any rollout.temperature/top_p/top_k (the learner scores the distribution the engine sampled,
+`TrainConfig.sampling`, echoed in the summary): the summary reports their mean and max
+absolute difference.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def reconcile(cfg, max_rows: int = 8) -> dict:
             })
         summary = {
             "step": state.step, "policy_version": state.version, "sequences": len(trajs),
+            "sampling": cfg.sampling.as_dict(),
             "tokens": int(mask.sum()), "behavior_vs_current_mean_abs": float(diff.mean()) if diff.numel() else 0.0,
             "behavior_vs_current_max_abs": float(diff.max()) if diff.numel() else 0.0,
             "loss": float(loss),

@@ -109,7 +109,7 @@ class Roles:
         learner = LearnerGroup(learner_cfg=lc, loss_cfg=cfg.loss, hf_dir=str(model_dir),
                                data_parallel_size=cfg.run.learner_data_parallel_size, seed=lc.seed,
                                deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads,
-                               placement=place.learner)
+                               placement=place.learner, sampling=cfg.sampling)
         learner.connect_rollout(fleet.workers, bucket_bytes=cfg.run.publish_bucket_mib << 20,
                                 transport=cfg.rollout.weight_transfer)
         verifier = VerifierPool(cfg.reward)
@@ -212,6 +212,7 @@ class Roles:
             batch = ray.get(self.coordinator.take.remote(need, min_version=window_lo, max_version=version,
                                                          request_id=f"step-{step}"))
             if len(batch) == need:
+                check_sampling(batch, self.cfg.sampling)
                 return batch
             if batch:
                 # Rounds are produced B at a time inside the window, so a short batch means the
@@ -371,6 +372,23 @@ def to_trajectories(samples: list, scores: list, *, tokenizer_hash: str, dataset
             error_code=sc.error or "",
         ))
     return trajs
+
+
+def check_sampling(trajs: list, sampling) -> None:
+    """Refuse trajectories sampled under settings other than the ones the learner scores.
+
+    The learner's logprobs are taken under `sampling` (TrainConfig.sampling); a trajectory drawn
+    with another temperature/top_p/top_k (e.g. queued before a resume with a changed config) has
+    behavior logprobs of another distribution, so its importance ratios would be wrong.  This is
+    an error rather than a silent exclusion: it means the run's configuration changed under it.
+    """
+    want = sampling.as_dict()
+    for t in trajs:
+        got = {k: t.sampling_config.get(k) for k in want}
+        if any(got[k] is None or float(got[k]) != float(v) for k, v in want.items()):
+            raise RuntimeError(f"trajectory {t.id} was sampled with {got}, but the learner scores {want} "
+                               f"(rollout.temperature/top_p/top_k changed within this run?); start a new run.dir "
+                               f"or restore the settings it was sampled with")
 
 
 def snapshot_queue(src: Path, dst: Path) -> None:

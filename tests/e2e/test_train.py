@@ -94,3 +94,15 @@ def test_reconcile_at_step_zero(tmp_path):
     assert summary["behavior_vs_current_mean_abs"] < 1e-4
     assert summary["grad_sign_agrees_with_advantage"] is True
     assert "behavior" in proc.stdout and "reference" in proc.stdout  # the table was printed
+
+
+def test_reconcile_at_step_zero_with_temperature_top_p_top_k(tmp_path):
+    """The learner scores vLLM's processed distribution: temperature 0.7, top_p 0.9, top_k 20 in one run."""
+    sampling = {"temperature": 0.7, "top_p": 0.9, "top_k": 20}
+    proc = run_cli("reconcile", "--config", str(TINY), "--json", f"run.dir={tmp_path / 'rec'}",
+                   *(f"rollout.{k}={v}" for k, v in sampling.items()))
+    summary = last_json(proc.stdout)
+    assert summary["step"] == 0 and summary["tokens"] > 0 and summary["sampling"] == sampling
+    # Before the learner applied the sampling settings this was 0.68 (max 1.16).
+    assert summary["behavior_vs_current_mean_abs"] <= 1e-4, summary
+    assert summary["behavior_vs_current_max_abs"] <= 1e-3, summary
