@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 logger = logging.getLogger(__name__)
 
-PANELS = ("learn", "numerics", "system", "latency", "queue", "eval")
+PANELS = ("learn", "numerics", "system", "latency", "queue", "eval", "sft")
 
 
 class Sink(Protocol):

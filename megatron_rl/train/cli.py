@@ -1,6 +1,7 @@
-"""`megatron-rl train` and `megatron-rl reconcile`.
+"""`megatron-rl train`, `megatron-rl sft` and `megatron-rl reconcile`.
 
     megatron-rl train --config configs/tiny_cpu.yaml [dotted.key=value ...] [--dry-run]
+    megatron-rl sft --config configs/tiny_cpu.yaml run.dir=runs/sft [sft.steps=50 ...]
     megatron-rl reconcile --config configs/tiny_cpu.yaml [--json]
 
 `train --dry-run` validates the whole config (types, cross-section rules, parallel layout
@@ -38,6 +39,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from megatron_rl.train.config import load_train_config
+    from megatron_rl.train.plan import check_and_plan
+
+    cfg = load_train_config(args.config, args.overrides)
+    plan = check_and_plan(cfg)
+    if args.dry_run:
+        print(json.dumps(plan, indent=2))
+        return 0
+    from megatron_rl.train.sft import sft
+
+    print(json.dumps(sft(cfg)))
+    return 0
+
+
 def _cmd_reconcile(args: argparse.Namespace) -> int:
     from megatron_rl.train.config import load_train_config
     from megatron_rl.train.plan import check_and_plan
@@ -58,6 +74,11 @@ def register(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. run.steps=10")
     p.set_defaults(func=_cmd_train)
+    f = sub.add_parser("sft", help="supervised fine-tuning on the train split: the baseline GRPO starts from")
+    f.add_argument("--config", required=True, help="training config YAML (its sft section sets steps and lr)")
+    f.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
+    f.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. sft.steps=20")
+    f.set_defaults(func=_cmd_sft)
     r = sub.add_parser("reconcile", help="one-step reconciliation report: logprobs, reward, advantage, loss, grad sign")
     r.add_argument("--config", required=True, help="training config YAML")
     r.add_argument("--json", action="store_true", help="print only the JSON summary line")

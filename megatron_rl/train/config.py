@@ -52,10 +52,13 @@ class ModelConfig:
     """Hugging Face model directory (config.json, safetensors, tokenizer) to start from."""
     tiny: Optional[TinyModelSpec] = None
     """Instead of `path`: make a tiny random model inside the run directory."""
+    init_from: Optional[str] = None
+    """Instead of `path`: another run's directory (e.g. an SFT baseline); starts from its newest
+    COMMITTED checkpoint, exported to RUN_DIR/export/step_N of that run."""
 
     def __post_init__(self) -> None:
-        if (self.path is None) == (self.tiny is None):
-            raise ConfigError("model: set exactly one of model.path or model.tiny")
+        if sum(x is not None for x in (self.path, self.tiny, self.init_from)) != 1:
+            raise ConfigError("model: set exactly one of model.path, model.tiny or model.init_from")
 
 
 @dataclass(kw_only=True)
@@ -169,6 +172,20 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True)
+class SFTConfig:
+    steps: int = 50
+    """Optimizer steps of `megatron-rl sft` (learner.global_batch_size examples each)."""
+    lr: Optional[float] = None
+    """Learning rate for SFT; None uses learner.lr."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"sft.steps must be >= 1, got {self.steps}")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"sft.lr must be > 0, got {self.lr}")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     model: ModelConfig
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -179,6 +196,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     def __post_init__(self) -> None:
         samples = self.run.prompts_per_step * self.run.group_size

@@ -120,6 +120,12 @@ class LearnerWorker:
             batch = dict(batch, ref_logprobs=self._reference_logprobs(batch["tokens"]))
         return self.learner.train_step(batch, self._loss_fn, partial(grpo_step_weight, cfg=self.loss_cfg))
 
+    def sft_step(self, batch: dict) -> dict[str, float]:
+        """One supervised step (negative log-likelihood of the masked tokens, train/sft.py)."""
+        from megatron_rl.train.sft import sft_micro_batch_loss
+
+        return self.learner.train_step(batch, sft_micro_batch_loss)
+
     def forward_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
         return self.learner.forward_logprobs(tokens_bt)
 
@@ -246,6 +252,9 @@ class LearnerGroup:
 
     def train_step(self, batch: dict) -> dict[str, float]:
         return self._all("train_step", batch)[0]
+
+    def sft_step(self, batch: dict) -> dict[str, float]:
+        return self._all("sft_step", batch)[0]
 
     def forward_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
         return self._all("forward_logprobs", tokens_bt)[0]

@@ -21,10 +21,24 @@ def model_config(cfg: TrainConfig):
 
     if cfg.model.path is not None:
         return load_hf_config(cfg.model.path)
+    if cfg.model.init_from is not None:
+        return load_hf_config(init_from_model_dir(cfg.model.init_from))
     from megatron_rl.models.tiny import build_config
 
     spec = cfg.model.tiny
     return load_hf_config(build_config(spec.arch, spec.size).to_dict())
+
+
+def init_from_model_dir(run_dir: str | Path) -> Path:
+    """The model (config, tokenizer) of the run `model.init_from` names; it must have a
+    COMMITTED checkpoint to start from."""
+    from megatron_rl.checkpoint import latest_committed
+    from megatron_rl.conversion.mcore_to_hf import training_checkpoint_model_dir
+
+    ckpt = latest_committed(Path(run_dir) / "checkpoints")
+    if ckpt is None:
+        raise FileNotFoundError(f"model.init_from {run_dir}: no COMMITTED checkpoint to start from")
+    return training_checkpoint_model_dir(ckpt)
 
 
 def check_resume_tokenizer(cfg: TrainConfig) -> str | None:
@@ -36,7 +50,10 @@ def check_resume_tokenizer(cfg: TrainConfig) -> str | None:
     ckpt = latest_committed(run_dir / "checkpoints") if cfg.run.resume else None
     if ckpt is None:
         return None
-    model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
+    if cfg.model.init_from is not None:
+        model_dir = init_from_model_dir(cfg.model.init_from)
+    else:
+        model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
     if (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists():
         ours = tokenizer_hash(model_dir)
         theirs = read_manifest(ckpt).get("tokenizer_hash")
@@ -66,7 +83,7 @@ def check_and_plan(cfg: TrainConfig) -> dict:
     return {
         "mode": cfg.run.mode,
         "placement": cfg.run.placement,
-        "model": cfg.model.path or f"tiny {cfg.model.tiny.arch}/{cfg.model.tiny.size} (made in {cfg.run.dir}/model)",
+        "model": cfg.model.path or (cfg.model.init_from and f"init_from {cfg.model.init_from}") or f"tiny {cfg.model.tiny.arch}/{cfg.model.tiny.size} (made in {cfg.run.dir}/model)",
         "model_params": _param_count(hf),
         "learner": {"ranks": ranks, "tp": lc.tensor_model_parallel_size, "pp": lc.pipeline_model_parallel_size,
                     "dp": cfg.run.learner_data_parallel_size, "global_batch": lc.global_batch_size,

@@ -51,3 +51,18 @@ def test_reasoning_gym_run_exports_and_evaluates_identically(tmp_path):
     assert all(0.0 <= o["correctness"][0] <= 1.0 for o in outcomes)  # the generator's score (partial credit too)
     assert _sha(run / "queue.db") == wal  # eval never reads or writes the training queue
     assert json.loads((run / "config.json").read_text())["data"]["task"] == "reasoning_gym"
+
+
+def test_sft_baseline_then_grpo_starts_from_it(tmp_path):
+    sft_dir, grpo_dir = tmp_path / "sft", tmp_path / "grpo"
+    sft = last_json(run_cli("sft", "--config", str(TINY), f"run.dir={sft_dir}", "sft.steps=6",
+                            "run.checkpoint_every=3", "data.eval_size=32").stdout)
+    nll = [r["sft/nll_per_token"] for r in read_jsonl(sft_dir / "metrics" / "metrics.jsonl") if "sft/nll_per_token" in r]
+    assert len(nll) == 6 and nll[-1] < 0.5 * nll[0]  # supervised loss on the answers falls
+    assert sorted(p.name for p in (sft_dir / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
+    assert all((p / "COMMITTED").is_file() for p in (sft_dir / "checkpoints").iterdir())
+    assert json.loads((sft_dir / "run_manifest.json").read_text())["kind"] == "sft"
+    grpo = last_json(run_cli("train", "--config", str(TINY), f"run.dir={grpo_dir}", f"model.init_from={sft_dir}",
+                             "model.tiny=null", "run.steps=1", "run.eval_every=0", "data.eval_size=32").stdout)
+    # GRPO's step-0 eval is the SFT baseline's own final eval: same weights, same decoding.
+    assert grpo["initial_test_reward"] == pytest.approx(sft["test_reward"], abs=1e-12)

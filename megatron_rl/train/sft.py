@@ -1,0 +1,178 @@
+"""Supervised fine-tuning: the baseline a GRPO run starts from and is measured against.
+
+    megatron-rl sft --config configs/tiny_cpu.yaml run.dir=runs/sft [sft.steps=100 ...]
+    megatron-rl train --config configs/tiny_cpu.yaml run.dir=runs/grpo model.init_from=runs/sft model.tiny=null
+
+Each step takes `learner.global_batch_size` training examples from the data cursor and
+minimises the mean negative log-likelihood of the reference answer (then EOS) given the prompt,
+over response tokens only (the prompt is context, never a target):
+
+    L = -(1/N) sum_b sum_t m_bt log pi_theta(y_bt | y_b<t),   N = sum of m over the global batch
+
+on the same Megatron learner, parallel layouts and checkpoint protocol (COMMITTED written last)
+as GRPO; metrics go to the `sft/` panel.  At the end the newest checkpoint is exported to a
+Hugging Face directory (`RUN_DIR/export/step_N`), which a fresh vLLM engine evaluates on the
+hidden test split (greedy): the baseline number.  `model.init_from: RUN_DIR` starts a GRPO run
+from that export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def sft_batch(examples: Sequence, template, tokenizer, *, micro_batch_size: int) -> dict:
+    """tokens [B, T] (prompt + answer + EOS, right-padded), loss_mask [B, T-1] on the answer and
+    EOS predictions, and the per-micro-batch token normaliser."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
+    if eos is None:
+        raise ValueError("SFT needs a tokenizer with an EOS token (the answer must learn to end)")
+    rows = []
+    for ex in examples:
+        prompt = template.encode(ex, tokenizer)
+        answer = [int(i) for i in tokenizer(ex.answer, add_special_tokens=False)["input_ids"]] + [int(eos)]
+        rows.append((prompt, answer))
+    b, t = len(rows), max(len(p) + len(a) for p, a in rows)
+    tokens = torch.full((b, t), pad, dtype=torch.long)  # [B, T]
+    mask = torch.zeros(b, t - 1)  # [B, T-1]: position k predicts token k+1
+    for i, (p, a) in enumerate(rows):
+        tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, len(p) - 1:len(p) - 1 + len(a)] = 1.0
+    micro_batches = b // micro_batch_size
+    return {"tokens": tokens, "loss_mask": mask, "token_denominator": max(float(mask.sum()), 1.0) / micro_batches}
+
+
+def sft_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
+    """Learner loss interface: this micro-batch's share of the batch-mean NLL, additive stats."""
+    mask = mb["loss_mask"].to(logprobs_bt.dtype)
+    nll = -(logprobs_bt * mask).sum()
+    with torch.no_grad():
+        stats = {"nll_sum": nll.detach(), "tokens": mask.sum()}
+    return nll / float(mb["token_denominator"]), stats
+
+
+def export_latest(run_dir: Path) -> Path:
+    """HF directory of a run's newest COMMITTED checkpoint (exported once, then reused)."""
+    from megatron_rl.checkpoint import latest_committed
+    from megatron_rl.conversion.mcore_to_hf import convert_mcore_to_hf
+
+    ckpt = latest_committed(Path(run_dir) / "checkpoints")
+    if ckpt is None:
+        raise FileNotFoundError(f"{run_dir}: no COMMITTED checkpoint to start from")
+    out = Path(run_dir) / "export" / ckpt.name
+    if not (out / "config.json").is_file():
+        convert_mcore_to_hf(ckpt, out, force=out.exists())
+    return out
+
+
+def sft(cfg) -> dict:
+    """Run (or resume) supervised fine-tuning; returns a summary with the test-split baseline."""
+    import ray
+
+    from megatron_rl.checkpoint import latest_committed, load_checkpoint, load_rng_state, rotate, save_checkpoint
+    from megatron_rl.config import config_hash
+    from megatron_rl.data.cursor import DataCursor
+    from megatron_rl.data.reasoning_gym_task import check_encodable
+    from megatron_rl.metrics import MetricsLogger
+    from megatron_rl.models.tokenizer import tokenizer_hash
+    from megatron_rl.run_manifest import close_run, model_identity, open_run
+    from megatron_rl.train.config import resolved_dict
+    from megatron_rl.train.learner_group import LearnerGroup, seed_everything
+    from megatron_rl.train.roles import load_data, prepare_model
+    from transformers import AutoTokenizer
+
+    run_dir = Path(cfg.run.dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(resolved_dict(cfg), indent=2, sort_keys=True))
+    seed_everything(cfg.run.seed, cfg.run.deterministic, cfg.run.torch_threads)
+    model_dir = prepare_model(cfg, run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    splits, template = load_data(cfg)
+    check_encodable(splits, template, tokenizer)
+    tok_hash = tokenizer_hash(model_dir)
+    ckpts = run_dir / "checkpoints"
+    resume_from = latest_committed(ckpts) if cfg.run.resume else None
+    open_run(run_dir, kind="sft", config_hash=config_hash(cfg), resuming=resume_from is not None,
+             identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
+                       "dataset_version": splits["train"].dataset_version,
+                       "grader_version": cfg.reward.grader_version()})
+    train = splits["train"]
+    cursor = DataCursor(len(train), seed=cfg.data.seed, dataset_version=train.dataset_version)
+    lc = dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr)
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    learner = metrics = None
+    try:
+        learner = LearnerGroup(learner_cfg=lc, loss_cfg=dataclasses.replace(cfg.loss, kl_coef=0.0),
+                               hf_dir=str(model_dir), data_parallel_size=cfg.run.learner_data_parallel_size,
+                               seed=lc.seed, deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads)
+        start = 0
+        if resume_from is not None:
+            manifest = load_checkpoint(resume_from, tokenizer_hash=tok_hash)
+            learner.load(str(resume_from / "weights"))
+            learner.set_rng_states({r: load_rng_state(resume_from, r) for r in manifest["rng"]["ranks"]})
+            cursor.load_state_dict(manifest["data_cursor"])
+            start = int(manifest["step"])
+            logger.info("resumed SFT from %s at step %d", resume_from, start)
+        metrics = MetricsLogger(run_dir / "metrics")
+        for step in range(start, cfg.sft.steps):
+            t0 = time.perf_counter()
+            examples = [train[i] for i in cursor.next_indices(lc.global_batch_size)]
+            batch = sft_batch(examples, template, tokenizer, micro_batch_size=lc.micro_batch_size)
+            out = learner.sft_step(batch)
+            metrics.log(step + 1, {"sft/loss": out["loss"], "sft/nll_per_token": out["nll_sum"] / max(out["tokens"], 1),
+                                   "sft/tokens": out["tokens"], "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"],
+                                   "latency/sft_step_s": time.perf_counter() - t0})
+            due = cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0
+            if due or step + 1 == cfg.sft.steps:
+                save_checkpoint(ckpts, step + 1, policy_version=step + 1, config_hash=config_hash(cfg),
+                                save_fn=lambda tmp: learner.save(str(tmp / "weights")), tokenizer_hash=tok_hash,
+                                data_cursor=cursor.state_dict(), rng_states=learner.rng_states(),
+                                extra={"kind": "sft"})
+                rotate(ckpts, cfg.run.keep_checkpoints)
+        learner.shutdown()
+        learner = None
+        result = _final_eval(cfg, export_latest(run_dir), splits, template)
+        metrics.log(cfg.sft.steps, {f"eval/test_{k}": result[k] for k in ("reward", "correctness", "format")})
+        return {"steps": cfg.sft.steps, "test_correctness": result["correctness"], "test_reward": result["reward"],
+                "test_format": result["format"], "run_dir": str(run_dir)}
+    finally:
+        if learner is not None:
+            learner.shutdown()
+        if metrics is not None:
+            metrics.close()
+        if own_ray:
+            ray.shutdown()
+        close_run(run_dir)
+
+
+def _final_eval(cfg, model_dir: Path, splits, template) -> dict:
+    """Greedy pass@1 of the exported policy on the hidden test split, on a fresh vLLM engine."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.evaluation import Decoding, evaluate
+    from megatron_rl.reward.pool import VerifierPool
+    from megatron_rl.train.rollout_fleet import RolloutFleet
+
+    ds = splits["test"]
+    examples = [ds[i] for i in range(min(cfg.data.eval_size, len(ds)))]
+    fleet = RolloutFleet(dataclasses.replace(cfg.rollout, model=str(model_dir), weight_transfer="none"), num_groups=1)
+    verifier = VerifierPool(cfg.reward)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        return evaluate(fleet, verifier, examples, template, tokenizer, Decoding(), split="test").summary()
+    finally:
+        verifier.close()
+        fleet.shutdown()
+
+
