@@ -16,7 +16,8 @@ import json
 
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def _config_and_plan(args: argparse.Namespace):
+    """The validated config; with --dry-run the plan is printed (and nothing else happens)."""
     from megatron_rl.train.config import load_train_config
     from megatron_rl.train.plan import check_and_plan
 
@@ -24,6 +25,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     plan = check_and_plan(cfg)
     if args.dry_run:
         print(json.dumps(plan, indent=2))
+    return cfg
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = _config_and_plan(args)
+    if args.dry_run:
         return 0
     from megatron_rl.train.driver import EXIT_REQUEUE, StopFlag, train
 
@@ -40,13 +47,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from megatron_rl.train.config import load_train_config
-    from megatron_rl.train.plan import check_and_plan
-
-    cfg = load_train_config(args.config, args.overrides)
-    plan = check_and_plan(cfg)
+    cfg = _config_and_plan(args)
     if args.dry_run:
-        print(json.dumps(plan, indent=2))
         return 0
     from megatron_rl.train.sft import sft
 

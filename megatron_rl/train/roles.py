@@ -61,34 +61,16 @@ class Roles:
     @classmethod
     def build(cls, cfg: TrainConfig) -> "Roles":
         import ray
-        from transformers import AutoTokenizer
 
         from megatron_rl.coordinator import start_coordinator
         from megatron_rl.data.cursor import DataCursor
-        from megatron_rl.checkpoint import latest_committed
-        from megatron_rl.data.reasoning_gym_task import check_encodable
-        from megatron_rl.run_manifest import model_identity, open_run
         from megatron_rl.metrics import MetricsLogger
-        from megatron_rl.models.tokenizer import tokenizer_hash
         from megatron_rl.reward.pool import VerifierPool
-        from megatron_rl.train.learner_group import LearnerGroup, seed_everything
+        from megatron_rl.train.learner_group import LearnerGroup
         from megatron_rl.train.placement import Placement
         from megatron_rl.train.rollout_fleet import RolloutFleet
 
-        run_dir = Path(cfg.run.dir).resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(resolved_dict(cfg), indent=2, sort_keys=True))
-        seed_everything(cfg.run.seed, cfg.run.deterministic, cfg.run.torch_threads)
-        model_dir = prepare_model(cfg, run_dir)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        splits, template = load_data(cfg)
-        check_encodable(splits, template, tokenizer)
-        tok_hash = tokenizer_hash(model_dir)
-        open_run(run_dir, kind="train", config_hash=config_hash(cfg),
-                 resuming=cfg.run.resume and latest_committed(run_dir / "checkpoints") is not None,
-                 identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
-                           "dataset_version": splits["train"].dataset_version,
-                           "grader_version": cfg.reward.grader_version()})
+        run_dir, model_dir, tokenizer, tok_hash, splits, template = open_run_dir(cfg, kind="train")
         cursor = DataCursor(len(splits["train"]), seed=cfg.data.seed,
                             dataset_version=splits["train"].dataset_version)
 
@@ -299,6 +281,38 @@ class Roles:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+
+def open_run_dir(cfg: TrainConfig, kind: str):
+    """What every run (train, sft) does first, before any Ray/vLLM/Megatron start: the run
+    directory with its resolved config, seeds, the model to start from, its tokenizer, the data
+    splits (checked encodable), and run_manifest.json (a resume with other inputs is refused).
+
+    Returns (run_dir, model_dir, tokenizer, tokenizer_hash, splits, template).
+    """
+    from transformers import AutoTokenizer
+
+    from megatron_rl.checkpoint import latest_committed
+    from megatron_rl.data.reasoning_gym_task import check_encodable
+    from megatron_rl.models.tokenizer import tokenizer_hash
+    from megatron_rl.run_manifest import model_identity, open_run
+    from megatron_rl.train.learner_group import seed_everything
+
+    run_dir = Path(cfg.run.dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(resolved_dict(cfg), indent=2, sort_keys=True))
+    seed_everything(cfg.run.seed, cfg.run.deterministic, cfg.run.torch_threads)
+    model_dir = prepare_model(cfg, run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    splits, template = load_data(cfg)
+    check_encodable(splits, template, tokenizer)
+    tok_hash = tokenizer_hash(model_dir)
+    open_run(run_dir, kind=kind, config_hash=config_hash(cfg),
+             resuming=cfg.run.resume and latest_committed(run_dir / "checkpoints") is not None,
+             identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
+                       "dataset_version": splits["train"].dataset_version,
+                       "grader_version": cfg.reward.grader_version()})
+    return run_dir, model_dir, tokenizer, tok_hash, splits, template
 
 
 def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:

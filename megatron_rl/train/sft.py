@@ -81,30 +81,14 @@ def sft(cfg) -> dict:
     from megatron_rl.checkpoint import latest_committed, load_checkpoint, load_rng_state, rotate, save_checkpoint
     from megatron_rl.config import config_hash
     from megatron_rl.data.cursor import DataCursor
-    from megatron_rl.data.reasoning_gym_task import check_encodable
     from megatron_rl.metrics import MetricsLogger
-    from megatron_rl.models.tokenizer import tokenizer_hash
-    from megatron_rl.run_manifest import close_run, model_identity, open_run
-    from megatron_rl.train.config import resolved_dict
-    from megatron_rl.train.learner_group import LearnerGroup, seed_everything
-    from megatron_rl.train.roles import load_data, prepare_model
-    from transformers import AutoTokenizer
+    from megatron_rl.run_manifest import close_run
+    from megatron_rl.train.learner_group import LearnerGroup
+    from megatron_rl.train.roles import open_run_dir
 
-    run_dir = Path(cfg.run.dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(resolved_dict(cfg), indent=2, sort_keys=True))
-    seed_everything(cfg.run.seed, cfg.run.deterministic, cfg.run.torch_threads)
-    model_dir = prepare_model(cfg, run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    splits, template = load_data(cfg)
-    check_encodable(splits, template, tokenizer)
-    tok_hash = tokenizer_hash(model_dir)
+    run_dir, model_dir, tokenizer, tok_hash, splits, template = open_run_dir(cfg, kind="sft")
     ckpts = run_dir / "checkpoints"
     resume_from = latest_committed(ckpts) if cfg.run.resume else None
-    open_run(run_dir, kind="sft", config_hash=config_hash(cfg), resuming=resume_from is not None,
-             identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
-                       "dataset_version": splits["train"].dataset_version,
-                       "grader_version": cfg.reward.grader_version()})
     train = splits["train"]
     cursor = DataCursor(len(train), seed=cfg.data.seed, dataset_version=train.dataset_version)
     lc = dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr)
