@@ -25,7 +25,11 @@ logprobs and per-token versions, plus their admission leases) are saved in the c
 the data cursor as it is then (just after the last saved round drew its prompts).  A resumed
 run replays those rounds before generating new ones, so every round carries the version it had
 in the uninterrupted run; the leases are live again because the coordinator's admission state is
-in the queue snapshot of the same checkpoint.
+in the queue snapshot of the same checkpoint.  For the same reason the producer runs
+`max_staleness` rounds past run.steps: a run of 2 steps then checkpoints the round that a
+4-step run sampled with version 1 during step 1, so raising run.steps and resuming continues
+exactly (a run that ends for good discards those rounds).  In async mode the version a round
+gets depends on timing in any run; what is exact there is that resume loses nothing in flight.
 """
 
 from __future__ import annotations
@@ -109,8 +113,9 @@ class Producer:
         cfg = self.cfg
         need = self.roles.cfg.samples_per_step
         r = first_round
+        last = cfg.run.steps + cfg.coordinator.max_staleness  # rounds a longer run would sample before step `steps`
         try:
-            while r < cfg.run.steps:
+            while r < last:
                 with self._cond:
                     while self._paused and not self._stop.is_set():
                         self._cond.wait(0.1)
