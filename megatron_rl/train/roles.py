@@ -205,7 +205,11 @@ class Roles:
         if result.rejected:
             logger.warning("coordinator rejected %d trajectories, e.g. %s", len(result.rejected),
                            next(iter(result.rejected.values())))
-        return {"accepted": len(result.accepted), "rejected": len(result.rejected), "dropped": len(result.dropped)}
+        if result.conflicts:
+            logger.error("coordinator refused %d trajectories whose ids it already holds with other content, e.g. %s",
+                         len(result.conflicts), result.conflicts[0])
+        return {"accepted": len(result.accepted), "rejected": len(result.rejected), "dropped": len(result.dropped),
+                "conflicts": len(result.conflicts)}
 
     def take(self, step: int, version: int) -> list:
         """One batch inside the version window [v - max_staleness, v], waiting for it if needed."""
