@@ -38,6 +38,9 @@ class CoordinatorActor:
     def try_admit(self, n: int, worker: str = "", request_id: str | None = None) -> list[str]:
         return self._queue.try_admit(n, worker=worker, request_id=request_id)
 
+    def renew(self, lease_ids: list[str]) -> int:
+        return self._queue.renew(lease_ids)
+
     def admission_bound(self) -> tuple[int, int]:
         return self._queue.admission_bound()
 

@@ -25,7 +25,10 @@ that arrives on a lease.  Two events could break it, and both are closed here:
   admitted.  On load every lease's clock restarts: a restart can lengthen a lease by at most one
   TTL, never free a slot early.  `admit` with a `request_id` is idempotent (a retried call after
   a crash returns the leases the first call granted instead of granting new ones).
-* Expiry.  An expired lease frees its slot at once (that is what expiry is for) and is revoked:
+* Expiry.  Expiry is for rollouts that died: a live holder keeps its leases by `renew`ing them
+  (the trainer's producer renews every lease_ttl_s / 3 while a round is generated or waits to be
+  learned from), so a long round does not lose its slots.  An expired lease frees its slot at
+  once and is revoked:
   a trajectory that later arrives on it is not accepted (the queue drops it as
   `lease_expired` and counts it), because its slot may already have been granted to another
   rollout and accepting it too would push accepted + running past the bound.  The lost work is
@@ -98,6 +101,16 @@ class Admission:
             self._leases[lid] = (now, request_id)
             leases.append(lid)
         return leases
+
+    def renew(self, lease_ids: Iterable[str]) -> int:
+        """Restart the clocks of these leases (a live holder's heartbeat); returns how many were still live."""
+        now = self._clock()
+        live = 0
+        for lid in lease_ids:
+            if lid in self._leases:
+                self._leases[lid] = (now, self._leases[lid][1])
+                live += 1
+        return live
 
     def complete(self, lease_id: str | None) -> None:
         if lease_id is not None and self._leases.pop(lease_id, None) is None:

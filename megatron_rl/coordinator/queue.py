@@ -141,6 +141,12 @@ class TrajectoryQueue:
             self._admission.release(lease_ids)
             self._commit()
 
+    def renew(self, lease_ids: Sequence[str]) -> int:
+        """Heartbeat of a live rollout: its leases do not expire; returns how many were still live.
+
+        Not logged: lease clocks restart on a restore anyway."""
+        return self._admission.renew(lease_ids)
+
     def admission_bound(self) -> tuple[int, int]:
         """(accepted + running, (max_staleness + v + 1) * B): admission keeps the first <= the second."""
         accepted = self._counters["consumed"] + len(self._queue)

@@ -25,7 +25,10 @@ logprobs and per-token versions, plus their admission leases) are saved in the c
 the data cursor as it is then (just after the last saved round drew its prompts).  A resumed
 run replays those rounds before generating new ones, so every round carries the version it had
 in the uninterrupted run; the leases are live again because the coordinator's admission state is
-in the queue snapshot of the same checkpoint.  For the same reason the producer runs
+in the queue snapshot of the same checkpoint.  While a round is generated or waits for the
+learner, a keep-alive thread renews its leases every lease_ttl_s / 3, so only a dead producer's
+leases expire (an expired lease's trajectories are dropped, see coordinator/admission.py).
+For the same reason the producer runs
 `max_staleness` rounds past run.steps: a run of 2 steps then checkpoints the round that a
 4-step run sampled with version 1 during step 1, so raising run.steps and resuming continues
 exactly (a run that ends for good discards those rounds).  In async mode the version a round
@@ -79,6 +82,9 @@ class Producer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._held: set[str] = set()  # leases of rounds admitted and not yet handed to the driver
+        self._handed: list[str] = []  # leases of the round last handed out (enqueued soon)
+        self._keepalive: threading.Thread | None = None
 
     def start(self, state: TrainState) -> None:
         first = state.step
@@ -89,6 +95,22 @@ class Producer:
             logger.info("replaying rollout rounds %s saved by the checkpoint", sorted(self._ready))
         self._thread = threading.Thread(target=self._run, args=(first,), name="rollout-producer", daemon=True)
         self._thread.start()
+        for rnd in state.rounds:
+            self._held.update(rnd.leases)
+        self._keepalive = threading.Thread(target=self._renew_leases, name="lease-keepalive", daemon=True)
+        self._keepalive.start()
+
+    def _renew_leases(self) -> None:
+        import ray
+
+        while not self._stop.wait(self.cfg.coordinator.lease_ttl_s / 3):
+            with self._cond:
+                leases = sorted(self._held.union(self._handed))
+            if leases:
+                try:
+                    ray.get(self.roles.coordinator.renew.remote(leases))
+                except Exception as err:  # the next beat retries; expiry is the coordinator's safety net
+                    logger.warning("could not renew %d rollout leases: %s", len(leases), err)
 
     def _admit(self, need: int, round_: int) -> list[str] | None:
         """Block until the coordinator admits `need` rollouts; None if stopped or paused first."""
@@ -100,10 +122,15 @@ class Producer:
             if self._stop.is_set() or self._paused:
                 if leases:  # a checkpoint is waiting: give a partial grant back, ask again afterwards
                     ray.get(self.roles.coordinator.release.remote(leases))
+                    with self._cond:
+                        self._held.difference_update(leases)
                 return None
             # The request id makes a call that Ray retries after a coordinator restart idempotent.
-            leases += ray.get(self.roles.coordinator.try_admit.remote(
+            granted = ray.get(self.roles.coordinator.try_admit.remote(
                 need - len(leases), worker="producer", request_id=f"round-{round_}/{attempt}"))
+            with self._cond:
+                self._held.update(granted)
+            leases += granted
             attempt += 1
             if len(leases) < need:
                 time.sleep(0.02)
@@ -153,6 +180,8 @@ class Producer:
                     raise RuntimeError("rollout producer stopped without producing round %d" % step)
                 self._cond.wait(1.0)
             item = self._ready.pop(step)
+            self._held.difference_update(item.leases)
+            self._handed = list(item.leases)
         return item.samples, item.leases, item.seconds
 
     def pause(self) -> list[Round]:
@@ -174,5 +203,6 @@ class Producer:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=120)
+        for thread in (self._thread, self._keepalive):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=120)

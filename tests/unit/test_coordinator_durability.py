@@ -115,3 +115,16 @@ def test_same_id_other_content_is_a_conflict_not_a_duplicate(tmp_path):
     m = q.metrics()
     assert m["queue/conflicts"] == 3 and m["queue/duplicates"] == 2
     q.close()
+
+
+def test_a_renewed_lease_outlives_its_ttl():
+    clock = Clock()
+    q = TrajectoryQueue(CoordinatorConfig(batch_size=2, max_staleness=0, lease_ttl_s=10), tokenizer_hash=TOK,
+                        clock=clock)
+    leases = q.try_admit(2)
+    for _ in range(3):  # a round that takes 3 x 8 s, its producer alive and beating
+        clock.now += 8
+        assert q.renew(leases) == 2
+    assert q.try_admit(2) == [] and q.metrics()["queue/leases_expired"] == 0
+    assert len(q.put_many([traj(0), traj(1)], lease_ids=leases).accepted) == 2
+    assert q.renew(leases) == 0  # completed leases are no longer live
