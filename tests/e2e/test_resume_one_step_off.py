@@ -47,7 +47,7 @@ def _weights(ckpt_dir):
 
 def test_one_step_off_resume_is_exact(runs):
     a, b, resumed = runs
-    assert "resumed from" in resumed.stderr and "replaying rollout rounds [2]" in resumed.stderr
+    assert "resumed from" in resumed.stderr
     rows_a = {r["step"]: r for r in read_jsonl(a / "metrics" / "metrics.jsonl") if "learn/loss" in r}
     rows_b = {r["step"]: r for r in read_jsonl(b / "metrics" / "metrics.jsonl") if "learn/loss" in r}
     assert sorted(rows_a) == sorted(rows_b) == [1, 2, 3, 4]
@@ -61,6 +61,7 @@ def test_one_step_off_resume_is_exact(runs):
     assert wa.keys() == wb.keys() and len(wa) > 0
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name
+    assert "replaying rollout rounds [2]" in resumed.stderr  # round 2 came from the checkpoint
 
 
 def test_resume_at_another_data_parallel_size_is_refused_up_front(runs, tmp_path):
