@@ -12,9 +12,10 @@ The actor runs one call at a time (max_concurrency=1), so the queue needs no loc
 WAL it is started with `max_restarts=-1, max_task_retries=-1`: if its process dies, Ray
 restarts it, the new instance replays the log, and in-flight calls are retried.  That is
 safe because put_many is idempotent by trajectory id (and content checksum), try_admit and
-take are idempotent by request_id, and admission leases are in the log; a take WITHOUT request_id that dies mid-call may lose its batch to the dead
-process, so consumers should always pass one (the learner uses its step number).  Pin the
-actor to the node that holds `wal_path` (pass `scheduling_strategy` or `resources`).
+take are idempotent by request_id, and admission leases are in the log; a take WITHOUT
+request_id that dies mid-call may lose its batch to the dead process, so consumers should
+always pass one (the learner uses its step number).  Pin the actor to the node that holds
+`wal_path` (pass `scheduling_strategy` or `resources`).
 """
 
 from __future__ import annotations

@@ -10,10 +10,12 @@ Every trajectory offered to `put_many` ends in exactly one bucket: rejected (bro
 contract; reason returned and counted, never stored), duplicate (its id was seen with the
 same checksum: no-op), conflict (its id was seen with OTHER content: counted as
 queue/conflicts, logged, never stored), dropped (TTL, quota, or its admission lease expired;
-reason recorded), queued, and later consumed (exactly once) or dropped by TTL.  With `wal_path` set every state change is committed to the SQLite log in
-one transaction per call before the call returns, and a new queue on the same file resumes
-where the last one stopped (TTL re-evaluated), admission leases and the priority sampler's
-RNG state included (both are in the log's meta, so a checkpoint's queue snapshot holds them).  `actor.py` wraps this class in Ray.
+reason recorded), queued, and later consumed (exactly once) or dropped by TTL.  With
+`wal_path` set every state change is committed to the SQLite log in one transaction per call
+before the call returns, and a new queue on the same file resumes where the last one stopped
+(TTL re-evaluated), admission leases and the priority sampler's RNG state included (both are
+in the log's meta, so a checkpoint's queue snapshot holds them).  `actor.py` wraps this class
+in Ray.
 
 Version lag (dv) is measured from a trajectory's OLDEST per-token policy version.
 Compaction forgets a finished id once its oldest version lags the learner by more than
