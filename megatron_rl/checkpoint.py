@@ -11,7 +11,11 @@
 
 Layout of a run directory:
     step_000123/            one immutable directory per saved step
-        <whatever save_fn wrote>      (Megatron distributed checkpoint: weights + optimizer)
+        <whatever save_fn wrote>      the trainer (train/roles.py) writes: weights/ (Megatron
+                                      distributed checkpoint: weights + optimizer + scheduler),
+                                      queue_snapshot.db (the coordinator's log: queue, admission
+                                      leases, priority-sampler RNG), rollout_rounds.json (rounds
+                                      sampled ahead of the learner, replayed on resume)
         rng/rank_00000.json           per-rank RNG states (python, numpy, torch CPU, CUDA)
         COMMITTED                     the manifest (JSON), present only once complete
 

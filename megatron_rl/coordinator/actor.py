@@ -11,10 +11,11 @@
 The actor runs one call at a time (max_concurrency=1), so the queue needs no locks.  With a
 WAL it is started with `max_restarts=-1, max_task_retries=-1`: if its process dies, Ray
 restarts it, the new instance replays the log, and in-flight calls are retried.  That is
-safe because put_many is idempotent by trajectory id and take is idempotent by
-request_id; a take WITHOUT request_id that dies mid-call may lose its batch to the dead
-process, so consumers should always pass one (the learner uses its step number).  Pin the
-actor to the node that holds `wal_path` (pass `scheduling_strategy` or `resources`).
+safe because put_many is idempotent by trajectory id (and content checksum), try_admit and
+take are idempotent by request_id, and admission leases are in the log; a take WITHOUT
+request_id that dies mid-call may lose its batch to the dead process, so consumers should
+always pass one (the learner uses its step number).  Pin the actor to the node that holds
+`wal_path` (pass `scheduling_strategy` or `resources`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ class CoordinatorActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def try_admit(self, n: int, worker: str = "") -> list[str]:
-        return self._queue.try_admit(n, worker=worker)
+    def try_admit(self, n: int, worker: str = "", request_id: str | None = None) -> list[str]:
+        return self._queue.try_admit(n, worker=worker, request_id=request_id)
+
+    def renew(self, lease_ids: list[str]) -> int:
+        return self._queue.renew(lease_ids)
+
+    def admission_bound(self) -> tuple[int, int]:
+        return self._queue.admission_bound()
 
     def release(self, lease_ids: list[str]) -> None:
         self._queue.release(lease_ids)

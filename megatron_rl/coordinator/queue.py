@@ -7,11 +7,15 @@
     q.set_version(13); q.metrics()["queue/dv_p95"]
 
 Every trajectory offered to `put_many` ends in exactly one bucket: rejected (broke the
-contract; reason returned and counted, never stored), duplicate (its id was seen: no-op),
-dropped (TTL or quota; reason recorded), queued, and later consumed (exactly once) or
-dropped by TTL.  With `wal_path` set every state change is committed to the SQLite log in
-one transaction per call before the call returns, and a new queue on the same file resumes
-where the last one stopped (TTL re-evaluated).  `actor.py` wraps this class in Ray.
+contract; reason returned and counted, never stored), duplicate (its id was seen with the
+same checksum: no-op), conflict (its id was seen with OTHER content: counted as
+queue/conflicts, logged, never stored), dropped (TTL, quota, or its admission lease expired;
+reason recorded), queued, and later consumed (exactly once) or dropped by TTL.  With
+`wal_path` set every state change is committed to the SQLite log in one transaction per call
+before the call returns, and a new queue on the same file resumes where the last one stopped
+(TTL re-evaluated), admission leases and the priority sampler's RNG state included (both are
+in the log's meta, so a checkpoint's queue snapshot holds them).  `actor.py` wraps this class
+in Ray.
 
 Version lag (dv) is measured from a trajectory's OLDEST per-token policy version.
 Compaction forgets a finished id once its oldest version lags the learner by more than
@@ -45,6 +49,7 @@ class PutResult:
 
     accepted: list = field(default_factory=list)
     duplicates: list = field(default_factory=list)
+    conflicts: list = field(default_factory=list)  # ids already known with a different checksum
     rejected: dict = field(default_factory=dict)  # id -> "reason: message"
     dropped: dict = field(default_factory=dict)  # id -> reason
     position: int = 0  # log position after the call
@@ -78,7 +83,7 @@ class TrajectoryQueue:
         self._rng = np.random.default_rng(config.seed)
         self._admission = Admission(batch_size=config.batch_size, lease_ttl_s=config.lease_ttl_s, clock=clock)
         self._queue: dict[str, _Entry] = {}  # id -> entry, in seq (arrival) order
-        self._done: dict[str, tuple] = {}  # finished id -> (oldest policy version, outcome label)
+        self._done: dict[str, tuple] = {}  # finished id -> (oldest policy version, outcome label, checksum)
         self._takes: collections.OrderedDict[str, list] = collections.OrderedDict()  # request id -> batch
         self._counters: collections.Counter = collections.Counter()
         self._version = 0
@@ -114,17 +119,41 @@ class TrajectoryQueue:
         return None if done is None else done[1]
 
     # ------------------------------------------------------------- admission
-    def try_admit(self, n: int, *, worker: str = "") -> list[str]:
-        """Grant up to n rollout slots; returns their lease ids (possibly none)."""
+    def try_admit(self, n: int, *, worker: str = "", request_id: str | None = None) -> list[str]:
+        """Grant up to n rollout slots; returns their lease ids (possibly none), durable when returned.
+
+        With `request_id`, a retried call returns the leases the first one granted.
+        """
         eta = self.config.max_staleness
         if self.config.backpressure_reaction == "throttle" and self.backpressure().active:
             eta = 0
         accepted = self._counters["consumed"] + len(self._queue)
-        return self._admission.admit(n, eta=eta, version=self._version, accepted=accepted, worker=worker)
+        with self._atomic():
+            before = self._admission.running
+            expired = self._admission.expire()
+            leases = self._admission.admit(n, eta=eta, version=self._version, accepted=accepted, worker=worker,
+                                           request_id=request_id)
+            if expired or self._admission.running != before:
+                self._commit()
+        return leases
 
     def release(self, lease_ids: Sequence[str]) -> None:
         """Give back slots of rollouts that will not produce a trajectory."""
-        self._admission.release(lease_ids)
+        with self._atomic():
+            self._admission.release(lease_ids)
+            self._commit()
+
+    def renew(self, lease_ids: Sequence[str]) -> int:
+        """Heartbeat of a live rollout: its leases do not expire; returns how many were still live.
+
+        Not logged: lease clocks restart on a restore anyway."""
+        return self._admission.renew(lease_ids)
+
+    def admission_bound(self) -> tuple[int, int]:
+        """(accepted + running, (max_staleness + v + 1) * B): admission keeps the first <= the second."""
+        accepted = self._counters["consumed"] + len(self._queue)
+        bound = (self.config.max_staleness + self._version + 1) * self.config.batch_size
+        return accepted + self._admission.running, bound
 
     def set_version(self, version: int) -> None:
         """The learner published policy `version` (monotonic); re-applies the version TTL."""
@@ -144,15 +173,17 @@ class TrajectoryQueue:
         if lease_ids is not None and len(lease_ids) != len(trajs):
             raise ValueError(f"put_many: {len(lease_ids)} lease ids for {len(trajs)} trajectories")
         now = self._clock()
+        self._admission.expire()  # a lease past its TTL is revoked before its trajectory is judged
         result = PutResult()
         new: dict[str, _Entry] = {}
-        finished: list[tuple] = []  # (id, seq, min_version, outcome, reason, request_id)
+        finished: list[tuple] = []  # (id, seq, min_version, outcome, reason, request_id, checksum)
         per_prompt = collections.Counter(e.traj.prompt_id for e in self._queue.values()) \
             if self.config.max_queued_per_prompt else None
         per_source = collections.Counter(e.traj.source for e in self._queue.values()) \
             if self.config.max_queued_per_source else None
         blobs: dict[str, bytes] = {}
-        for traj in trajs:
+        seen: dict[str, str | None] = {}  # id -> checksum, for ids first met in this call
+        for i, traj in enumerate(trajs):
             try:
                 oldest, newest = validate(traj, tokenizer_hash=self.tokenizer_hash, current_version=self._version,
                                           check_checksum=False)
@@ -165,19 +196,32 @@ class TrajectoryQueue:
                 logger.warning("rejected trajectory: %s", err)
                 continue
             tid = traj.id
-            if tid in self._queue or tid in self._done or tid in new or tid in result.dropped:
-                result.duplicates.append(tid)
-                self._counters["duplicates"] += 1
+            known = self._known_checksum(tid, seen)
+            if known is not False:
+                if known is None or known == traj.checksum:
+                    result.duplicates.append(tid)
+                    self._counters["duplicates"] += 1
+                else:
+                    result.conflicts.append(tid)
+                    self._counters["conflicts"] += 1
+                    logger.error("conflict: trajectory id %s was already seen with checksum %s, now offered "
+                                 "with %s; the new content is not stored", tid, known, traj.checksum)
                 continue
+            seen[tid] = traj.checksum
             entry = _Entry(traj, self._next_seq + len(new), now, oldest, newest)
-            reason = self._drop_reason(entry, now)
+            lease = lease_ids[i] if lease_ids is not None else None
+            reason = None
+            if lease is not None and not self._admission.is_live(lease):
+                reason = "lease_expired"  # its slot may have been granted again: accepting it could break the bound
+            if reason is None:
+                reason = self._drop_reason(entry, now)
             if reason is None and per_prompt is not None:
                 reason = "quota_prompt" if per_prompt[traj.prompt_id] >= self.config.max_queued_per_prompt else None
             if reason is None and per_source is not None:
                 reason = "quota_source" if per_source[traj.source] >= self.config.max_queued_per_source else None
             if reason is not None:
                 result.dropped[tid] = reason
-                finished.append((tid, None, entry.min_version, "dropped", reason, None))
+                finished.append((tid, None, entry.min_version, "dropped", reason, None, traj.checksum))
                 continue
             if per_prompt is not None:
                 per_prompt[traj.prompt_id] += 1
@@ -193,12 +237,22 @@ class TrajectoryQueue:
             self._queue.update(new)
             self._counters["accepted"] += len(new)
             self._counters.update(f"status/{e.traj.status}" for e in new.values())
+            for lid in lease_ids or ():  # the rollout is over, whatever became of its trajectory
+                self._admission.complete(lid)
             result.position = self._commit(enqueued=rows, finished=finished)
         result.accepted = list(new)
         self._maybe_compact(force=False)
-        for lid in lease_ids or ():
-            self._admission.complete(lid)
         return result
+
+    def _known_checksum(self, tid: str, seen: dict) -> str | None | bool:
+        """The checksum an already-known id was offered with (None if not recorded); False if unknown."""
+        if tid in seen:
+            return seen[tid]
+        if tid in self._queue:
+            return self._queue[tid].traj.checksum
+        if tid in self._done:
+            return self._done[tid][2]
+        return False
 
     # ------------------------------------------------------------------ take
     def take(self, n: int, *, min_version: int | None = None, max_version: int | None = None,
@@ -224,7 +278,8 @@ class TrajectoryQueue:
             batch = [e.traj if p is None else dataclasses.replace(e.traj, sampling_probability=p)
                      for e, p in zip(chosen, probs)]
             ids = [t.id for t in batch]
-            finished.extend((e.traj.id, e.seq, e.min_version, "consumed", "", request_id) for e in chosen)
+            finished.extend((e.traj.id, e.seq, e.min_version, "consumed", "", request_id, e.traj.checksum)
+                            for e in chosen)
             for tid in ids:
                 del self._queue[tid]
             self._counters["consumed"] += len(ids)
@@ -268,31 +323,35 @@ class TrajectoryQueue:
             reason = self._drop_reason(entry, now)
             if reason is not None:
                 del self._queue[tid]
-                rows.append((tid, entry.seq, entry.min_version, "dropped", reason, None))
+                rows.append((tid, entry.seq, entry.min_version, "dropped", reason, None, entry.traj.checksum))
         return rows
 
     # ------------------------------------------------------------ durability
     @contextlib.contextmanager
     def _atomic(self):
         """Undo in-memory changes if the log commit fails: nothing is acknowledged, nothing lost."""
-        saved = (dict(self._queue), collections.Counter(self._counters), self._next_seq, self._version)
+        saved = (dict(self._queue), collections.Counter(self._counters), self._next_seq, self._version,
+                 self._admission.state_dict(), self._rng.bit_generator.state)
         try:
             yield
         except BaseException:
-            self._queue, self._counters, self._next_seq, self._version = saved
+            self._queue, self._counters, self._next_seq, self._version = saved[:4]
+            self._admission.load_state_dict(saved[4])
+            self._rng.bit_generator.state = saved[5]
             raise
 
     def _commit(self, *, enqueued=(), finished=(), take=None) -> int:
-        for _, _, _, outcome, reason, _ in finished:
+        for _, _, _, outcome, reason, _, _ in finished:
             if outcome == "dropped":
                 self._counters[f"dropped/{reason}"] += 1
         if self._wal is not None:
-            meta = {"version": self._version, "next_seq": self._next_seq, "counters": dict(self._counters)}
+            meta = {"version": self._version, "next_seq": self._next_seq, "counters": dict(self._counters),
+                    "admission": self._admission.state_dict(), "rng": self._rng.bit_generator.state}
             self._position = self._wal.commit(enqueued=enqueued, finished=finished, take=take, meta=meta)
         else:
             self._position += 1
-        for tid, _, min_version, outcome, reason, _ in finished:
-            self._done[tid] = (min_version, "consumed" if outcome == "consumed" else f"dropped/{reason}")
+        for tid, _, min_version, outcome, reason, _, checksum in finished:
+            self._done[tid] = (min_version, "consumed" if outcome == "consumed" else f"dropped/{reason}", checksum)
             if outcome == "dropped":
                 logger.info("dropped trajectory %s: %s", tid, reason)
         return self._position
@@ -317,8 +376,12 @@ class TrajectoryQueue:
         self._next_seq = int(state.meta.get("next_seq", 0))
         self._counters.update(state.meta.get("counters", {}))
         self._position = state.position
-        self._done = {tid: (v, "consumed" if outcome == "consumed" else f"dropped/{reason}")
-                      for tid, (v, outcome, reason) in state.done.items()}
+        self._done = {tid: (v, "consumed" if outcome == "consumed" else f"dropped/{reason}", checksum)
+                      for tid, (v, outcome, reason, checksum) in state.done.items()}
+        self._admission.load_state_dict(state.meta.get("admission", {}))
+        rng = state.meta.get("rng")
+        if rng is not None and rng.get("bit_generator") == self._rng.bit_generator.state["bit_generator"]:
+            self._rng.bit_generator.state = rng
         corrupt = []
         for seq, tid, enqueued_at, payload in state.queued:
             try:
@@ -326,7 +389,7 @@ class TrajectoryQueue:
                 validate(traj, tokenizer_hash=self.tokenizer_hash)
             except TrajectoryError as err:
                 logger.error("WAL replay: trajectory %s is unusable (%s); dropping it", tid, err)
-                corrupt.append((tid, seq, -1, "dropped", f"replay_{err.reason}", None))
+                corrupt.append((tid, seq, -1, "dropped", f"replay_{err.reason}", None, None))
                 continue
             self._queue[tid] = _Entry(traj, seq, enqueued_at, traj.oldest_version, int(traj.policy_versions.max()))
         for request_id, ids, probs in state.takes:
@@ -382,7 +445,7 @@ class TrajectoryQueue:
         for name, values in (("age_s", age), ("dv", dv), ("admission_wait_s", waits)):
             for q in (50, 95, 99):
                 out[f"queue/{name}_p{q}"] = float(np.percentile(values, q)) if len(values) else 0.0
-        for name in ("accepted", "consumed", "duplicates"):
+        for name in ("accepted", "consumed", "duplicates", "conflicts"):
             out[f"queue/{name}"] = 0.0
         out.update({f"queue/{k}": float(v) for k, v in self._counters.items()})
         return out

@@ -14,10 +14,12 @@ of a process kill (the OS still holds the pages); both pass the SIGKILL test.
 
 Tables:
     traj  (seq, id, enqueued_at, min_version, payload)  every accepted trajectory's bytes
-    done  (id, seq, min_version, outcome, reason, request_id)  consumed or dropped ids
-          (seq is NULL for a trajectory dropped on arrival, which has no traj row)
+    done  (id, seq, min_version, outcome, reason, request_id, checksum)  consumed or dropped ids
+          (seq is NULL for a trajectory dropped on arrival, which has no traj row; checksum lets a
+          re-sent id be told apart: same content = duplicate, other content = conflict)
     takes (request_id, pos, ids, probs)                 recent take batches, for replay
-    meta  (key, value)                                  position, version, counters
+    meta  (key, value)                                  position, version, counters, admission
+                                                        leases, priority-sampler RNG state
 A trajectory is queued iff its `traj` row has no `done` row (matched by seq; the queue
 keeps ids unique, so `traj.id` needs no index).  `position` counts commits; checkpoints
 record it.  Compaction deletes the payloads of finished trajectories
@@ -40,7 +42,8 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS traj (seq INTEGER PRIMARY KEY, id TEXT NOT NULL, enqueued_at REAL NOT NULL,
                                  min_version INTEGER NOT NULL, payload BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS done (id TEXT PRIMARY KEY, seq INTEGER, min_version INTEGER NOT NULL,
-                                 outcome TEXT NOT NULL, reason TEXT NOT NULL, request_id TEXT) WITHOUT ROWID;
+                                 outcome TEXT NOT NULL, reason TEXT NOT NULL, request_id TEXT,
+                                 checksum TEXT) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS done_request ON done (request_id);
 CREATE TABLE IF NOT EXISTS takes (request_id TEXT PRIMARY KEY, pos INTEGER NOT NULL, ids TEXT NOT NULL,
                                   probs TEXT NOT NULL);
@@ -55,7 +58,7 @@ class WalState:
     meta: dict = field(default_factory=dict)  # version, counters, next_seq, ...
     position: int = 0
     queued: list = field(default_factory=list)  # [(seq, id, enqueued_at, payload)] in seq order
-    done: dict = field(default_factory=dict)  # id -> (min_version, outcome, reason)
+    done: dict = field(default_factory=dict)  # id -> (min_version, outcome, reason, checksum)
     takes: list = field(default_factory=list)  # [(request_id, ids, probs)] oldest first
     payloads: dict = field(default_factory=dict)  # id -> payload, for ids in `takes`
 
@@ -79,6 +82,8 @@ class WriteAheadLog:
         self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.execute("PRAGMA journal_size_limit=16777216")  # the -wal file shrinks back to <= 16 MiB
         self._db.executescript(_SCHEMA)
+        if "checksum" not in [row[1] for row in self._db.execute("PRAGMA table_info(done)")]:
+            self._db.execute("ALTER TABLE done ADD COLUMN checksum TEXT")  # a log written before it existed
         row = self._db.execute("SELECT value FROM meta WHERE key='position'").fetchone()
         self.position = int(row[0]) if row else 0
 
@@ -90,8 +95,8 @@ class WriteAheadLog:
             "SELECT seq, id, enqueued_at, payload FROM traj "
             "WHERE seq NOT IN (SELECT seq FROM done WHERE seq IS NOT NULL) ORDER BY seq"
         ).fetchall()
-        state.done = {tid: (v, outcome, reason)
-                      for tid, v, outcome, reason in db.execute("SELECT id, min_version, outcome, reason FROM done")}
+        state.done = {tid: (v, outcome, reason, checksum) for tid, v, outcome, reason, checksum
+                      in db.execute("SELECT id, min_version, outcome, reason, checksum FROM done")}
         for request_id, ids, probs in db.execute("SELECT request_id, ids, probs FROM takes ORDER BY pos"):
             state.takes.append((request_id, json.loads(ids), json.loads(probs)))
         state.payloads = dict(db.execute(
@@ -106,7 +111,7 @@ class WriteAheadLog:
         self,
         *,
         enqueued: Iterable[tuple] = (),  # (seq, id, enqueued_at, min_version, payload)
-        finished: Iterable[tuple] = (),  # (id, seq, min_version, outcome, reason, request_id)
+        finished: Iterable[tuple] = (),  # (id, seq, min_version, outcome, reason, request_id, checksum)
         take: tuple | None = None,  # (request_id, ids, probs)
         meta: dict | None = None,
     ) -> int:
@@ -116,8 +121,8 @@ class WriteAheadLog:
         try:
             db.executemany("INSERT INTO traj (seq, id, enqueued_at, min_version, payload) VALUES (?, ?, ?, ?, ?)",
                            enqueued)
-            db.executemany("INSERT OR REPLACE INTO done (id, seq, min_version, outcome, reason, request_id) "
-                           "VALUES (?, ?, ?, ?, ?, ?)", finished)
+            db.executemany("INSERT OR REPLACE INTO done (id, seq, min_version, outcome, reason, request_id, "
+                           "checksum) VALUES (?, ?, ?, ?, ?, ?, ?)", finished)
             if take is not None:
                 request_id, ids, probs = take
                 db.execute("INSERT INTO takes (request_id, pos, ids, probs) VALUES (?, ?, ?, ?)",

@@ -1,7 +1,8 @@
 """Rollout rounds, produced as far ahead as the coordinator admits.
 
-    producer = Producer(roles); producer.start(state)
-    samples, leases, seconds = producer.next(step)    # one round = one learner batch
+    producer = Producer(roles); producer.start(state)    # state.rounds: rounds saved by a checkpoint
+    samples, leases, seconds = producer.next(step)        # one round = one learner batch
+    rounds = producer.pause(); ...; producer.unpause()    # a checkpoint: finished rounds, none in flight
     producer.stop()   # the coordinator's version, set on publish, opens admission
 
 One background thread runs rounds in order: ask the coordinator for B admissions (the
@@ -10,29 +11,38 @@ any compute is spent), take the round's prompts from the data cursor, generate o
 fleet, and hand the samples to the driver.  The run mode only sets how far ahead it may go:
 
   sync          max_staleness 0: round s starts after version s is published (on-policy)
-  one_step_off  max_staleness 1: round s+1 samples with version s while step s learns
+  one_step_off  max_staleness 1: round s+1 may sample with version s while step s learns,
+                so every sample is at most one version stale (Δv <= 1)
   async         max_staleness k: up to k versions ahead
 
 so the same code serves every mode and the coordinator remains the single place that
 decides.  Rounds are numbered like steps; per-request sampling seeds derive from the run seed
-and the round, so a resumed sync run draws exactly the samples an uninterrupted run would.
+and the round.
+
+Exact resume.  A checkpoint `pause`s the producer: no new round starts, the round in flight
+finishes, and the finished rounds the learner has not consumed yet (samples with their tokens,
+logprobs and per-token versions, plus their admission leases) are saved in the checkpoint with
+the data cursor as it is then (just after the last saved round drew its prompts).  A resumed
+run replays those rounds before generating new ones, so every round carries the version it had
+in the uninterrupted run; the leases are live again because the coordinator's admission state is
+in the queue snapshot of the same checkpoint.  While a round is generated or waits for the
+learner, a keep-alive thread renews its leases every lease_ttl_s / 3, so only a dead producer's
+leases expire (an expired lease's trajectories are dropped, see coordinator/admission.py).
+For the same reason the producer runs
+`max_staleness` rounds past run.steps: a run of 2 steps then checkpoints the round that a
+4-step run sampled with version 1 during step 1, so raising run.steps and resuming continues
+exactly (a run that ends for good discards those rounds).  In async mode the version a round
+gets depends on timing in any run; what is exact there is that resume loses nothing in flight.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class TrainState:
-    step: int
-    version: int
 
 
 @dataclasses.dataclass
@@ -42,30 +52,86 @@ class Round:
     leases: list
     seconds: float
 
+    def to_dict(self) -> dict:
+        return {"index": self.index, "samples": [s.to_dict() for s in self.samples], "leases": list(self.leases),
+                "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Round":
+        from megatron_rl.rollout.sample import RolloutSample
+
+        return cls(int(data["index"]), [RolloutSample(**s) for s in data["samples"]], list(data["leases"]),
+                   float(data["seconds"]))
+
+
+@dataclasses.dataclass
+class TrainState:
+    step: int
+    version: int
+    rounds: list = dataclasses.field(default_factory=list)  # Rounds saved by the checkpoint, replayed first
+
 
 class Producer:
     def __init__(self, roles):
         self.roles = roles
         self.cfg = roles.cfg
-        self._rounds: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._ready: dict[int, Round] = {}  # finished rounds the driver has not taken yet
+        self._paused = False
+        self._busy = False  # a round is between admission and being ready
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        # Data cursor as it was before each round drew its prompts: a checkpoint taken after
-        # step s resumes the cursor at round s, even if later rounds were already drawn.
-        self.cursor_before: dict[int, dict] = {}
+        self._held: set[str] = set()  # leases of rounds admitted and not yet handed to the driver
+        self._handed: list[str] = []  # leases of the round last handed out (enqueued soon)
+        self._keepalive: threading.Thread | None = None
 
     def start(self, state: TrainState) -> None:
-        self._thread = threading.Thread(target=self._run, args=(state.step,), name="rollout-producer", daemon=True)
+        first = state.step
+        for rnd in state.rounds:  # generated before the checkpoint: replayed as they were
+            self._ready[rnd.index] = rnd
+            first = max(first, rnd.index + 1)
+        if state.rounds:
+            logger.info("replaying rollout rounds %s saved by the checkpoint", sorted(self._ready))
+        self._thread = threading.Thread(target=self._run, args=(first,), name="rollout-producer", daemon=True)
         self._thread.start()
+        for rnd in state.rounds:
+            self._held.update(rnd.leases)
+        self._keepalive = threading.Thread(target=self._renew_leases, name="lease-keepalive", daemon=True)
+        self._keepalive.start()
 
-    def _admit(self, need: int) -> list[str]:
-        """Block until the coordinator admits `need` rollouts (or we are stopped)."""
+    def _renew_leases(self) -> None:
+        import ray
+
+        while not self._stop.wait(self.cfg.coordinator.lease_ttl_s / 3):
+            with self._cond:
+                leases = sorted(self._held.union(self._handed))
+            if leases:
+                try:
+                    ray.get(self.roles.coordinator.renew.remote(leases))
+                except Exception as err:  # the next beat retries; expiry is the coordinator's safety net
+                    logger.warning("could not renew %d rollout leases: %s", len(leases), err)
+
+    def _admit(self, need: int, round_: int) -> list[str] | None:
+        """Block until the coordinator admits `need` rollouts; None if stopped or paused first."""
         import ray
 
         leases: list[str] = []
-        while len(leases) < need and not self._stop.is_set():
-            leases += ray.get(self.roles.coordinator.try_admit.remote(need - len(leases), worker="producer"))
+        attempt = 0
+        while len(leases) < need:
+            if self._stop.is_set() or self._paused:
+                if leases:  # a checkpoint is waiting: give a partial grant back, ask again afterwards
+                    ray.get(self.roles.coordinator.release.remote(leases))
+                    with self._cond:
+                        self._held.difference_update(leases)
+                return None
+            # The request id makes a call that Ray retries after a coordinator restart idempotent.
+            granted = ray.get(self.roles.coordinator.try_admit.remote(
+                need - len(leases), worker="producer", request_id=f"round-{round_}/{attempt}"))
+            with self._cond:
+                self._held.update(granted)
+            leases += granted
+            attempt += 1
             if len(leases) < need:
                 time.sleep(0.02)
         return leases
@@ -73,43 +139,70 @@ class Producer:
     def _run(self, first_round: int) -> None:
         cfg = self.cfg
         need = self.roles.cfg.samples_per_step
+        r = first_round
+        last = cfg.run.steps + cfg.coordinator.max_staleness  # rounds a longer run would sample before step `steps`
         try:
-            for r in range(first_round, cfg.run.steps):
-                leases = self._admit(need)
-                if self._stop.is_set():
-                    return
-                self.cursor_before[r] = self.roles.cursor.state_dict()
-                self.cursor_before.pop(r - 2 * (cfg.coordinator.max_staleness + 2), None)
-                prompts, extra = self.roles.next_prompts(r)
-                t0 = time.perf_counter()
-                samples = self.roles.fleet.generate(
-                    prompts, n=cfg.run.group_size, extra=extra,
-                    sampling={"seed": cfg.run.seed * 1_000_000_007 + r * 7919})
-                self._rounds.put(Round(r, samples, leases, time.perf_counter() - t0))
+            while r < last:
+                with self._cond:
+                    while self._paused and not self._stop.is_set():
+                        self._cond.wait(0.1)
+                    if self._stop.is_set():
+                        return
+                    self._busy = True
+                try:
+                    leases = self._admit(need, r)
+                    if leases is None:
+                        continue
+                    prompts, extra = self.roles.next_prompts(r)
+                    t0 = time.perf_counter()
+                    samples = self.roles.fleet.generate(
+                        prompts, n=cfg.run.group_size, extra=extra,
+                        sampling={"seed": cfg.run.seed * 1_000_000_007 + r * 7919})
+                    with self._cond:
+                        self._ready[r] = Round(r, samples, leases, time.perf_counter() - t0)
+                    r += 1
+                finally:
+                    with self._cond:
+                        self._busy = False
+                        self._cond.notify_all()
         except BaseException as err:  # surfaced to the driver on its next call
-            self._error = err
-            self._rounds.put(None)
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
 
     def next(self, step: int) -> tuple[list, list, float]:
         """The samples (and their admission leases) of round `step`, waiting for them."""
-        while True:
-            try:
-                item = self._rounds.get(timeout=1.0)
-            except queue.Empty:
-                if self._thread is not None and not self._thread.is_alive() and self._error is None:
+        with self._cond:
+            while step not in self._ready:
+                if self._error is not None:
+                    raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
+                if self._thread is None or not self._thread.is_alive():
                     raise RuntimeError("rollout producer stopped without producing round %d" % step)
-                continue
-            if item is None:
-                raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
-            if item.index != step:
-                raise RuntimeError(f"rollout round {item.index} arrived for step {step}")
-            return item.samples, item.leases, item.seconds
+                self._cond.wait(1.0)
+            item = self._ready.pop(step)
+            self._held.difference_update(item.leases)
+            self._handed = list(item.leases)
+        return item.samples, item.leases, item.seconds
 
-    def cursor_for_round(self, r: int) -> dict:
-        """The data cursor a run resuming at round r must start from."""
-        return self.cursor_before.get(r, self.roles.cursor.state_dict())
+    def pause(self) -> list[Round]:
+        """Start no new round, let the one in flight finish; the finished rounds not yet taken."""
+        with self._cond:
+            self._paused = True
+            while self._busy and self._error is None and self._thread is not None and self._thread.is_alive():
+                self._cond.wait(0.5)
+            if self._error is not None:
+                raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
+            return [self._ready[k] for k in sorted(self._ready)]
+
+    def unpause(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=120)
+        with self._cond:
+            self._cond.notify_all()
+        for thread in (self._thread, self._keepalive):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=120)

@@ -25,13 +25,14 @@ from pathlib import Path
 from megatron_rl import __version__
 from megatron_rl.config import config_hash
 from megatron_rl.train.config import TrainConfig, resolved_dict
-from megatron_rl.train.producer import Producer, TrainState
+from megatron_rl.train.producer import Producer, Round, TrainState
 from megatron_rl.train.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 
 QUEUE_DB = "queue.db"
 QUEUE_SNAPSHOT = "queue_snapshot.db"
+PENDING_ROUNDS = "rollout_rounds.json"  # rounds generated before a checkpoint, not yet learned from
 
 
 @dataclasses.dataclass
@@ -121,7 +122,9 @@ class Roles:
             self.learner.load(str(ckpt / "weights"))
             self.learner.set_rng_states({r: load_rng_state(ckpt, r) for r in manifest["rng"]["ranks"]})
             self.cursor.load_state_dict(manifest["data_cursor"])
-            state = TrainState(step=int(manifest["step"]), version=int(manifest["policy_version"]))
+            rounds = [Round.from_dict(d) for d in json.loads((ckpt / PENDING_ROUNDS).read_text())] \
+                if (ckpt / PENDING_ROUNDS).is_file() else []
+            state = TrainState(step=int(manifest["step"]), version=int(manifest["policy_version"]), rounds=rounds)
             self.initial_eval = manifest.get("extra", {}).get("initial_test_reward")
             logger.info("resumed from %s: step %d, policy version %d", ckpt, state.step, state.version)
             report = self.learner.publish(state.version)
@@ -131,23 +134,35 @@ class Roles:
         return state
 
     def checkpoint(self, state: TrainState) -> Path:
+        """Save weights, optimizer, RNG, queue (with admission leases and sampler RNG), data cursor and
+        the rollout rounds generated ahead of the learner; COMMITTED is written last."""
         import ray
 
         from megatron_rl.checkpoint import rotate, save_checkpoint
 
-        position = ray.get(self.coordinator.position.remote())
-        ckpts = self.run_dir / "checkpoints"
+        rounds = self._producer.pause()  # nothing in flight: cursor, queue and rounds agree
+        try:
+            position = ray.get(self.coordinator.position.remote())
+            ckpts = self.run_dir / "checkpoints"
 
-        def save_fn(tmp: Path) -> None:
-            self.learner.save(str(tmp / "weights"))
-            snapshot_queue(self.run_dir / QUEUE_DB, tmp / QUEUE_SNAPSHOT)
+            def save_fn(tmp: Path) -> None:
+                self.learner.save(str(tmp / "weights"))
+                snapshot_queue(self.run_dir / QUEUE_DB, tmp / QUEUE_SNAPSHOT)
+                (tmp / PENDING_ROUNDS).write_text(json.dumps([r.to_dict() for r in rounds]))
 
-        path = save_checkpoint(
-            ckpts, state.step, policy_version=state.version, config_hash=config_hash(self.cfg),
-            save_fn=save_fn, tokenizer_hash=self.tokenizer_hash, data_cursor=self._producer.cursor_for_round(state.step),
-            coordinator_log_position=position, rng_states=self.learner.rng_states(),
-            extra={"initial_test_reward": self.initial_eval, "package_version": __version__},
-        )
+            lc = self.cfg.learner
+            path = save_checkpoint(
+                ckpts, state.step, policy_version=state.version, config_hash=config_hash(self.cfg),
+                save_fn=save_fn, tokenizer_hash=self.tokenizer_hash, data_cursor=self.cursor.state_dict(),
+                coordinator_log_position=position, rng_states=self.learner.rng_states(),
+                extra={"initial_test_reward": self.initial_eval, "package_version": __version__,
+                       "pending_rounds": [r.index for r in rounds],
+                       "learner_world": {"tensor": lc.tensor_model_parallel_size,
+                                         "pipeline": lc.pipeline_model_parallel_size,
+                                         "data": self.cfg.run.learner_data_parallel_size}},
+            )
+        finally:
+            self._producer.unpause()
         rotate(ckpts, self.cfg.run.keep_checkpoints)
         logger.info("checkpoint %s committed", path)
         return path
@@ -181,7 +196,11 @@ class Roles:
         if result.rejected:
             logger.warning("coordinator rejected %d trajectories, e.g. %s", len(result.rejected),
                            next(iter(result.rejected.values())))
-        return {"accepted": len(result.accepted), "rejected": len(result.rejected), "dropped": len(result.dropped)}
+        if result.conflicts:
+            logger.error("coordinator refused %d trajectories whose ids it already holds with other content, e.g. %s",
+                         len(result.conflicts), result.conflicts[0])
+        return {"accepted": len(result.accepted), "rejected": len(result.rejected), "dropped": len(result.dropped),
+                "conflicts": len(result.conflicts)}
 
     def take(self, step: int, version: int) -> list:
         """One batch inside the version window [v - max_staleness, v], waiting for it if needed."""
@@ -416,6 +435,37 @@ def snapshot_queue(src: Path, dst: Path) -> None:
         return
     with sqlite3.connect(str(src)) as a, sqlite3.connect(str(dst)) as b:
         a.backup(b)
+
+
+def check_resume_world(cfg: TrainConfig) -> None:
+    """Refuse, before anything starts, to resume a checkpoint saved by another learner layout.
+
+    The Megatron distributed checkpoint of model + optimizer could be resharded, but the
+    per-rank RNG states and the scheduler files are keyed by rank, so a resume at another
+    data-parallel (or tensor/pipeline) size would not be the run it claims to continue.
+    """
+    from megatron_rl.checkpoint import CheckpointError, latest_committed, read_manifest
+
+    ckpt = latest_committed(Path(cfg.run.dir).resolve() / "checkpoints") if cfg.run.resume else None
+    if ckpt is None:
+        return
+    manifest = read_manifest(ckpt)
+    lc = cfg.learner
+    now = {"tensor": lc.tensor_model_parallel_size, "pipeline": lc.pipeline_model_parallel_size,
+           "data": cfg.run.learner_data_parallel_size}
+    saved = manifest.get("extra", {}).get("learner_world")
+    if saved is None:  # written before the layout was recorded: the RNG files still count the ranks
+        ranks = len(manifest.get("rng", {}).get("ranks", []))
+        if ranks and ranks != now["tensor"] * now["pipeline"] * now["data"]:
+            raise CheckpointError(f"cannot resume {ckpt}: it was saved by {ranks} learner ranks, this run has "
+                                  f"{now['tensor'] * now['pipeline'] * now['data']}")
+        return
+    if saved != now:
+        raise CheckpointError(
+            f"cannot resume {ckpt}: it was saved by a learner with (tensor, pipeline, data) parallel sizes "
+            f"({saved['tensor']}, {saved['pipeline']}, {saved['data']}), this run has ({now['tensor']}, "
+            f"{now['pipeline']}, {now['data']}); per-rank RNG and scheduler state cannot be carried over. "
+            "Use the same layout, or start a new run directory (run.resume=false ignores the checkpoint)")
 
 
 def restore_queue_snapshot(run_dir: Path, cfg: TrainConfig) -> None:

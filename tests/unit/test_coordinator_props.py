@@ -56,16 +56,17 @@ def run_ops(ops, wal_path):
     cfg = CoordinatorConfig(batch_size=4, max_staleness=50, max_version_lag=LAG, max_age_s=60,
                             compact_every=10_000, wal_path=wal_path)
     q = TrajectoryQueue(cfg, tokenizer_hash=TOK, clock=clock)
-    offered, consumed, takes = set(), [], {}
+    offered, consumed, takes, first_checksum = set(), [], {}, {}
     for op in ops:
         if op[0] == "put":
-            batch, bad_ids = [], set()
+            batch, bad_ids, corrupted = [], set(), set()
             for idx, age, mixed, bad in op[1]:
                 v = max(0, q.version - age)
                 t = traj(idx, [v, min(v + 1, q.version)] if mixed else [v])
                 if bad:  # a corrupted copy: wrong checksum
                     t = dataclasses.replace(t, response_tokens=t.response_tokens + 1)
                     bad_ids.add(t.id)
+                    corrupted.add(len(batch))
                 batch.append(t)
             known = {t.id for t in batch if q.outcome(t.id) is not None}
             accepted_before = q.metrics()["queue/accepted"]
@@ -74,8 +75,14 @@ def run_ops(ops, wal_path):
                 if t.id in res.rejected:
                     assert res.rejected[t.id].startswith("checksum")
             assert set(res.accepted).isdisjoint(known)  # an id already known is never accepted again
-            assert set(res.duplicates) >= {t.id for t in batch if t.id in known and t.id not in bad_ids}
+            # A known id comes back as a duplicate if its content is what was first stored, else a conflict.
+            resent = [t for t in batch if t.id in known and t.id not in bad_ids]
+            assert set(res.duplicates) >= {t.id for t in resent if t.checksum == first_checksum[t.id]}
+            assert set(res.conflicts) >= {t.id for t in resent if t.checksum != first_checksum[t.id]}
             assert q.metrics()["queue/accepted"] == accepted_before + len(res.accepted)
+            for i, t in enumerate(batch):
+                if i not in corrupted and (t.id in res.accepted or t.id in res.dropped):
+                    first_checksum.setdefault(t.id, t.checksum)
             offered |= set(res.accepted) | set(res.dropped)
         elif op[0] == "take":
             _, n, window, request_id = op
