@@ -83,8 +83,11 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
                 producer.stop()
                 raise SystemExit(EXIT_REQUEUE)
         producer.stop()
-        final = roles.log_eval(cfg.run.steps, split="test")
-        return {"steps": state.step, "version": state.version, "final_test_reward": final,
-                "initial_test_reward": roles.initial_eval, "run_dir": str(roles.run_dir)}
+        roles.log_eval(cfg.run.steps, split="test")
+        first, last = roles.initial_eval or {}, roles.last_eval
+        return {"steps": state.step, "version": state.version,
+                "initial_test_correctness": first.get("correctness"), "final_test_correctness": last["correctness"],
+                "initial_test_reward": first.get("reward"), "final_test_reward": last["reward"],
+                "final_test_format": last["format"], "run_dir": str(roles.run_dir)}
     finally:
         roles.close()

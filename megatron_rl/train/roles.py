@@ -53,7 +53,8 @@ class Roles:
     own_ray: bool
     placement: object
     telemetry: Telemetry = dataclasses.field(default_factory=Telemetry)
-    initial_eval: float | None = None
+    initial_eval: dict | None = None
+    """The step-0 eval of the hidden test split: {"reward", "correctness", "format"}."""
     last_eval: dict | None = None
     _producer: Producer | None = None
 
@@ -125,7 +126,7 @@ class Roles:
             rounds = [Round.from_dict(d) for d in json.loads((ckpt / PENDING_ROUNDS).read_text())] \
                 if (ckpt / PENDING_ROUNDS).is_file() else []
             state = TrainState(step=int(manifest["step"]), version=int(manifest["policy_version"]), rounds=rounds)
-            self.initial_eval = manifest.get("extra", {}).get("initial_test_reward")
+            self.initial_eval = manifest.get("extra", {}).get("initial_test_eval")
             logger.info("resumed from %s: step %d, policy version %d", ckpt, state.step, state.version)
             report = self.learner.publish(state.version)
             if not report["committed"]:
@@ -155,7 +156,7 @@ class Roles:
                 ckpts, state.step, policy_version=state.version, config_hash=config_hash(self.cfg),
                 save_fn=save_fn, tokenizer_hash=self.tokenizer_hash, data_cursor=self.cursor.state_dict(),
                 coordinator_log_position=position, rng_states=self.learner.rng_states(),
-                extra={"initial_test_reward": self.initial_eval, "package_version": __version__,
+                extra={"initial_test_eval": self.initial_eval, "package_version": __version__,
                        "pending_rounds": [r.index for r in rounds],
                        "learner_world": {"tensor": lc.tensor_model_parallel_size,
                                          "pipeline": lc.pipeline_model_parallel_size,
@@ -276,7 +277,7 @@ class Roles:
             logger.warning("eval step %d on %s: %d of %d responses could not be graded (excluded from the means)",
                            step, split, s["verifier_errors"], len(examples))
         if step == 0 and split == "test" and self.initial_eval is None:
-            self.initial_eval = s["reward"]
+            self.initial_eval = {k: s[k] for k in ("reward", "correctness", "format")}
         logger.info("eval step %d on %s: mean reward %.3f, correctness %.3f", step, split, s["reward"],
                     s["correctness"])
         return s["reward"]

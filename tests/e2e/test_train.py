@@ -32,6 +32,7 @@ def test_reward_rises_on_held_out_split(run_a):
     assert summary["steps"] == 4 and summary["version"] == 4
     # The hidden test split, greedy decoding, before training and after 4 GRPO steps.
     assert summary["final_test_reward"] >= summary["initial_test_reward"] + 0.2, summary
+    assert 0.0 <= summary["initial_test_correctness"] <= 1.0 and 0.0 <= summary["final_test_correctness"] <= 1.0
 
 
 def test_every_panel_reaches_tensorboard(run_a):
