@@ -144,8 +144,6 @@ class RunConfig:
     """Size of one checksummed bucket of a weight publication."""
     take_timeout_s: float = 600.0
     """How long a learner step waits for a full batch inside its version window before failing."""
-    measure_lag: bool = True
-    """Score each batch under the learner before the update, for per-sequence D_lag percentiles."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "rollout_groups", "learner_data_parallel_size",

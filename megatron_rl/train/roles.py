@@ -235,10 +235,7 @@ class Roles:
         out = {f"adv/{k}": v for k, v in adv_stats.items()}
         # D_lag (batch-wide and P50/P95/P99 over sequences) comes from the training forward itself:
         # its logprobs are the learner's before this update (megatron_rl.grpo.loss.grpo_metrics).
-        learned = self.learner.train_step(batch)
-        if not self.cfg.run.measure_lag:
-            learned = {k: v for k, v in learned.items() if not k.startswith("d_lag/")}
-        out.update(learned)
+        out.update(self.learner.train_step(batch))
         out["dv"] = [version - t.oldest_version for t in taken]
         return out, time.perf_counter() - t0
 
