@@ -5,6 +5,8 @@
                            data_cursor=cursor.state_dict(), coordinator_log_position=pos,
                            rng_states={rank: capture_rng_state() for each rank})
     ckpt = latest_committed(run_dir)               # newest committed step dir, or None
+    ckpt = resume_checkpoint(run_dir)              # newest that verifies (sha256), bad ones skipped
+    checkpoint_status(run_dir)                     # every step dir: intact / corrupt / uncommitted
     manifest = load_checkpoint(ckpt, tokenizer_hash=tokenizer_hash(model_dir))   # verifies sha256
     restore_rng_state(load_rng_state(ckpt, rank))
     rotate(run_dir, keep_n=3)
@@ -291,12 +293,84 @@ def latest_committed(run_dir: str | Path, *, verify: bool = False) -> Path | Non
         try:
             manifest = read_manifest(path)
             if verify:
-                verify_files(path, manifest)
+                verify_cached(path, manifest)
         except CheckpointError as err:
             logger.warning("skipping checkpoint step %d: %s", step, err)
             continue
         return path
     return None
+
+
+_VERIFIED: dict[str, tuple] = {}  # step dir -> (size, mtime) signature of its files when they last verified
+
+
+def _signature(root: Path, manifest: Mapping[str, Any]) -> tuple:
+    sig = []
+    for rel in sorted(manifest["files"]):
+        try:
+            st = (root / rel).stat()
+        except OSError:
+            return ()
+        sig.append((rel, st.st_size, st.st_mtime_ns))
+    st = (root / MANIFEST).stat()
+    return tuple(sig) + ((MANIFEST, st.st_size, st.st_mtime_ns),)
+
+
+def verify_cached(ckpt_dir: str | Path, manifest: Mapping[str, Any]) -> None:
+    """verify_files, skipped when this process already verified the same unchanged files
+    (dry-run checks, the layout check and resume all ask about the same checkpoint)."""
+    root = Path(ckpt_dir).resolve()
+    sig = _signature(root, manifest)
+    if sig and _VERIFIED.get(str(root)) == sig:
+        return
+    verify_files(root, manifest)
+    _VERIFIED[str(root)] = sig
+
+
+def checkpoint_status(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every step directory, newest first: {"step", "path", "status", "problem"} with status
+    "intact" (committed, every file matches its sha256), "corrupt" (problem names the file) or
+    "uncommitted" (no COMMITTED manifest: a save that never finished, or a deleted manifest)."""
+    out = []
+    for step, path in reversed(list_step_dirs(run_dir)):
+        row: dict[str, Any] = {"step": step, "path": str(path), "status": "intact", "problem": None}
+        if not (path / MANIFEST).is_file():
+            row.update(status="uncommitted", problem=f"no {MANIFEST} manifest")
+        else:
+            try:
+                verify_cached(path, read_manifest(path))
+            except CheckpointError as err:
+                row.update(status="corrupt", problem=str(err))
+        out.append(row)
+    return out
+
+
+def resume_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint a resume must use: the newest one that is committed and verifies.
+
+    Newer ones that do not verify are skipped with a warning naming the bad file.  When step
+    directories exist but none is intact, CheckpointError: starting over silently would redo
+    (and then collide with) the committed steps.
+    """
+    ckpt = latest_committed(run_dir, verify=True)
+    if ckpt is None and list_step_dirs(run_dir):
+        raise CheckpointError(f"no intact checkpoint in {run_dir} to resume from (see the warnings above, or "
+                              "`megatron-rl checkpoint verify RUN_DIR`); set run.resume=false to start over "
+                              "in a new run.dir")
+    return ckpt
+
+
+def quarantine_newer(run_dir: str | Path, step: int) -> list[Path]:
+    """Rename step directories newer than `step` (the one resumed from, which verified) to
+    `bad.step_N.<time>`, so that the resumed run can commit those steps again; nothing is deleted."""
+    moved = []
+    for s, path in list_step_dirs(run_dir):
+        if s > step:
+            dest = path.with_name(f"bad.{path.name}.{int(time.time())}")
+            os.rename(path, dest)
+            logger.warning("set aside checkpoint %s that failed verification as %s", path, dest.name)
+            moved.append(dest)
+    return moved
 
 
 def _remove(path: Path) -> None:

@@ -21,8 +21,21 @@ COMMAND_MODULES = [
     "megatron_rl.submit_cli",
     "megatron_rl.planner.cli",
     "megatron_rl.conversion.cli",
+    "megatron_rl.checkpoint_cli",
     "megatron_rl.models.tiny",
 ]
+
+
+class CommandError(Exception):
+    """Ends a command with one `megatron-rl CMD: error: ...` line and `exit_code` (not "bad input").
+
+    For failures that are neither bad input (exit 2) nor bugs (a traceback), e.g. a run that
+    stopped because a rollout engine died and can be resumed by rerunning (exit 75).
+    """
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args) or 0)
+    except CommandError as err:
+        print(f"megatron-rl {args.command}: error: {err}", file=sys.stderr)
+        return err.exit_code
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         # What a user can fix: one clear line, no traceback.
         print(f"megatron-rl {args.command}: error: {err}", file=sys.stderr)

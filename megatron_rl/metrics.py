@@ -13,6 +13,10 @@ and the others still receive the step, so a failing monitor never stops training
 
 Files: `<log_dir>/metrics.jsonl` (one {"step", "time", ...metrics} object per line) and
 TensorBoard event files in `<log_dir>/tb/`.
+
+Resume: `log.rewind(S)` after resuming from the checkpoint of step S drops the JSONL records of
+steps > S (an abandoned attempt's, about to be redone) and starts a new TensorBoard event file
+with purge_step S+1, so readers discard the older files' events of those steps.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import logging
 import math
 import numbers
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, Sequence
@@ -57,6 +62,26 @@ class JsonlSink:
     def close(self) -> None:
         self._fh.close()
 
+    def rewind(self, keep_through: int) -> int:
+        """Drop the records of steps > keep_through (and a torn last line); returns how many."""
+        self._fh.close()
+        kept, dropped = [], 0
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                keep = int(json.loads(line)["step"]) <= keep_through
+            except (ValueError, KeyError, TypeError):
+                keep = False  # a line torn by a crash
+            if keep:
+                kept.append(line)
+            else:
+                dropped += 1
+        if dropped:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            os.replace(tmp, self.path)
+        self._fh = self.path.open("a", encoding="utf-8")
+        return dropped
+
 
 class TensorBoardSink:
     name = "tensorboard"
@@ -64,7 +89,8 @@ class TensorBoardSink:
     def __init__(self, log_dir: str | Path) -> None:
         from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
 
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        self._log_dir = str(log_dir)
+        self._writer = SummaryWriter(log_dir=self._log_dir)
 
     def write(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         for key, value in scalars.items():
@@ -75,6 +101,15 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self._writer.close()
+
+    def rewind(self, keep_through: int) -> int:
+        """Continue in a new event file whose purge marker makes readers (TensorBoard, EventAccumulator)
+        discard the earlier files' events of steps > keep_through."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer.close()
+        self._writer = SummaryWriter(log_dir=self._log_dir, purge_step=keep_through + 1)
+        return 0
 
 
 def check_key(key: str) -> None:
@@ -133,6 +168,20 @@ class MetricsLogger:
             self.failures[sink.name] = count
             if count == 1 or count % 100 == 0:
                 logger.warning("metrics sink %s failed to %s (%d failures so far): %s", sink.name, what, count, err)
+
+    def rewind(self, keep_through: int) -> None:
+        """A resumed run redoes the steps after its checkpoint: forget what an abandoned attempt
+        logged for steps > keep_through (-1: everything), so that no step is counted twice."""
+        for sink in self.sinks:
+            if hasattr(sink, "rewind"):
+                self._guard(sink, "rewind", self._rewind_one, sink, keep_through)
+
+    @staticmethod
+    def _rewind_one(sink, keep_through: int) -> None:
+        dropped = sink.rewind(keep_through)
+        if dropped:
+            logger.warning("metrics %s: dropped %d records of steps > %d from an earlier attempt",
+                           sink.name, dropped, keep_through)
 
     def flush(self) -> None:
         for sink in self.sinks:

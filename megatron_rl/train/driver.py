@@ -25,8 +25,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from megatron_rl.checkpoint import CheckpointError
 from megatron_rl.train.config import TrainConfig
-from megatron_rl.train.roles import Roles, check_resume_world
+from megatron_rl.train.roles import PublicationError, Roles, check_resume_world
 
 logger = logging.getLogger(__name__)
 
@@ -89,5 +90,28 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
                 "initial_test_correctness": first.get("correctness"), "final_test_correctness": last["correctness"],
                 "initial_test_reward": first.get("reward"), "final_test_reward": last["reward"],
                 "final_test_format": last["format"], "run_dir": str(roles.run_dir)}
+    except PublicationError as err:                                      # a dead engine: resumable
+        raise requeue_after(err, roles) from err
+    except ValueError as err:  # past start-up only a checkpoint problem is the user's, others are bugs (not exit 2)
+        if isinstance(err, CheckpointError):
+            raise
+        raise RuntimeError(f"internal error while training: {err}") from err
     finally:
         roles.close()
+
+
+def requeue_after(err: Exception, roles: Roles):
+    """The one-line error (exit 75) for a run that cannot continue but can be resumed by rerunning,
+    once the newest COMMITTED checkpoint has been checked intact (sha256)."""
+    from megatron_rl.checkpoint import checkpoint_status
+    from megatron_rl.cli import CommandError
+
+    rows = [r for r in checkpoint_status(roles.run_dir / "checkpoints") if r["status"] != "uncommitted"]
+    if not rows:
+        tail = "no checkpoint was committed yet: rerunning starts over"
+    elif rows[0]["status"] == "intact":
+        tail = f"newest checkpoint {rows[0]['path']} is intact (step {rows[0]['step']}): rerun the same command to resume"
+    else:
+        tail = f"newest checkpoint is corrupt ({rows[0]['problem']}); rerunning resumes from the newest intact one"
+    logger.error("%s; %s", err, tail)
+    return CommandError(f"{err}; {tail}", exit_code=EXIT_REQUEUE)

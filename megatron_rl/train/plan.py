@@ -2,14 +2,18 @@
 
     plan = check_and_plan(cfg)     # raises ValueError/FileNotFoundError naming the problem
 
-Checks: the model (config.json readable, architecture supported), the learner and rollout
+Checks: run.dir (a directory, or creatable), the model (config.json readable, architecture
+supported, every safetensors file as long as its header says), the learner and rollout
 layouts against the model's heads, KV heads and layers, the data (JSONL files and fields),
-and a checkpoint to resume from (its tokenizer must be this run's).  No Ray, vLLM or
+and the checkpoint to resume from (the newest whose files match their sha256, its tokenizer
+this run's).  No Ray, vLLM or
 Megatron is started.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 from megatron_rl.train.config import TrainConfig
@@ -43,11 +47,12 @@ def init_from_model_dir(run_dir: str | Path) -> Path:
 
 def check_resume_tokenizer(cfg: TrainConfig) -> str | None:
     """Refuse to resume a checkpoint written with another tokenizer; returns the checkpoint path."""
-    from megatron_rl.checkpoint import latest_committed, read_manifest
+    from megatron_rl.checkpoint import read_manifest, resume_checkpoint
     from megatron_rl.models.tokenizer import tokenizer_hash
 
     run_dir = Path(cfg.run.dir)
-    ckpt = latest_committed(run_dir / "checkpoints") if cfg.run.resume else None
+    # The newest checkpoint whose files all match their sha256; bad ones are skipped, naming the file.
+    ckpt = resume_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
     if ckpt is None:
         return None
     if cfg.model.init_from is not None:
@@ -63,11 +68,79 @@ def check_resume_tokenizer(cfg: TrainConfig) -> str | None:
     return str(ckpt)
 
 
+def check_run_dir(cfg: TrainConfig) -> None:
+    """run.dir must be a directory or creatable as one (its nearest existing parent a directory)."""
+    path = Path(cfg.run.dir).absolute()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"run.dir {cfg.run.dir}: exists and is not a directory")
+        return
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"run.dir {cfg.run.dir}: cannot be created, {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"run.dir {cfg.run.dir}: cannot be created, {parent} is not writable")
+
+
+def check_safetensors(path: str | Path) -> None:
+    """Read a .safetensors header and check that the tensor data it describes fits the file.
+
+    Layout: 8-byte little-endian header length N, N bytes of JSON {name: {dtype, shape,
+    data_offsets: [begin, end]}, "__metadata__": {...}}, then the data (offsets relative to it).
+    A file cut short (interrupted copy or download) fails here with its path, instead of deep
+    inside a worker at load time.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"weight file {path}: {size} bytes, too short for a safetensors header (truncated?)")
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            raise ValueError(f"weight file {path}: header of {n} bytes does not fit the {size}-byte file (truncated?)")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"weight file {path}: unreadable safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"weight file {path}: safetensors header is not a JSON object")
+    end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"weight file {path}: tensor {name!r} has no valid data_offsets") from None
+        if not 0 <= begin <= stop:
+            raise ValueError(f"weight file {path}: tensor {name!r} has data_offsets [{begin}, {stop}]")
+        end = max(end, stop)
+    if 8 + n + end > size:
+        raise ValueError(f"weight file {path}: the header describes {8 + n + end} bytes, the file has {size} "
+                         f"(truncated? copy or download it again)")
+
+
+def check_weight_files(model_dir: str | Path) -> int:
+    """check_safetensors on every *.safetensors in a model directory; returns how many."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    for f in files:
+        check_safetensors(f)
+    return len(files)
+
+
 def check_and_plan(cfg: TrainConfig) -> dict:
     from megatron_rl.models.hf_config import check_parallel_layout
     from megatron_rl.train.roles import load_data
 
+    check_run_dir(cfg)
     hf = model_config(cfg)
+    if cfg.model.path is not None:
+        check_weight_files(cfg.model.path)
+    elif cfg.model.init_from is None and (Path(cfg.run.dir) / "model").is_dir():
+        check_weight_files(Path(cfg.run.dir) / "model")  # the tiny model made by an earlier attempt
     lc = cfg.learner
     check_parallel_layout(hf, lc.tensor_model_parallel_size, lc.pipeline_model_parallel_size,
                           cfg.run.learner_data_parallel_size)

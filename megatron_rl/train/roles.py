@@ -35,6 +35,10 @@ QUEUE_SNAPSHOT = "queue_snapshot.db"
 PENDING_ROUNDS = "rollout_rounds.json"  # rounds generated before a checkpoint, not yet learned from
 
 
+class PublicationError(RuntimeError):
+    """Publishing new weights failed because a rollout group's engine is dead or unreachable."""
+
+
 @dataclasses.dataclass
 class Roles:
     cfg: TrainConfig
@@ -56,6 +60,8 @@ class Roles:
     initial_eval: dict | None = None
     """The step-0 eval of the hidden test split: {"reward", "correctness", "format"}."""
     last_eval: dict | None = None
+    resume_from: Path | None = None
+    """The checkpoint restore_queue_snapshot verified and took the queue from; resume() loads it."""
     _producer: Producer | None = None
 
     # ---- construction ------------------------------------------------------------------------
@@ -82,7 +88,7 @@ class Roles:
                 ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
             else:
                 ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
-        restore_queue_snapshot(run_dir, cfg)
+        resume_from = restore_queue_snapshot(run_dir, cfg)
         coord_cfg = dataclasses.replace(cfg.coordinator, wal_path=str(run_dir / QUEUE_DB))
         coordinator = start_coordinator(coord_cfg, tokenizer_hash=tok_hash)
         lc = cfg.learner
@@ -100,7 +106,8 @@ class Roles:
         metrics = MetricsLogger(run_dir / "metrics")
         return cls(cfg=cfg, run_dir=run_dir, model_dir=model_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
                    splits=splits, template=template, cursor=cursor, coordinator=coordinator, fleet=fleet,
-                   verifier=verifier, learner=learner, metrics=metrics, own_ray=own_ray, placement=place)
+                   verifier=verifier, learner=learner, metrics=metrics, own_ray=own_ray, placement=place,
+                   resume_from=resume_from)
 
     def producer(self) -> Producer:
         self._producer = Producer(self)
@@ -111,12 +118,12 @@ class Roles:
     def resume(self) -> TrainState:
         import ray
 
-        from megatron_rl.checkpoint import latest_committed, load_checkpoint, load_rng_state
+        from megatron_rl.checkpoint import load_checkpoint, load_rng_state, quarantine_newer
 
         state = TrainState(step=0, version=0)
-        ckpt = latest_committed(self.run_dir / "checkpoints") if self.cfg.run.resume else None
+        ckpt = self.resume_from  # verified (sha256) before anything was restored from it
         if ckpt is not None:
-            manifest = load_checkpoint(ckpt, tokenizer_hash=self.tokenizer_hash)
+            manifest = load_checkpoint(ckpt, tokenizer_hash=self.tokenizer_hash, verify=False)
             if manifest["config_hash"] != config_hash(self.cfg):
                 logger.warning("resuming %s written with a different config (hash %s, now %s)",
                                ckpt, manifest["config_hash"][:12], config_hash(self.cfg)[:12])
@@ -128,10 +135,12 @@ class Roles:
             state = TrainState(step=int(manifest["step"]), version=int(manifest["policy_version"]), rounds=rounds)
             self.initial_eval = manifest.get("extra", {}).get("initial_test_eval")
             logger.info("resumed from %s: step %d, policy version %d", ckpt, state.step, state.version)
-            report = self.learner.publish(state.version)
-            if not report["committed"]:
-                raise RuntimeError(f"could not publish the resumed weights: {report['errors']}")
-        ray.get(self.coordinator.set_version.remote(state.version))
+            self.publish(state.version)
+            quarantine_newer(ckpt.parent, state.step)  # newer step dirs failed verification
+        else:
+            ray.get(self.coordinator.set_version.remote(state.version))
+        # Metrics of steps after the checkpoint come from an abandoned attempt: they are redone now.
+        self.metrics.rewind(state.step if state.step > 0 else -1)
         return state
 
     def checkpoint(self, state: TrainState) -> Path:
@@ -243,11 +252,32 @@ class Roles:
         import ray
 
         t0 = time.perf_counter()
-        report = self.learner.publish(version)
+        try:
+            report = self.learner.publish(version)
+        except Exception as err:
+            self._raise_if_engine_down(version, err)
+            raise
         if not report["committed"]:
+            self._raise_if_engine_down(version, report["errors"])
             raise RuntimeError(f"publication of version {version} was refused: {report['errors']}")
         ray.get(self.coordinator.set_version.remote(version))
         return time.perf_counter() - t0
+
+    def _raise_if_engine_down(self, version: int, cause, timeout_s: float = 10.0) -> None:
+        """PublicationError naming the rollout groups whose engine does not answer (dead actor,
+        crashed vLLM); returns when every group answers, so the caller reports the original error."""
+        import ray
+
+        down = []
+        for g, worker in enumerate(self.fleet.workers):
+            try:
+                ray.get(worker.policy_version.remote(), timeout=timeout_s)
+            except Exception as err:  # RayActorError, GetTimeoutError, a crashed engine's error
+                down.append(f"rollout group {g} ({type(err).__name__})")
+        if down:
+            first = str(cause).strip().splitlines()
+            raise PublicationError(f"publication of policy version {version} failed: the engine of "
+                                   f"{', '.join(down)} is dead or unreachable (cause: {first[-1] if first else cause})")
 
     # ---- reporting -------------------------------------------------------------------------------
 
@@ -442,9 +472,9 @@ def check_resume_world(cfg: TrainConfig) -> None:
     per-rank RNG states and the scheduler files are keyed by rank, so a resume at another
     data-parallel (or tensor/pipeline) size would not be the run it claims to continue.
     """
-    from megatron_rl.checkpoint import CheckpointError, latest_committed, read_manifest
+    from megatron_rl.checkpoint import CheckpointError, read_manifest, resume_checkpoint
 
-    ckpt = latest_committed(Path(cfg.run.dir).resolve() / "checkpoints") if cfg.run.resume else None
+    ckpt = resume_checkpoint(Path(cfg.run.dir).resolve() / "checkpoints") if cfg.run.resume else None
     if ckpt is None:
         return
     manifest = read_manifest(ckpt)
@@ -466,13 +496,20 @@ def check_resume_world(cfg: TrainConfig) -> None:
             "Use the same layout, or start a new run directory (run.resume=false ignores the checkpoint)")
 
 
-def restore_queue_snapshot(run_dir: Path, cfg: TrainConfig) -> None:
-    """Put the queue back as it was at the checkpoint we resume from (if any)."""
-    from megatron_rl.checkpoint import latest_committed
+def restore_queue_snapshot(run_dir: Path, cfg: TrainConfig) -> Path | None:
+    """Put the queue back as it was at the checkpoint we resume from (if any); returns that checkpoint.
 
-    ckpt = latest_committed(run_dir / "checkpoints") if cfg.run.resume else None
+    The checkpoint is the newest one whose every file matches its COMMITTED manifest (sha256):
+    a corrupt or uncommitted newer one is skipped (the warning names the file) before the live
+    queue.db is touched, so nothing of it ever reaches the run directory.
+    """
+    from megatron_rl.checkpoint import resume_checkpoint
+
+    ckpt = resume_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
     live = run_dir / QUEUE_DB
     for suffix in ("", "-wal", "-shm"):
         Path(str(live) + suffix).unlink(missing_ok=True)
     if ckpt is not None and (ckpt / QUEUE_SNAPSHOT).exists():
         shutil.copyfile(ckpt / QUEUE_SNAPSHOT, live)
+        logger.info("restored %s from %s", QUEUE_DB, ckpt / QUEUE_SNAPSHOT)
+    return ckpt
