@@ -3,6 +3,7 @@
     megatron-rl convert hf-to-mcore --hf MODEL_DIR --out MCORE_DIR --tp 2 --pp 2 [--dtype bf16] [--force]
     megatron-rl convert mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--dtype fp32] [--force]
     megatron-rl convert verify --hf MODEL_DIR --mcore MCORE_DIR [--tp N --pp N]   # one JSON line
+        exit 1 when max |Δlogit| > --tolerance (default by stored dtype: fp32 1e-3, bf16 1.0, fp16 0.25)
 
 The same parsers back tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -60,10 +62,15 @@ def _verify(args: argparse.Namespace) -> int:
 
     if args.batch < 1 or args.seq_len < 1:
         raise ValueError(f"--batch and --seq-len must be positive, got {args.batch}, {args.seq_len}")
+    if args.tolerance is not None and not args.tolerance >= 0:
+        raise ValueError(f"--tolerance must be >= 0, got {args.tolerance}")
     report = verify_conversion(args.hf, args.mcore, tp=args.tp, pp=args.pp, seed=args.seed,
-                               batch=args.batch, seq_len=args.seq_len)
+                               batch=args.batch, seq_len=args.seq_len, tolerance=args.tolerance)
     print(json.dumps(report))
-    if args.tolerance is not None and report["max_abs_diff"] > args.tolerance:
+    if not report["ok"]:
+        print(f"megatron-rl convert verify: FAILED: max |logit difference| {report['max_abs_diff']:.3g} exceeds "
+              f"the tolerance {report['tolerance']:g} (argmax agreement {report['argmax_agreement']:.2f}): "
+              f"{args.mcore} does not compute what {args.hf} computes", file=sys.stderr)
         return 1
     return 0
 
@@ -81,5 +88,7 @@ def register(subparsers) -> None:
     v.add_argument("--batch", type=int, default=2, help="sequences of random tokens (default 2)")
     v.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
     v.add_argument("--seed", type=int, default=0, help="token sampling seed")
-    v.add_argument("--tolerance", type=float, default=None, help="exit 1 when max_abs_diff exceeds this")
+    v.add_argument("--tolerance", type=float, default=None,
+                   help="exit 1 when max_abs_diff exceeds this (default by the stored dtype: "
+                        "fp32 1e-3, bf16 1.0, fp16 0.25)")
     v.set_defaults(func=_verify)

@@ -1,7 +1,9 @@
 """Check a conversion numerically: the same tokens through transformers and through Megatron.
 
     megatron-rl convert verify --hf MODEL_DIR --mcore MCORE_DIR --tp 2 --pp 1
-    # {"max_abs_diff": 2.3e-06, "mean_abs_diff": 3.1e-07, "tp": 2, "pp": 1, ...}
+    # {"max_abs_diff": 2.3e-06, "mean_abs_diff": 3.1e-07, "tp": 2, "pp": 1, ..., "tolerance": 0.001, "ok": true}
+    # exit 1 when max_abs_diff exceeds the tolerance: --tolerance, else DEFAULT_TOLERANCE by the
+    # stored dtype (fp32 1e-3, bf16 1.0, fp16 0.25; see below for why)
 
     from megatron_rl.conversion.verify import verify_conversion
     report = verify_conversion(hf_dir, mcore_dir, tp=1, pp=2)
@@ -22,6 +24,22 @@ import torch
 from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, load_model, read_manifest, run_on_ranks
 
 logger = logging.getLogger(__name__)
+
+# Default pass bound on max |Δlogit|, by the dtype the Megatron checkpoint stores.  Measured on
+# the tiny Llama (random tokens, 2 x 16): fp32 conversions differ by ~4e-6 (summation order only),
+# bf16 by ~0.06 (mean 0.01), while two unrelated models differ by ~5.5-6 (argmax agreement ~0).
+# The bounds leave >100x margin for fp32 and ~15x for bf16 (larger models have larger logits and
+# longer sums) yet stay far below what a wrong mapping or another model gives.  fp16 keeps 3 more
+# mantissa bits than bf16, hence a tighter bound.
+DEFAULT_TOLERANCE = {"fp32": 1e-3, "bf16": 1.0, "fp16": 0.25}
+
+
+def default_tolerance(mcore_dir: str | Path) -> float:
+    """DEFAULT_TOLERANCE for the dtype recorded in a converted directory's manifest."""
+    dtype = read_manifest(mcore_dir).get("dtype", "fp32")
+    if dtype not in DEFAULT_TOLERANCE:
+        raise ValueError(f"{mcore_dir}: manifest dtype {dtype!r} has no default tolerance; pass --tolerance")
+    return DEFAULT_TOLERANCE[dtype]
 
 
 def sample_tokens(vocab_size: int, batch: int = 2, seq_len: int = 16, seed: int = 0) -> torch.Tensor:
@@ -104,10 +122,16 @@ def mcore_logits(mcore_dir: str | Path, tokens: torch.Tensor, layouts=((1, 1),))
 
 
 def verify_conversion(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 1,
-                      tokens: torch.Tensor | None = None, seed: int = 0, batch: int = 2, seq_len: int = 16) -> dict:
-    """Max and mean absolute logit difference between transformers and Megatron."""
+                      tokens: torch.Tensor | None = None, seed: int = 0, batch: int = 2, seq_len: int = 16,
+                      tolerance: float | None = None) -> dict:
+    """Max and mean absolute logit difference between transformers and Megatron.
+
+    report["ok"] is max_abs_diff <= tolerance (default: DEFAULT_TOLERANCE for the stored dtype).
+    """
     from megatron_rl.models.hf_config import load_hf_config
 
+    if tolerance is None:
+        tolerance = default_tolerance(mcore_dir)
     cfg = load_hf_config(hf_dir)
     if tokens is None:
         tokens = sample_tokens(cfg.vocab_size, batch, seq_len, seed)
@@ -119,5 +143,6 @@ def verify_conversion(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1,
     report = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "tp": tp, "pp": pp,
               "batch": tokens.shape[0], "seq_len": tokens.shape[1],
               "argmax_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+    report.update(tolerance=tolerance, ok=bool(report["max_abs_diff"] <= tolerance))
     logger.info("verify %s vs %s: %s", hf_dir, mcore_dir, report)
     return report
