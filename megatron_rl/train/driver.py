@@ -58,6 +58,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
     roles = Roles.build(cfg)
     try:
         state = roles.resume()
+        roles.metrics.rewind(state.step if state.step else -1)          # steps after it are redone: log them once
         if state.step == 0:
             roles.log_eval(0, split="test")
         producer = roles.producer()

@@ -139,8 +139,6 @@ class Roles:
             quarantine_newer(ckpt.parent, state.step)  # newer step dirs failed verification
         else:
             ray.get(self.coordinator.set_version.remote(state.version))
-        # Metrics of steps after the checkpoint come from an abandoned attempt: they are redone now.
-        self.metrics.rewind(state.step if state.step > 0 else -1)
         return state
 
     def checkpoint(self, state: TrainState) -> Path:

@@ -18,6 +18,7 @@ import torch
 
 from megatron_rl.checkpoint import save_checkpoint
 from megatron_rl.cli import main
+from megatron_rl.metrics import MetricsLogger
 from megatron_rl.train import driver
 from megatron_rl.train.producer import TrainState
 from megatron_rl.train.roles import Roles
@@ -74,6 +75,7 @@ class _Roles:
 
     def __init__(self, run_dir, fleet, learner, learn_error=None):
         self.run_dir, self.fleet, self.learner, self.learn_error = run_dir, fleet, learner, learn_error
+        self.metrics = MetricsLogger()  # no sinks
         self.closed = False
 
     def resume(self):
