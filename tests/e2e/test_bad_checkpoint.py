@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 
+from megatron_rl.cli import main
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -52,22 +53,21 @@ def _uncommit(ckpt):
 
 
 @pytest.mark.parametrize("damage", [_flip, _truncate, _uncommit], ids=["flipped", "truncated", "uncommitted"])
-def test_resume_skips_damaged_newest_checkpoint(base, tmp_path, damage):
+def test_resume_skips_damaged_newest_checkpoint(base, tmp_path, capsys, damage):
     run = tmp_path / "run"
     shutil.copytree(base, run)
     bad = run / "checkpoints" / "step_000004"
     good = run / "checkpoints" / "step_000002"
     bad_file = damage(bad)
 
-    ver = run_cli("checkpoint", "verify", str(run), "--json", check=False)
-    report = json.loads(ver.stdout)
-    assert ver.returncode == 1 and report["resume_from"] == str(good)
+    # In-process (cheap): `checkpoint verify` and the dry run's resume_from see the damage.
+    assert main(["checkpoint", "verify", str(run), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["resume_from"] == str(good)
     assert report["checkpoints"][0]["status"] in ("corrupt", "uncommitted")
     assert bad_file in (report["checkpoints"][0]["problem"] or ""), report
-    if damage is _flip:  # the dry run verifies what it would resume from
-        plan = json.loads(run_cli("train", "--dry-run", "--config", str(TINY), f"run.dir={run}", "run.steps=5",
-                                  *COMMON).stdout)
-        assert plan["resume_from"] == str(good)
+    assert main(["train", "--dry-run", "--config", str(TINY), f"run.dir={run}", "run.steps=5", *COMMON]) == 0
+    assert json.loads(capsys.readouterr().out)["resume_from"] == str(good)
 
     proc = run_cli("train", "--config", str(TINY), f"run.dir={run}", "run.steps=5", *COMMON)
     log = proc.stderr
@@ -85,4 +85,4 @@ def test_resume_skips_damaged_newest_checkpoint(base, tmp_path, damage):
         for key in ("learn/loss", "learn/grad_norm", "learn/reward_mean"):
             assert r[key] == ref[r["step"]][key], (r["step"], key)
     assert (run / "checkpoints" / "step_000004" / "COMMITTED").is_file()  # step 4 committed again
-    assert run_cli("checkpoint", "verify", str(run), check=False).returncode == 0
+    assert main(["checkpoint", "verify", str(run)]) == 0
