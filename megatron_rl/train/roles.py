@@ -88,7 +88,7 @@ class Roles:
                 ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
             else:
                 ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
-        resume_from = restore_queue_snapshot(run_dir, cfg)
+        resume_from = restore_queue_snapshot(run_dir, cfg, tok_hash)
         coord_cfg = dataclasses.replace(cfg.coordinator, wal_path=str(run_dir / QUEUE_DB))
         coordinator = start_coordinator(coord_cfg, tokenizer_hash=tok_hash)
         lc = cfg.learner
@@ -494,16 +494,19 @@ def check_resume_world(cfg: TrainConfig) -> None:
             "Use the same layout, or start a new run directory (run.resume=false ignores the checkpoint)")
 
 
-def restore_queue_snapshot(run_dir: Path, cfg: TrainConfig) -> Path | None:
+def restore_queue_snapshot(run_dir: Path, cfg: TrainConfig, tokenizer_hash: str | None = None) -> Path | None:
     """Put the queue back as it was at the checkpoint we resume from (if any); returns that checkpoint.
 
     The checkpoint is the newest one whose every file matches its COMMITTED manifest (sha256):
     a corrupt or uncommitted newer one is skipped (the warning names the file) before the live
-    queue.db is touched, so nothing of it ever reaches the run directory.
+    queue.db is touched, so nothing of it ever reaches the run directory; so is a checkpoint of
+    another tokenizer refused (CheckpointError) with the live queue left as it is.
     """
-    from megatron_rl.checkpoint import resume_checkpoint
+    from megatron_rl.checkpoint import load_checkpoint, resume_checkpoint
 
     ckpt = resume_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
+    if ckpt is not None:
+        load_checkpoint(ckpt, tokenizer_hash=tokenizer_hash, verify=False)  # files verified just above
     live = run_dir / QUEUE_DB
     for suffix in ("", "-wal", "-shm"):
         Path(str(live) + suffix).unlink(missing_ok=True)

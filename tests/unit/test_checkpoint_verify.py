@@ -196,3 +196,14 @@ def test_copied_run_dir_reverifies(tmp_path):
     other = tmp_path / "b" / "checkpoints"
     _flip(other / "step_000004" / "weights" / "model.pt")
     assert resume_checkpoint(other) == other / "step_000002"
+
+
+def test_live_queue_kept_when_the_checkpoint_has_another_tokenizer(tmp_path):
+    run_dir = tmp_path / "run"
+    save_checkpoint(run_dir / "checkpoints", 2, policy_version=2, config_hash="x", tokenizer_hash="a" * 64,
+                    save_fn=lambda d: _queue_db(d / QUEUE_SNAPSHOT, "queue of step 2"))
+    _queue_db(run_dir / QUEUE_DB, "live")
+    cfg = load_train_config(TINY, [f"run.dir={run_dir}"])
+    with pytest.raises(CheckpointError, match="tokenizer"):
+        restore_queue_snapshot(run_dir, cfg, tokenizer_hash="b" * 64)
+    assert _marker(run_dir / QUEUE_DB) == "live"
