@@ -267,6 +267,8 @@ class Roles:
         examples = [ds[i] for i in range(min(self.cfg.data.eval_size, len(ds)))]
         result = evaluate(self.fleet, self.verifier, examples, self.template, self.tokenizer, Decoding(), split=split)
         self.last_eval = s = result.summary()
+        if split == "test":  # per-example outcomes: what paired comparisons of runs are built on
+            result.write(self.run_dir / "eval" / f"test_step_{step:06d}.jsonl")
         self.metrics.log(step, {f"eval/{split}_reward": s["reward"], f"eval/{split}_correctness": s["correctness"],
                                 f"eval/{split}_format": s["format"],
                                 f"eval/{split}_verifier_errors": float(s["verifier_errors"])})

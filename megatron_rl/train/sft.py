@@ -154,7 +154,9 @@ def _final_eval(cfg, model_dir: Path, splits, template) -> dict:
     verifier = VerifierPool(cfg.reward)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        return evaluate(fleet, verifier, examples, template, tokenizer, Decoding(), split="test").summary()
+        result = evaluate(fleet, verifier, examples, template, tokenizer, Decoding(), split="test")
+        result.write(Path(cfg.run.dir).resolve() / "eval" / f"test_step_{cfg.sft.steps:06d}.jsonl")
+        return result.summary()
     finally:
         verifier.close()
         fleet.shutdown()
