@@ -74,7 +74,8 @@ class DataConfig:
     holdout_size: int = 200
     """Examples drawn for each of dev and test (task=reasoning_gym)."""
     seed: int = 0
-    """Seed that freezes the built-in task's train/dev/test split and the shuffle order."""
+    """Seed that freezes the task's train/dev/test split (the order training visits examples
+    follows run.seed, so runs of different seeds share the held-out sets)."""
     train_file: Optional[str] = None
     """JSONL training file (task=jsonl)."""
     dev_file: Optional[str] = None
@@ -127,7 +128,7 @@ class RunConfig:
     resume: bool = True
     """Resume from the newest COMMITTED checkpoint in run.dir if one exists."""
     seed: int = 0
-    """Seed of sampling and of everything random in the driver."""
+    """Seed of sampling, of the order training visits examples, and of everything random in the driver."""
     deterministic: bool = True
     """Deterministic CPU mode: fixed seeds, deterministic torch algorithms, one learner thread count."""
     torch_threads: int = 1
@@ -270,3 +271,8 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
 
 def resolved_dict(cfg: TrainConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def data_order_seed(cfg: TrainConfig) -> int:
+    """Seed of the training data order: the split (data.seed) and the run (run.seed) both count."""
+    return cfg.data.seed * 1_000_003 + cfg.run.seed

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from megatron_rl import __version__
 from megatron_rl.config import config_hash
-from megatron_rl.train.config import TrainConfig, resolved_dict
+from megatron_rl.train.config import TrainConfig, data_order_seed, resolved_dict
 from megatron_rl.train.producer import Producer, Round, TrainState
 from megatron_rl.train.telemetry import Telemetry
 
@@ -73,7 +73,7 @@ class Roles:
         from megatron_rl.train.rollout_fleet import RolloutFleet
 
         run_dir, model_dir, tokenizer, tok_hash, splits, template = open_run_dir(cfg, kind="train")
-        cursor = DataCursor(len(splits["train"]), seed=cfg.data.seed,
+        cursor = DataCursor(len(splits["train"]), seed=data_order_seed(cfg),
                             dataset_version=splits["train"].dataset_version)
 
         own_ray = not ray.is_initialized()

@@ -83,6 +83,7 @@ def sft(cfg) -> dict:
     from megatron_rl.data.cursor import DataCursor
     from megatron_rl.metrics import MetricsLogger
     from megatron_rl.run_manifest import close_run
+    from megatron_rl.train.config import data_order_seed
     from megatron_rl.train.learner_group import LearnerGroup
     from megatron_rl.train.roles import open_run_dir
 
@@ -90,7 +91,7 @@ def sft(cfg) -> dict:
     ckpts = run_dir / "checkpoints"
     resume_from = latest_committed(ckpts) if cfg.run.resume else None
     train = splits["train"]
-    cursor = DataCursor(len(train), seed=cfg.data.seed, dataset_version=train.dataset_version)
+    cursor = DataCursor(len(train), seed=data_order_seed(cfg), dataset_version=train.dataset_version)
     lc = dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr)
     own_ray = not ray.is_initialized()
     if own_ray:
