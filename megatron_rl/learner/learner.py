@@ -322,8 +322,8 @@ class Learner:
     @torch.no_grad()
     def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) under `self.sampling`, global [B, T] -> [B, T-1] on
-        every rank, in the rows' order.  With `lengths_b` [B] (real tokens per row) and a token
-        budget, positions at or beyond a row's length - 1 are not computed and hold 0."""
+        every rank, in the rows' order.  With `lengths_b` [B] (real tokens per row), positions at or
+        beyond a row's length - 1 (predictions of padding) hold 0; a token budget never computes them."""
         from megatron.core import parallel_state as ps
 
         batch = {"tokens": tokens_bt} if lengths_b is None else {"tokens": tokens_bt, "lengths": lengths_b}
@@ -338,6 +338,9 @@ class Learner:
         if ps.is_pipeline_last_stage():
             for (rows, width), out in zip(plan.ranks[ps.get_data_parallel_rank()], outputs):
                 full[torch.tensor(rows, dtype=torch.long, device=full.device), :width - 1] = out.float()
+            if lengths_b is not None:
+                real = torch.as_tensor(lengths_b, device=full.device).reshape(-1, 1) - 1
+                full.masked_fill_(torch.arange(t - 1, device=full.device)[None, :] >= real, 0.0)
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(full, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
