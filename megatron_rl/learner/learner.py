@@ -7,10 +7,16 @@
     learner.close()
 
 Batches are GLOBAL: every rank passes the same `batch` dict whose tensors have leading dim
-global_batch_size (B); the learner takes its data-parallel slice and splits it into
-micro-batches of micro_batch_size.  `batch["tokens"]` is [B, T] (long); any other tensor with
-leading dim B (advantages [B], loss_mask [B, T-1], old_logprobs [B, T-1], ...) is sliced the
-same way and handed to the loss.
+global_batch_size (B); the learner takes its data-parallel rows and splits them into
+micro-batches (megatron_rl.learner.micro_batches): fixed ones of micro_batch_size rows as wide
+as the batch, or, with learner.max_tokens_per_micro_batch, rows sorted by length and packed
+within a token budget, each micro-batch as wide as its own longest row (`batch["lengths"]` [B],
+the real tokens per row; without it every row counts as T long).  `batch["tokens"]` is [B, T]
+(long); any other tensor with leading dim B (advantages [B], loss_mask [B, T-1], old_logprobs
+[B, T-1], ...) is sliced the same way, its dim 1 cut to the micro-batch's width when it is T or
+T-1, and handed to the loss with `num_micro_batches` = K, the micro-batches of the whole step
+over all data-parallel ranks.  `padding_fraction` (padded / computed token positions) comes
+back with the step's metrics.
 
 The loss interface (GRPO and friends plug in here):
 
@@ -18,7 +24,7 @@ The loss interface (GRPO and friends plug in here):
         # logprobs_bt [b, T-1]: log p(tokens[:, t+1] | tokens[:, :t+1]) under the current
         # policy, differentiable, already reduced over TP.  Return the micro-batch's scalar
         # loss (the learner averages micro-batches, DDP averages data-parallel ranks: give each
-        # micro-batch the global normaliser / number of micro-batches for an exact batch mean)
+        # micro-batch the global normaliser / mb["num_micro_batches"] for an exact batch mean)
         # and statistics, tensors on the loss's device: 0-dim ones are additive (summed over
         # micro-batches and data-parallel ranks), [b] ones are per sequence (placed at their rows
         # of the global batch, [B]).  One all-reduce per step, one host sync.
