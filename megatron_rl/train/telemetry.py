@@ -76,6 +76,8 @@ class Telemetry:
             "system/effective_tokens_per_s": gen_tps * esr,
             "system/driver_max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         })
+        if "padding_fraction" in learn:  # padded / computed token positions of the learner's grid
+            out["system/padding_fraction"] = float(learn["padding_fraction"])
         for name, seconds in phases.items():
             out[f"system/time_{name}_s"] = float(seconds)
         # latency/
