@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.roles import Roles, check_resume_world
+from megatron_rl.train.stop import StopConditionMet
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ class StopFlag:
 
 
 def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
-    """Run (or resume) training; returns a summary. Raises SystemExit(75) when stopped early."""
+    """Run (or resume) training; returns a summary. Raises SystemExit(75) when stopped early by a
+    signal, StopConditionMet (a SystemExit with the condition's code, train/stop.py) when a stop
+    condition holds; both after a checkpoint."""
     stop = stop or StopFlag()
     check_resume_world(cfg)                                              # refuse before starting anything
     roles = Roles.build(cfg)
@@ -76,9 +79,13 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
                                        step=time.perf_counter() - t0))
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0 and step + 1 < cfg.run.steps:
                 roles.log_eval(step + 1, split="dev")
+            condition = roles.stop_condition()                           # stop rules (train/stop.py)
             due = cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0
-            if due or stop.requested or step + 1 == cfg.run.steps:
+            if due or stop.requested or condition or step + 1 == cfg.run.steps:
                 roles.checkpoint(state)                                  # COMMITTED last
+            if condition:
+                producer.stop()
+                raise StopConditionMet(condition)                        # its own exit code
             if stop.requested and step + 1 < cfg.run.steps:
                 producer.stop()
                 raise SystemExit(EXIT_REQUEUE)
