@@ -16,7 +16,9 @@ from megatron_rl.doctor import diagnose
 
 pytestmark = pytest.mark.unit
 
-REAL = Path(__file__).parent / "data" / "tiny_cpu_3steps_metrics.jsonl"  # megatron-rl train, tiny_cpu, 3 steps
+DATA = Path(__file__).parent / "data"
+REAL = DATA / "tiny_cpu_3steps_metrics.jsonl"  # megatron-rl train, configs/tiny_cpu.yaml, run.steps=3
+REAL_12 = DATA / "tiny_cpu_12steps_metrics.jsonl"  # the same with run.steps=12 run.eval_every=4
 STEPS = 20
 
 
@@ -80,6 +82,22 @@ def test_real_tiny_run_raises_no_false_alarm(tmp_path):
     report = diagnose(run)
     assert report["healthy"], report["findings"]
     assert report["steps"] == 3
+
+
+def test_real_12_step_run_findings_are_the_true_ones(tmp_path):
+    """From step 5 the tiny policy answers in format but never correctly: every group has one
+    reward (learn/zero_variance_groups = 8 of 8) and system/esr is 0, so those two leaves fire;
+    reward rises and correctness moves at the end, so the trend leaves stay quiet."""
+    run = tmp_path / "real12"
+    (run / "metrics").mkdir(parents=True)
+    shutil.copy(REAL_12, run / "metrics" / "metrics.jsonl")
+    (run / "config.json").write_text(json.dumps({"run": {"steps": 12, "prompts_per_step": 8, "checkpoint_every": 4}}))
+    for step in (8, 12):
+        (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step:06d}" / "COMMITTED").write_text("{}")
+    report = diagnose(run)
+    assert leaves(report) == {"zero-variance-groups", "throughput"}, report["findings"]
+    assert {f["metric"] for f in report["findings"]} == {"learn/zero_variance_groups", "system/esr"}
 
 
 def test_nonfinite(tmp_path):
