@@ -185,9 +185,12 @@ class TrajectoryQueue:
         """The learner's lag on its last batch: P95 of its version lag dv and of D_lag over sequences.
 
         Past coordinator.backpressure_taken_dv_p95 / backpressure_d_lag_p95 it turns backpressure on
-        until a later report falls back under the limit.  Logged, so a restart keeps it."""
+        until a later report falls back under the limit.  Logged (when a limit is set), so a restart
+        keeps it."""
         saved = dict(self._lag_report)
         self._lag_report = {"taken_dv_p95": float(dv_p95), "d_lag_p95": None if d_lag_p95 is None else float(d_lag_p95)}
+        if self.config.backpressure_taken_dv_p95 is None and self.config.backpressure_d_lag_p95 is None:
+            return  # no limit reads it: not worth a log write per step
         try:
             self._commit()
         except BaseException:
