@@ -4,6 +4,7 @@
     megatron-rl doctor runs/tiny_cpu --json     # {"run_dir", "healthy", "steps", "findings": [...]}
 
 Reads RUN_DIR/metrics/metrics.jsonl (the step rows and eval rows the driver logs),
+RUN_DIR/stop_condition.json (written when a stop condition ended the run, train/stop.py),
 RUN_DIR/config.json (run.steps, prompts per step, the stop.* and coordinator.backpressure_*
 limits, which override the defaults below) and the checkpoint directories.  Each check is one
 leaf of the runbook (`RUNBOOK.md#<leaf>`); a finding names the metric, the step and the value
@@ -255,7 +256,31 @@ def check_throughput(h: History, lim: dict) -> list[Finding]:
     return out
 
 
-def check_publication(h: History, lim: dict, planned_steps: int | None) -> list[Finding]:
+STOP_LEAF = {"nonfinite": "nonfinite", "dev_eval_falling": "reward-flat", "kl_out_of_bounds": "kl-exploding",
+             "entropy_out_of_bounds": "entropy-collapse", "lag_p95": "lag-rising", "verifier_errors": "verifier-errors"}
+"""The runbook leaf of each stop condition (megatron_rl/train/stop.py)."""
+
+
+def read_stop(run_dir: Path, h: History) -> dict | None:
+    """RUN_DIR/stop_condition.json if the run's last step is the one it stopped at (not resumed past it)."""
+    path = run_dir / "stop_condition.json"
+    try:
+        stop = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    steps = h.train_steps
+    return stop if steps and int(stop.get("step", -1)) == steps[-1] else None
+
+
+def check_stopped(stop: dict | None) -> list[Finding]:
+    if stop is None:
+        return []
+    return [Finding(STOP_LEAF.get(stop.get("stopped"), "publication-refused"),
+                    f"the run stopped on condition {stop.get('stopped')} (exit {stop.get('exit_code')}): "
+                    f"{stop.get('threshold')}", stop.get("metric", "?"), stop.get("step"), stop.get("value"))]
+
+
+def check_publication(h: History, lim: dict, planned_steps: int | None, stopped: bool = False) -> list[Finding]:
     """The coordinator's version follows each publication: queue/version must equal the step; a
     run that ended before run.steps without its final test eval crashed or was stopped."""
     out = []
@@ -265,7 +290,7 @@ def check_publication(h: History, lim: dict, planned_steps: int | None) -> list[
                            f"version {hit[0]}", "queue/version", *hit))
     steps = h.train_steps
     final_eval = any(s == planned_steps for s, _ in h.get("eval/test_reward"))
-    if planned_steps and steps and steps[-1] < planned_steps and not final_eval:
+    if planned_steps and steps and steps[-1] < planned_steps and not final_eval and not stopped:
         out.append(Finding("publication-refused", f"the run ended at step {steps[-1]} of {planned_steps} without "
                            f"its final test eval (crash, refused publication, stop condition or signal)",
                            "learn/reward_mean", steps[-1], None))
@@ -317,10 +342,11 @@ def diagnose(run_dir: str | Path) -> dict:
         lim["kl"] = stop["kl_max"]
     lim["entropy_min"] = stop.get("entropy_min")
     lim["verifier_error_rate_max"] = stop.get("verifier_error_rate_max")
-    findings = [*check_nonfinite(h, lim), *check_reward_flat(h, lim), *check_format_not_correctness(h, lim),
+    stop_file = read_stop(run_dir, h)
+    findings = [*check_stopped(stop_file), *check_nonfinite(h, lim), *check_reward_flat(h, lim), *check_format_not_correctness(h, lim),
                 *check_zero_variance(h, lim, int(run.get("prompts_per_step", 8))), *check_lag(h, lim),
                 *check_clip_fraction(h, lim), *check_kl(h, lim), *check_entropy(h, lim), *check_verifier(h, lim),
-                *check_queue_drops(h, lim), *check_throughput(h, lim), *check_publication(h, lim, run.get("steps")),
+                *check_queue_drops(h, lim), *check_throughput(h, lim), *check_publication(h, lim, run.get("steps"), stop_file is not None),
                 *check_checkpoints(run_dir, h, int(run.get("checkpoint_every", 0)))]
     return {"run_dir": str(run_dir), "healthy": not findings, "steps": len(h.train_steps),
             "findings": [asdict(f) for f in findings]}

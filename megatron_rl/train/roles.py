@@ -26,7 +26,7 @@ from megatron_rl import __version__
 from megatron_rl.config import config_hash
 from megatron_rl.train.config import TrainConfig, resolved_dict
 from megatron_rl.train.producer import Producer, Round, TrainState
-from megatron_rl.train.stop import StopCondition, StopRules
+from megatron_rl.train.stop import STOP_FILE, StopCondition, StopRules
 from megatron_rl.train.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -280,8 +280,12 @@ class Roles:
         self.stop_rules.observe(step, metrics)
 
     def stop_condition(self) -> StopCondition | None:
-        """The stop condition (train/stop.py) the metrics logged so far meet, or None."""
-        return self.stop_rules.triggered
+        """The stop condition (train/stop.py) the metrics logged so far meet, or None; one that
+        holds is also written to RUN_DIR/stop_condition.json (for `megatron-rl doctor`)."""
+        condition = self.stop_rules.triggered
+        if condition is not None:
+            (self.run_dir / STOP_FILE).write_text(json.dumps(condition.to_dict()))
+        return condition
 
     def log_eval(self, step: int, split: str) -> float:
         """Greedy pass@1 on a held-out split (dev during training, the hidden test split at the

@@ -9,7 +9,8 @@ The driver asks once per step (`roles.stop_condition()`), after the step's metri
 eval are logged; when a condition holds it writes a checkpoint (COMMITTED last), stops the
 producer and exits with that condition's code.  The CLI prints a final JSON line
 {"stopped": NAME, "exit_code": N, "checkpointed": true, "step": S, "metric": ..., "value": ...}
-and the log has one line "stop condition NAME at step S: ...".
+and the log has one line "stop condition NAME at step S: ..."; the same JSON is written to
+RUN_DIR/stop_condition.json, which `megatron-rl doctor` reads.
 
 Conditions (the `stop:` config section; all off by default except `nonfinite`):
 
@@ -48,6 +49,8 @@ EXIT_CODES = {
     "verifier_errors": 86,
 }
 """The exit code of each stop condition (distinct from 0, 1, 2 = bad input and 75 = requeue)."""
+STOP_FILE = "stop_condition.json"
+"""RUN_DIR/stop_condition.json: the condition a run stopped on (StopCondition.to_dict())."""
 
 
 @dataclass(kw_only=True)

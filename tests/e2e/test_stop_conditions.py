@@ -37,4 +37,5 @@ def test_lag_p95_stop_checkpoints_and_exits_with_its_code(tmp_path):
     doc = run_cli("doctor", str(d), "--json", check=False)
     assert doc.returncode == 1
     leaves = {f["leaf"] for f in json.loads(doc.stdout)["findings"]}
-    assert "lag-rising" in leaves, doc.stdout
+    assert "lag-rising" in leaves and "publication-refused" not in leaves, doc.stdout
+    assert json.loads((d / "stop_condition.json").read_text())["stopped"] == "lag_p95"

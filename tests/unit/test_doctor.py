@@ -199,6 +199,20 @@ def test_publication_refused_version_mismatch_and_early_end(tmp_path):
     assert f["step"] == 12 and "step 12 of 30" in f["summary"]
 
 
+def test_stopped_run_names_its_condition_and_leaf(tmp_path):
+    def edit(step, row):
+        row["learn/kl_ref_k2_grad_theta_ref"] = 0.5
+    run = make_run(tmp_path, edit, steps=12, final_eval=False, config={"run": {"steps": 30}, "stop": {"kl_max": 0.4}})
+    (run / "stop_condition.json").write_text(json.dumps(
+        {"stopped": "kl_out_of_bounds", "exit_code": 83, "step": 12, "metric": "learn/kl_ref_k2_grad_theta_ref",
+         "value": 0.5, "threshold": "> 0.4"}))
+    found = only(diagnose(run), "kl-exploding")  # the early end is explained: no publication-refused finding
+    assert any("condition kl_out_of_bounds (exit 83)" in f["summary"] and f["step"] == 12 for f in found)
+    resumed = make_run(tmp_path / "b", steps=14, config={"run": {"steps": 14}})
+    (resumed / "stop_condition.json").write_text(json.dumps({"stopped": "kl_out_of_bounds", "step": 12}))
+    assert diagnose(resumed)["healthy"]  # resumed past the stop: the old file is not a finding
+
+
 def test_checkpoint_problems(tmp_path):
     run = make_run(tmp_path, checkpoint=False)
     (f,) = only(diagnose(run), "checkpoint-problems")
