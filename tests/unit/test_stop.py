@@ -5,11 +5,12 @@ carries its own exit code, stays quiet when off or under its bound, and validate
 """
 
 import math
+from pathlib import Path
 
 import pytest
 
 from megatron_rl.config import ConfigError, from_dict
-from megatron_rl.train.config import TrainConfig
+from megatron_rl.train.config import TrainConfig, load_train_config
 from megatron_rl.train.stop import EXIT_CODES, StopConditionMet, StopConfig, StopRules
 
 pytestmark = pytest.mark.unit
@@ -107,3 +108,11 @@ def test_config_errors_name_the_field(field, value):
         from_dict(TrainConfig, {"model": {"path": "m"}, "stop": {field: value}})
     with pytest.raises(ConfigError, match="stop.entropy_min"):
         StopConfig(entropy_min=3.0, entropy_max=1.0)
+
+
+def test_dev_eval_rule_needs_dev_evals():
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match="stop.dev_eval_drops.*run.eval_every"):
+        load_train_config(tiny, ["stop.dev_eval_drops=2", "run.eval_every=0"])
+    cfg = load_train_config(tiny, ["stop.dev_eval_drops=2", "run.eval_every=5", "stop.kl_max=0.5"])
+    assert cfg.stop.dev_eval_drops == 2 and cfg.stop.kl_max == 0.5 and cfg.stop.nonfinite is True
