@@ -198,9 +198,10 @@ class TrajectoryQueue:
             raise
 
     def admission_bound(self) -> tuple[int, int]:
-        """(accepted + running, (eta + v + 1) * B), eta as admission uses it now: the first stays <= the second."""
+        """(accepted + running, (max_staleness + v + 1) * B): admission keeps the first <= the second
+        (backpressure only admits less: it can hold the first above its throttled bound, never this one)."""
         accepted = self._counters["consumed"] + len(self._queue)
-        bound = (self.admission_staleness() + self._version + 1) * self.config.batch_size
+        bound = (self.config.max_staleness + self._version + 1) * self.config.batch_size
         return accepted + self._admission.running, bound
 
     def set_version(self, version: int) -> None:
