@@ -13,6 +13,7 @@ Sections and their owners:
   data        DataConfig         (here)                  built-in task or JSONL file
   run         RunConfig          (here)                  mode, steps, placement, checkpoints
   cluster     ClusterConfig      (here)                  what the planner checks against
+  stop        StopConfig         megatron_rl.train.stop  stop conditions and their exit codes
 Cross-section rules (the batch the learner takes equals prompts x group size, and so on)
 are checked in `TrainConfig.__post_init__`, naming both keys.  The learner scores exactly the
 distribution the engine samples from: rollout.temperature, top_k and top_p reach it as
@@ -32,6 +33,7 @@ from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import MIN_TEMPERATURE, LearnerConfig, SamplingConfig
 from megatron_rl.reward.math_verifier import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.train.stop import StopConfig
 
 
 @dataclass(kw_only=True)
@@ -196,6 +198,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
 
     def __post_init__(self) -> None:
         samples = self.run.prompts_per_step * self.run.group_size
@@ -227,6 +230,8 @@ class TrainConfig:
             raise ConfigError("rollout.weight_transfer 'none' cannot train: the policy could never reach the "
                               "rollout engines (use 'gloo', or 'nccl' with run.placement 'disaggregated')")
 
+        if self.stop.dev_eval_drops and not self.run.eval_every:
+            raise ConfigError("stop.dev_eval_drops watches the dev eval, but run.eval_every is 0 (no dev evals)")
         self._check_sampling()
 
     def _check_sampling(self) -> None:
