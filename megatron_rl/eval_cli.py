@@ -103,10 +103,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     summary = result.summary(ks)
     summary.update(model=str(model_dir), dataset_version=ds.dataset_version, max_tokens=rollout_cfg.max_tokens,
                    grader_version=cfg.reward.grader_version(), outcomes=str(out))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
-        for o in result.outcomes:
-            f.write(json.dumps(o) + "\n")
+    result.write(out)
     if not args.json:
         for key in ("correctness", "format", "reward", *(f"pass@{k}" for k in ks)):
             print(f"{key:>12}: {summary[key]:.4f}")

@@ -22,6 +22,7 @@ zero.  Eval starts no coordinator: nothing it generates can reach a training que
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Sequence
 
@@ -71,6 +72,16 @@ class EvalResult:
     decoding: Decoding
     outcomes: list[dict[str, Any]]
     """Per example: id, answer, responses, rewards/correctness/format (None where ungraded), errors."""
+
+    def write(self, path) -> None:
+        """Per-example outcomes as JSONL (one example a line), for pairwise comparisons."""
+        from pathlib import Path
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for o in self.outcomes:
+                f.write(json.dumps(o) + "\n")
 
     def summary(self, ks: Sequence[int] = (1,)) -> dict[str, Any]:
         flat = [(o["rewards"][j], o["correctness"][j], o["format"][j])

@@ -67,6 +67,9 @@ class CoordinatorActor:
     def metrics(self) -> dict[str, float]:
         return self._queue.metrics()
 
+    def report_lag(self, dv_p95: float, d_lag_p95: float | None = None) -> None:
+        self._queue.report_lag(dv_p95=dv_p95, d_lag_p95=d_lag_p95)
+
     def backpressure(self):
         return self._queue.backpressure()
 

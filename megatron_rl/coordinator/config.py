@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 
 @dataclass(kw_only=True)
@@ -36,6 +36,10 @@ class CoordinatorConfig:
     """Backpressure when the P95 of version lag over queued trajectories exceeds this many versions."""
     backpressure_age_p95_s: float = 600.0
     """Backpressure when the P95 of queue age exceeds this many seconds."""
+    backpressure_taken_dv_p95: Optional[float] = None
+    """Backpressure when the P95 of version lag (dv) over the learner's last batch exceeds this (None = off)."""
+    backpressure_d_lag_p95: Optional[float] = None
+    """Backpressure when the learner's last D_lag P95 (learn/d_lag/p95) exceeds this (None = off)."""
     backpressure_reaction: Literal["throttle", "report"] = "throttle"
     """Under backpressure: 'throttle' admits as if max_staleness were 0; 'report' only raises the signal."""
     wal_path: str = ""
@@ -59,6 +63,10 @@ class CoordinatorConfig:
         for name in ("max_age_s", "priority_alpha", "backpressure_dv_p95", "backpressure_age_p95_s"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
                 raise ValueError(f"coordinator.{name} must be a number >= 0, got {getattr(self, name)!r}")
+        for name in ("backpressure_taken_dv_p95", "backpressure_d_lag_p95"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"coordinator.{name} must be a number >= 0 or null (off), got {value!r}")
         if not isinstance(self.lease_ttl_s, (int, float)) or self.lease_ttl_s <= 0:
             raise ValueError(f"coordinator.lease_ttl_s must be > 0, got {self.lease_ttl_s!r}")
         choices = {"sampling": ("fifo", "priority"), "backpressure_reaction": ("throttle", "report"),

@@ -17,6 +17,20 @@ before the call returns, and a new queue on the same file resumes where the last
 in the log's meta, so a checkpoint's queue snapshot holds them).  `actor.py` wraps this class
 in Ray.
 
+Backpressure on staleness slows the producer through admission, before any sample is
+generated, instead of letting stale samples be generated and then dropped.  It is on while
+any signal is past its limit: the P95 of dv or of age over QUEUED trajectories
+(backpressure_dv_p95, backpressure_age_p95_s), or what the learner reported with
+`report_lag` after its last step: the P95 of dv over the batch it took
+(backpressure_taken_dv_p95) and its D_lag P95 (learn/d_lag/p95, backpressure_d_lag_p95).
+With backpressure_reaction 'throttle' admission then uses eta 0 instead of max_staleness (no
+round admitted ahead of the learner's version), and max_staleness again once every signal is
+back under its limit; 'report' only raises the signal.  Each on/off transition is logged;
+metrics: queue/backpressure (0/1), queue/backpressure_taken_dv, queue/backpressure_d_lag
+(which learner signal), queue/admission_eta (the eta in force).  The learner's report is in
+the log's meta, so a restored queue (or a resumed run) admits as before.  In sync mode eta is
+already 0: backpressure changes nothing there.
+
 Version lag (dv) is measured from a trajectory's OLDEST per-token policy version.
 Compaction forgets a finished id once its oldest version lags the learner by more than
 `max_version_lag`; a copy re-sent after that is still never consumed: the version TTL drops
@@ -91,6 +105,8 @@ class TrajectoryQueue:
         self._position = 0
         self._since_compact = 0
         self._starving = False
+        self._lag_report: dict = {"taken_dv_p95": 0.0, "d_lag_p95": None}  # the learner's last report_lag
+        self._bp_active = False
         self._wal = WriteAheadLog(config.wal_path, synchronous=config.wal_synchronous) if config.wal_path else None
         if self._wal is not None:
             self._restore(self._wal.load())
@@ -124,9 +140,7 @@ class TrajectoryQueue:
 
         With `request_id`, a retried call returns the leases the first one granted.
         """
-        eta = self.config.max_staleness
-        if self.config.backpressure_reaction == "throttle" and self.backpressure().active:
-            eta = 0
+        eta = self.admission_staleness()
         accepted = self._counters["consumed"] + len(self._queue)
         with self._atomic():
             before = self._admission.running
@@ -149,8 +163,43 @@ class TrajectoryQueue:
         Not logged: lease clocks restart on a restore anyway."""
         return self._admission.renew(lease_ids)
 
+    def admission_staleness(self) -> int:
+        """The eta admission uses now: max_staleness, or 0 while throttled by backpressure."""
+        bp = self.backpressure()
+        if bp.active != self._bp_active:  # log each transition once
+            self._bp_active = bp.active
+            if bp.active:
+                logger.warning("backpressure on (%s): dv_p95 %.3g, age_p95 %.3g s, taken dv_p95 %.3g, d_lag_p95 %s; %s",
+                               ", ".join(bp.reasons), bp.dv_p95, bp.age_p95_s, self._lag_report["taken_dv_p95"],
+                               self._lag_report["d_lag_p95"],
+                               "admitting no round ahead of the learner (eta 0)"
+                               if self.config.backpressure_reaction == "throttle" else "reporting only")
+            else:
+                logger.info("backpressure off: admitting up to max_staleness %d rounds ahead",
+                            self.config.max_staleness)
+        if self.config.backpressure_reaction == "throttle" and bp.active:
+            return 0
+        return self.config.max_staleness
+
+    def report_lag(self, *, dv_p95: float, d_lag_p95: float | None = None) -> None:
+        """The learner's lag on its last batch: P95 of its version lag dv and of D_lag over sequences.
+
+        Past coordinator.backpressure_taken_dv_p95 / backpressure_d_lag_p95 it turns backpressure on
+        until a later report falls back under the limit.  Logged (when a limit is set), so a restart
+        keeps it."""
+        saved = dict(self._lag_report)
+        self._lag_report = {"taken_dv_p95": float(dv_p95), "d_lag_p95": None if d_lag_p95 is None else float(d_lag_p95)}
+        if self.config.backpressure_taken_dv_p95 is None and self.config.backpressure_d_lag_p95 is None:
+            return  # no limit reads it: not worth a log write per step
+        try:
+            self._commit()
+        except BaseException:
+            self._lag_report = saved
+            raise
+
     def admission_bound(self) -> tuple[int, int]:
-        """(accepted + running, (max_staleness + v + 1) * B): admission keeps the first <= the second."""
+        """(accepted + running, (max_staleness + v + 1) * B): admission keeps the first <= the second
+        (backpressure only admits less: it can hold the first above its throttled bound, never this one)."""
         accepted = self._counters["consumed"] + len(self._queue)
         bound = (self.config.max_staleness + self._version + 1) * self.config.batch_size
         return accepted + self._admission.running, bound
@@ -346,7 +395,8 @@ class TrajectoryQueue:
                 self._counters[f"dropped/{reason}"] += 1
         if self._wal is not None:
             meta = {"version": self._version, "next_seq": self._next_seq, "counters": dict(self._counters),
-                    "admission": self._admission.state_dict(), "rng": self._rng.bit_generator.state}
+                    "admission": self._admission.state_dict(), "rng": self._rng.bit_generator.state,
+                    "lag_report": self._lag_report}
             self._position = self._wal.commit(enqueued=enqueued, finished=finished, take=take, meta=meta)
         else:
             self._position += 1
@@ -379,6 +429,7 @@ class TrajectoryQueue:
         self._done = {tid: (v, "consumed" if outcome == "consumed" else f"dropped/{reason}", checksum)
                       for tid, (v, outcome, reason, checksum) in state.done.items()}
         self._admission.load_state_dict(state.meta.get("admission", {}))
+        self._lag_report.update(state.meta.get("lag_report") or {})
         rng = state.meta.get("rng")
         if rng is not None and rng.get("bit_generator") == self._rng.bit_generator.state["bit_generator"]:
             self._rng.bit_generator.state = rng
@@ -428,18 +479,28 @@ class TrajectoryQueue:
             reasons.append("dv_p95")
         if age_p95 > self.config.backpressure_age_p95_s:
             reasons.append("age_p95")
+        limit, taken_dv = self.config.backpressure_taken_dv_p95, self._lag_report["taken_dv_p95"]
+        if limit is not None and taken_dv > limit:
+            reasons.append("taken_dv_p95")
+        limit, d_lag = self.config.backpressure_d_lag_p95, self._lag_report["d_lag_p95"]
+        if limit is not None and d_lag is not None and not d_lag <= limit:
+            reasons.append("d_lag_p95")
         return Backpressure(bool(reasons), reasons, self._starving, dv_p95, age_p95)
 
     def metrics(self) -> dict[str, float]:
         """Gauges and cumulative counters, keys grouped under queue/."""
         dv, age = self._lags_and_ages()
         bp = self.backpressure()
+        eta = self.admission_staleness()
         out = {"queue/depth": float(len(self._queue)), "queue/version": float(self._version),
                "queue/running": float(self._admission.running), "queue/log_position": float(self._position),
                "queue/backpressure": float(bp.active), "queue/starving": float(bp.starving),
                "queue/leases_expired": float(self._admission.expired),
+               "queue/backpressure_taken_dv": float("taken_dv_p95" in bp.reasons),
+               "queue/backpressure_d_lag": float("d_lag_p95" in bp.reasons),
+               "queue/admission_eta": float(eta),
                "queue/capacity": float(self._admission.capacity(
-                   eta=self.config.max_staleness, version=self._version,
+                   eta=eta, version=self._version,
                    accepted=self._counters["consumed"] + len(self._queue)))}
         waits = np.array(self._admission.waits, dtype=np.float64)
         for name, values in (("age_s", age), ("dv", dv), ("admission_wait_s", waits)):

@@ -72,10 +72,14 @@ Aggregation, over the GLOBAL batch (all micro-batches of all data-parallel ranks
                n_i = Σ_t m_it, S = #{i : n_i > 0} (sequences in the loss)
 
 A micro-batch only sees its own rows, so the caller passes the global normaliser divided by
-the number K of micro-batches in the global batch (`token_denominator` = N / K,
-`sequence_denominator` = S / K; megatron_rl.train.batch computes both): Megatron's schedule
-averages the K_local micro-batch losses of a rank and DDP averages the dp ranks
-(K = K_local · dp), so the mean of the K micro-batch losses is exactly L.  Masked rows
+the number K of micro-batches in the step (`token_denominator` = N / K,
+`sequence_denominator` = S / K): Megatron's schedule averages the K_local micro-batch losses
+of a rank and DDP averages the dp ranks (K = K_local · dp, the same K_local on every rank),
+so the mean of the K micro-batch losses is exactly L, wherever the micro-batch boundaries
+fall.  K is the step's actual count: with a token budget it varies from step to step, so the
+learner hands it to every micro-batch (`num_micro_batches`) and the loss function divides the
+batch's N and S (`tokens_in_loss`, `sequences_in_loss` from megatron_rl.train.batch) by it
+(megatron_rl.train.learner_group.grpo_micro_batch_loss).  Masked rows
 (verifier errors, filtered groups) are in neither N nor S.
 
 Learner-to-behavior lag (not the reference KL), over the global batch:

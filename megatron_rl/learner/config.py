@@ -23,6 +23,13 @@ class LearnerConfig:
     """Sequences per forward/backward pass on one rank."""
     global_batch_size: int = 1
     """Sequences per optimizer step across all data-parallel ranks."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Token budget of a micro-batch (rows x the micro-batch's own longest row, padding included).
+    Set: every learner pass (training, logprobs, SFT) sorts the batch's rows by length, deals them
+    to data-parallel ranks with balanced token counts, packs each rank's rows into micro-batches
+    within this budget (a longer row runs alone) and pads each micro-batch only to its own
+    longest row; micro_batch_size is then unused.  None or 0: fixed micro-batches of
+    micro_batch_size rows, all padded to the batch's longest (megatron_rl.learner.micro_batches)."""
     lr: float = 1e-6
     """Peak learning rate."""
     min_lr: float = 0.0
@@ -55,6 +62,9 @@ class LearnerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"learner.{name} must be a positive integer, got {value!r}")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"learner.max_tokens_per_micro_batch must be an integer >= 0 or null, got {budget!r}")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"learner.global_batch_size {self.global_batch_size} is not a multiple of "
                              f"micro_batch_size {self.micro_batch_size}")

@@ -7,10 +7,16 @@
     learner.close()
 
 Batches are GLOBAL: every rank passes the same `batch` dict whose tensors have leading dim
-global_batch_size (B); the learner takes its data-parallel slice and splits it into
-micro-batches of micro_batch_size.  `batch["tokens"]` is [B, T] (long); any other tensor with
-leading dim B (advantages [B], loss_mask [B, T-1], old_logprobs [B, T-1], ...) is sliced the
-same way and handed to the loss.
+global_batch_size (B); the learner takes its data-parallel rows and splits them into
+micro-batches (megatron_rl.learner.micro_batches): fixed ones of micro_batch_size rows as wide
+as the batch, or, with learner.max_tokens_per_micro_batch, rows sorted by length and packed
+within a token budget, each micro-batch as wide as its own longest row (`batch["lengths"]` [B],
+the real tokens per row; without it every row counts as T long).  `batch["tokens"]` is [B, T]
+(long); any other tensor with leading dim B (advantages [B], loss_mask [B, T-1], old_logprobs
+[B, T-1], ...) is sliced the same way, its dim 1 cut to the micro-batch's width when it is T or
+T-1, and handed to the loss with `num_micro_batches` = K, the micro-batches of the whole step
+over all data-parallel ranks.  `padding_fraction` (padded / computed token positions) comes
+back with the step's metrics.
 
 The loss interface (GRPO and friends plug in here):
 
@@ -18,7 +24,7 @@ The loss interface (GRPO and friends plug in here):
         # logprobs_bt [b, T-1]: log p(tokens[:, t+1] | tokens[:, :t+1]) under the current
         # policy, differentiable, already reduced over TP.  Return the micro-batch's scalar
         # loss (the learner averages micro-batches, DDP averages data-parallel ranks: give each
-        # micro-batch the global normaliser / number of micro-batches for an exact batch mean)
+        # micro-batch the global normaliser / mb["num_micro_batches"] for an exact batch mean)
         # and statistics, tensors on the loss's device: 0-dim ones are additive (summed over
         # micro-batches and data-parallel ranks), [b] ones are per sequence (placed at their rows
         # of the global batch, [B]).  One all-reduce per step, one host sync.
@@ -40,6 +46,7 @@ import torch.distributed as dist
 
 from megatron_rl.learner.config import LearnerConfig, SamplingConfig
 from megatron_rl.learner.logprobs import token_logprobs
+from megatron_rl.learner.micro_batches import MicroBatchPlan, plan_micro_batches
 from megatron_rl.models.builder import build_gpt_model, build_transformer_config
 from megatron_rl.models.hf_config import HFModelConfig, check_parallel_layout
 from megatron_rl.platform import Platform, detect_platform
@@ -133,25 +140,54 @@ class Learner:
 
     # ---- batches ---------------------------------------------------------------------------
 
-    def _local_micro_batches(self, batch: dict) -> list[dict]:
-        from megatron.core import parallel_state as ps
-
+    def _plan(self, batch: dict) -> MicroBatchPlan:
+        """This step's micro-batches (the same plan on every rank, see learner.micro_batches)."""
         tokens = batch.get("tokens")
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
             raise ValueError("batch['tokens'] must be a [B, T] tensor of token ids")
         b, t = tokens.shape
-        mbs = self.cfg.micro_batch_size
-        if b % (self.dp * mbs):
-            raise ValueError(f"batch of {b} sequences is not divisible by dp*micro_batch_size = {self.dp}*{mbs}")
         if t < 2:
             raise ValueError(f"sequences need at least 2 tokens, got T={t}")
-        local = b // self.dp
-        start = ps.get_data_parallel_rank() * local
+        lengths = batch.get("lengths")
+        if lengths is None:
+            lengths = [t] * b
+        else:
+            lengths = torch.as_tensor(lengths).reshape(-1).clamp(min=2, max=t).tolist()
+            if len(lengths) != b:
+                raise ValueError(f"batch['lengths'] has {len(lengths)} entries for {b} sequences")
+            mask = batch.get("loss_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                # The loss must not reach past a row's length (those positions are never computed).
+                cols = torch.arange(mask.shape[1])
+                beyond = (mask.detach().cpu() != 0) & (cols[None, :] >= torch.tensor(lengths)[:, None] - 1)
+                if bool(beyond.any()):
+                    raise ValueError("batch['loss_mask'] covers positions at or beyond batch['lengths']")
+        return plan_micro_batches(lengths, dp=self.dp, micro_batch_size=self.cfg.micro_batch_size,
+                                  max_tokens=self.cfg.max_tokens_per_micro_batch, width=t)
+
+    def _local_micro_batches(self, batch: dict, plan: MicroBatchPlan) -> list[dict]:
+        """This rank's micro-batches: its rows of every [B, ...] tensor, [B, T] / [B, T-1] ones cut
+        to the micro-batch's width, plus `num_micro_batches` (K of the whole step, for normalisers)."""
+        from megatron.core import parallel_state as ps
+
+        b, t = batch["tokens"].shape
         device = self.platform.device
+        k = plan.num_micro_batches
         micro = []
-        for m in range(start, start + local, mbs):
-            micro.append({k: (v[m:m + mbs].to(device) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b
-                              else v) for k, v in batch.items()})
+        for rows, width in plan.ranks[ps.get_data_parallel_rank()]:
+            index = torch.tensor(rows, dtype=torch.long)
+            mb = {}
+            for key, v in batch.items():
+                if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b:
+                    v = v.index_select(0, index.to(v.device))
+                    if v.dim() >= 2 and v.shape[1] == t:
+                        v = v[:, :width]
+                    elif v.dim() >= 2 and v.shape[1] == t - 1:
+                        v = v[:, :width - 1]
+                    v = v.to(device)
+                mb[key] = v
+            mb["num_micro_batches"] = k
+            micro.append(mb)
         return micro
 
     def _forward_step(self, loss_fn: LossFn | None, data_iterator, model):
@@ -171,16 +207,19 @@ class Learner:
         reported["loss"] = loss.detach().float().clone()  # the schedule divides `loss` in place
         return loss, reported
 
-    def _run(self, micro: list[dict], seq_length: int, loss_fn: LossFn | None, forward_only: bool):
+    def _run(self, micro: list[dict], loss_fn: LossFn | None, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        # Pipeline stages receive activations of the shape they are told; with micro-batches of
+        # different shapes (token budget) the stages exchange each one's shape first.
+        self.config.variable_seq_lengths = bool(self.cfg.max_tokens_per_micro_batch)
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_fn),
             data_iterator=iter(micro),
             model=self.model,
             num_microbatches=len(micro),
-            seq_length=seq_length,
-            micro_batch_size=self.cfg.micro_batch_size,
+            seq_length=max(mb["tokens"].shape[1] for mb in micro),
+            micro_batch_size=max(mb["tokens"].shape[0] for mb in micro),
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
         )
@@ -196,14 +235,17 @@ class Learner:
         if batch["tokens"].shape[0] != self.cfg.global_batch_size:
             raise ValueError(f"batch has {batch['tokens'].shape[0]} sequences, "
                              f"learner.global_batch_size is {self.cfg.global_batch_size}")
-        micro = self._local_micro_batches(batch)
+        plan = self._plan(batch)
+        micro = self._local_micro_batches(batch, plan)
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(micro, batch["tokens"].shape[1], loss_fn, forward_only=False)
-        return self._reduce_metrics(outputs if ps.is_pipeline_last_stage() else None,
-                                    batch["tokens"].shape[0], len(micro))
+        outputs = self._run(micro, loss_fn, forward_only=False)
+        stats = self._reduce_metrics(outputs if ps.is_pipeline_last_stage() else None,
+                                     batch["tokens"].shape[0], plan)
+        stats["padding_fraction"] = plan.padding_fraction
+        return stats
 
     def train_step(self, batch: dict, loss_fn: LossFn, step_fn: StepFn | None = None) -> dict[str, float]:
         """One optimizer step on the global `batch`; returns metrics, loss, grad_norm, lr.
@@ -221,6 +263,7 @@ class Learner:
         stats = self.forward_backward(batch, loss_fn)
         weight, metrics = step_fn(stats) if step_fn is not None else (1.0, dict(stats))
         metrics["loss"] = stats["loss"]
+        metrics["padding_fraction"] = stats["padding_fraction"]
         if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
             # one decision for all TP/PP ranks of a replica (DP ranks hold the same reduced stats)
             w = torch.tensor([float(weight)], dtype=torch.float64, device=self.platform.device)
@@ -239,7 +282,7 @@ class Learner:
                        lr=self.optimizer.param_groups[0]["lr"], update_successful=float(bool(ok)))
         return metrics
 
-    def _reduce_metrics(self, outputs: list[dict] | None, batch_size: int, num_micro: int) -> dict:
+    def _reduce_metrics(self, outputs: list[dict] | None, batch_size: int, plan: MicroBatchPlan) -> dict:
         """Batch-wide statistics on every rank, with one all-reduce over DP and one host sync.
 
         0-dim statistics are summed over micro-batches and data-parallel ranks; [b] ones are put at
@@ -251,8 +294,7 @@ class Learner:
 
         payload = [None]
         if outputs is not None:
-            mbs = self.cfg.micro_batch_size
-            start = ps.get_data_parallel_rank() * (batch_size // self.dp)
+            local = plan.ranks[ps.get_data_parallel_rank()]
             device = self.platform.device
             keys = sorted(outputs[0])
             parts = []
@@ -261,12 +303,13 @@ class Learner:
                 if values[0].dim() == 0:
                     parts.append(torch.stack(values).sum().reshape(1))
                 else:
-                    if any(v.shape != (mbs,) for v in values):
-                        raise ValueError(f"statistic {k!r} must be 0-dim or [micro_batch_size={mbs}], "
+                    if any(v.shape != (len(rows),) for v, (rows, _) in zip(values, local)):
+                        raise ValueError(f"statistic {k!r} must be 0-dim or [rows of the micro-batch], "
                                          f"got {tuple(values[0].shape)}")
-                    rows = torch.zeros(batch_size, dtype=torch.float64, device=device)
-                    rows[start:start + len(values) * mbs] = torch.cat(values)
-                    parts.append(rows)
+                    placed = torch.zeros(batch_size, dtype=torch.float64, device=device)
+                    index = torch.tensor([i for rows, _ in local for i in rows], dtype=torch.long, device=device)
+                    placed[index] = torch.cat(values)
+                    parts.append(placed)
             flat = torch.cat(parts)
             dist.all_reduce(flat, group=ps.get_data_parallel_group())
             chunks = flat.tolist()
@@ -275,7 +318,7 @@ class Learner:
                 n = part.numel()
                 reduced[k] = chunks[i:i + n] if outputs[0][k].dim() else chunks[i]
                 i += n
-            reduced["loss"] = reduced["loss"] / (num_micro * self.dp)
+            reduced["loss"] = reduced["loss"] / plan.num_micro_batches
             payload = [reduced]
         if ps.get_pipeline_model_parallel_world_size() > 1:
             src = ps.get_pipeline_model_parallel_last_rank()
@@ -283,24 +326,33 @@ class Learner:
         return payload[0]
 
     @torch.no_grad()
-    def forward_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
-        """log p(tokens[:, t+1] | tokens[:, :t+1]) under `self.sampling`, global [B, T] -> [B, T-1] on every rank."""
+    def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) under `self.sampling`, global [B, T] -> [B, T-1] on
+        every rank, in the rows' order.  With `lengths_b` [B] (real tokens per row), positions at or
+        beyond a row's length - 1 (predictions of padding) hold 0; a token budget never computes them."""
         from megatron.core import parallel_state as ps
 
-        micro = self._local_micro_batches({"tokens": tokens_bt})
+        batch = {"tokens": tokens_bt} if lengths_b is None else {"tokens": tokens_bt, "lengths": lengths_b}
+        plan = self._plan(batch)
+        micro = self._local_micro_batches(batch, plan)
         for chunk in self.model:
             chunk.eval()
-        outputs = self._run(micro, tokens_bt.shape[1], None, forward_only=True)
+        outputs = self._run(micro, None, forward_only=True)
         b, t = tokens_bt.shape
-        local = torch.empty(b // self.dp, t - 1, dtype=torch.float32, device=self.platform.device)
+        # Each row is filled on exactly one data-parallel rank: a sum over DP puts every row in place.
+        full = torch.zeros(b, t - 1, dtype=torch.float32, device=self.platform.device)
         if ps.is_pipeline_last_stage():
-            local = torch.cat(list(outputs)).float()  # [B/dp, T-1]
+            for (rows, width), out in zip(plan.ranks[ps.get_data_parallel_rank()], outputs):
+                full[torch.tensor(rows, dtype=torch.long, device=full.device), :width - 1] = out.float()
+            if lengths_b is not None:
+                real = torch.as_tensor(lengths_b, device=full.device).reshape(-1, 1) - 1
+                full.masked_fill_(torch.arange(t - 1, device=full.device)[None, :] >= real, 0.0)
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(local, src=ps.get_pipeline_model_parallel_last_rank(),
+            dist.broadcast(full, src=ps.get_pipeline_model_parallel_last_rank(),
                            group=ps.get_pipeline_model_parallel_group())
-        gathered = [torch.empty_like(local) for _ in range(self.dp)]
-        dist.all_gather(gathered, local, group=ps.get_data_parallel_group())
-        return torch.cat(gathered).cpu()  # [B, T-1]
+        if self.dp > 1:
+            dist.all_reduce(full, group=ps.get_data_parallel_group())
+        return full.cpu()  # [B, T-1]
 
     def state_dict(self) -> dict:
         """This rank's model shard, optimizer and scheduler state (plain torch.save-able)."""

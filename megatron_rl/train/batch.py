@@ -70,7 +70,10 @@ def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_bat
     # Global normalisers (megatron_rl.grpo.loss, "Aggregation"): the learner averages the K
     # micro-batch losses of the whole batch (Megatron's schedule over a rank's micro-batches,
     # DDP over data-parallel ranks), so a micro-batch divides its sum by N/K (token) or S/K
-    # (sequence) and the average is sum / N or sum of per-sequence means / S, exactly.
+    # (sequence) and the average is sum / N or sum of per-sequence means / S, exactly.  N and S
+    # travel as they are; the learner tells each micro-batch the K of its step
+    # (`num_micro_batches`, which a token budget makes vary).  The *_denominator entries are N/K
+    # and S/K for fixed micro-batches of micro_batch_size, for callers outside the learner.
     if b % micro_batch_size:
         raise ValueError(f"batch of {b} sequences is not divisible by micro_batch_size={micro_batch_size}")
     micro_batches = b // micro_batch_size
@@ -79,6 +82,9 @@ def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_bat
         "loss_mask": mask,
         "behavior_logprobs": behavior,
         "advantages": advantages,
+        "lengths": torch.tensor([tr.num_tokens for tr in trajs], dtype=torch.long),  # [B] real tokens per row
+        "tokens_in_loss": max(total_tokens, 1.0),
+        "sequences_in_loss": max(total_sequences, 1.0),
         "token_denominator": max(total_tokens, 1.0) / micro_batches,
         "sequence_denominator": max(total_sequences, 1.0) / micro_batches,
     }

@@ -6,7 +6,10 @@
 
 `train --dry-run` validates the whole config (types, cross-section rules, parallel layout
 against the model, data files) and prints the plan without starting Ray, vLLM or Megatron.
-Exit codes: 0 done, 2 bad input, 75 stopped by a signal after checkpointing (requeue me).
+Exit codes: 0 done, 2 bad input, 75 stopped by a signal after checkpointing (requeue me),
+81-86 a stop condition held and the run checkpointed and stopped (megatron_rl/train/stop.py:
+81 nonfinite, 82 dev_eval_falling, 83 kl_out_of_bounds, 84 entropy_out_of_bounds, 85 lag_p95,
+86 verifier_errors); the final JSON line names it.
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     from megatron_rl.train.driver import EXIT_REQUEUE, StopFlag, train
+    from megatron_rl.train.stop import StopConditionMet
 
     stop = StopFlag()
     stop.install()
     try:
         summary = train(cfg, stop)
+    except StopConditionMet as exc:
+        print(json.dumps({**exc.condition.to_dict(), "checkpointed": True}))
+        raise
     except SystemExit as exc:
         if exc.code == EXIT_REQUEUE:
             print(json.dumps({"stopped": "signal", "checkpointed": True}))

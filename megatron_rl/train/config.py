@@ -13,6 +13,7 @@ Sections and their owners:
   data        DataConfig         (here)                  built-in task or JSONL file
   run         RunConfig          (here)                  mode, steps, placement, checkpoints
   cluster     ClusterConfig      (here)                  what the planner checks against
+  stop        StopConfig         megatron_rl.train.stop  stop conditions and their exit codes
 Cross-section rules (the batch the learner takes equals prompts x group size, and so on)
 are checked in `TrainConfig.__post_init__`, naming both keys.  The learner scores exactly the
 distribution the engine samples from: rollout.temperature, top_k and top_p reach it as
@@ -32,6 +33,7 @@ from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import MIN_TEMPERATURE, LearnerConfig, SamplingConfig
 from megatron_rl.reward.math_verifier import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.train.stop import StopConfig
 
 
 @dataclass(kw_only=True)
@@ -74,7 +76,8 @@ class DataConfig:
     holdout_size: int = 200
     """Examples drawn for each of dev and test (task=reasoning_gym)."""
     seed: int = 0
-    """Seed that freezes the built-in task's train/dev/test split and the shuffle order."""
+    """Seed that freezes the task's train/dev/test split (the order training visits examples
+    follows run.seed, so runs of different seeds share the held-out sets)."""
     train_file: Optional[str] = None
     """JSONL training file (task=jsonl)."""
     dev_file: Optional[str] = None
@@ -127,7 +130,7 @@ class RunConfig:
     resume: bool = True
     """Resume from the newest COMMITTED checkpoint in run.dir if one exists."""
     seed: int = 0
-    """Seed of sampling and of everything random in the driver."""
+    """Seed of sampling, of the order training visits examples, and of everything random in the driver."""
     deterministic: bool = True
     """Deterministic CPU mode: fixed seeds, deterministic torch algorithms, one learner thread count."""
     torch_threads: int = 1
@@ -195,6 +198,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
 
     def __post_init__(self) -> None:
         samples = self.run.prompts_per_step * self.run.group_size
@@ -226,6 +230,8 @@ class TrainConfig:
             raise ConfigError("rollout.weight_transfer 'none' cannot train: the policy could never reach the "
                               "rollout engines (use 'gloo', or 'nccl' with run.placement 'disaggregated')")
 
+        if self.stop.dev_eval_drops and not self.run.eval_every:
+            raise ConfigError("stop.dev_eval_drops watches the dev eval, but run.eval_every is 0 (no dev evals)")
         self._check_sampling()
 
     def _check_sampling(self) -> None:
@@ -270,3 +276,8 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
 
 def resolved_dict(cfg: TrainConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def data_order_seed(cfg: TrainConfig) -> int:
+    """Seed of the training data order: the split (data.seed) and the run (run.seed) both count."""
+    return cfg.data.seed * 1_000_003 + cfg.run.seed

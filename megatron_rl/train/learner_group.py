@@ -35,16 +35,31 @@ def seed_everything(seed: int, deterministic: bool, threads: int) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def micro_batch_denominators(mb: dict) -> tuple[float, float]:
+    """(N/K, S/K) of a micro-batch: the global batch's tokens N and sequences S in the loss
+    (`tokens_in_loss`, `sequences_in_loss`) over the K micro-batches of its step
+    (`num_micro_batches`, set by the learner; it varies with a token budget).  Outside the learner
+    (no `num_micro_batches`) the batch's precomputed *_denominator entries are used."""
+    k = mb.get("num_micro_batches")
+    if k is None:
+        return float(mb["token_denominator"]), float(mb["sequence_denominator"])
+    if "tokens_in_loss" not in mb or "sequences_in_loss" not in mb:
+        raise KeyError("a learner micro-batch needs the global 'tokens_in_loss' and 'sequences_in_loss' "
+                       "(train.batch.build_batch provides them)")
+    return float(mb["tokens_in_loss"]) / k, float(mb["sequences_in_loss"]) / k
+
+
 def grpo_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict, cfg):
     """The learner's loss_fn: GRPO on one micro-batch of a batch from train.batch.build_batch,
-    normalised by the global batch's token / sequence counts (its *_denominator entries)."""
+    normalised by the global batch's token / sequence counts over the step's K micro-batches."""
     from megatron_rl.grpo.loss import grpo_loss
 
+    token_den, seq_den = micro_batch_denominators(mb)
     return grpo_loss(
         logprobs_bt, mb["behavior_logprobs"], mb.get("ref_logprobs"), mb["advantages"], mb["loss_mask"], cfg,
         old_logprobs_bt=logprobs_bt.detach() if cfg.tis_cap is not None else None,
-        token_denominator=float(mb["token_denominator"]),
-        sequence_denominator=float(mb["sequence_denominator"]),
+        token_denominator=token_den,
+        sequence_denominator=seq_den,
     )
 
 
@@ -117,7 +132,7 @@ class LearnerWorker:
         from megatron_rl.grpo.loss import grpo_step_weight
 
         if self.reference is not None:
-            batch = dict(batch, ref_logprobs=self._reference_logprobs(batch["tokens"]))
+            batch = dict(batch, ref_logprobs=self._reference_logprobs(batch["tokens"], batch.get("lengths")))
         return self.learner.train_step(batch, self._loss_fn, partial(grpo_step_weight, cfg=self.loss_cfg))
 
     def sft_step(self, batch: dict) -> dict[str, float]:
@@ -126,21 +141,21 @@ class LearnerWorker:
 
         return self.learner.train_step(batch, sft_micro_batch_loss)
 
-    def forward_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
-        return self.learner.forward_logprobs(tokens_bt)
+    def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+        return self.learner.forward_logprobs(tokens_bt, lengths_b)
 
-    def reference_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
+    def reference_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
         if self.reference is None:
             self.reference = self._build_reference()
-        return self._reference_logprobs(tokens_bt)
+        return self._reference_logprobs(tokens_bt, lengths_b)
 
-    def _reference_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
+    def _reference_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
         # Swap the frozen reference module in for one forward-only pass of the learner's schedule.
         ddp = self.learner.model[0]
         policy = ddp.module
         ddp.module = self.reference
         try:
-            return self.learner.forward_logprobs(tokens_bt)
+            return self.learner.forward_logprobs(tokens_bt, lengths_b)
         finally:
             ddp.module = policy
 
@@ -256,11 +271,12 @@ class LearnerGroup:
     def sft_step(self, batch: dict) -> dict[str, float]:
         return self._all("sft_step", batch)[0]
 
-    def forward_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
-        return self._all("forward_logprobs", tokens_bt)[0]
+    def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T-1]; with `lengths_b` (and a token budget) positions past a row's end hold 0."""
+        return self._all("forward_logprobs", tokens_bt, lengths_b)[0]
 
-    def reference_logprobs(self, tokens_bt: torch.Tensor) -> torch.Tensor:
-        return self._all("reference_logprobs", tokens_bt)[0]
+    def reference_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+        return self._all("reference_logprobs", tokens_bt, lengths_b)[0]
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         return self._all("hf_state")[0]

@@ -24,8 +24,9 @@ from pathlib import Path
 
 from megatron_rl import __version__
 from megatron_rl.config import config_hash
-from megatron_rl.train.config import TrainConfig, resolved_dict
+from megatron_rl.train.config import TrainConfig, data_order_seed, resolved_dict
 from megatron_rl.train.producer import Producer, Round, TrainState
+from megatron_rl.train.stop import STOP_FILE, StopCondition, StopRules
 from megatron_rl.train.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class Roles:
     last_eval: dict | None = None
     resume_from: Path | None = None
     """The checkpoint restore_queue_snapshot verified and took the queue from; resume() loads it."""
+    stop_rules: StopRules | None = None
+    """The stop conditions (train/stop.py), fed every metrics dict this run logs."""
     _producer: Producer | None = None
 
     # ---- construction ------------------------------------------------------------------------
@@ -79,7 +82,7 @@ class Roles:
         from megatron_rl.train.rollout_fleet import RolloutFleet
 
         run_dir, model_dir, tokenizer, tok_hash, splits, template = open_run_dir(cfg, kind="train")
-        cursor = DataCursor(len(splits["train"]), seed=cfg.data.seed,
+        cursor = DataCursor(len(splits["train"]), seed=data_order_seed(cfg),
                             dataset_version=splits["train"].dataset_version)
 
         own_ray = not ray.is_initialized()
@@ -108,6 +111,10 @@ class Roles:
                    splits=splits, template=template, cursor=cursor, coordinator=coordinator, fleet=fleet,
                    verifier=verifier, learner=learner, metrics=metrics, own_ray=own_ray, placement=place,
                    resume_from=resume_from)
+
+    def __post_init__(self) -> None:
+        if self.stop_rules is None:
+            self.stop_rules = StopRules(self.cfg.stop)
 
     def producer(self) -> Producer:
         self._producer = Producer(self)
@@ -244,7 +251,20 @@ class Roles:
         # its logprobs are the learner's before this update (megatron_rl.grpo.loss.grpo_metrics).
         out.update(self.learner.train_step(batch))
         out["dv"] = [version - t.oldest_version for t in taken]
+        self._report_lag(out)
         return out, time.perf_counter() - t0
+
+    def _report_lag(self, learn: dict) -> None:
+        """Tell the coordinator the lag this batch showed; its admission slows the producer past the
+        coordinator.backpressure_* limits (see coordinator/queue.py)."""
+        import ray
+
+        from megatron_rl.metrics import percentiles
+
+        dv_p95 = percentiles(learn["dv"] or [0.0], "dv", qs=(95,))["dv/p95"]
+        d_lag_p95 = learn.get("d_lag/p95")
+        ray.get(self.coordinator.report_lag.remote(dv_p95=float(dv_p95),
+                                                   d_lag_p95=None if d_lag_p95 is None else float(d_lag_p95)))
 
     def publish(self, version: int) -> float:
         import ray
@@ -283,8 +303,17 @@ class Roles:
         import ray
 
         queue = ray.get(self.coordinator.metrics.remote())
-        self.metrics.log(step, self.telemetry.step_metrics(samples, trajs, taken, learn, phases, queue,
-                                                           self.verifier.counters()))
+        metrics = self.telemetry.step_metrics(samples, trajs, taken, learn, phases, queue, self.verifier.counters())
+        self.metrics.log(step, metrics)
+        self.stop_rules.observe(step, metrics)
+
+    def stop_condition(self) -> StopCondition | None:
+        """The stop condition (train/stop.py) the metrics logged so far meet, or None; one that
+        holds is also written to RUN_DIR/stop_condition.json (for `megatron-rl doctor`)."""
+        condition = self.stop_rules.triggered
+        if condition is not None:
+            (self.run_dir / STOP_FILE).write_text(json.dumps(condition.to_dict()))
+        return condition
 
     def log_eval(self, step: int, split: str) -> float:
         """Greedy pass@1 on a held-out split (dev during training, the hidden test split at the
@@ -295,9 +324,12 @@ class Roles:
         examples = [ds[i] for i in range(min(self.cfg.data.eval_size, len(ds)))]
         result = evaluate(self.fleet, self.verifier, examples, self.template, self.tokenizer, Decoding(), split=split)
         self.last_eval = s = result.summary()
-        self.metrics.log(step, {f"eval/{split}_reward": s["reward"], f"eval/{split}_correctness": s["correctness"],
-                                f"eval/{split}_format": s["format"],
-                                f"eval/{split}_verifier_errors": float(s["verifier_errors"])})
+        if split == "test":  # per-example outcomes: what paired comparisons of runs are built on
+            result.write(self.run_dir / "eval" / f"test_step_{step:06d}.jsonl")
+        metrics = {f"eval/{split}_reward": s["reward"], f"eval/{split}_correctness": s["correctness"],
+                   f"eval/{split}_format": s["format"], f"eval/{split}_verifier_errors": float(s["verifier_errors"])}
+        self.metrics.log(step, metrics)
+        self.stop_rules.observe(step, metrics)
         if s["verifier_errors"]:
             logger.warning("eval step %d on %s: %d of %d responses could not be graded (excluded from the means)",
                            step, split, s["verifier_errors"], len(examples))

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 def sft_batch(examples: Sequence, template, tokenizer, *, micro_batch_size: int) -> dict:
     """tokens [B, T] (prompt + answer + EOS, right-padded), loss_mask [B, T-1] on the answer and
-    EOS predictions, and the per-micro-batch token normaliser."""
+    EOS predictions, lengths [B], and the batch's token count in the loss (the normaliser)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
     if eos is None:
         raise ValueError("SFT needs a tokenizer with an EOS token (the answer must learn to end)")
@@ -48,7 +48,12 @@ def sft_batch(examples: Sequence, template, tokenizer, *, micro_batch_size: int)
         tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
         mask[i, len(p) - 1:len(p) - 1 + len(a)] = 1.0
     micro_batches = b // micro_batch_size
-    return {"tokens": tokens, "loss_mask": mask, "token_denominator": max(float(mask.sum()), 1.0) / micro_batches}
+    n = max(float(mask.sum()), 1.0)
+    lengths = torch.tensor([len(p) + len(a) for p, a in rows], dtype=torch.long)  # [B] real tokens per row
+    # N travels as it is (the learner gives each micro-batch its step's K); N/K for fixed
+    # micro-batches of micro_batch_size is kept for callers outside the learner.
+    return {"tokens": tokens, "loss_mask": mask, "lengths": lengths, "tokens_in_loss": n,
+            "token_denominator": n / micro_batches}
 
 
 def sft_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
@@ -57,7 +62,9 @@ def sft_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict) -> tuple[torch.Ten
     nll = -(logprobs_bt * mask).sum()
     with torch.no_grad():
         stats = {"nll_sum": nll.detach(), "tokens": mask.sum()}
-    return nll / float(mb["token_denominator"]), stats
+    k = mb.get("num_micro_batches")  # set by the learner: the K of this step
+    denominator = float(mb["tokens_in_loss"]) / k if k is not None else float(mb["token_denominator"])
+    return nll / denominator, stats
 
 
 def export_latest(run_dir: Path) -> Path:
@@ -83,6 +90,7 @@ def sft(cfg) -> dict:
     from megatron_rl.data.cursor import DataCursor
     from megatron_rl.metrics import MetricsLogger
     from megatron_rl.run_manifest import close_run
+    from megatron_rl.train.config import data_order_seed
     from megatron_rl.train.learner_group import LearnerGroup
     from megatron_rl.train.roles import open_run_dir
 
@@ -90,7 +98,7 @@ def sft(cfg) -> dict:
     ckpts = run_dir / "checkpoints"
     resume_from = latest_committed(ckpts) if cfg.run.resume else None
     train = splits["train"]
-    cursor = DataCursor(len(train), seed=cfg.data.seed, dataset_version=train.dataset_version)
+    cursor = DataCursor(len(train), seed=data_order_seed(cfg), dataset_version=train.dataset_version)
     lc = dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr)
     own_ray = not ray.is_initialized()
     if own_ray:
@@ -154,7 +162,9 @@ def _final_eval(cfg, model_dir: Path, splits, template) -> dict:
     verifier = VerifierPool(cfg.reward)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        return evaluate(fleet, verifier, examples, template, tokenizer, Decoding(), split="test").summary()
+        result = evaluate(fleet, verifier, examples, template, tokenizer, Decoding(), split="test")
+        result.write(Path(cfg.run.dir).resolve() / "eval" / f"test_step_{cfg.sft.steps:06d}.jsonl")
+        return result.summary()
     finally:
         verifier.close()
         fleet.shutdown()

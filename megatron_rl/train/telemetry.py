@@ -7,7 +7,8 @@ Panels: learn/ (reward and its components, KL to the reference, entropy estimate
 length, clip fraction, grad norm, the batch's D_lag and its P50/P95/P99 over sequences),
 numerics/ (non-finite counts, extreme logprobs, lag quarantines), system/ (generated and
 learned tokens/s, ESR and effective TPS, phase times, memory), latency/ (rollout and verifier
-P50/P95/P99 over a sliding window, verifier errors), queue/ (the coordinator's gauges, plus the
+P50/P95/P99 over a sliding window, verifier error counters and this step's share of ungraded
+samples `latency/verifier_error_rate`), queue/ (the coordinator's gauges, plus the
 taken batch's version lag Δv).
 
 ESR (effective sample ratio) = tokens that were valid (graded), fresh (taken inside the
@@ -76,11 +77,14 @@ class Telemetry:
             "system/effective_tokens_per_s": gen_tps * esr,
             "system/driver_max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         })
+        if "padding_fraction" in learn:  # padded / computed token positions of the learner's grid
+            out["system/padding_fraction"] = float(learn["padding_fraction"])
         for name, seconds in phases.items():
             out[f"system/time_{name}_s"] = float(seconds)
         # latency/
         out.update(percentiles(list(self.rollout_s), "latency/rollout_round_s"))
         out.update(percentiles(list(self.verify_s), "latency/verifier_batch_s"))
+        out["latency/verifier_error_rate"] = (len(trajs) - len(valid)) / len(trajs) if trajs else 0.0
         for code, count in verifier_counters.items():
             out[f"latency/verifier_{code}"] = float(count)
         # queue/

@@ -225,3 +225,42 @@ def test_starving_and_metric_keys():
     assert all(k.startswith("queue/") for k in m)
     assert m["queue/depth"] == 3 and m["queue/age_s_p50"] == pytest.approx(4) and m["queue/dv_p95"] == 1
     assert q.take(8) and q.backpressure().starving and q.metrics()["queue/starving"] == 1.0
+
+
+def test_learner_lag_report_throttles_admission_until_it_recovers():
+    """Backpressure from the learner's reported dv P95 / D_lag P95: eta drops to 0 (one round
+    ahead of the version at most) and comes back when the report falls under the limit."""
+    q = queue(batch_size=2, max_staleness=2, max_version_lag=2, backpressure_taken_dv_p95=1.0,
+              backpressure_d_lag_p95=0.05)
+    assert q.metrics()["queue/admission_eta"] == 2
+    q.report_lag(dv_p95=1.0, d_lag_p95=0.01)  # at the limits: not past them
+    assert not q.backpressure().active
+    q.report_lag(dv_p95=0.0, d_lag_p95=0.2)
+    bp = q.backpressure()
+    assert bp.active and bp.reasons == ["d_lag_p95"]
+    m = q.metrics()
+    assert m["queue/backpressure"] == 1 and m["queue/backpressure_d_lag"] == 1 and m["queue/admission_eta"] == 0
+    assert len(q.try_admit(100)) == (0 + 0 + 1) * 2  # as if max_staleness were 0
+    q.report_lag(dv_p95=2.0, d_lag_p95=None)
+    assert q.backpressure().reasons == ["taken_dv_p95"] and q.try_admit(100) == []
+    q.report_lag(dv_p95=0.0, d_lag_p95=0.0)
+    assert len(q.try_admit(100)) == (2 + 0 + 1) * 2 - 2  # max_staleness again
+    off = queue(batch_size=2, max_staleness=2, max_version_lag=2)  # limits default to off
+    off.report_lag(dv_p95=5.0, d_lag_p95=9.0)
+    assert not off.backpressure().active and len(off.try_admit(100)) == 6
+
+
+def test_lag_report_survives_a_restart(tmp_path):
+    cfg = dict(batch_size=2, max_staleness=2, max_version_lag=2, backpressure_d_lag_p95=0.05,
+               wal_path=str(tmp_path / "q.db"))
+    q = queue(**cfg)
+    q.report_lag(dv_p95=0.0, d_lag_p95=0.3)
+    q.close()
+    again = queue(**cfg)
+    assert again.backpressure().reasons == ["d_lag_p95"] and len(again.try_admit(100)) == 2
+
+
+@pytest.mark.parametrize("name", ["backpressure_taken_dv_p95", "backpressure_d_lag_p95"])
+def test_learner_backpressure_limits_are_checked(name):
+    with pytest.raises(ValueError, match=f"coordinator.{name}"):
+        CoordinatorConfig(**{name: -1.0})

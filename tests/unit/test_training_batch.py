@@ -84,6 +84,7 @@ def test_verifier_timeout_is_excluded_and_counted():
         samples, trajs, trajs, {"loss": 0.1, "grad_norm": 1.0, **{f"adv/{k}": v for k, v in stats.items()}},
         {"rollout": 1.0, "score": 1.0, "learn": 1.0}, {"queue/depth": 0.0}, counters)
     assert metrics["latency/verifier_timeout"] == 1
+    assert metrics["latency/verifier_error_rate"] == pytest.approx(1 / 5)  # this step's ungraded share (stop rule)
     assert metrics["learn/invalid_samples"] == 1
     assert metrics["learn/reward_mean"] == pytest.approx((1.5 + 0.5 + 1.5 + 1.5) / 4)  # over graded samples only
 

@@ -1,0 +1,210 @@
+"""Experiments: arms x seeds of real runs, registered before they run, judged by a paired bootstrap.
+
+    megatron-rl experiment --config experiments/grpo_vs_sft.yaml [--dry-run]
+
+An experiment file names a base training config, the arms (each a command -- `sft` or
+`train` -- with dotted overrides, optionally starting from another arm's run of the same seed),
+the seeds, and the pre-registration: hypothesis, primary metric (hidden-test correctness),
+baseline arm, minimal effect and alpha.  Before the first run the pre-registration is written
+to `DIR/preregistration.json`; a later invocation whose pre-registration differs is refused,
+so the claim cannot move after the data are in.  Then every (arm, seed) runs as its own process
+(`DIR/runs/<arm>/seed_<s>`), in dependency order, one after another; a run whose
+`result.json` exists is skipped, so an interrupted experiment resumes where it stopped.
+
+The analysis pairs runs on (seed, test example): every arm's per-example correctness on the
+hidden test split (written by each run's final eval) against the baseline arm's on the same
+seed and example.  The 95% CI of the mean difference comes from SciPy's paired bootstrap
+(`scipy.stats.bootstrap(..., paired=True)`, resampling (seed, example) pairs).  The verdict:
+"supported" when the CI's lower bound is above 0 and the mean difference reaches the minimal
+effect, "contradicted" when the CI's upper bound is below 0, else "inconclusive"; fewer than
+3 seeds is "exploratory" (no verdict).  `report.json`, `report.md` and PNG plots (test
+correctness per arm with its CI, dev correctness curves with seed bands) land in DIR.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+COMMANDS = ("sft", "train")
+MIN_SEEDS = 3
+
+
+@dataclasses.dataclass(kw_only=True)
+class Preregistration:
+    hypothesis: str
+    """What the experiment is expected to show, in words."""
+    baseline_arm: str
+    """The arm every other arm is compared with."""
+    primary_metric: str = "test_correctness"
+    """Greedy pass@1 correctness on the hidden test split (the only primary metric supported)."""
+    minimal_effect: float = 0.05
+    """Smallest mean difference (arm - baseline) that counts as an effect."""
+    alpha: float = 0.05
+    """1 - confidence of the bootstrap interval."""
+
+    def __post_init__(self) -> None:
+        if self.primary_metric != "test_correctness":
+            raise ValueError(f"preregistration.primary_metric must be 'test_correctness', got {self.primary_metric!r}")
+        if not 0 < self.alpha < 0.5:
+            raise ValueError(f"preregistration.alpha must be in (0, 0.5), got {self.alpha}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Arm:
+    command: str = "train"
+    """`sft` or `train`."""
+    overrides: list[str] = dataclasses.field(default_factory=list)
+    """Dotted overrides of the base config for this arm."""
+    init_from: str | None = None
+    """Start from this arm's run of the same seed (model.init_from)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ExperimentConfig:
+    base: str
+    """Base training config (relative paths are relative to the experiment file)."""
+    dir: str
+    """Experiment directory: pre-registration, runs, report."""
+    preregistration: Preregistration
+    arms: dict[str, Arm]
+    seeds: list[int] = dataclasses.field(default_factory=lambda: [0, 1, 2])
+    """Each seed sets run.seed and learner.seed (data splits stay fixed: the test set is shared)."""
+    overrides: list[str] = dataclasses.field(default_factory=list)
+    """Dotted overrides for every run of every arm."""
+
+    def __post_init__(self) -> None:
+        if self.preregistration.baseline_arm not in self.arms:
+            raise ValueError(f"preregistration.baseline_arm {self.preregistration.baseline_arm!r} is not an arm "
+                             f"({sorted(self.arms)})")
+        for name, arm in self.arms.items():
+            if arm.command not in COMMANDS:
+                raise ValueError(f"arms.{name}.command must be one of {list(COMMANDS)}, got {arm.command!r}")
+            if arm.init_from is not None and arm.init_from not in self.arms:
+                raise ValueError(f"arms.{name}.init_from {arm.init_from!r} is not an arm")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be distinct and non-empty, got {self.seeds}")
+        self.order()  # no cycles
+
+    def order(self) -> list[str]:
+        """Arms in dependency order (an arm after the arm it starts from)."""
+        done: list[str] = []
+        while len(done) < len(self.arms):
+            ready = [a for a in self.arms if a not in done and (self.arms[a].init_from in done + [None])]
+            if not ready:
+                raise ValueError(f"arms.*.init_from forms a cycle among {sorted(set(self.arms) - set(done))}")
+            done += ready
+        return done
+
+
+def load_experiment(path: str | Path) -> ExperimentConfig:
+    import yaml
+
+    from megatron_rl.config import from_dict
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"experiment file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    cfg = from_dict(ExperimentConfig, data)
+    base = Path(cfg.base)
+    cfg.base = str(base if base.is_absolute() else (path.parent / base).resolve())
+    if not Path(cfg.base).is_file():
+        raise FileNotFoundError(f"experiment base config not found: {cfg.base}")
+    return cfg
+
+
+def run_dir(cfg: ExperimentConfig, arm: str, seed: int) -> Path:
+    return Path(cfg.dir) / "runs" / arm / f"seed_{seed}"
+
+
+def command_for(cfg: ExperimentConfig, arm: str, seed: int) -> list[str]:
+    """The megatron-rl command line of one run."""
+    a = cfg.arms[arm]
+    args = [a.command, "--config", cfg.base, *cfg.overrides, *a.overrides,
+            f"run.dir={run_dir(cfg, arm, seed)}", f"run.seed={seed}", f"learner.seed={1000 + seed}"]
+    if a.init_from is not None:
+        args += [f"model.init_from={run_dir(cfg, a.init_from, seed)}", "model.tiny=null", "model.path=null"]
+    return args
+
+
+def launch_cli(args: list[str], log: Path) -> int:
+    """Run one `megatron-rl` command in its own process (its own Ray), output to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        return subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], stdout=f, stderr=subprocess.STDOUT,
+                              check=False).returncode
+
+
+def preregister(cfg: ExperimentConfig) -> dict:
+    """Write DIR/preregistration.json before any run; refuse to go on if it exists and differs."""
+    record = {"preregistration": dataclasses.asdict(cfg.preregistration), "base": cfg.base,
+              "arms": {k: dataclasses.asdict(v) for k, v in cfg.arms.items()}, "seeds": cfg.seeds,
+              "overrides": cfg.overrides}
+    path = Path(cfg.dir) / "preregistration.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        old.pop("registered_at", None)
+        if old != record:
+            raise ValueError(f"{path} differs from this experiment file: a pre-registration cannot change after "
+                             f"runs started (use a new experiment dir)")
+        return json.loads(path.read_text())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record["registered_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    path.write_text(json.dumps(record, indent=2, sort_keys=True))
+    return record
+
+
+def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] = launch_cli) -> list[tuple[str, int]]:
+    """Run every (arm, seed) not finished yet; returns the ones run now.  Stops on a failed run."""
+    preregister(cfg)
+    ran = []
+    for arm in cfg.order():
+        for seed in cfg.seeds:
+            d = run_dir(cfg, arm, seed)
+            if (d / "result.json").is_file():
+                logger.info("%s seed %d: finished earlier, skipped", arm, seed)
+                continue
+            t0 = time.time()
+            rc = launch(command_for(cfg, arm, seed), Path(cfg.dir) / "logs" / f"{arm}_seed_{seed}.log")
+            if rc != 0:
+                raise RuntimeError(f"run {arm} seed {seed} failed (exit {rc}); see {cfg.dir}/logs/{arm}_seed_{seed}.log "
+                                   f"-- rerun the experiment to resume")
+            (d / "result.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.time() - t0}))
+            ran.append((arm, seed))
+    return ran
+
+
+def _cmd_experiment(args) -> int:
+    from megatron_rl.experiment_report import write_report
+
+    cfg = load_experiment(args.config)
+    if args.dry_run:
+        print(json.dumps({"dir": cfg.dir, "order": cfg.order(), "seeds": cfg.seeds,
+                          "runs": [["megatron-rl", *command_for(cfg, a, s)] for a in cfg.order() for s in cfg.seeds]},
+                         indent=2))
+        return 0
+    ran = run_all(cfg)
+    logger.info("experiment %s: %d runs now, %d skipped", cfg.dir, len(ran),
+                len(cfg.arms) * len(cfg.seeds) - len(ran))
+    report = write_report(cfg)
+    print(json.dumps({arm: {k: e.get(k) for k in ("test_correctness_mean", "difference", "ci", "verdict")}
+                      for arm, e in report["arms"].items()}))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("experiment", help="arms x seeds of real runs, pre-registered, paired-bootstrap report")
+    p.add_argument("--config", required=True, help="experiment YAML (base config, arms, seeds, preregistration)")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the runs; start nothing")
+    p.set_defaults(func=_cmd_experiment)

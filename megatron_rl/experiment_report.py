@@ -1,0 +1,171 @@
+"""The analysis of an experiment (megatron_rl.experiment): paired bootstrap, costs, verdict, plots.
+
+    report = write_report(cfg)    # DIR/report.json, DIR/report.md, DIR/test_correctness.png, DIR/dev_curves.png
+
+Per arm: mean hidden-test correctness (over seeds, each the mean over the test examples), the
+95% paired-bootstrap CI of the difference to the baseline arm (pairs = (seed, example)), and
+the costs the runs logged: wall time, CPU-hours, generated tokens, ESR, effective TPS, clip
+fraction, D_lag.  The verdict is read against the pre-registration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from megatron_rl.experiment import MIN_SEEDS, ExperimentConfig, run_dir
+
+
+def test_outcomes(path: Path) -> dict[str, float]:
+    """example id -> correctness of a run's final hidden-test eval (its newest test_step_*.jsonl)."""
+    files = sorted((path / "eval").glob("test_step_*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no eval/test_step_*.jsonl (did the run finish its final eval?)")
+    out = {}
+    for line in files[-1].read_text().splitlines():
+        o = json.loads(line)
+        graded = [c for c in o["correctness"] if c is not None]
+        if graded:  # an ungraded example (verifier error) has no pair
+            out[o["id"]] = float(np.mean(graded))
+    return out
+
+
+def paired_difference_ci(arm: np.ndarray, base: np.ndarray, *, alpha: float, seed: int = 0,
+                         resamples: int = 9999) -> tuple[float, float, float]:
+    """Mean of arm - base and its (1 - alpha) paired-bootstrap CI (SciPy, BCa; percentile when the
+    differences are degenerate).  arm[i] and base[i] are the same (seed, example)."""
+    from scipy.stats import bootstrap
+
+    arm, base = np.asarray(arm, float), np.asarray(base, float)
+    if arm.shape != base.shape or arm.ndim != 1 or arm.size < 2:
+        raise ValueError(f"paired samples must be two 1-d arrays of the same length >= 2, got {arm.shape}, {base.shape}")
+    diff = arm - base
+    mean = float(diff.mean())
+    if np.all(diff == diff[0]):
+        return mean, mean, mean
+    res = bootstrap((arm, base), lambda a, b, axis: np.mean(a - b, axis=axis), paired=True, vectorized=True,
+                    confidence_level=1 - alpha, n_resamples=resamples, method="BCa", random_state=seed)
+    lo, hi = res.confidence_interval
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        res = bootstrap((arm, base), lambda a, b, axis: np.mean(a - b, axis=axis), paired=True, vectorized=True,
+                        confidence_level=1 - alpha, n_resamples=resamples, method="percentile", random_state=seed)
+        lo, hi = res.confidence_interval
+    return mean, float(lo), float(hi)
+
+
+def run_costs(path: Path) -> dict[str, float]:
+    """What one run spent and how its samples fared, from its metrics, config and result."""
+    rows = [json.loads(x) for x in (path / "metrics" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    cfg = json.loads((path / "config.json").read_text())
+    result = json.loads((path / "result.json").read_text())
+    per_step = cfg["run"]["prompts_per_step"] * cfg["run"]["group_size"]
+
+    def mean(key):
+        vals = [r[key] for r in rows if key in r and r[key] is not None and math.isfinite(r[key])]
+        return float(np.mean(vals)) if vals else float("nan")
+
+    generated = sum(r["learn/response_length"] * per_step for r in rows if "learn/response_length" in r)
+    return {"wall_s": result["wall_s"], "cpu_hours": result["wall_s"] * (os.cpu_count() or 1) / 3600,
+            "generated_tokens": float(generated), "esr": mean("system/esr"),
+            "effective_tokens_per_s": mean("system/effective_tokens_per_s"),
+            "clip_fraction": mean("learn/clip_fraction"), "d_lag": mean("learn/d_lag")}
+
+
+def analyse(cfg: ExperimentConfig) -> dict:
+    pre = cfg.preregistration
+    base_name = pre.baseline_arm
+    outcomes = {(a, s): test_outcomes(run_dir(cfg, a, s)) for a in cfg.arms for s in cfg.seeds}
+    arms = {}
+    for arm in cfg.order():
+        per_seed = [float(np.mean(list(outcomes[(arm, s)].values()))) for s in cfg.seeds]
+        costs = [run_costs(run_dir(cfg, arm, s)) for s in cfg.seeds]
+        entry = {"test_correctness_mean": float(np.mean(per_seed)), "test_correctness_per_seed": per_seed,
+                 "costs": {k: _nanmean([c[k] for c in costs]) for k in costs[0]}}
+        if arm != base_name:
+            pairs = [(outcomes[(arm, s)][e], outcomes[(base_name, s)][e]) for s in cfg.seeds
+                     for e in sorted(outcomes[(arm, s)]) if e in outcomes[(base_name, s)]]
+            a, b = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+            diff, lo, hi = paired_difference_ci(a, b, alpha=pre.alpha)
+            entry.update(difference=diff, ci=[lo, hi], pairs=len(pairs), verdict=verdict(diff, lo, hi, pre, cfg))
+        arms[arm] = entry
+    return {"preregistration": json.loads((Path(cfg.dir) / "preregistration.json").read_text()),
+            "baseline_arm": base_name, "seeds": cfg.seeds, "arms": arms}
+
+
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.mean(finite)) if finite else float("nan")
+
+
+def verdict(diff: float, lo: float, hi: float, pre, cfg: ExperimentConfig) -> str:
+    if len(cfg.seeds) < MIN_SEEDS:
+        return "exploratory"
+    if lo > 0 and diff >= pre.minimal_effect:
+        return "supported"
+    if hi < 0:
+        return "contradicted"
+    return "inconclusive"
+
+
+def write_report(cfg: ExperimentConfig) -> dict:
+    report = analyse(cfg)
+    out = Path(cfg.dir)
+    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    pre = report["preregistration"]["preregistration"]
+    lines = [f"# Experiment {out.name}", "", f"Hypothesis (registered {report['preregistration']['registered_at']}): "
+             f"{pre['hypothesis']}", "", f"Primary metric: hidden-test correctness (greedy pass@1); baseline arm "
+             f"`{report['baseline_arm']}`; minimal effect {pre['minimal_effect']}; alpha {pre['alpha']}; seeds "
+             f"{report['seeds']}.", "",
+             "| arm | test correctness | diff vs baseline | 95% CI | verdict | wall s | gen. tokens | ESR | eff. TPS "
+             "| clip | D_lag |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, e in report["arms"].items():
+        c = e["costs"]
+        ci = f"[{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}]" if "ci" in e else "-"
+        diff = f"{e['difference']:+.3f}" if "difference" in e else "-"
+        lines.append(f"| {arm} | {e['test_correctness_mean']:.3f} | {diff} | {ci} | {e.get('verdict', 'baseline')} | "
+                     f"{c['wall_s']:.0f} | {c['generated_tokens']:.0f} | {c['esr']:.3f} | "
+                     f"{c['effective_tokens_per_s']:.1f} | {c['clip_fraction']:.3f} | {c['d_lag']:.2e} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    _plots(cfg, report)
+    return report
+
+
+def _plots(cfg: ExperimentConfig, report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["arms"])
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for i, arm in enumerate(names):
+        per_seed = report["arms"][arm]["test_correctness_per_seed"]
+        ax.scatter([i] * len(per_seed), per_seed, color="gray", s=12)
+        ax.bar(i, report["arms"][arm]["test_correctness_mean"], alpha=0.6)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("hidden-test correctness")
+    fig.tight_layout()
+    fig.savefig(Path(cfg.dir) / "test_correctness.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for arm in names:
+        curves = []
+        for s in cfg.seeds:
+            rows = [json.loads(x) for x in (run_dir(cfg, arm, s) / "metrics" / "metrics.jsonl").read_text().splitlines()]
+            curves.append({r["step"]: r["eval/dev_correctness"] for r in rows if "eval/dev_correctness" in r})
+        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if steps:
+            vals = np.array([[c[t] for t in steps] for c in curves])
+            ax.plot(steps, vals.mean(0), label=arm)
+            ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("dev correctness (seed band)")
+    if ax.lines:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(Path(cfg.dir) / "dev_curves.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,106 @@
+"""Experiments: the pre-registration is fixed before any run, finished runs are not rerun, and the
+paired bootstrap agrees with cases whose answer is known."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_rl.experiment import load_experiment, preregister, run_all
+from megatron_rl.experiment_report import paired_difference_ci, write_report
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _experiment(tmp_path, hypothesis="GRPO beats SFT", seeds=(0, 1, 2)):
+    path = tmp_path / "exp.yaml"
+    path.write_text(json.dumps({
+        "base": str(REPO / "configs" / "tiny_cpu.yaml"), "dir": str(tmp_path / "exp"), "seeds": list(seeds),
+        "preregistration": {"hypothesis": hypothesis, "baseline_arm": "sft", "minimal_effect": 0.05},
+        "arms": {"sft": {"command": "sft", "overrides": ["sft.steps=3"]},
+                 "grpo": {"command": "train", "init_from": "sft", "overrides": ["run.steps=4"]}}}))
+    return load_experiment(path)
+
+
+def _fake_run(correct_by_arm):
+    """Test double for launching a real run: writes what a finished run leaves behind."""
+    calls = []
+
+    def launch(args, log):
+        calls.append(args)
+        d = Path(next(a.split("=", 1)[1] for a in args if a.startswith("run.dir=")))
+        arm = d.parent.name
+        (d / "eval").mkdir(parents=True)
+        (d / "metrics").mkdir()
+        rng = np.random.default_rng(len(calls))
+        with (d / "eval" / "test_step_000004.jsonl").open("w") as f:
+            for i in range(50):
+                f.write(json.dumps({"id": f"e{i}", "correctness": [float(rng.random() < correct_by_arm[arm])]}) + "\n")
+        (d / "metrics" / "metrics.jsonl").write_text(json.dumps({"step": 1, "learn/response_length": 2.0}) + "\n")
+        (d / "config.json").write_text(json.dumps({"run": {"prompts_per_step": 8, "group_size": 8}}))
+        return 0
+
+    return launch, calls
+
+
+def test_preregistration_is_written_first_and_cannot_change(tmp_path):
+    cfg = _experiment(tmp_path)
+    launch, calls = _fake_run({"sft": 0.3, "grpo": 0.9})
+    seen_before_first_run = []
+    run_all(cfg, lambda a, l: (seen_before_first_run.append((Path(cfg.dir) / "preregistration.json").is_file())
+                               or launch(a, l)))
+    assert seen_before_first_run and all(seen_before_first_run)
+    registered = (Path(cfg.dir) / "preregistration.json").read_text()
+    preregister(cfg)  # the same experiment again: accepted, file untouched
+    assert (Path(cfg.dir) / "preregistration.json").read_text() == registered
+    with pytest.raises(ValueError, match="cannot change after runs started"):
+        preregister(_experiment(tmp_path, hypothesis="something else"))
+
+
+def test_interrupted_experiment_resumes_without_rerunning_finished_runs(tmp_path):
+    cfg = _experiment(tmp_path)
+    launch, calls = _fake_run({"sft": 0.3, "grpo": 0.9})
+
+    def dies_on_third(args, log):
+        if len(calls) == 2:
+            return 1  # the third run fails: the experiment stops there
+        return launch(args, log)
+
+    with pytest.raises(RuntimeError, match="rerun the experiment to resume"):
+        run_all(cfg, dies_on_third)
+    assert len(calls) == 2
+    ran = run_all(cfg, launch)
+    assert ran == [("sft", 2), ("grpo", 0), ("grpo", 1), ("grpo", 2)]  # the two finished ones skipped
+    grpo_args = calls[-1]
+    assert f"model.init_from={Path(cfg.dir) / 'runs' / 'sft' / 'seed_2'}" in grpo_args and "run.seed=2" in grpo_args
+    report = write_report(cfg)
+    grpo = report["arms"]["grpo"]
+    assert grpo["pairs"] == 150 and grpo["ci"][0] > 0.4 and grpo["verdict"] == "supported"
+    assert (Path(cfg.dir) / "report.md").read_text().count("| grpo |") == 1
+    assert (Path(cfg.dir) / "test_correctness.png").stat().st_size > 0
+
+
+def test_paired_bootstrap_matches_known_answers():
+    rng = np.random.default_rng(0)
+    base = rng.normal(0.0, 1.0, 4000)
+    arm = base + 0.3 + rng.normal(0.0, 0.5, 4000)  # paired differences ~ N(0.3, 0.5^2)
+    mean, lo, hi = paired_difference_ci(arm, base, alpha=0.05, resamples=2000)
+    half = 1.96 * (arm - base).std(ddof=1) / np.sqrt(4000)
+    assert mean == pytest.approx(float((arm - base).mean()))
+    assert lo == pytest.approx(mean - half, abs=0.004) and hi == pytest.approx(mean + half, abs=0.004)
+    # The pairing matters: the same numbers unpaired would give an interval ~2x wider.
+    assert (hi - lo) < 0.6 * 2 * 1.96 * np.sqrt(arm.var(ddof=1) / 4000 + base.var(ddof=1) / 4000)
+    same = paired_difference_ci(np.ones(10), np.zeros(10), alpha=0.05)
+    assert same == (1.0, 1.0, 1.0)  # every pair differs by exactly 1
+
+
+def test_few_seeds_is_exploratory(tmp_path):
+    cfg = _experiment(tmp_path, seeds=(0,))
+    launch, _ = _fake_run({"sft": 0.3, "grpo": 0.9})
+    run_all(cfg, launch)
+    assert write_report(cfg)["arms"]["grpo"]["verdict"] == "exploratory"
