@@ -14,7 +14,6 @@ both with B=4 sequences in micro-batches of 2 built by train.batch.build_batch:
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import pytest
@@ -22,6 +21,7 @@ import torch
 
 from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.platform.spawn import run_distributed
+from tests.dist.grpo_reference import documented_loss, one_group_batch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -33,35 +33,7 @@ LAG_OFFSETS = (0.1, 0.1, 0.9, 0.9)  # |log π_θ - log μ| of each row: micro-ba
 
 
 def _batch(responses: list[list[int]], texts: list[str | None]) -> dict:
-    """A real learner batch (build_batch) of one group; text None = the verifier timed out."""
-    from megatron_rl.reward import RewardConfig, Score, score_response
-    from megatron_rl.rollout.sample import RolloutSample
-    from megatron_rl.train.batch import build_batch
-    from megatron_rl.train.roles import to_trajectories
-
-    reward = RewardConfig(extractors=["leading_number"], format_extractors=["leading_number"], format_weight=0.5)
-    now = time.time()
-    samples = [RolloutSample(prompt_tokens=[5, 17, 42], response_tokens=r, behavior_logprobs=[-1.0] * len(r),
-                             policy_versions=[0] * len(r), sampling={"temperature": 1.0}, finish_reason="stop",
-                             started_at=now, finished_at=now, extra={"round": 0, "prompt_id": "p", "answer": "5"})
-               for r in responses]
-    scores = [score_response(t, "5", reward) if t is not None else Score.failed("timeout", reward.grader_version())
-              for t in texts]
-    trajs = to_trajectories(samples, scores, tokenizer_hash="h", dataset_version="d")
-    batch, _ = build_batch(trajs, pad_id=0, loss_cfg=GRPOLossConfig(), micro_batch_size=2)
-    return batch
-
-
-def _documented_loss(logprobs_bt, batch, aggregation, eps=0.2):
-    """The batch-wide formulas of megatron_rl.grpo.loss, written out for the whole batch."""
-    mu, m, adv = batch["behavior_logprobs"], batch["loss_mask"], batch["advantages"][:, None]
-    ratio = torch.exp(logprobs_bt - mu)
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv) * m
-    if aggregation == "token":
-        return per_token.sum() / m.sum()
-    n = m.sum(dim=1)
-    kept = n > 0
-    return (per_token.sum(dim=1)[kept] / n[kept]).sum() / kept.sum()
+    return one_group_batch(responses, texts, micro_batch_size=2)
 
 
 def _with_behavior(batch, logprobs_bt, offsets_b, alternate=True):
@@ -107,7 +79,7 @@ def _work(rank, world, seq_batch, lag_batch):
             logprobs = token_logprobs(model(tokens, pos, attention_mask=None), tokens, cfg.vocab_size)
             if agg == "sequence":  # μ near π_θ (±0.05): both clip sides leave most tokens a gradient
                 seq_batch = _with_behavior(seq_batch, logprobs.detach(), (0.05, 0.03, -0.04, 0.02))
-            _documented_loss(logprobs, seq_batch, agg).backward()
+            documented_loss(logprobs, seq_batch, agg).backward()
             ref_grads[agg] = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                               for n, p in model.named_parameters()}
     out = {}

@@ -15,13 +15,13 @@ plain-torch TP1 forward/backward of the whole [B, T] padded batch:
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import pytest
 import torch
 
 from megatron_rl.platform.spawn import run_distributed
+from tests.dist.grpo_reference import documented_loss, one_group_batch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -38,35 +38,7 @@ OFFSETS = (0.05, 0.03, -0.04, 0.02, -0.03, 0.04, 0.01, -0.02)  # μ = π_θ ± o
 
 
 def _batch() -> dict:
-    from megatron_rl.grpo.loss import GRPOLossConfig
-    from megatron_rl.reward import RewardConfig, Score, score_response
-    from megatron_rl.rollout.sample import RolloutSample
-    from megatron_rl.train.batch import build_batch
-    from megatron_rl.train.roles import to_trajectories
-
-    reward = RewardConfig(extractors=["leading_number"], format_extractors=["leading_number"], format_weight=0.5)
-    now = time.time()
-    samples = [RolloutSample(prompt_tokens=[5, 17, 42], response_tokens=r, behavior_logprobs=[-1.0] * len(r),
-                             policy_versions=[0] * len(r), sampling={"temperature": 1.0}, finish_reason="stop",
-                             started_at=now, finished_at=now, extra={"round": 0, "prompt_id": "p", "answer": "5"})
-               for r in RESPONSES]
-    scores = [score_response(t, "5", reward) if t is not None else Score.failed("timeout", reward.grader_version())
-              for t in TEXTS]
-    trajs = to_trajectories(samples, scores, tokenizer_hash="h", dataset_version="d")
-    batch, _ = build_batch(trajs, pad_id=0, loss_cfg=GRPOLossConfig(), micro_batch_size=1)
-    return batch
-
-
-def _documented_loss(logprobs_bt, batch, aggregation, eps=0.2):
-    """The batch-wide formulas of megatron_rl.grpo.loss over the whole padded batch at once."""
-    mu, m, adv = batch["behavior_logprobs"], batch["loss_mask"], batch["advantages"][:, None]
-    ratio = torch.exp(logprobs_bt - mu)
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv) * m
-    if aggregation == "token":
-        return per_token.sum() / m.sum()
-    n = m.sum(dim=1)
-    kept = n > 0
-    return (per_token.sum(dim=1)[kept] / n[kept]).sum() / kept.sum()
+    return one_group_batch(RESPONSES, TEXTS, micro_batch_size=1)
 
 
 def _sft_loss(logprobs_bt, batch):
@@ -102,7 +74,7 @@ def _work(rank, world, batch):
                 sign = torch.tensor([(-1.0) ** j for j in range(t)])
                 batch = dict(batch, behavior_logprobs=(logprobs.detach() - torch.tensor(OFFSETS)[:, None] * sign))
                 ref["logprobs"] = logprobs.detach().clone()
-            loss = _sft_loss(logprobs, batch) if what == "sft" else _documented_loss(logprobs, batch, what)
+            loss = _sft_loss(logprobs, batch) if what == "sft" else documented_loss(logprobs, batch, what)
             loss.backward()
             ref["loss"][what] = loss.item()
             ref["grads"][what] = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
