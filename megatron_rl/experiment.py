@@ -165,8 +165,22 @@ def preregister(cfg: ExperimentConfig) -> dict:
     return record
 
 
+def validate_runs(cfg: ExperimentConfig) -> None:
+    """Every run's training config must load (keys, types, cross-section rules) before any run starts."""
+    from megatron_rl.train.config import load_train_config
+
+    for arm in cfg.order():
+        for seed in cfg.seeds:
+            args = command_for(cfg, arm, seed)
+            try:
+                load_train_config(cfg.base, [a for a in args[3:] if "=" in a])
+            except ValueError as err:
+                raise ValueError(f"arms.{arm} (seed {seed}): {err}") from None
+
+
 def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] = launch_cli) -> list[tuple[str, int]]:
     """Run every (arm, seed) not finished yet; returns the ones run now.  Stops on a failed run."""
+    validate_runs(cfg)
     preregister(cfg)
     ran = []
     for arm in cfg.order():
@@ -189,6 +203,7 @@ def _cmd_experiment(args) -> int:
     from megatron_rl.experiment_report import write_report
 
     cfg = load_experiment(args.config)
+    validate_runs(cfg)
     if args.dry_run:
         print(json.dumps({"dir": cfg.dir, "order": cfg.order(), "seeds": cfg.seeds,
                           "runs": [["megatron-rl", *command_for(cfg, a, s)] for a in cfg.order() for s in cfg.seeds]},

@@ -104,3 +104,12 @@ def test_few_seeds_is_exploratory(tmp_path):
     launch, _ = _fake_run({"sft": 0.3, "grpo": 0.9})
     run_all(cfg, launch)
     assert write_report(cfg)["arms"]["grpo"]["verdict"] == "exploratory"
+
+
+def test_a_bad_override_is_refused_before_any_run(tmp_path):
+    cfg = _experiment(tmp_path)
+    cfg.arms["grpo"].overrides.append("learner.lr_typo=1")
+    launch, calls = _fake_run({"sft": 0.3, "grpo": 0.9})
+    with pytest.raises(ValueError, match=r"arms.grpo \(seed 0\): .*learner.lr_typo"):
+        run_all(cfg, launch)
+    assert calls == [] and not (Path(cfg.dir) / "preregistration.json").exists()
