@@ -27,7 +27,7 @@ from megatron_rl.config import config_hash
 from megatron_rl.train.config import TrainConfig, data_order_seed, resolved_dict
 from megatron_rl.train.producer import Producer, Round, TrainState
 from megatron_rl.train.stop import STOP_FILE, StopCondition, StopRules
-from megatron_rl.train.telemetry import Telemetry
+from megatron_rl.train.telemetry import Telemetry, progress_line
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class Roles:
     stop_rules: StopRules | None = None
     """The stop conditions (train/stop.py), fed every metrics dict this run logs."""
     _producer: Producer | None = None
+    _step_seconds: list = dataclasses.field(default_factory=list)
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -306,6 +307,9 @@ class Roles:
         metrics = self.telemetry.step_metrics(samples, trajs, taken, learn, phases, queue, self.verifier.counters())
         self.metrics.log(step, metrics)
         self.stop_rules.observe(step, metrics)
+        self._step_seconds.append(phases["step"])
+        logger.info("%s", progress_line(step, self.cfg.run.steps, metrics,
+                                        sum(self._step_seconds) / len(self._step_seconds)))
 
     def stop_condition(self) -> StopCondition | None:
         """The stop condition (train/stop.py) the metrics logged so far meet, or None; one that

@@ -95,3 +95,24 @@ class Telemetry:
 
 def _mean(values: list) -> float:
     return float(np.mean(values)) if values else float("nan")
+
+
+def progress_line(step: int, total: int, metrics: dict, seconds_per_step: float) -> str:
+    """One console line per step: where the run is and whether it is learning.
+
+    step/total, reward and correctness of the step's samples, KL to the
+    reference, dv and D_lag P95, ESR, generated tokens/s and the ETA at the mean step time so
+    far.  A value the step did not log shows as "-" (never as a made-up zero).
+    """
+    def fmt(key: str, spec: str) -> str:
+        value = metrics.get(key)
+        if key == "learn/kl_ref":
+            value = next((v for k, v in metrics.items() if k.startswith("learn/kl_ref_")), None)
+        return "-" if value is None or not math.isfinite(value) else format(value, spec)
+
+    eta = max(total - step, 0) * seconds_per_step
+    return (f"step {step}/{total} | reward {fmt('learn/reward_mean', '.3f')} "
+            f"correct {fmt('learn/reward_correctness', '.3f')} | kl {fmt('learn/kl_ref', '.3g')} "
+            f"dv95 {fmt('queue/taken_dv/p95', '.0f')} lag95 {fmt('learn/d_lag/p95', '.2g')} | "
+            f"esr {fmt('system/esr', '.2f')} gen {fmt('system/generated_tokens_per_s', '.0f')} tok/s | "
+            f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
