@@ -263,7 +263,7 @@ def load_checkpoint(ckpt_dir: str | Path, *, tokenizer_hash: str | None = None, 
                 f"{tokenizer_hash[:12]}…; refusing to load weights under a different vocabulary"
             )
     if verify:
-        verify_files(ckpt_dir, manifest)
+        verify_cached(ckpt_dir, manifest)  # resume and export pick the checkpoint by verifying it already
     return manifest
 
 

@@ -18,8 +18,8 @@ import sys
 COMMAND_MODULES = [
     "megatron_rl.train.cli",
     "megatron_rl.eval_cli",
-    "megatron_rl.experiment",
-    "megatron_rl.doctor",
+    "megatron_rl.experiment_cli",
+    "megatron_rl.doctor_cli",
     "megatron_rl.submit_cli",
     "megatron_rl.planner.cli",
     "megatron_rl.conversion.cli",

@@ -16,7 +16,6 @@ least MIN_TREND_STEPS step rows, so a short healthy run raises no alarm.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -351,21 +350,3 @@ def diagnose(run_dir: str | Path) -> dict:
     return {"run_dir": str(run_dir), "healthy": not findings, "steps": len(h.train_steps),
             "findings": [asdict(f) for f in findings]}
 
-
-def _cmd_doctor(args: argparse.Namespace) -> int:
-    report = diagnose(args.run_dir)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(f"{report['run_dir']}: {report['steps']} training steps, "
-              f"{'healthy' if report['healthy'] else str(len(report['findings'])) + ' finding(s)'}")
-        for f in report["findings"]:
-            print(Finding(**f).render())
-    return 0 if report["healthy"] else 1
-
-
-def register(sub) -> None:
-    p = sub.add_parser("doctor", help="apply RUNBOOK.md's diagnosis tree to a run's metrics; exit 1 on findings")
-    p.add_argument("run_dir", help="the run directory (run.dir) holding metrics/metrics.jsonl")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.set_defaults(func=_cmd_doctor)

@@ -16,7 +16,6 @@ line printed is the JSON summary (decoding settings included).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -38,28 +37,13 @@ def _run_config(run_dir: Path, overrides: list[str]):
     return from_dict(TrainConfig, data)
 
 
-def _exported_policy(run_dir: Path, checkpoint: str | None) -> tuple[Path, str]:
-    """HF directory of the run's newest committed checkpoint (exported on first use)."""
-    from megatron_rl.checkpoint import latest_committed
-    from megatron_rl.conversion.mcore_to_hf import convert_mcore_to_hf
-
-    ckpt = Path(checkpoint) if checkpoint else latest_committed(run_dir / "checkpoints")
-    if ckpt is None:
-        raise FileNotFoundError(f"--run {run_dir}: no COMMITTED checkpoint to evaluate")
-    out = run_dir / "export" / ckpt.name
-    if not (out / "config.json").is_file():
-        convert_mcore_to_hf(ckpt, out, force=out.exists())
-    return out, ckpt.name
-
-
 def _cmd_eval(args: argparse.Namespace) -> int:
     import ray
 
-    from megatron_rl.evaluation import Decoding, evaluate
-    from megatron_rl.reward.pool import VerifierPool
+    from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
+    from megatron_rl.evaluation import Decoding, evaluate_model
     from megatron_rl.train.config import load_train_config
     from megatron_rl.train.roles import load_data
-    from megatron_rl.train.rollout_fleet import RolloutFleet
 
     if (args.run is None) == (args.model is None):
         raise ValueError("give exactly one of --run RUN_DIR or --model HF_DIR")
@@ -71,8 +55,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.run is not None:
         run_dir = Path(args.run).resolve()
         cfg = _run_config(run_dir, args.overrides)
-        model_dir, tag = _exported_policy(run_dir, args.checkpoint)
-        out = Path(args.out) if args.out else run_dir / "eval" / f"{args.split}_{tag}.jsonl"
+        model_dir = export_run_checkpoint(run_dir, args.checkpoint)
+        out = Path(args.out) if args.out else run_dir / "eval" / f"{args.split}_{model_dir.name}.jsonl"
     else:
         if args.config is None:
             raise ValueError("--model needs --config (for the data, reward and rollout settings)")
@@ -84,24 +68,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     splits, template = load_data(cfg)
     ds = splits[args.split]
     examples = [ds[i] for i in range(min(args.limit or cfg.data.eval_size, len(ds)))]
-
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    rollout_cfg = dataclasses.replace(cfg.rollout, model=str(model_dir), weight_transfer="none")
     ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
-    verifier = VerifierPool(cfg.reward)
-    fleet = None
     try:
-        fleet = RolloutFleet(rollout_cfg, num_groups=1)
-        result = evaluate(fleet, verifier, examples, template, tokenizer, decoding, split=args.split)
+        result = evaluate_model(model_dir, cfg.rollout, cfg.reward, examples, template, decoding, split=args.split)
     finally:
-        verifier.close()
-        if fleet is not None:
-            fleet.shutdown()
         ray.shutdown()
     summary = result.summary(ks)
-    summary.update(model=str(model_dir), dataset_version=ds.dataset_version, max_tokens=rollout_cfg.max_tokens,
+    summary.update(model=str(model_dir), dataset_version=ds.dataset_version, max_tokens=cfg.rollout.max_tokens,
                    grader_version=cfg.reward.grader_version(), outcomes=str(out))
     result.write(out)
     if not args.json:

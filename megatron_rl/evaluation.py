@@ -117,3 +117,25 @@ def evaluate(fleet, verifier, examples: Sequence, template, tokenizer, decoding:
     outcomes = [example_outcome(ex, texts[i * n:(i + 1) * n], scores[i * n:(i + 1) * n])
                 for i, ex in enumerate(examples)]
     return EvalResult(split=split, decoding=decoding, outcomes=outcomes)
+
+
+def evaluate_model(model_dir, rollout_cfg, reward_cfg, examples: Sequence, template, decoding: Decoding,
+                   split: str = "test") -> EvalResult:
+    """`evaluate` on a fresh vLLM engine serving the HF directory `model_dir` (no publication,
+    no coordinator) with a verifier pool of `reward_cfg`; both are shut down afterwards."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.reward.pool import VerifierPool
+    from megatron_rl.train.rollout_fleet import RolloutFleet
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    verifier = VerifierPool(reward_cfg)
+    fleet = None
+    try:
+        fleet = RolloutFleet(dataclasses.replace(rollout_cfg, model=str(model_dir), weight_transfer="none"),
+                             num_groups=1)
+        return evaluate(fleet, verifier, examples, template, tokenizer, decoding, split=split)
+    finally:
+        verifier.close()
+        if fleet is not None:
+            fleet.shutdown()

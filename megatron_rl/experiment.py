@@ -1,6 +1,6 @@
 """Experiments: arms x seeds of real runs, registered before they run, judged by a paired bootstrap.
 
-    megatron-rl experiment --config experiments/grpo_vs_sft.yaml [--dry-run]
+    megatron-rl experiment --config experiments/grpo_vs_sft.yaml [--dry-run]    # experiment_cli.py
 
 An experiment file names a base training config, the arms (each a command -- `sft` or
 `train` -- with dotted overrides, optionally starting from another arm's run of the same seed),
@@ -30,9 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -198,28 +197,3 @@ def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] = la
             ran.append((arm, seed))
     return ran
 
-
-def _cmd_experiment(args) -> int:
-    from megatron_rl.experiment_report import write_report
-
-    cfg = load_experiment(args.config)
-    validate_runs(cfg)
-    if args.dry_run:
-        print(json.dumps({"dir": cfg.dir, "order": cfg.order(), "seeds": cfg.seeds,
-                          "runs": [["megatron-rl", *command_for(cfg, a, s)] for a in cfg.order() for s in cfg.seeds]},
-                         indent=2))
-        return 0
-    ran = run_all(cfg)
-    logger.info("experiment %s: %d runs now, %d skipped", cfg.dir, len(ran),
-                len(cfg.arms) * len(cfg.seeds) - len(ran))
-    report = write_report(cfg)
-    print(json.dumps({arm: {k: e.get(k) for k in ("test_correctness_mean", "difference", "ci", "verdict")}
-                      for arm, e in report["arms"].items()}))
-    return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("experiment", help="arms x seeds of real runs, pre-registered, paired-bootstrap report")
-    p.add_argument("--config", required=True, help="experiment YAML (base config, arms, seeds, preregistration)")
-    p.add_argument("--dry-run", action="store_true", help="validate and print the runs; start nothing")
-    p.set_defaults(func=_cmd_experiment)

@@ -116,3 +116,18 @@ def training_checkpoint_model_dir(ckpt_dir: Path) -> Path:
         raise FileNotFoundError(f"model.path of the run in {run_dir}: no config.json in {model_dir}")
     load_checkpoint(ckpt_dir, tokenizer_hash=tokenizer_hash(model_dir))  # sha256 of every file, tokenizer match
     return model_dir
+
+
+def export_run_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None) -> Path:
+    """HF directory of a training run's checkpoint: `checkpoint`, else its newest intact one
+    (sha256-verified), exported once to RUN_DIR/export/step_N and reused afterwards."""
+    from megatron_rl.checkpoint import latest_committed
+
+    run_dir = Path(run_dir)
+    ckpt = Path(checkpoint) if checkpoint else latest_committed(run_dir / "checkpoints", verify=True)
+    if ckpt is None:
+        raise FileNotFoundError(f"{run_dir}: no intact COMMITTED checkpoint")
+    out = run_dir / "export" / ckpt.name
+    if not (out / "config.json").is_file():
+        convert_mcore_to_hf(ckpt, out, force=out.exists())
+    return out

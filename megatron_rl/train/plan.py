@@ -39,9 +39,9 @@ def init_from_model_dir(run_dir: str | Path) -> Path:
     from megatron_rl.checkpoint import latest_committed
     from megatron_rl.conversion.mcore_to_hf import training_checkpoint_model_dir
 
-    ckpt = latest_committed(Path(run_dir) / "checkpoints")
+    ckpt = latest_committed(Path(run_dir) / "checkpoints", verify=True)
     if ckpt is None:
-        raise FileNotFoundError(f"model.init_from {run_dir}: no COMMITTED checkpoint to start from")
+        raise FileNotFoundError(f"model.init_from {run_dir}: no intact COMMITTED checkpoint to start from")
     return training_checkpoint_model_dir(ckpt)
 
 

@@ -400,9 +400,9 @@ def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:
     """The HF model directory to start from (a tiny random model is made on first use; another
     run's newest checkpoint is exported on first use)."""
     if cfg.model.init_from is not None:
-        from megatron_rl.train.sft import export_latest
+        from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
 
-        return export_latest(Path(cfg.model.init_from).resolve())
+        return export_run_checkpoint(Path(cfg.model.init_from).resolve())
     if cfg.model.path is not None:
         path = Path(cfg.model.path).resolve()
         if not (path / "config.json").is_file():

@@ -19,7 +19,6 @@ from that export.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
@@ -67,26 +66,13 @@ def sft_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict) -> tuple[torch.Ten
     return nll / denominator, stats
 
 
-def export_latest(run_dir: Path) -> Path:
-    """HF directory of a run's newest COMMITTED checkpoint (exported once, then reused)."""
-    from megatron_rl.checkpoint import latest_committed
-    from megatron_rl.conversion.mcore_to_hf import convert_mcore_to_hf
-
-    ckpt = latest_committed(Path(run_dir) / "checkpoints")
-    if ckpt is None:
-        raise FileNotFoundError(f"{run_dir}: no COMMITTED checkpoint to start from")
-    out = Path(run_dir) / "export" / ckpt.name
-    if not (out / "config.json").is_file():
-        convert_mcore_to_hf(ckpt, out, force=out.exists())
-    return out
-
-
 def sft(cfg) -> dict:
     """Run (or resume) supervised fine-tuning; returns a summary with the test-split baseline."""
     import ray
 
-    from megatron_rl.checkpoint import latest_committed, load_checkpoint, load_rng_state, rotate, save_checkpoint
+    from megatron_rl.checkpoint import load_checkpoint, load_rng_state, resume_checkpoint, rotate, save_checkpoint
     from megatron_rl.config import config_hash
+    from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
     from megatron_rl.data.cursor import DataCursor
     from megatron_rl.metrics import MetricsLogger
     from megatron_rl.run_manifest import close_run
@@ -96,7 +82,7 @@ def sft(cfg) -> dict:
 
     run_dir, model_dir, tokenizer, tok_hash, splits, template = open_run_dir(cfg, kind="sft")
     ckpts = run_dir / "checkpoints"
-    resume_from = latest_committed(ckpts) if cfg.run.resume else None
+    resume_from = resume_checkpoint(ckpts) if cfg.run.resume else None
     train = splits["train"]
     cursor = DataCursor(len(train), seed=data_order_seed(cfg), dataset_version=train.dataset_version)
     lc = dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr)
@@ -134,7 +120,7 @@ def sft(cfg) -> dict:
                 rotate(ckpts, cfg.run.keep_checkpoints)
         learner.shutdown()
         learner = None
-        result = _final_eval(cfg, export_latest(run_dir), splits, template)
+        result = _final_eval(cfg, export_run_checkpoint(run_dir), splits, template)
         metrics.log(cfg.sft.steps, {f"eval/test_{k}": result[k] for k in ("reward", "correctness", "format")})
         return {"steps": cfg.sft.steps, "test_correctness": result["correctness"], "test_reward": result["reward"],
                 "test_format": result["format"], "run_dir": str(run_dir)}
@@ -150,23 +136,10 @@ def sft(cfg) -> dict:
 
 def _final_eval(cfg, model_dir: Path, splits, template) -> dict:
     """Greedy pass@1 of the exported policy on the hidden test split, on a fresh vLLM engine."""
-    from transformers import AutoTokenizer
-
-    from megatron_rl.evaluation import Decoding, evaluate
-    from megatron_rl.reward.pool import VerifierPool
-    from megatron_rl.train.rollout_fleet import RolloutFleet
+    from megatron_rl.evaluation import Decoding, evaluate_model
 
     ds = splits["test"]
     examples = [ds[i] for i in range(min(cfg.data.eval_size, len(ds)))]
-    fleet = RolloutFleet(dataclasses.replace(cfg.rollout, model=str(model_dir), weight_transfer="none"), num_groups=1)
-    verifier = VerifierPool(cfg.reward)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        result = evaluate(fleet, verifier, examples, template, tokenizer, Decoding(), split="test")
-        result.write(Path(cfg.run.dir).resolve() / "eval" / f"test_step_{cfg.sft.steps:06d}.jsonl")
-        return result.summary()
-    finally:
-        verifier.close()
-        fleet.shutdown()
-
-
+    result = evaluate_model(model_dir, cfg.rollout, cfg.reward, examples, template, Decoding(), split="test")
+    result.write(Path(cfg.run.dir).resolve() / "eval" / f"test_step_{cfg.sft.steps:06d}.jsonl")
+    return result.summary()
