@@ -1,6 +1,6 @@
 """Sync vs one-step-off vs fully-async GRPO on the tiny recipe, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_modes.py [--steps 30] [--config configs/tiny_cpu.yaml]
+    .venv/bin/python benchmarks/bench_modes.py [--steps 30] [--config configs/tiny_cpu_scratch.yaml]
 
 Every mode trains the same number of steps, so it generates the same number of tokens
 (prompts_per_step x group_size x max_tokens per step).  Printed per mode: wall time of the
@@ -43,7 +43,7 @@ def run(mode: str, steps: int, config: str, root: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--config", default=str(REPO / "configs" / "tiny_cpu.yaml"))
+    parser.add_argument("--config", default=str(REPO / "configs" / "tiny_cpu_scratch.yaml"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = {mode: run(mode, args.steps, args.config, Path(tmp)) for mode in MODES}

@@ -133,7 +133,8 @@ def command_for(cfg: ExperimentConfig, arm: str, seed: int) -> list[str]:
     args = [a.command, "--config", cfg.base, *cfg.overrides, *a.overrides,
             f"run.dir={run_dir(cfg, arm, seed)}", f"run.seed={seed}", f"learner.seed={1000 + seed}"]
     if a.init_from is not None:
-        args += [f"model.init_from={run_dir(cfg, a.init_from, seed)}", "model.tiny=null", "model.path=null"]
+        args += [f"model.init_from={run_dir(cfg, a.init_from, seed)}", "model.tiny=null", "model.path=null",
+                 "sft.first=false"]  # the arm it starts from is its baseline
     return args
 
 

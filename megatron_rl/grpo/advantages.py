@@ -20,6 +20,17 @@ no learning signal: every Â is 0.  Such zero-variance groups are counted; with
 `filter_zero_variance=True` their members are also dropped (`keep=False`), which matters
 for token-level aggregation because dropped tokens leave the denominator (DAPO's "dynamic
 sampling" filter, Yu et al. 2025, sec. 3.2).
+
+`batch_advantages` is the alternative baseline (loss.advantage_baseline: batch): REINFORCE++
+(Hu 2025, eq. 7) normalises over the whole batch instead of the group,
+
+    Â_i = (R_i - mean_batch R) / max(std_batch R, ε)
+
+The baseline still does not depend on the sampled action, so the policy gradient stays
+unbiased; what changes is that a group whose samples all failed is pushed away from what it
+sampled (and a group that all succeeded towards it) instead of carrying no signal.  On a task
+where the policy sharpens onto one wrong answer per prompt, the group baseline leaves exactly
+those prompts without gradient, and the batch baseline is what can still move them.
 """
 
 from __future__ import annotations
@@ -88,4 +99,19 @@ def group_advantages(
         "invalid_samples": float((~valid_ng).sum()),
         "kept_samples": float(keep_ng.sum()),
     }
+    return adv_ng.to(rewards_ng.dtype if rewards_ng.is_floating_point() else torch.float32), keep_ng, stats
+
+
+def batch_advantages(rewards_ng: torch.Tensor, valid_ng: torch.Tensor | None = None, *, eps: float = 1e-6
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Batch-normalised advantages (REINFORCE++): the same inputs, outputs and stats as
+    `group_advantages`; zero-variance groups are counted but keep their (batch) advantages."""
+    _, keep_ng, stats = group_advantages(rewards_ng, valid_ng, eps=eps)
+    values = rewards_ng.double()[keep_ng]
+    if values.numel() < 2:
+        return torch.zeros_like(rewards_ng, dtype=torch.float32), keep_ng, stats
+    mean, std = values.mean(), values.std()  # Bessel, as in the group form
+    adv_ng = torch.where(keep_ng, (rewards_ng.double() - mean) / std.clamp(min=eps), torch.zeros((), dtype=torch.float64))
+    if std <= 1e-8:
+        adv_ng = torch.zeros_like(adv_ng)
     return adv_ng.to(rewards_ng.dtype if rewards_ng.is_floating_point() else torch.float32), keep_ng, stats

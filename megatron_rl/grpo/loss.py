@@ -106,7 +106,7 @@ from typing import Literal, Mapping
 
 import torch
 
-from megatron_rl.grpo.advantages import group_advantages
+from megatron_rl.grpo.advantages import batch_advantages, group_advantages
 from megatron_rl.metrics import percentiles
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,9 @@ class GRPOLossConfig:
     """ε floor of the group std in the advantage normalisation (used by compute_advantages)."""
     filter_zero_variance: bool = False
     """Drop samples of zero-variance groups from the loss (used by compute_advantages)."""
+    advantage_baseline: Literal["group", "batch"] = "group"
+    """"group": GRPO, (R - group mean) / group std; "batch": REINFORCE++, (R - batch mean) / batch std,
+    so groups whose rewards are all equal still carry signal (see grpo/advantages.py)."""
     lag_threshold: float | None = None
     """Batch-wide D_lag above which the step is quarantined or down-weighted; None disables the guard."""
     lag_action: Literal["quarantine", "downweight"] = "quarantine"
@@ -171,6 +174,11 @@ class GRPOLossConfig:
             raise ValueError(f"adv_eps must be > 0, got {self.adv_eps}")
         if self.lag_threshold is not None and not self.lag_threshold > 0:
             raise ValueError(f"lag_threshold must be > 0 or None, got {self.lag_threshold}")
+        if self.advantage_baseline not in ("group", "batch"):
+            raise ValueError(f"advantage_baseline must be 'group' or 'batch', got {self.advantage_baseline!r}")
+        if self.advantage_baseline == "batch" and self.filter_zero_variance:
+            raise ValueError("filter_zero_variance drops equal-reward groups, which the 'batch' advantage_baseline "
+                             "exists to learn from; use one or the other")
         if self.lag_action not in ("quarantine", "downweight"):
             raise ValueError(f"lag_action must be 'quarantine' or 'downweight', got {self.lag_action!r}")
 
@@ -178,11 +186,13 @@ class GRPOLossConfig:
 def compute_advantages(
     rewards_ng: torch.Tensor, valid_ng: torch.Tensor | None, cfg: GRPOLossConfig
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """group_advantages with this config's ε and zero-variance filter.
+    """group_advantages (or batch_advantages) with this config's baseline, ε and zero-variance filter.
 
     Returns (adv_ng [N, G], keep_ng [N, G] bool, stats).  Flatten to [B = N*G] for grpo_loss and
     zero the mask rows of dropped samples: `mask_bt * keep_ng.reshape(-1, 1)`.
     """
+    if cfg.advantage_baseline == "batch":
+        return batch_advantages(rewards_ng, valid_ng, eps=cfg.adv_eps)
     return group_advantages(rewards_ng, valid_ng, eps=cfg.adv_eps, filter_zero_variance=cfg.filter_zero_variance)
 
 

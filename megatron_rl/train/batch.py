@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from megatron_rl.grpo.advantages import group_advantages
+from megatron_rl.grpo.loss import compute_advantages
 from megatron_rl.trajectory import Trajectory
 
 
@@ -56,8 +56,7 @@ def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_bat
             if trajs[i].in_loss:
                 rewards[n, g] = trajs[i].reward
                 valid[n, g] = True
-    adv_ng, keep_ng, stats = group_advantages(
-        rewards, valid, eps=loss_cfg.adv_eps, filter_zero_variance=loss_cfg.filter_zero_variance)
+    adv_ng, keep_ng, stats = compute_advantages(rewards, valid, loss_cfg)
     advantages = torch.zeros(b)  # [B]
     for n, members in enumerate(groups.values()):
         for g, i in enumerate(members):

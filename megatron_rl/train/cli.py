@@ -38,6 +38,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_rl.train.driver import EXIT_REQUEUE, StopFlag, train
     from megatron_rl.train.stop import StopConditionMet
 
+    baseline = None
+    if cfg.sft.first:  # SFT, then GRPO from its result: the baseline the run is measured against
+        from megatron_rl.train.sft import sft_baseline
+
+        cfg, baseline = sft_baseline(cfg)
     stop = StopFlag()
     stop.install()
     try:
@@ -49,6 +54,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if exc.code == EXIT_REQUEUE:
             print(json.dumps({"stopped": "signal", "checkpointed": True}))
         raise
+    if baseline is not None:
+        summary = {"baseline": "sft", "sft_steps": baseline["steps"],
+                   "baseline_test_correctness": baseline["test_correctness"], **summary}
     print(json.dumps(summary))
     return 0
 

@@ -14,6 +14,7 @@ Sections and their owners:
   run         RunConfig          (here)                  mode, steps, placement, checkpoints
   cluster     ClusterConfig      (here)                  what the planner checks against
   stop        StopConfig         megatron_rl.train.stop  stop conditions and their exit codes
+  dynamic_sampling DynamicSamplingConfig  megatron_rl.train.dynamic_sampling  keep only groups whose rewards vary
 Cross-section rules (the batch the learner takes equals prompts x group size, and so on)
 are checked in `TrainConfig.__post_init__`, naming both keys.  The learner scores exactly the
 distribution the engine samples from: rollout.temperature, top_k and top_p reach it as
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from megatron_rl.config import ConfigError, from_dict, read_config_data
+from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
 from megatron_rl.coordinator.config import CoordinatorConfig
 from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import MIN_TEMPERATURE, LearnerConfig, SamplingConfig
@@ -178,12 +180,19 @@ class SFTConfig:
     """Optimizer steps of `megatron-rl sft` (learner.global_batch_size examples each)."""
     lr: Optional[float] = None
     """Learning rate for SFT; None uses learner.lr."""
+    global_batch_size: Optional[int] = None
+    """Examples per SFT step (a multiple of learner.micro_batch_size); None uses learner.global_batch_size."""
+    first: bool = False
+    """`megatron-rl train` first runs (or resumes) SFT in RUN_DIR/sft and starts GRPO from its result:
+    the baseline the run is measured against (its hidden-test correctness is in the final JSON line)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError(f"sft.steps must be >= 1, got {self.steps}")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"sft.lr must be > 0, got {self.lr}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ConfigError(f"sft.global_batch_size must be >= 1, got {self.global_batch_size}")
 
 
 @dataclass(kw_only=True)
@@ -199,6 +208,7 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     stop: StopConfig = field(default_factory=StopConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
     def __post_init__(self) -> None:
         samples = self.run.prompts_per_step * self.run.group_size
@@ -230,6 +240,13 @@ class TrainConfig:
             raise ConfigError("rollout.weight_transfer 'none' cannot train: the policy could never reach the "
                               "rollout engines (use 'gloo', or 'nccl' with run.placement 'disaggregated')")
 
+        sft_batch = self.sft.global_batch_size
+        if sft_batch is not None and sft_batch % self.learner.micro_batch_size:
+            raise ConfigError(f"sft.global_batch_size ({sft_batch}) must be a multiple of learner.micro_batch_size "
+                              f"({self.learner.micro_batch_size})")
+        if self.sft.first and self.model.init_from is not None:
+            raise ConfigError("sft.first runs SFT and starts GRPO from it, but model.init_from already names the "
+                              "policy to start from; set only one")
         if self.stop.dev_eval_drops and not self.run.eval_every:
             raise ConfigError("stop.dev_eval_drops watches the dev eval, but run.eval_every is 0 (no dev evals)")
         self._check_sampling()

@@ -51,17 +51,19 @@ class Round:
     samples: list
     leases: list
     seconds: float
+    stats: dict = dataclasses.field(default_factory=dict)
+    """Dynamic sampling's account of the round (train/dynamic_sampling.py); empty when it is off."""
 
     def to_dict(self) -> dict:
         return {"index": self.index, "samples": [s.to_dict() for s in self.samples], "leases": list(self.leases),
-                "seconds": self.seconds}
+                "seconds": self.seconds, "stats": dict(self.stats)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Round":
         from megatron_rl.rollout.sample import RolloutSample
 
         return cls(int(data["index"]), [RolloutSample(**s) for s in data["samples"]], list(data["leases"]),
-                   float(data["seconds"]))
+                   float(data["seconds"]), dict(data.get("stats", {})))
 
 
 @dataclasses.dataclass
@@ -84,6 +86,7 @@ class Producer:
         self._error: BaseException | None = None
         self._held: set[str] = set()  # leases of rounds admitted and not yet handed to the driver
         self._handed: list[str] = []  # leases of the round last handed out (enqueued soon)
+        self.handed_stats: dict = {}  # dynamic sampling's account of the round last handed out
         self._keepalive: threading.Thread | None = None
 
     def start(self, state: TrainState) -> None:
@@ -153,13 +156,10 @@ class Producer:
                     leases = self._admit(need, r)
                     if leases is None:
                         continue
-                    prompts, extra = self.roles.next_prompts(r)
                     t0 = time.perf_counter()
-                    samples = self.roles.fleet.generate(
-                        prompts, n=cfg.run.group_size, extra=extra,
-                        sampling={"seed": cfg.run.seed * 1_000_000_007 + r * 7919})
+                    samples, stats = self._sample(r)
                     with self._cond:
-                        self._ready[r] = Round(r, samples, leases, time.perf_counter() - t0)
+                        self._ready[r] = Round(r, samples, leases, time.perf_counter() - t0, stats)
                     r += 1
                 finally:
                     with self._cond:
@@ -169,6 +169,53 @@ class Producer:
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
+
+    def _sample(self, r: int) -> tuple[list, dict]:
+        """The samples of round r (prompt-major groups) and, with dynamic sampling, its account."""
+        cfg = self.cfg
+        seed = cfg.run.seed * 1_000_000_007 + r * 7919  # per-request seeds derive from (run seed, round)
+        if not cfg.dynamic_sampling.enabled:
+            prompts, extra = self.roles.next_prompts(r)
+            return self.roles.fleet.generate(prompts, n=cfg.run.group_size, extra=extra, sampling={"seed": seed}), {}
+        return self._sample_informative(r, seed)
+
+    def _sample_informative(self, r: int, seed: int) -> tuple[list, dict]:
+        """Dynamic sampling (train/dynamic_sampling.py): oversample prompts, grade each group as it
+        arrives and keep only groups whose rewards vary, for at most max_attempts attempts; the
+        grades travel with the samples (sample.extra["score"]) so nothing is graded twice."""
+        from megatron_rl.train.dynamic_sampling import Group, fill, select_groups
+
+        ds, G, need = self.cfg.dynamic_sampling, self.cfg.run.group_size, self.cfg.run.prompts_per_step
+        kept: list[Group] = []
+        taken: set[str] = set()
+        sampled = discarded_tokens = attempts = 0
+        leftovers: list[Group] = []
+        while len(kept) < need and attempts < ds.max_attempts:
+            prompts, extra = self.roles.next_prompts(r, ds.prompts_to_draw(need - len(kept)))
+            samples = self.roles.fleet.generate(prompts, n=G, extra=extra, sampling={"seed": seed + attempts * 104_729})
+            scores = self.roles.grade(samples)
+            groups = [Group(samples[i * G].extra["prompt_id"], samples[i * G:(i + 1) * G], scores[i * G:(i + 1) * G])
+                      for i in range(len(prompts))]
+            new, leftovers = select_groups(groups, need=need - len(kept), taken=taken,
+                                           min_reward_std=ds.min_reward_std)
+            kept += new
+            sampled += len(groups)
+            discarded_tokens += sum(g.tokens for g in leftovers)
+            attempts += 1
+        informative = len(kept)
+        if len(kept) < need:
+            filler = fill(kept, leftovers, need=need, taken=taken)
+            discarded_tokens -= sum(g.tokens for g in filler)
+            kept += filler
+            logger.warning("round %d: dynamic sampling found %d of %d informative groups in %d attempts; "
+                           "filled with %d groups of equal rewards", r, informative, need, attempts, len(filler))
+        out = []
+        for g in kept:
+            for sample, score in zip(g.samples, g.scores, strict=True):
+                sample.extra["score"] = score.to_dict()
+                out.append(sample)
+        return out, {"sampled_groups": sampled, "informative_groups": informative,
+                     "filled_groups": need - informative, "discarded_tokens": discarded_tokens, "attempts": attempts}
 
     def next(self, step: int) -> tuple[list, list, float]:
         """The samples (and their admission leases) of round `step`, waiting for them."""
@@ -182,6 +229,7 @@ class Producer:
             item = self._ready.pop(step)
             self._held.difference_update(item.leases)
             self._handed = list(item.leases)
+            self.handed_stats = dict(item.stats)
         return item.samples, item.leases, item.seconds
 
     def pause(self) -> list[Round]:

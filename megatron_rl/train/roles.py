@@ -185,11 +185,11 @@ class Roles:
 
     # ---- the phases ------------------------------------------------------------------------------
 
-    def next_prompts(self, round_: int) -> tuple[list[list[int]], list[dict]]:
-        """The prompts of one rollout round (advances the data cursor)."""
+    def next_prompts(self, round_: int, n: int | None = None) -> tuple[list[list[int]], list[dict]]:
+        """The next n prompts (run.prompts_per_step by default) of one rollout round (advances the data cursor)."""
         ds = self.splits["train"]
         prompts, extra = [], []
-        for idx in self.cursor.next_indices(self.cfg.run.prompts_per_step):
+        for idx in self.cursor.next_indices(self.cfg.run.prompts_per_step if n is None else n):
             ex = ds[idx]
             prompts.append(self.template.encode(ex, self.tokenizer))
             extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_})
@@ -197,13 +197,21 @@ class Roles:
 
     def score(self, step: int, samples: list) -> tuple[list, float]:
         """Grade every sample in the verifier pool; build contract-complete trajectories."""
+        from megatron_rl.reward.math_verifier import Score
+
         t0 = time.perf_counter()
-        texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
-        scores = self.verifier.score(texts, [s.extra["answer"] for s in samples],
-                                     [len(s.response_tokens) for s in samples])
+        if samples and all("score" in s.extra for s in samples):  # graded by dynamic sampling already
+            scores = [Score(**s.extra["score"]) for s in samples]
+        else:
+            scores = self.grade(samples)
         trajs = to_trajectories(samples, scores, tokenizer_hash=self.tokenizer_hash,
                                 dataset_version=self.splits["train"].dataset_version)
         return trajs, time.perf_counter() - t0
+
+    def grade(self, samples: list) -> list:
+        """The verifier pool's Score of every sample (decoded response vs the prompt's answer)."""
+        texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
+        return self.verifier.score(texts, [s.extra["answer"] for s in samples], [len(s.response_tokens) for s in samples])
 
     def enqueue(self, trajs: list, leases: list[str] | None = None) -> dict:
         import ray
@@ -304,7 +312,8 @@ class Roles:
         import ray
 
         queue = ray.get(self.coordinator.metrics.remote())
-        metrics = self.telemetry.step_metrics(samples, trajs, taken, learn, phases, queue, self.verifier.counters())
+        metrics = self.telemetry.step_metrics(samples, trajs, taken, learn, phases, queue, self.verifier.counters(),
+                                              sampling=self._producer.handed_stats if self._producer else None)
         self.metrics.log(step, metrics)
         self.stop_rules.observe(step, metrics)
         self._step_seconds.append(phases["step"])

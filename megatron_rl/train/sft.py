@@ -85,7 +85,8 @@ def sft(cfg) -> dict:
     resume_from = resume_checkpoint(ckpts) if cfg.run.resume else None
     train = splits["train"]
     cursor = DataCursor(len(train), seed=data_order_seed(cfg), dataset_version=train.dataset_version)
-    lc = dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr)
+    lc = dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr,
+                             global_batch_size=cfg.sft.global_batch_size or cfg.learner.global_batch_size)
     own_ray = not ray.is_initialized()
     if own_ray:
         ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
@@ -132,6 +133,33 @@ def sft(cfg) -> dict:
         if own_ray:
             ray.shutdown()
         close_run(run_dir)
+
+
+SFT_SUMMARY = "sft_summary.json"
+
+
+def sft_baseline(cfg) -> tuple[object, dict]:
+    """`sft.first`: run (or reuse) SFT in RUN_DIR/sft, then the GRPO config that starts from it.
+
+    Returns (grpo_cfg, sft_summary).  A finished SFT stage (its summary written after its final
+    eval, for the same config) is reused as it is, so a resumed GRPO run does not redo it.
+    """
+    import json
+
+    from megatron_rl.config import config_hash
+
+    sft_dir = Path(cfg.run.dir).resolve() / "sft"
+    sft_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(sft_dir)))
+    done = sft_dir / SFT_SUMMARY
+    summary = json.loads(done.read_text()) if done.is_file() else None
+    if summary is None or summary.get("config_hash") != config_hash(sft_cfg):
+        summary = {**sft(sft_cfg), "config_hash": config_hash(sft_cfg)}
+        done.write_text(json.dumps(summary))
+    else:
+        logger.info("SFT baseline %s already finished: reusing it", sft_dir)
+    model = dataclasses.replace(cfg.model, init_from=str(sft_dir), tiny=None, path=None)
+    grpo_cfg = dataclasses.replace(cfg, model=model, sft=dataclasses.replace(cfg.sft, first=False))
+    return grpo_cfg, summary
 
 
 def _final_eval(cfg, model_dir: Path, splits, template) -> dict:

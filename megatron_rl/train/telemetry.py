@@ -13,7 +13,9 @@ taken batch's version lag Δv).
 
 ESR (effective sample ratio) = tokens that were valid (graded), fresh (taken inside the
 version window) and informative (non-zero advantage) / tokens generated this round;
-effective TPS = generated TPS x ESR.  Two lags are kept apart: `learn/kl_ref_<k>_grad_<dir>` is
+effective TPS = generated TPS x ESR.  With dynamic sampling (train/dynamic_sampling.py) the
+groups it discarded count as generated, and system/dynamic_* report its share of informative
+groups among those sampled, the groups it had to fill, the tokens it discarded and its attempts.  Two lags are kept apart: `learn/kl_ref_<k>_grad_<dir>` is
 the KL penalty to the frozen reference model (named after the divergence its gradient follows,
 see megatron_rl.grpo.loss), `learn/d_lag*` is |log pi_learner - log mu_behavior| over the
 batch's tokens (d_lag, the value the lag guard acts on) and per sequence (d_lag/p50, /p95, /p99),
@@ -37,7 +39,8 @@ class Telemetry:
         self.verify_s: collections.deque = collections.deque(maxlen=window)
 
     def step_metrics(self, samples: list, trajs: list, taken: list, learn: dict, phases: dict,
-                     queue: dict, verifier_counters: dict) -> dict[str, float]:
+                     queue: dict, verifier_counters: dict, sampling: dict | None = None) -> dict[str, float]:
+        """`sampling`: dynamic sampling's account of the round (train/dynamic_sampling.py), if on."""
         self.rollout_s.append(phases["rollout"])
         self.verify_s.append(phases["score"])
         out: dict[str, float] = {}
@@ -66,6 +69,13 @@ class Telemetry:
         out["numerics/lag_quarantined"] = float(learn.get("lag_quarantined", 0.0))
         out["numerics/update_successful"] = float(learn.get("update_successful", 1.0))
         # system/
+        sampling = sampling or {}
+        if sampling:  # groups dynamic sampling threw away were generated too: ESR counts them
+            gen_tokens += sampling["discarded_tokens"]
+            out["system/dynamic_kept_fraction"] = sampling["informative_groups"] / max(sampling["sampled_groups"], 1)
+            out["system/dynamic_filled_groups"] = float(sampling["filled_groups"])
+            out["system/dynamic_discarded_tokens"] = float(sampling["discarded_tokens"])
+            out["system/dynamic_attempts"] = float(sampling["attempts"])
         gen_tps = gen_tokens / max(phases["rollout"], 1e-9)
         informative = learn.get("adv/informative_tokens", 0.0)
         esr = informative / gen_tokens if gen_tokens else 0.0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny_cpu.yaml"
+TINY = REPO / "configs" / "tiny_cpu_scratch.yaml"  # GRPO from a random tiny model: the quickest whole run
 
 
 def run_cli(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:

@@ -54,15 +54,27 @@ def test_reasoning_gym_run_exports_and_evaluates_identically(tmp_path):
 
 
 def test_sft_baseline_then_grpo_starts_from_it(tmp_path):
-    sft_dir, grpo_dir = tmp_path / "sft", tmp_path / "grpo"
-    sft = last_json(run_cli("sft", "--config", str(TINY), f"run.dir={sft_dir}", "sft.steps=6",
-                            "run.checkpoint_every=3", "data.eval_size=32").stdout)
+    # sft.first: one `train` command runs the SFT baseline in RUN_DIR/sft, then GRPO from its result.
+    run = tmp_path / "run"
+    sft_dir = run / "sft"
+    grpo = last_json(run_cli("train", "--config", str(TINY), f"run.dir={run}", "sft.first=true", "sft.steps=6",
+                             "run.checkpoint_every=3", "data.eval_size=32", "run.steps=2", "run.eval_every=0",
+                             "dynamic_sampling.enabled=true", "dynamic_sampling.max_attempts=3").stdout)
     nll = [r["sft/nll_per_token"] for r in read_jsonl(sft_dir / "metrics" / "metrics.jsonl") if "sft/nll_per_token" in r]
     assert len(nll) == 6 and nll[-1] < 0.5 * nll[0]  # supervised loss on the answers falls
     assert sorted(p.name for p in (sft_dir / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
     assert all((p / "COMMITTED").is_file() for p in (sft_dir / "checkpoints").iterdir())
     assert json.loads((sft_dir / "run_manifest.json").read_text())["kind"] == "sft"
-    grpo = last_json(run_cli("train", "--config", str(TINY), f"run.dir={grpo_dir}", f"model.init_from={sft_dir}",
-                             "model.tiny=null", "run.steps=1", "run.eval_every=0", "data.eval_size=32").stdout)
+    assert json.loads((run / "config.json").read_text())["model"]["init_from"] == str(sft_dir)
     # GRPO's step-0 eval is the SFT baseline's own final eval: same weights, same decoding.
-    assert grpo["initial_test_reward"] == pytest.approx(sft["test_reward"], abs=1e-12)
+    assert grpo["baseline"] == "sft" and grpo["sft_steps"] == 6
+    assert grpo["initial_test_correctness"] == pytest.approx(grpo["baseline_test_correctness"], abs=1e-12)
+    # Dynamic sampling: every group trained on has rewards that vary, except the ones it had to
+    # fill in when its attempts ran out (counted); what it discarded counts against ESR.
+    rows = [r for r in read_jsonl(run / "metrics" / "metrics.jsonl") if "learn/loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["learn/zero_variance_groups"] == r["system/dynamic_filled_groups"], r
+        assert 1 <= r["system/dynamic_attempts"] <= 3 and 0 < r["system/dynamic_kept_fraction"] <= 1
+        if r["system/dynamic_discarded_tokens"] > 0:
+            assert r["system/esr"] < 1.0

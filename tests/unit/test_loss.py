@@ -238,6 +238,31 @@ def test_group_advantages_match_loop_and_skip_invalid():
     assert not keep_f[1].any() and stats_f["kept_samples"] == 6.0
 
 
+def test_batch_baseline_matches_loop_and_moves_equal_reward_groups():
+    from megatron_rl.grpo.advantages import batch_advantages
+    from megatron_rl.grpo.loss import compute_advantages
+
+    rewards = torch.tensor([[1.0, 0.0, 1.0, float("nan")], [0.0, 0.0, 0.0, 0.0], [1.5, 1.5, 1.5, 1.5]])
+    valid = ~torch.isnan(rewards)
+    adv, keep, stats = compute_advantages(rewards, valid, GRPOLossConfig(advantage_baseline="batch"))
+    vals = [float(r) for r, v in zip(rewards.flatten(), valid.flatten()) if v]
+    mean, std = statistics.mean(vals), statistics.stdev(vals)
+    for n in range(3):
+        for g in range(4):
+            want = 0.0 if not valid[n, g] else (float(rewards[n, g]) - mean) / std
+            assert float(adv[n, g]) == pytest.approx(want, rel=1e-6)
+    # The all-wrong group is pushed away from what it sampled, the all-right one towards it;
+    # under the group baseline both carry nothing.
+    assert (adv[1] < 0).all() and (adv[2] > 0).all()
+    assert stats["zero_variance_groups"] == 2.0 and not keep[0, 3]
+    group_adv, _, _ = compute_advantages(rewards, valid, GRPOLossConfig())
+    assert group_adv[1:].abs().sum() == 0
+    flat, _, _ = batch_advantages(torch.ones(2, 3))
+    assert flat.abs().sum() == 0  # no variance anywhere: no signal, no division by ~0
+    with pytest.raises(ValueError, match="advantage_baseline"):
+        GRPOLossConfig(advantage_baseline="batch", filter_zero_variance=True)
+
+
 def test_group_with_one_valid_member_has_no_signal():
     rewards = torch.tensor([[1.0, float("nan")]])
     adv, keep, stats = group_advantages(rewards, ~torch.isnan(rewards), filter_zero_variance=True)

@@ -29,7 +29,7 @@ def test_valid_config_prints_the_plan(capsys, tmp_path):
     code, out, _ = dry_run(capsys, f"run.dir={tmp_path}")
     assert code == 0
     plan = json.loads(out)
-    assert plan["mode"] == "sync" and plan["rollout"]["samples_per_step"] == 64
+    assert plan["mode"] == "sync" and plan["rollout"]["samples_per_step"] == 256
     assert plan["data"]["train"] == 800 and plan["resume_from"] is None
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
 
@@ -44,11 +44,19 @@ def test_valid_config_prints_the_plan(capsys, tmp_path):
     ("rollout.tensor_parallel_size=3", "rollout.tensor_parallel_size"),
     ("rollout.weight_transfer=nccl", "run.placement 'disaggregated'"),  # NCCL: no two ranks on one GPU
     ("rollout.weight_transfer=none", "could never reach the rollout engines"),
+    ("dynamic_sampling.oversample=0.5", "dynamic_sampling.oversample"),
+    ("model.init_from=runs/x", "exactly one of model.path"),                     # with model.tiny set
 ])
 def test_bad_config_is_named(capsys, override, needle):
     code, _, err = dry_run(capsys, override)
     assert code == 2
     assert needle in err, err
+
+
+def test_sft_first_and_init_from_are_one_choice(capsys):
+    code, _, err = dry_run(capsys, "sft.first=true", "model.tiny=null", "model.init_from=runs/sft")
+    assert code == 2
+    assert "sft.first" in err and "model.init_from" in err, err
 
 
 def test_dataset_missing_field_is_named(capsys, tmp_path):
