@@ -37,11 +37,26 @@ def _run_config(run_dir: Path, overrides: list[str]):
     return from_dict(TrainConfig, data)
 
 
+def _open_manifest(out: Path, cfg, model_dir: Path, ds) -> str:
+    """OUT.manifest.json next to the outcomes: code, versions, hardware and the eval's inputs."""
+    from megatron_rl.config import config_hash
+    from megatron_rl.models.tokenizer import tokenizer_hash
+    from megatron_rl.run_manifest import model_identity, open_run
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    name = f"{out.stem}.manifest.json"
+    open_run(out.parent, kind="eval", config_hash=config_hash(cfg), resuming=False, name=name,
+             identity={"model": model_identity(model_dir), "tokenizer_hash": tokenizer_hash(model_dir),
+                       "dataset_version": ds.dataset_version, "grader_version": cfg.reward.grader_version()})
+    return name
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     import ray
 
     from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
     from megatron_rl.evaluation import Decoding, evaluate_model
+    from megatron_rl.run_manifest import close_run
     from megatron_rl.train.config import load_train_config
     from megatron_rl.train.roles import load_data
 
@@ -68,14 +83,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     splits, template = load_data(cfg)
     ds = splits[args.split]
     examples = [ds[i] for i in range(min(args.limit or cfg.data.eval_size, len(ds)))]
+    manifest = _open_manifest(out, cfg, model_dir, ds)
     ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     try:
         result = evaluate_model(model_dir, cfg.rollout, cfg.reward, examples, template, decoding, split=args.split)
     finally:
         ray.shutdown()
+        close_run(out.parent, name=manifest)
     summary = result.summary(ks)
     summary.update(model=str(model_dir), dataset_version=ds.dataset_version, max_tokens=cfg.rollout.max_tokens,
-                   grader_version=cfg.reward.grader_version(), outcomes=str(out))
+                   grader_version=cfg.reward.grader_version(), outcomes=str(out),
+                   manifest=str(out.parent / manifest))
     result.write(out)
     if not args.json:
         for key in ("correctness", "format", "reward", *(f"pass@{k}" for k in ks)):

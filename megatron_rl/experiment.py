@@ -194,7 +194,8 @@ def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] = la
             if rc != 0:
                 raise RuntimeError(f"run {arm} seed {seed} failed (exit {rc}); see {cfg.dir}/logs/{arm}_seed_{seed}.log "
                                    f"-- rerun the experiment to resume")
-            (d / "result.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.time() - t0}))
+            (d / "result.json").write_text(json.dumps({"arm": arm, "seed": seed, "launched_at": t0,
+                                                       "wall_s": time.time() - t0}))
             ran.append((arm, seed))
     return ran
 

@@ -93,12 +93,13 @@ def _hardware() -> dict[str, Any]:
 
 
 def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config_hash: str,
-             resuming: bool) -> dict[str, Any]:
-    """Write the manifest of a new run, or check and extend the one of a run being resumed."""
+             resuming: bool, name: str = NAME) -> dict[str, Any]:
+    """Write the manifest of a new run, or check and extend the one of a run being resumed.
+    `name`: the file in run_dir (an eval writes one next to its outcomes file)."""
     missing = [k for k in IDENTITY if k not in identity]
     if missing:
         raise ValueError(f"run manifest: identity fields {missing} missing")
-    path = Path(run_dir) / NAME
+    path = Path(run_dir) / name
     attempt = {"started_at": _now(), "ended_at": None, "host": socket.gethostname(), "git": _git(),
                "versions": _versions(), "hardware": _hardware(), "config_hash": config_hash}
     if resuming and path.is_file():
@@ -116,8 +117,8 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
     return manifest
 
 
-def close_run(run_dir: str | Path) -> None:
-    path = Path(run_dir) / NAME
+def close_run(run_dir: str | Path, name: str = NAME) -> None:
+    path = Path(run_dir) / name
     if path.is_file():
         manifest = json.loads(path.read_text())
         manifest["attempts"][-1]["ended_at"] = _now()

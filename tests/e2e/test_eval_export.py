@@ -47,6 +47,10 @@ def test_reasoning_gym_run_exports_and_evaluates_identically(tmp_path):
     assert result["reward"] == pytest.approx(final["eval/test_reward"], abs=1e-12)
     assert (run / "export" / "step_000002" / "model.safetensors").is_file()
     outcomes = read_jsonl(run / "eval" / "test_step_000002.jsonl")
+    manifest = json.loads((run / "eval" / "test_step_000002.manifest.json").read_text())
+    assert result["manifest"].endswith("test_step_000002.manifest.json") and manifest["kind"] == "eval"
+    assert manifest["identity"]["grader_version"] == result["grader_version"]
+    assert manifest["attempts"][-1]["ended_at"] is not None
     assert len(outcomes) == 24 and all(len(o["responses"]) == 1 for o in outcomes)
     assert all(0.0 <= o["correctness"][0] <= 1.0 for o in outcomes)  # the generator's score (partial credit too)
     assert _sha(run / "queue.db") == wal  # eval never reads or writes the training queue

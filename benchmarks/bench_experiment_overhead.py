@@ -1,0 +1,50 @@
+"""Per-run overhead of the experiment runner: start-up until the first result, as a share of wall time.
+
+    .venv/bin/python benchmarks/bench_experiment_overhead.py runs/exp_grpo_vs_sft
+
+Reads a finished (or partly finished) experiment directory written by `megatron-rl experiment`:
+for every run, `result.json` (when the runner launched it and its wall time) and the run's
+`metrics/metrics.jsonl` (wall-clock time of every logged row).  The start-up of a run is the
+time from its launch until its first logged row (the first SFT step, or GRPO's step-0 eval of the
+hidden test split, which needs the engine, the learner and the coordinator up); the rest is
+work.  Prints one row per run and the share over all runs; the goal is <= 20%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def run_overhead(run_dir: Path) -> dict | None:
+    result_file, metrics_file = run_dir / "result.json", run_dir / "metrics" / "metrics.jsonl"
+    if not (result_file.is_file() and metrics_file.is_file()):
+        return None
+    result = json.loads(result_file.read_text())
+    # Runs finished before the runner recorded launched_at: launch = end of the run - its wall time.
+    launched = result.get("launched_at", result_file.stat().st_mtime - result["wall_s"])
+    with metrics_file.open() as f:
+        first = json.loads(next(line for line in f if line.strip()))
+    startup = first["time"] - launched
+    return {"run": f"{run_dir.parent.name}/{run_dir.name}", "arm": result["arm"], "seed": result["seed"], "startup_s": startup,
+            "wall_s": result["wall_s"], "share": startup / result["wall_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("exp_dir", type=Path, help="an experiment directory (megatron-rl experiment)")
+    args = parser.parse_args()
+    rows = [r for d in sorted((args.exp_dir / "runs").glob("*/seed_*")) if (r := run_overhead(d)) is not None]
+    if not rows:
+        raise SystemExit(f"no finished runs under {args.exp_dir / 'runs'}")
+    print(f"{'run':<22} {'start-up s':>10} {'wall s':>8} {'share':>6}")
+    for r in rows:
+        print(f"{r['run']:<22} {r['startup_s']:>10.1f} {r['wall_s']:>8.1f} {r['share']:>6.1%}")
+    startup, wall = sum(r["startup_s"] for r in rows), sum(r["wall_s"] for r in rows)
+    print(json.dumps({"runs": len(rows), "startup_s": round(startup, 1), "wall_s": round(wall, 1),
+                      "overhead_share": round(startup / wall, 3), "goal": 0.2}))
+
+
+if __name__ == "__main__":
+    main()
