@@ -28,7 +28,8 @@ to `COMMITTED.tmp` and atomically renamed to `COMMITTED`.  A crash at any point 
 either a hidden temp dir or a step dir without COMMITTED, both of which readers skip (with
 a warning).  The manifest records: step, policy_version, config hash, package version,
 tokenizer hash, files with sha256 and size, coordinator log position, data cursor, the ranks
-whose RNG state was saved, and the time.
+whose RNG state was saved, and the time.  Reading it checks every field readers use (types, and
+file paths relative and inside the step directory): a damaged manifest is a CheckpointError.
 
 `tokenizer_hash` is an opaque string: use megatron_rl.models.tokenizer.tokenizer_hash, the
 same hash the trajectories carry.  This module does not import Megatron: the weights and optimizer are written by the

@@ -25,6 +25,10 @@ keeps ids unique, so `traj.id` needs no index).  `position` counts commits; chec
 record it.  Compaction deletes the payloads of finished trajectories
 (except those of the last `keep_takes` takes) and forgets finished ids once they are too
 old to pass the version TTL again, so the file stays bounded.
+
+A damaged log (a file that is not SQLite, or a record of the wrong shape) raises WalError naming
+the file, table and record; the coordinator refuses to start on it rather than guess.  Only a
+queued trajectory whose payload bytes are damaged is tolerated: replay drops it with a reason.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ byte buffer holding several whole tensors (HF names, full shapes) back to back, 
 checksum over its bytes.  The trainer fills buckets in the order its tensors arrive
 (`plan_buckets`), the rollout side receives each bucket into one flat buffer, recomputes
 the checksum and only commits the version when every bucket matched.  Both sides build
-the same immutable `PublicationManifest`; it serialises to plain dicts for RPC/JSON.
+the same immutable `PublicationManifest`; it serialises to plain dicts for RPC/JSON, and
+`from_dict` checks plain data fully (ManifestError naming the field) before anything trusts it.
 
 Checksums, computed over a bucket's tensors in order, so a sender hashes the tensors where
 they lie instead of packing a copy first:
