@@ -28,7 +28,8 @@ to `COMMITTED.tmp` and atomically renamed to `COMMITTED`.  A crash at any point 
 either a hidden temp dir or a step dir without COMMITTED, both of which readers skip (with
 a warning).  The manifest records: step, policy_version, config hash, package version,
 tokenizer hash, files with sha256 and size, coordinator log position, data cursor, the ranks
-whose RNG state was saved, and the time.
+whose RNG state was saved, and the time.  Reading it checks every field readers use (types, and
+file paths relative and inside the step directory): a damaged manifest is a CheckpointError.
 
 `tokenizer_hash` is an opaque string: use megatron_rl.models.tokenizer.tokenizer_hash, the
 same hash the trajectories carry.  This module does not import Megatron: the weights and optimizer are written by the
@@ -226,11 +227,44 @@ def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {ckpt_dir} is not committed (no {MANIFEST} manifest)")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"checkpoint manifest {path} is unreadable: {err}") from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"checkpoint manifest {path} is unreadable: {err!r}"[:400]) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint manifest {path} is not of format {FORMAT}")
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint manifest {path}: {problem}")
     return manifest
+
+
+def _is_int(value: Any, *, optional: bool = False) -> bool:
+    return (optional and value is None) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _manifest_problem(m: Mapping[str, Any]) -> str | None:
+    """What is wrong with a parsed manifest's fields (None when every field readers use is well-formed)."""
+    for key, ok in (("step", _is_int(m.get("step"))), ("policy_version", _is_int(m.get("policy_version"))),
+                    ("config_hash", isinstance(m.get("config_hash", ""), str)),
+                    ("tokenizer_hash", m.get("tokenizer_hash") is None or isinstance(m.get("tokenizer_hash"), str)),
+                    ("coordinator_log_position", _is_int(m.get("coordinator_log_position"), optional=True)),
+                    ("data_cursor", m.get("data_cursor") is None or isinstance(m.get("data_cursor"), dict)),
+                    ("extra", isinstance(m.get("extra", {}), dict)),
+                    ("rng", isinstance(m.get("rng"), dict) and isinstance(m["rng"].get("ranks"), list)
+                     and all(_is_int(r) for r in m["rng"]["ranks"])),
+                    ("files", isinstance(m.get("files"), dict))):
+        if not ok:
+            return f"field {key!r} is missing or malformed"
+    for rel, meta in m["files"].items():
+        parts = rel.split("/")
+        if not rel or rel.startswith("/") or ".." in parts or "" in parts or "\\" in rel or rel == MANIFEST:
+            return f"files: {rel!r} is not a relative path inside the checkpoint"
+        if not (isinstance(meta, dict) and _is_int(meta.get("bytes")) and isinstance(meta.get("sha256"), str)
+                and _HEX64.match(meta["sha256"])):
+            return f"files[{rel!r}] must be {{'sha256': 64 hex digits, 'bytes': int >= 0}}"
+    return None
 
 
 def verify_files(ckpt_dir: str | Path, manifest: Mapping[str, Any]) -> None:
@@ -271,7 +305,13 @@ def load_rng_state(ckpt_dir: str | Path, rank: int) -> dict[str, Any]:
     path = Path(ckpt_dir) / "rng" / f"rank_{rank:05d}.json"
     if not path.is_file():
         raise CheckpointError(f"checkpoint {ckpt_dir} has no RNG state for rank {rank} ({path.name})")
-    return json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(f"checkpoint {ckpt_dir}: RNG state {path.name} is unreadable: {err!r}"[:400]) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {ckpt_dir}: RNG state {path.name} is not a mapping")
+    return state
 
 
 def list_step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:

@@ -78,10 +78,10 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted((set(data) - set(fields)), key=str)
     if unknown:
         raise ConfigError(
-            f"unknown config key {'.'.join(filter(None, [where, unknown[0]]))!r}; "
+            f"unknown config key {'.'.join(filter(None, [where, str(unknown[0])]))!r}; "
             f"allowed at this level: {sorted(fields)}"
         )
     kwargs = {k: _coerce(v, hints[k], ".".join(filter(None, [where, k]))) for k, v in data.items()}
@@ -103,7 +103,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except (yaml.YAMLError, RecursionError) as err:
+            raise ConfigError(f"override {key!r}: value {raw[:80]!r} is not valid YAML ({err!r})"[:400]) from None
     return data
 
 
@@ -115,9 +118,13 @@ def read_config_data(path: str | Path | None, overrides: list[str] = ()) -> dict
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text ({err})") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML ({err})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: YAML nested too deeply to read") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     return apply_overrides(data, list(overrides))

@@ -141,15 +141,15 @@ class Trajectory:
 
     @classmethod
     def from_bytes(cls, blob: bytes | memoryview) -> Trajectory:
-        view = memoryview(blob)
+        view = _byte_view(blob)
         checked_len, extra_len, p, r = _unpack_header(view)
         offset = _HEADER.size
         try:
             meta = json.loads(bytes(view[offset : offset + checked_len]))
             offset += checked_len
             meta["checksum"], meta["sampling_probability"] = json.loads(bytes(view[offset : offset + extra_len]))
-        except (UnicodeDecodeError, ValueError, TypeError) as err:
-            raise TrajectoryError("schema", f"metadata is not valid JSON: {err}") from None
+        except (UnicodeDecodeError, ValueError, TypeError, RecursionError) as err:
+            raise TrajectoryError("schema", f"metadata is not valid JSON: {err!r}"[:300]) from None
         offset += extra_len
         sizes = {"P": p, "R": r}
         for name, dtype, key in _ARRAYS:
@@ -175,6 +175,12 @@ def _trajectory_from_bytes(blob: bytes) -> Trajectory:
     return Trajectory.from_bytes(blob)
 
 
+def _byte_view(blob) -> memoryview:
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise TrajectoryError("schema", f"expected the bytes of a trajectory, got {type(blob).__name__}")
+    return memoryview(blob).cast("B")
+
+
 def _unpack_header(view: memoryview) -> tuple[int, int, int, int]:
     if len(view) < _HEADER.size:
         raise TrajectoryError("schema", f"blob of {len(view)} bytes is shorter than the header")
@@ -186,7 +192,7 @@ def _unpack_header(view: memoryview) -> tuple[int, int, int, int]:
 
 def checksum_of_wire(blob: bytes | memoryview) -> str:
     """The checksum of the content encoded in `blob` (what `compute_checksum` gives after decoding)."""
-    view = memoryview(blob)
+    view = _byte_view(blob)
     checked_len, extra_len, p, r = _unpack_header(view)
     start = _HEADER.size
     h = hashlib.sha256(_SIZES.pack(p, r))
@@ -203,8 +209,18 @@ def _checked_json(traj: Trajectory) -> bytes:
     meta = {name: getattr(traj, name) for name in _CHECKED_FIELDS}
     try:
         return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-    except (TypeError, ValueError) as err:
-        raise TrajectoryError("schema", f"trajectory {traj.id!r}: metadata is not JSON-serialisable: {err}") from None
+    except (TypeError, ValueError, RecursionError) as err:
+        raise TrajectoryError("schema", f"trajectory {traj.id!r}: metadata is not JSON-serialisable: {err!r}") from None
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not bool) that is finite as a float; ints too large for a float are not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def make_trajectory(
@@ -263,13 +279,22 @@ def validate(traj: Any, *, tokenizer_hash: str | None = None, current_version: i
         raise TrajectoryError("schema", "trajectory id is empty")
     for name in ("rollout_started_at", "scored_at"):
         value = getattr(traj, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not _finite(value):
             raise TrajectoryError("schema", f"trajectory {tid!r}: {name} must be finite unix seconds, got {value!r}")
     for name, dtype, _ in _ARRAYS:
         arr = getattr(traj, name)
         if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1:
             got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
             raise TrajectoryError("schema", f"trajectory {tid!r}: {name} must be 1-D {np.dtype(dtype)}, got {got}")
+    for name in ("prompt_tokens", "response_tokens"):
+        if getattr(traj, name).size and getattr(traj, name).min() < 0:
+            raise TrajectoryError("schema", f"trajectory {tid!r}: {name} holds a negative token id")
+    if traj.action_mask.size and traj.action_mask.max() > 1:
+        raise TrajectoryError("schema", f"trajectory {tid!r}: action_mask must hold only 0 and 1")
+    p = traj.sampling_probability
+    if p is not None and not (_finite(p) and 0 <= p <= 1):
+        raise TrajectoryError("schema", f"trajectory {tid!r}: sampling_probability must be None or in [0, 1], "
+                                        f"got {p!r}")
     r = len(traj.response_tokens)
     if len(traj.prompt_tokens) == 0 or r == 0:
         raise TrajectoryError("length", f"trajectory {tid!r}: prompt has {len(traj.prompt_tokens)} tokens, "
@@ -318,10 +343,10 @@ def _validate_status(traj: Trajectory) -> None:
         if not traj.reward_components:
             raise TrajectoryError("status", f"trajectory {tid!r}: status 'ok' but no reward_components")
         for name, value in traj.reward_components.items():
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not _finite(value):
                 raise TrajectoryError("status", f"trajectory {tid!r}: reward component {name!r} = {value!r}")
     elif not traj.error_code:
         raise TrajectoryError("status", f"trajectory {tid!r}: status {traj.status!r} needs an error_code")
-    if not isinstance(traj.priority, (int, float)) or not traj.priority > 0 or not math.isfinite(traj.priority):
+    if not _finite(traj.priority) or not traj.priority > 0:
         raise TrajectoryError("schema", f"trajectory {tid!r}: priority must be a finite number > 0, "
                                         f"got {traj.priority!r}")

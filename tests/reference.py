@@ -25,3 +25,9 @@ def hf_logprobs(model_dir, state: dict, sequences=SEQUENCES) -> list[torch.Tenso
             logp = torch.log_softmax(model(ids).logits[0].double(), -1)  # [T, V]
         out.append(logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1))  # [T-1]
     return out
+
+
+def assert_same_logits(got: torch.Tensor, want: torch.Tensor, where: str, atol: float = 1e-5) -> None:
+    """Logits of two layouts agree: same shape (a mismatch FAILS, it is never skipped), then values."""
+    assert tuple(got.shape) == tuple(want.shape), f"{where}: logits shape {tuple(got.shape)} != {tuple(want.shape)}"
+    torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"{where}: {m}")

@@ -10,7 +10,7 @@ durable; `Admission` (admission.py) bounds staleness before rollouts start.
 from megatron_rl.coordinator.actor import CoordinatorActor, start_coordinator
 from megatron_rl.coordinator.config import CoordinatorConfig
 from megatron_rl.coordinator.queue import Backpressure, PutResult, TrajectoryQueue
-from megatron_rl.coordinator.wal import WriteAheadLog
+from megatron_rl.coordinator.wal import WalError, WriteAheadLog
 
-__all__ = ["Backpressure", "CoordinatorActor", "CoordinatorConfig", "PutResult", "TrajectoryQueue",
+__all__ = ["Backpressure", "CoordinatorActor", "CoordinatorConfig", "PutResult", "TrajectoryQueue", "WalError",
            "WriteAheadLog", "start_coordinator"]

@@ -51,7 +51,7 @@ import numpy as np
 
 from megatron_rl.coordinator.admission import Admission
 from megatron_rl.coordinator.config import CoordinatorConfig
-from megatron_rl.coordinator.wal import WalState, WriteAheadLog
+from megatron_rl.coordinator.wal import WalError, WalState, WriteAheadLog
 from megatron_rl.trajectory import Trajectory, TrajectoryError, validate, verify_checksum
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,11 @@ class TrajectoryQueue:
         self._bp_active = False
         self._wal = WriteAheadLog(config.wal_path, synchronous=config.wal_synchronous) if config.wal_path else None
         if self._wal is not None:
-            self._restore(self._wal.load())
+            try:
+                self._restore(self._wal.load())
+            except BaseException:
+                self.close()  # refused: release the file
+                raise
 
     # ------------------------------------------------------------------ state
     @property
@@ -412,7 +416,10 @@ class TrajectoryQueue:
             return
         self._since_compact = 0
         floor = self._version - self.config.max_version_lag
-        self._done = {tid: done for tid, done in self._done.items() if done[0] >= floor}
+        # Ids of the takes kept for replay stay known, as the log keeps their rows: forgetting one here
+        # let a re-send write a new `done` row over it, so a restart saw its payload as queued again.
+        replayable = {t.id for batch in self._takes.values() for t in batch}
+        self._done = {tid: done for tid, done in self._done.items() if done[0] >= floor or tid in replayable}
         if self._wal is not None:
             self._wal.compact(current_version=self._version, max_version_lag=self.config.max_version_lag,
                               keep_takes=self.config.take_replay_window)
@@ -432,12 +439,18 @@ class TrajectoryQueue:
         self._lag_report.update(state.meta.get("lag_report") or {})
         rng = state.meta.get("rng")
         if rng is not None and rng.get("bit_generator") == self._rng.bit_generator.state["bit_generator"]:
-            self._rng.bit_generator.state = rng
+            try:
+                self._rng.bit_generator.state = rng
+            except (TypeError, ValueError, KeyError) as err:
+                raise WalError(f"queue log {self.config.wal_path}: meta record 'rng' is not a "
+                               f"{rng['bit_generator']} state ({err!r})") from None
         corrupt = []
         for seq, tid, enqueued_at, payload in state.queued:
             try:
                 traj = Trajectory.from_bytes(payload)
                 validate(traj, tokenizer_hash=self.tokenizer_hash)
+                if traj.id != tid:
+                    raise TrajectoryError("schema", f"row id {tid!r} holds trajectory {traj.id!r}")
             except TrajectoryError as err:
                 logger.error("WAL replay: trajectory %s is unusable (%s); dropping it", tid, err)
                 corrupt.append((tid, seq, -1, "dropped", f"replay_{err.reason}", None, None))

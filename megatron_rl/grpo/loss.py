@@ -383,8 +383,9 @@ def grpo_metrics(stats: Mapping, cfg: GRPOLossConfig) -> dict[str, float]:
     n_b, lag_b, rmax_b = _vector(stats["seq_tokens"]), _vector(stats["seq_lag_sum"]), _vector(stats["seq_ratio_max"])
     out["ratio_max"] = max((r for r, n in zip(rmax_b, n_b) if n > 0), default=1.0)
     out["advantage_mean"] = _scalar(stats["adv_sum"]) / max(_scalar(stats["rows"]), 1.0)
-    out["d_lag"] = sum(lag_b) / per_token
-    out.update(percentiles([d / n for d, n in zip(lag_b, n_b) if n > 0] or [0.0], "d_lag"))
+    if tokens:  # no token in the loss: D_lag was not measured (absent, not 0)
+        out["d_lag"] = sum(lag_b) / per_token
+        out.update(percentiles([d / n for d, n in zip(lag_b, n_b) if n > 0], "d_lag"))
     for key, name in (("entropy_sum", "entropy"), ("tis_weight_sum", "tis_weight_mean"),
                       ("tis_truncated_sum", "tis_truncated_fraction")):
         if key in stats:
@@ -402,7 +403,7 @@ def lag_guard_weight(d_lag: float, cfg: GRPOLossConfig) -> float:
 def grpo_step_weight(stats: Mapping, cfg: GRPOLossConfig) -> tuple[float, dict[str, float]]:
     """The learner's step hook: (gradient weight from the batch-wide lag guard, metrics)."""
     metrics = grpo_metrics(stats, cfg)
-    weight = lag_guard_weight(metrics["d_lag"], cfg)
+    weight = lag_guard_weight(metrics.get("d_lag", 0.0), cfg)  # no token in the loss: nothing to guard
     if weight != 1.0:
         logger.warning("batch lag D_lag=%.4g > lag_threshold=%.4g: %s (gradient weight %.3g)",
                        metrics["d_lag"], cfg.lag_threshold, cfg.lag_action, weight)

@@ -7,7 +7,8 @@ byte buffer holding several whole tensors (HF names, full shapes) back to back, 
 checksum over its bytes.  The trainer fills buckets in the order its tensors arrive
 (`plan_buckets`), the rollout side receives each bucket into one flat buffer, recomputes
 the checksum and only commits the version when every bucket matched.  Both sides build
-the same immutable `PublicationManifest`; it serialises to plain dicts for RPC/JSON.
+the same immutable `PublicationManifest`; it serialises to plain dicts for RPC/JSON, and
+`from_dict` checks plain data fully (ManifestError naming the field) before anything trusts it.
 
 Checksums, computed over a bucket's tensors in order, so a sender hashes the tensors where
 they lie instead of packing a copy first:
@@ -25,6 +26,7 @@ they lie instead of packing a copy first:
 from __future__ import annotations
 
 import hashlib
+import math
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -39,6 +41,10 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 class PublicationError(RuntimeError):
     """A publication was refused; the message names the bucket (index and tensors)."""
+
+
+class ManifestError(ValueError):
+    """A manifest (as plain data, from the wire or RPC) that is malformed; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -115,11 +121,27 @@ class PublicationManifest:
 
     @classmethod
     def from_dict(cls, data: dict) -> PublicationManifest:
+        """Parse and check plain data (to_dict's shape); ManifestError names the first bad field.
+
+        Beyond types: each tensor's nbytes matches its shape and dtype, tensors lie back to back
+        from offset 0, a bucket's nbytes is their sum, and no name appears twice, so unpacking a
+        buffer of the announced size can never fail."""
+        if not isinstance(data, dict):
+            raise ManifestError(f"malformed publication manifest: expected a mapping, got {type(data).__name__}")
+        version = _field(data, "version", int, "manifest")
+        algo = _field(data, "checksum_algo", str, "manifest")
+        if version < 0 or algo not in CHECKSUMS:
+            raise ManifestError(f"malformed publication manifest: version {version} (must be >= 0) or "
+                                f"checksum_algo {algo!r} (one of {list(CHECKSUMS)})")
+        raw = _field(data, "buckets", list, "manifest")
+        buckets = tuple(bucket_from_dict(b, where=f"buckets[{i}]") for i, b in enumerate(raw))
+        names = [t.name for b in buckets for t in b.tensors]
+        if len(set(names)) != len(names):
+            raise ManifestError("malformed publication manifest: a tensor name appears twice")
         try:
-            buckets = tuple(bucket_from_dict(b) for b in data["buckets"])
-            return cls(version=int(data["version"]), checksum_algo=data["checksum_algo"], buckets=buckets)
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"malformed publication manifest: {err!r}") from None
+            return cls(version=version, checksum_algo=algo, buckets=buckets)
+        except ValueError as err:
+            raise ManifestError(f"malformed publication manifest: {err}") from None
 
 
 def bucket_to_dict(b: BucketSpec) -> dict:
@@ -131,9 +153,44 @@ def bucket_to_dict(b: BucketSpec) -> dict:
     }
 
 
-def bucket_from_dict(d: dict) -> BucketSpec:
-    tensors = tuple(TensorSpec(n, tuple(s), dt, int(o), int(nb)) for n, s, dt, o, nb in d["tensors"])
-    return BucketSpec(index=int(d["index"]), tensors=tensors, nbytes=int(d["nbytes"]), checksum=str(d["checksum"]))
+def _field(d: dict, key: str, kind: type, where: str):
+    value = d.get(key) if isinstance(d, dict) else None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ManifestError(f"malformed publication manifest: {where}.{key} must be {kind.__name__}, "
+                            f"got {type(value).__name__}")
+    return value
+
+
+def _tensor_from_list(item, offset: int, where: str) -> TensorSpec:
+    if not isinstance(item, (list, tuple)) or len(item) != 5:
+        raise ManifestError(f"malformed publication manifest: {where} must be [name, shape, dtype, offset, nbytes]")
+    name, shape, dtype, start, nbytes = item
+    if not isinstance(name, str) or not name:
+        raise ManifestError(f"malformed publication manifest: {where}: name must be a non-empty str")
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                       for x in shape):
+        raise ManifestError(f"malformed publication manifest: {where} ({name}): shape must be a list of ints >= 0")
+    if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ManifestError(f"malformed publication manifest: {where} ({name}): unknown dtype {dtype!r}")
+    expected = math.prod(shape) * getattr(torch, dtype).itemsize
+    if start != offset or nbytes != expected or isinstance(start, bool) or isinstance(nbytes, bool):
+        raise ManifestError(f"malformed publication manifest: {where} ({name}): offset {start!r} / nbytes "
+                            f"{nbytes!r}, expected {offset} / {expected} for shape {list(shape)} {dtype}")
+    return TensorSpec(name, tuple(shape), dtype, offset, expected)
+
+
+def bucket_from_dict(d: dict, where: str = "bucket") -> BucketSpec:
+    """Parse one bucket (bucket_to_dict's shape); ManifestError names the bad field."""
+    index = _field(d, "index", int, where)
+    nbytes = _field(d, "nbytes", int, where)
+    digest = _field(d, "checksum", str, where)
+    tensors, offset = [], 0
+    for i, item in enumerate(_field(d, "tensors", list, where)):
+        tensors.append(_tensor_from_list(item, offset, f"{where}.tensors[{i}]"))
+        offset += tensors[-1].nbytes
+    if nbytes != offset:
+        raise ManifestError(f"malformed publication manifest: {where}.nbytes is {nbytes}, its tensors hold {offset}")
+    return BucketSpec(index=index, tensors=tuple(tensors), nbytes=nbytes, checksum=digest)
 
 
 class _Crc32:

@@ -287,7 +287,10 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
     rollout = data.setdefault("rollout", {})
     if isinstance(rollout, dict) and "model" not in rollout:
         run_dir = (data.get("run") or {}).get("dir", RunConfig.dir) if isinstance(data.get("run"), dict) else RunConfig.dir
-        rollout["model"] = str(model.get("path") or Path(run_dir) / "model")
+        path = model.get("path")
+        if not (isinstance(path, str) and path) and not isinstance(run_dir, str):
+            raise ConfigError(f"run.dir: expected str, got {type(run_dir).__name__} {run_dir!r}")
+        rollout["model"] = str(path if isinstance(path, str) and path else Path(run_dir) / "model")
     return from_dict(TrainConfig, data)
 
 

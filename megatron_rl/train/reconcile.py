@@ -9,10 +9,14 @@ mask, and per sequence the reward, the advantage and the sign of the gradient of
 with respect to its logprobs.  At step 0 behavior and current must agree to ~1e-5 (fp32), at
 any rollout.temperature/top_p/top_k (the learner scores the distribution the engine sampled,
 `TrainConfig.sampling`, echoed in the summary): the summary reports their mean and max
-absolute difference.
+absolute difference.  The gradient-sign check covers every sequence of the round (the table
+shows the first `max_rows`), and `nonzero_variance_groups` says how many groups could carry a
+sign at all (a round where every group is uniform checks nothing, and says so).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -54,20 +58,49 @@ def reconcile(cfg, max_rows: int = 8) -> dict:
                 "mask": [1] * len(pos),
                 "grad_sign": [int(torch.sign(lp.grad[i, p])) for p in pos],
             })
+        signs = grad_sign_check(lp.grad, mask, batch["advantages"], [t.in_loss for t in trajs])
         summary = {
             "step": state.step, "policy_version": state.version, "sequences": len(trajs),
             "sampling": cfg.sampling.as_dict(),
             "tokens": int(mask.sum()), "behavior_vs_current_mean_abs": float(diff.mean()) if diff.numel() else 0.0,
             "behavior_vs_current_max_abs": float(diff.max()) if diff.numel() else 0.0,
             "loss": float(loss),
-            # A positive advantage must push its tokens' logprobs up: dL/dlogp < 0.
-            "grad_sign_agrees_with_advantage": all(
-                all(s == -int(torch.sign(torch.tensor(r["advantage"]))) for s in r["grad_sign"])
-                for r in rows if r["advantage"] != 0 and r["status"] == "ok"),
+            "grad_sign_agrees_with_advantage": signs["agrees"],
+            "grad_sign_checked_sequences": signs["checked_sequences"],
+            "grad_sign_disagreeing_rows": signs["disagreeing_rows"],
+            "nonzero_variance_groups": nonzero_variance_groups(trajs),
         }
         return {"summary": summary, "rows": rows}
     finally:
         roles.close()
+
+
+def grad_sign_check(grad_bt: torch.Tensor, mask_bt: torch.Tensor, advantages_b: torch.Tensor,
+                    in_loss: list[bool]) -> dict:
+    """Over EVERY sequence of the round: a positive advantage must push each of its tokens' logprobs
+    up (dL/dlogp < 0), a negative one down.  Sequences with advantage 0 or not in the loss carry
+    no sign to check; `agrees` is False when no sequence was checked (nothing was shown).
+
+    grad_bt [B, T-1] dL/dlogp, mask_bt [B, T-1] loss mask, advantages_b [B]."""
+    bad, checked = [], 0
+    for i in range(grad_bt.shape[0]):
+        adv = float(advantages_b[i])
+        if adv == 0 or not in_loss[i]:
+            continue
+        checked += 1
+        signs = torch.sign(grad_bt[i][mask_bt[i].bool()])
+        if signs.numel() == 0 or not bool((signs == -math.copysign(1.0, adv)).all()):
+            bad.append(i)
+    return {"agrees": checked > 0 and not bad, "checked_sequences": checked, "disagreeing_rows": bad}
+
+
+def nonzero_variance_groups(trajs: list) -> int:
+    """GRPO groups (same prompt) whose rewards in the loss differ: only they produce a gradient."""
+    groups: dict[str, set] = {}
+    for t in trajs:
+        if t.in_loss:
+            groups.setdefault(t.prompt_id, set()).add(t.reward)
+    return sum(len(rewards) > 1 for rewards in groups.values())
 
 
 def render_table(report: dict) -> str:

@@ -59,15 +59,19 @@ class Telemetry:
                 out[f"learn/{key}"] = float(learn[key])
         for key in sorted(k for k in learn if k.startswith("kl_ref_")):  # named after its gradient's direction
             out[f"learn/{key}"] = float(learn[key])
-        out["learn/zero_variance_groups"] = learn.get("adv/zero_variance_groups", 0.0)
-        out["learn/invalid_samples"] = learn.get("adv/invalid_samples", 0.0)
+        for key, name in (("adv/zero_variance_groups", "learn/zero_variance_groups"),
+                          ("adv/invalid_samples", "learn/invalid_samples")):
+            if key in learn:  # a metric the step did not measure is absent, never a made-up 0
+                out[name] = float(learn[key])
         # numerics/
         out["numerics/nonfinite_loss"] = float(not math.isfinite(learn.get("loss", float("nan"))))
         out["numerics/nonfinite_grad_norm"] = float(not math.isfinite(learn.get("grad_norm", float("nan"))))
         out["numerics/nonfinite_behavior_logprobs"] = float((~np.isfinite(logps)).sum())
-        out["numerics/min_behavior_logprob"] = float(logps.min()) if logps.size else 0.0
-        out["numerics/lag_quarantined"] = float(learn.get("lag_quarantined", 0.0))
-        out["numerics/update_successful"] = float(learn.get("update_successful", 1.0))
+        if logps.size:
+            out["numerics/min_behavior_logprob"] = float(logps.min())
+        for key in ("lag_quarantined", "update_successful"):
+            if key in learn:
+                out[f"numerics/{key}"] = float(learn[key])
         # system/
         sampling = sampling or {}
         if sampling:  # groups dynamic sampling threw away were generated too: ESR counts them
@@ -77,16 +81,15 @@ class Telemetry:
             out["system/dynamic_discarded_tokens"] = float(sampling["discarded_tokens"])
             out["system/dynamic_attempts"] = float(sampling["attempts"])
         gen_tps = gen_tokens / max(phases["rollout"], 1e-9)
-        informative = learn.get("adv/informative_tokens", 0.0)
-        esr = informative / gen_tokens if gen_tokens else 0.0
         learned = sum(t.num_tokens for t in taken)
         out.update({
             "system/generated_tokens_per_s": gen_tps,
             "system/learned_tokens_per_s": learned / max(phases["learn"], 1e-9),
-            "system/esr": esr,
-            "system/effective_tokens_per_s": gen_tps * esr,
             "system/driver_max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         })
+        if gen_tokens and "adv/informative_tokens" in learn:  # ESR of nothing generated is undefined
+            esr = learn["adv/informative_tokens"] / gen_tokens
+            out.update({"system/esr": esr, "system/effective_tokens_per_s": gen_tps * esr})
         if "padding_fraction" in learn:  # padded / computed token positions of the learner's grid
             out["system/padding_fraction"] = float(learn["padding_fraction"])
         for name, seconds in phases.items():
@@ -94,12 +97,13 @@ class Telemetry:
         # latency/
         out.update(percentiles(list(self.rollout_s), "latency/rollout_round_s"))
         out.update(percentiles(list(self.verify_s), "latency/verifier_batch_s"))
-        out["latency/verifier_error_rate"] = (len(trajs) - len(valid)) / len(trajs) if trajs else 0.0
+        if trajs:
+            out["latency/verifier_error_rate"] = (len(trajs) - len(valid)) / len(trajs)
         for code, count in verifier_counters.items():
             out[f"latency/verifier_{code}"] = float(count)
         # queue/
         out.update({k: float(v) for k, v in queue.items()})
-        out.update(percentiles(learn.get("dv", []) or [0.0], "queue/taken_dv"))
+        out.update(percentiles(learn.get("dv", []), "queue/taken_dv"))  # {} when nothing was taken
         return out
 
 

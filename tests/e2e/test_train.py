@@ -56,8 +56,11 @@ def test_every_panel_reaches_tensorboard(run_a):
     assert not missing, f"missing TensorBoard tags: {missing}"
     steps = [e.step for e in acc.Scalars("learn/reward_mean")]
     assert steps == [1, 2, 3, 4]
-    # On-policy fp32: the learner scores the sampled tokens as vLLM did.
-    assert max(e.value for e in acc.Scalars("learn/d_lag/p99")) < 1e-4
+    # On-policy fp32: the learner scores the sampled tokens as vLLM did.  Measured at every step
+    # (a missing lag is absent, never a 0 that passes this bound).
+    lag = acc.Scalars("learn/d_lag/p99")
+    assert [e.step for e in lag] == [1, 2, 3, 4], [e.step for e in lag]
+    assert max(e.value for e in lag) < 1e-4
 
 
 def _weights(ckpt_dir):
@@ -93,6 +96,9 @@ def test_reconcile_at_step_zero(tmp_path):
     summary = last_json(proc.stdout)
     assert summary["step"] == 0 and summary["tokens"] > 0
     assert summary["behavior_vs_current_mean_abs"] < 1e-4
+    # Checked over every sequence of the round, and the round had something to check.
+    assert summary["nonzero_variance_groups"] >= 1, summary
+    assert summary["grad_sign_checked_sequences"] >= 2 and summary["grad_sign_disagreeing_rows"] == [], summary
     assert summary["grad_sign_agrees_with_advantage"] is True
     assert "behavior" in proc.stdout and "reference" in proc.stdout  # the table was printed
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from megatron_rl.grpo.loss import GRPOLossConfig
+from megatron_rl.grpo.loss import GRPOLossConfig, grpo_metrics
 from megatron_rl.reward.math_verifier import RewardConfig, score_response
 from megatron_rl.reward.pool import VerifierPool
 from megatron_rl.rollout.sample import RolloutSample
@@ -107,3 +107,20 @@ def test_learner_metrics_reach_the_learn_panel():
     assert metrics["learn/kl_ref_k2_grad_theta_ref"] == 0.01
     assert metrics["numerics/lag_quarantined"] == 1.0 and metrics["numerics/update_successful"] == 0.0
     assert not any(k.startswith("queue/d_lag") for k in metrics)
+
+
+def test_missing_metrics_are_absent_not_zero():
+    """A metric the step did not measure is absent (so `d_lag p99 < 1e-4` cannot pass on a missing
+    lag): telemetry and the loss metrics never fill in 0."""
+    samples = [sample([1, 2], [9], "a"), sample([1, 2], [9], "a")]
+    trajs = to_trajectories(samples, [score_response(t, "5", REWARD) for t in ("5", "1")],
+                            tokenizer_hash="h", dataset_version="d")
+    metrics = Telemetry().step_metrics(samples, trajs, [], {"loss": 0.1, "grad_norm": 1.0},
+                                       {"rollout": 1.0, "score": 1.0, "learn": 1.0}, {}, {})
+    for prefix in ("learn/d_lag", "queue/taken_dv", "learn/zero_variance_groups", "learn/invalid_samples",
+                   "system/esr", "system/effective_tokens_per_s", "numerics/lag_quarantined"):
+        assert not any(k.startswith(prefix) for k in metrics), (prefix, sorted(metrics))
+    nothing = {"tokens": 0.0, "sequences": 0.0, "pg_sum": 0.0, "clip_sum": 0.0, "ratio_sum": 0.0, "adv_sum": 0.0,
+               "rows": 2.0, "seq_tokens": [0.0, 0.0], "seq_lag_sum": [0.0, 0.0], "seq_ratio_max": [1.0, 1.0]}
+    loss_metrics = grpo_metrics(nothing, GRPOLossConfig())  # every row masked out: no token in the loss
+    assert not any(k.startswith("d_lag") for k in loss_metrics), sorted(loss_metrics)
