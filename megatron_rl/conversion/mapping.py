@@ -1,4 +1,4 @@
-"""The one Megatron-Core <-> Hugging Face name and layout mapping (Llama and Qwen2 families).
+"""The one Megatron-Core <-> Hugging Face name and layout mapping (Llama, Qwen2 and Qwen3 families).
 
     from megatron_rl.conversion import mapping
     table = mapping.name_table(cfg)                    # every tensor, both names, one group each
@@ -9,7 +9,7 @@ Used by the checkpoint converter and by the weight publisher (which streams TP-g
 groups of a live Megatron model through `mcore_to_hf_group`).  Pure tensor code: no
 torch.distributed, no model objects.  `cfg` is anything with the `HFModelConfig` fields
 (num_layers, num_heads, num_kv_heads, head_dim, hidden_size, intermediate_size, vocab_size,
-tie_word_embeddings, qkv_bias).
+tie_word_embeddings, qkv_bias, and optionally qk_layernorm).
 
 Megatron names here are *canonical*: global layer index and Transformer Engine naming, which
 is also what Megatron's distributed checkpoints use (the local layer spec renames
@@ -21,6 +21,7 @@ Layouts (shape legend: H hidden, F ffn, hd head dim, nq query heads, ng KV group
 qpg = nq // ng query heads per group, V vocab, Vp padded vocab):
   linear_qkv.weight  [ng * (qpg + 2) * hd, H]  per group g: q heads of g, then k_g, then v_g
   linear_qkv.bias    [ng * (qpg + 2) * hd]     same interleave (Qwen2)
+  q_layernorm / k_layernorm.weight  [hd]       Qwen3's q_norm / k_norm, replicated over TP
   linear_fc1.weight  [2F, H]                   [gate; up]; TP rank r holds [gate_r; up_r]
   word_embeddings / output_layer  [Vp, H]      rows >= V are padding (zeros on import)
 """
@@ -52,7 +53,7 @@ __all__ = [
     "to_local_spec_name",
 ]
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 EMBED = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -63,11 +64,15 @@ _LAYER_TABLE = (
     ("self_attention.linear_qkv.layer_norm_weight", ("input_layernorm.weight",), "copy"),
     ("self_attention.linear_qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
     ("self_attention.linear_qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
+    ("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "copy"),
+    ("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "copy"),
     ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "copy"),
     ("mlp.linear_fc1.layer_norm_weight", ("post_attention_layernorm.weight",), "copy"),
     ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
     ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "copy"),
 )
+
+_QK_NORM = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
 
 # Local layer spec parameter names <-> canonical (TE / dist-checkpoint) names.
 _LOCAL_TO_CANON = (
@@ -99,6 +104,10 @@ def _check_cfg(cfg) -> None:
         raise ValueError(f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}")
 
 
+def _qk_norm(cfg) -> bool:
+    return bool(getattr(cfg, "qk_layernorm", False))
+
+
 def name_table(cfg) -> list[NameEntry]:
     """Every tensor of the model: Megatron name, HF names, layout kind, streaming group."""
     _check_cfg(cfg)
@@ -106,6 +115,8 @@ def name_table(cfg) -> list[NameEntry]:
     for i in range(cfg.num_layers):
         for mc, hf, kind in _LAYER_TABLE:
             if mc.endswith(".bias") and not cfg.qkv_bias:
+                continue
+            if mc in _QK_NORM and not _qk_norm(cfg):
                 continue
             table.append(NameEntry(f"decoder.layers.{i}.{mc}", tuple(f"model.layers.{i}.{h}" for h in hf), kind, f"layer.{i}"))
     table.append(NameEntry(FINAL_NORM, ("model.norm.weight",), "copy", "final"))
@@ -139,6 +150,7 @@ def hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
         "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
         "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
         "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
         "self_attn.o_proj.weight": (H, q),
         "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
     }

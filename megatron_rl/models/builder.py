@@ -1,4 +1,4 @@
-"""Build a Megatron-Core GPTModel (this process's pipeline stage) from an HFModelConfig.
+"""Build a Megatron-Core GPTModel (this process's pipeline stage) from an HFModelConfig (Llama / Qwen2 / Qwen3).
 
     platform = detect_platform()
     with parallel_scope(tp=2, pp=2):
@@ -11,6 +11,12 @@ The mapping of Llama / Qwen2 semantics onto Megatron switches:
   GQA                 -> num_query_groups=num_kv_heads, kv_channels=head_dim
   no linear biases    -> add_bias_linear=False; Qwen2's q/k/v bias -> add_qkv_bias=True
   RoPE (half-rotation)-> position_embedding_type="rope", rotary_base=rope_theta, not interleaved
+  Llama-3.x rope_type llama3 -> rope_scaling=True, rope_scaling_factor=factor; GPTModel passes only the
+                        factor, so the inverse frequencies are recomputed with the checkpoint's
+                        low/high_freq_factor and original_max_position_embeddings (Megatron's own
+                        RotaryEmbedding._apply_scaling, which follows transformers' llama3 rule)
+  Qwen3 q/k RMSNorm   -> qk_layernorm=True in the layer spec (over head_dim, before RoPE, as in HF);
+                        head_dim is kv_channels, independent of hidden_size / num_heads
   tied embeddings     -> share_embeddings_and_output_weights=tie_word_embeddings
 Dropout is off: RL post-training compares logprobs of the same policy across engines.
 """
@@ -102,9 +108,25 @@ def build_gpt_model(cfg: HFModelConfig, *, platform: Platform, tp: int, pp: int,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling is not None,
+        rope_scaling_factor=cfg.rope_scaling.factor if cfg.rope_scaling else 8.0,
     )
+    if cfg.rope_scaling is not None:
+        _set_llama3_inv_freq(model.rotary_pos_emb, cfg)
     if not platform.is_cpu:
         model.to(platform.device)
     logger.debug("built GPTModel stage %d/%d tp rank %d: %d params", ps.get_pipeline_model_parallel_rank(), pp,
                  ps.get_tensor_model_parallel_rank(), sum(p.numel() for p in model.parameters()))
     return model
+
+
+def _set_llama3_inv_freq(rotary, cfg: HFModelConfig) -> None:
+    """Give Megatron's RotaryEmbedding the llama3-scaled inverse frequencies of `cfg`'s rope_scaling."""
+    rs = cfg.rope_scaling
+    dim = cfg.head_dim
+    base = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rotary.inv_freq.device) / dim))
+    rotary.inv_freq = rotary._apply_scaling(
+        base, factor=rs.factor, low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
+        original_max_position_embeddings=rs.original_max_position_embeddings,
+    )
+    rotary.forward.cache_clear()  # RotaryEmbedding.forward is lru_cached on (seq len, offset)

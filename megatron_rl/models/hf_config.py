@@ -1,13 +1,15 @@
-"""Read a HuggingFace config.json (Llama / Qwen2) into the few numbers the learner needs.
+"""Read a HuggingFace config.json (Llama / Llama-3.x / Qwen2 / Qwen3) into the few numbers the learner needs.
 
     cfg = load_hf_config("path/to/model_dir")        # or the config.json path, or a dict
     cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias      # GQA layout, Qwen2's q/k/v bias
+    cfg.qk_layernorm, cfg.rope_scaling                # Qwen3's q/k RMSNorm, Llama-3.x rope scaling
     padded_vocab_size(cfg.vocab_size, tp=2)          # Megatron pads the embedding table
     check_parallel_layout(cfg, tp=2, pp=2)           # ValueError naming what does not divide
 
-Anything the Megatron builder does not implement (rope scaling, sliding windows, biases other
-than Qwen2's q/k/v, activations other than SiLU) is refused here with the field named, rather
-than built into a model whose logits silently differ from the checkpoint's.
+Anything the Megatron builder does not implement (rope types other than plain and `llama3`,
+sliding windows, biases other than Qwen2's q/k/v, activations other than SiLU) is refused here
+with the field named, rather than built into a model whose logits silently differ from the
+checkpoint's.
 """
 
 from __future__ import annotations
@@ -17,8 +19,24 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama-3.x frequency-dependent RoPE scaling (`rope_type: llama3`), as transformers defines it.
+
+    Frequencies whose wavelength exceeds original_max_position_embeddings / low_freq_factor are
+    divided by `factor`; those shorter than .../high_freq_factor are kept; the band between is
+    interpolated smoothly.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +61,10 @@ class HFModelConfig:
     max_position_embeddings: int
     torch_dtype: str
     """dtype the checkpoint was saved in ("float32", "bfloat16", ...)."""
+    qk_layernorm: bool = False
+    """RMSNorm over head_dim on each query and key head before RoPE (Qwen3)."""
+    rope_scaling: Llama3RopeScaling | None = None
+    """Llama-3.x rope scaling; None for plain RoPE."""
     raw: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """The config.json contents, untouched."""
 
@@ -76,16 +98,32 @@ def _arch(data: dict, where: str) -> str:
     return MODEL_TYPES[model_type]
 
 
-def _rope_theta(data: dict, where: str) -> float:
-    """rope_theta from transformers 5 `rope_parameters` or the older top-level fields."""
+def _rope(data: dict, where: str) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, llama3 scaling or None) from transformers 5 `rope_parameters` or the older fields."""
     params = data.get("rope_parameters")
     if params is None:
         params = dict(data.get("rope_scaling") or {})
         params.setdefault("rope_theta", data.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise ValueError(f"{where}: rope_parameters must be an object, got {type(params).__name__}")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{where}: rope scaling {rope_type!r} is not implemented (only plain RoPE)")
-    return float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{where}: rope scaling {rope_type!r} is not implemented (supported rope_type: {list(ROPE_TYPES)})")
+    theta = float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    values = {}
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        value = params.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{where}: rope_scaling.{key} must be a positive number for rope_type 'llama3', got {value!r}")
+        values[key] = value
+    if values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise ValueError(f"{where}: rope_scaling.high_freq_factor {values['high_freq_factor']} must exceed "
+                         f"low_freq_factor {values['low_freq_factor']}")
+    return theta, Llama3RopeScaling(factor=float(values["factor"]), low_freq_factor=float(values["low_freq_factor"]),
+                                    high_freq_factor=float(values["high_freq_factor"]),
+                                    original_max_position_embeddings=int(values["original_max_position_embeddings"]))
 
 
 def _need(data: dict, key: str, where: str) -> Any:
@@ -106,8 +144,8 @@ def load_hf_config(source: str | Path | dict) -> HFModelConfig:
         raise ValueError(f"{where}: hidden_act {act!r} is not supported (only 'silu' / SwiGLU)")
     if data.get("mlp_bias"):
         raise ValueError(f"{where}: mlp_bias=true is not supported")
-    if arch == "llama" and data.get("attention_bias"):
-        raise ValueError(f"{where}: attention_bias=true is not supported for llama (o_proj bias)")
+    if arch in ("llama", "qwen3") and data.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias=true is not supported for {arch} (o_proj bias)")
     if data.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window=true is not supported")
     hidden = _need(data, "hidden_size", where)
@@ -118,6 +156,7 @@ def load_hf_config(source: str | Path | dict) -> HFModelConfig:
         raise ValueError(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
     if heads % kv_heads:
         raise ValueError(f"{where}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}")
+    rope_theta, rope_scaling = _rope(data, where)
     return HFModelConfig(
         arch=arch,
         vocab_size=_need(data, "vocab_size", where),
@@ -127,12 +166,14 @@ def load_hf_config(source: str | Path | dict) -> HFModelConfig:
         num_heads=heads,
         num_kv_heads=int(kv_heads),
         head_dim=int(head_dim),
-        rope_theta=_rope_theta(data, where),
+        rope_theta=rope_theta,
         rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2",
         max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
         torch_dtype=str(data.get("torch_dtype") or data.get("dtype") or "float32"),
+        qk_layernorm=arch == "qwen3",
+        rope_scaling=rope_scaling,
         raw=data,
     )
 

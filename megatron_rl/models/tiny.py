@@ -2,12 +2,17 @@
 
     megatron-rl make-tiny-model --arch llama --out /tmp/tiny
     megatron-rl make-tiny-model --arch qwen2 --size medium --out /tmp/medium --seed 3
+    megatron-rl make-tiny-model --arch llama3 --out /tmp/l3     # Llama-3.x rope scaling
+    megatron-rl make-tiny-model --arch qwen3 --out /tmp/q3      # QK-norm, head_dim 2x hidden/heads
 
     from megatron_rl.models.tiny import make_tiny_model
     path = make_tiny_model(tmp_path / "m", arch="qwen2", size="tiny", seed=0)
 
 The directory holds exactly what `AutoModelForCausalLM`, `AutoTokenizer` and vLLM load:
-config.json (LlamaForCausalLM or Qwen2ForCausalLM; qwen2 has QKV bias; GQA; rope_theta),
+config.json (LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM; qwen2 has QKV bias; qwen3
+has q/k RMSNorm and a head_dim twice hidden/heads; llama3 is a Llama with `rope_type: llama3`
+whose original_max_position_embeddings is small (64) so that the scaling changes most rotary
+frequencies of a tiny model; GQA; rope_theta),
 model.safetensors (random init built by transformers' own classes, deterministic by seed),
 generation_config.json and a character-level tokenizer (see `megatron_rl.models.tokenizer`).
 
@@ -33,7 +38,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SIZES", "ARCHS", "make_tiny_model", "tokenizer_hash", "register"]
 
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "llama3", "qwen3")
+# Llama-3.1's rope scaling, except original_max_position_embeddings: 8192 would leave a tiny
+# model's short-wavelength frequencies untouched; 64 puts its rotary dims in all three bands.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
 DEFAULT_VOCAB_SIZE = 128
 
 
@@ -47,7 +56,7 @@ class SizePreset:
     max_positions: int
 
 
-# Head dim is hidden/heads; vLLM's CPU attention needs it in {32, 64, 80, 96, 128, ...}.
+# Head dim is hidden/heads (qwen3: twice that); vLLM's CPU attention needs it in {32, 64, 80, 96, 128, ...}.
 SIZES = {
     "tiny": SizePreset(hidden=128, layers=2, heads=4, kv_heads=2, ffn=352, max_positions=1024),  # ~0.4M
     "small": SizePreset(hidden=512, layers=8, heads=8, kv_heads=4, ffn=1408, max_positions=2048),  # ~24M
@@ -57,7 +66,7 @@ SIZES = {
 
 def build_config(arch: str, size: str, *, tie_embeddings: bool = False, vocab_size: int = DEFAULT_VOCAB_SIZE):
     """The transformers config object for (arch, size); ids match the char tokenizer."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r} is not one of {list(ARCHS)}")
@@ -88,6 +97,13 @@ def build_config(arch: str, size: str, *, tie_embeddings: bool = False, vocab_si
     )
     if arch == "llama":
         return LlamaConfig(attention_bias=False, **common)
+    if arch == "llama3":
+        rope = dict(LLAMA3_ROPE, rope_theta=common.pop("rope_theta"))
+        return LlamaConfig(attention_bias=False, rope_parameters=rope, **common)
+    if arch == "qwen3":
+        # head_dim independent of hidden/heads, as in Qwen3-0.6B (1024 hidden, 16 heads, head_dim 128).
+        common["head_dim"] = 2 * p.hidden // p.heads
+        return Qwen3Config(attention_bias=False, use_sliding_window=False, **common)
     # Qwen2 always has a bias on q/k/v projections (not on o_proj).
     return Qwen2Config(use_sliding_window=False, **common)
 

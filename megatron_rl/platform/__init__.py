@@ -81,10 +81,10 @@ def detect_platform(device: str | None = None, dtype: str | None = None) -> Plat
 def layer_spec(platform: Platform, hf_cfg=None):
     """Megatron ModuleSpec of one GPT layer for `platform`: TE modules on GPUs, local ones on CPU.
 
-    Llama and Qwen2 use RMSNorm before attention and MLP and no query/key norm, so both specs are
-    asked for qk_layernorm=False; the local spec is told RMSNorm explicitly (the TE spec reads
-    `config.normalization` at build time).  `hf_cfg` (an HFModelConfig) is accepted so future
-    architectures (e.g. Qwen3's qk-norm) can switch here.
+    Llama and Qwen2 use RMSNorm before attention and MLP and no query/key norm; Qwen3 adds an
+    RMSNorm on each query and key head (`hf_cfg.qk_layernorm`), which turns on qk_layernorm in
+    either spec.  The local spec is told RMSNorm explicitly (the TE spec reads
+    `config.normalization` at build time).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,

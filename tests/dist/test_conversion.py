@@ -2,7 +2,8 @@
 
     python -m pytest tests/dist/test_conversion.py -q
 
-Per family (llama untied; qwen2 with q/k/v bias and tied embeddings): one 4-rank conversion,
+Per family (llama untied; qwen2 with q/k/v bias and tied embeddings; llama3 rope scaling, tied as
+Llama-3.2; qwen3 q/k norm, head_dim 2x hidden/heads, untied as Qwen3-8B): one 4-rank conversion,
 one in-process export, one 2-rank launch loading the same checkpoint at TP1, TP2 and PP2.
 """
 
@@ -23,7 +24,7 @@ from megatron_rl.models.tiny import make_tiny_model
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("llama3", True), ("qwen3", False)])
 def test_roundtrip_and_logits_across_layouts(tmp_path, arch, tied):
     hf = make_tiny_model(tmp_path / "hf", arch=arch, seed=3, tie_embeddings=tied)
     mc = convert_hf_to_mcore(hf, tmp_path / "mc", tp=2, pp=2)

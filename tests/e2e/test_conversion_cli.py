@@ -2,8 +2,9 @@
 
     python -m pytest tests/e2e/test_conversion_cli.py -q
 
-One tiny Llama: hf-to-mcore (TP2) -> mcore-to-hf -> vLLM (CPU, one engine in a
-`__main__`-guarded subprocess) generates greedily, token for token like transformers.
+Per architecture (Llama; Llama-3.x rope scaling; Qwen3 q/k norm): hf-to-mcore (TP2) -> verify at
+PP2 -> mcore-to-hf -> vLLM (CPU, one engine in a `__main__`-guarded subprocess) generates
+greedily, token for token like transformers.
 """
 
 from __future__ import annotations
@@ -63,11 +64,13 @@ def transformers_greedy(model_dir, prompts, n):
     return outs
 
 
-def test_cli_roundtrip_verify_and_vllm(tmp_path):
-    hf = make_tiny_model(tmp_path / "hf", arch="llama", seed=5)
+@pytest.mark.parametrize("arch,architecture", [("llama", "LlamaForCausalLM"), ("llama3", "LlamaForCausalLM"),
+                                               ("qwen3", "Qwen3ForCausalLM")])
+def test_cli_roundtrip_verify_and_vllm(tmp_path, arch, architecture):
+    hf = make_tiny_model(tmp_path / "hf", arch=arch, seed=5)
     mc, back = tmp_path / "mc", tmp_path / "back"
     cli("convert", "hf-to-mcore", "--hf", str(hf), "--out", str(mc), "--tp", "2")
-    assert json.loads((mc / "manifest.json").read_text())["architecture"] == "LlamaForCausalLM"
+    assert json.loads((mc / "manifest.json").read_text())["architecture"] == architecture
 
     proc = cli("convert", "verify", "--hf", str(hf), "--mcore", str(mc), "--pp", "2")
     report = json.loads(proc.stdout.strip().splitlines()[-1])

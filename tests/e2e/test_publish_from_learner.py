@@ -1,5 +1,8 @@
 """A TP=2 Megatron learner publishes to TP=1 and TP=2 vLLM rollout groups; they agree to 1e-4.
 
+Also per architecture (Llama-3.x rope scaling, Qwen3 q/k norm with its own head_dim): the same
+two-step GRPO run trains the tiny model end to end on CPU and publishes it to a TP=1 group.
+
     python -m pytest tests/e2e/test_publish_from_learner.py -q
 
 Two real training steps per layout: the initial policy is loaded by both sides from the HF
@@ -12,6 +15,9 @@ sampled after the switch came from the new weights.
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
 from tests.e2e.conftest import TINY, read_jsonl, run_cli
@@ -19,13 +25,17 @@ from tests.e2e.conftest import TINY, read_jsonl, run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("rollout_tp", [1, 2])
-def test_tp2_learner_publishes_to_rollout_group(tmp_path, rollout_tp):
+@pytest.mark.parametrize("arch,rollout_tp", [("llama", 1), ("llama", 2), ("llama3", 1), ("qwen3", 1)])
+def test_tp2_learner_publishes_to_rollout_group(tmp_path, arch, rollout_tp):
     run_cli("train", "--config", str(TINY), f"run.dir={tmp_path}", "run.steps=2", "run.eval_every=0",
             "run.checkpoint_every=0", "learner.tensor_model_parallel_size=2",
-            f"rollout.tensor_parallel_size={rollout_tp}")
+            f"rollout.tensor_parallel_size={rollout_tp}", f"model.tiny.arch={arch}")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["architectures"] == [{"qwen3": "Qwen3ForCausalLM"}.get(arch, "LlamaForCausalLM")]
+    assert (config.get("rope_parameters") or {}).get("rope_type", "default") == ("llama3" if arch == "llama3" else "default")
     rows = [r for r in read_jsonl(tmp_path / "metrics" / "metrics.jsonl") if "learn/loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["learn/loss"]) for r in rows)
     assert rows[1]["queue/taken_dv/p99"] == 0  # step 2 sampled with the published version 1
     for r in rows:
         assert r["learn/d_lag/p99"] < 1e-4, r["learn/d_lag/p99"]

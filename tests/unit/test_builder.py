@@ -1,10 +1,11 @@
-"""The builder's Megatron model computes what transformers computes for Llama and Qwen2.
+"""The builder's Megatron model computes what transformers computes for Llama, Llama-3.x, Qwen2 and Qwen3.
 
     python -m pytest tests/unit/test_builder.py -q
 
 A tiny HF model with random weights is built in the test; its weights are copied by hand (a
 minimal local mapping, not the project's converter) into a TP1 Megatron model, and the logits
-must agree within 1e-4.  That pins rope, GQA grouping, qkv bias, RMSNorm and tied embeddings.
+must agree within 1e-4.  That pins rope (plain and llama3-scaled), GQA grouping, qkv bias, RMSNorm,
+Qwen3's q/k norm with a head_dim independent of hidden/heads, and tied embeddings.
 The Megatron side runs in a spawned gloo process (run_distributed), keeping this process clean.
 """
 
@@ -27,16 +28,26 @@ TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
 
 
+# original_max_position_embeddings 32 puts the 8 rotary frequencies of head_dim 16 (theta 5000) in
+# all three llama3 bands: one kept, one interpolated, six divided by the factor.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+HEAD_DIM = {"qwen3": 32}  # Qwen3: head_dim independent of hidden_size / num_heads (64 / 4 = 16)
+
+
 def _hf_model(arch: str, tie: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     torch.manual_seed(0)
     if arch == "llama":
-        cfg = LlamaConfig(**TINY, tie_word_embeddings=tie, rope_theta=5000.0)
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tie, rope_theta=5000.0))
+    elif arch == "llama3":
+        model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tie, rope_parameters=LLAMA3_ROPE))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, tie_word_embeddings=tie, rope_theta=5000.0, head_dim=32))
     else:
-        cfg = Qwen2Config(**TINY, tie_word_embeddings=tie, rope_theta=5000.0)
-        model = Qwen2ForCausalLM(cfg)
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=tie, rope_theta=5000.0))
     with torch.no_grad():  # random norms and biases, so a missing mapping cannot hide
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
@@ -61,6 +72,9 @@ def _to_megatron(hf_sd: dict, cfg: HFModelConfig, vocab_padded: int) -> dict:
             v = hf_sd[hf + f"self_attn.v_proj.{suffix}"].reshape(cfg.num_kv_heads, cfg.head_dim, -1)
             qkv = torch.cat([q, k, v], dim=1)  # per kv group: its q heads, then k, then v
             out[mg + f"self_attention.linear_qkv.{suffix}"] = qkv.reshape(-1, *qkv.shape[2:]).squeeze(-1)
+        if cfg.qk_layernorm:
+            out[mg + "self_attention.q_layernorm.weight"] = hf_sd[hf + "self_attn.q_norm.weight"]
+            out[mg + "self_attention.k_layernorm.weight"] = hf_sd[hf + "self_attn.k_norm.weight"]
         out[mg + "self_attention.linear_proj.weight"] = hf_sd[hf + "self_attn.o_proj.weight"]
         out[mg + "mlp.linear_fc1.weight"] = torch.cat([hf_sd[hf + "mlp.gate_proj.weight"], hf_sd[hf + "mlp.up_proj.weight"]])
         out[mg + "mlp.linear_fc2.weight"] = hf_sd[hf + "mlp.down_proj.weight"]
@@ -91,7 +105,7 @@ def _megatron_logits(rank, world, cfg_dict, hf_sd, tokens):
         return logits[..., : cfg.vocab_size]
 
 
-CASES = [("llama", False), ("llama", True), ("qwen2", False)]
+CASES = [("llama", False), ("llama", True), ("qwen2", False), ("llama3", False), ("qwen3", True), ("qwen3", False)]
 
 
 def _megatron_logits_all(rank, world, jobs):
@@ -117,8 +131,10 @@ def parity_runs():
 def test_megatron_logits_match_transformers(parity_runs, arch, tie):
     (cfg_dict, _, _), expected, got = parity_runs[(arch, tie)]
     cfg = load_hf_config(cfg_dict)
-    assert cfg.arch == arch and cfg.qkv_bias == (arch == "qwen2") and cfg.tie_word_embeddings == tie
-    assert cfg.rope_theta == 5000.0 and cfg.num_kv_heads == 2 and cfg.head_dim == 16
+    assert cfg.arch == {"llama3": "llama"}.get(arch, arch)
+    assert cfg.qkv_bias == (arch == "qwen2") and cfg.tie_word_embeddings == tie and cfg.qk_layernorm == (arch == "qwen3")
+    assert cfg.rope_theta == 5000.0 and cfg.num_kv_heads == 2 and cfg.head_dim == HEAD_DIM.get(arch, 16)
+    assert (cfg.rope_scaling is not None) == (arch == "llama3")
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
@@ -143,6 +159,12 @@ def test_load_hf_config_from_dir_and_file(tmp_path):
     ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "yarn"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+    ({"rope_parameters": LLAMA3_ROPE | {"factor": 0}}, "rope_scaling.factor"),
+    ({"rope_parameters": LLAMA3_ROPE | {"high_freq_factor": 0.5}}, "high_freq_factor 0.5"),
+    ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias=true is not supported for qwen3"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]}, "Qwen3MoeForCausalLM"),
     ({"hidden_act": "gelu"}, "gelu"),
     ({"attention_bias": True}, "attention_bias"),
     ({"num_key_value_heads": 3}, "num_key_value_heads 3"),
@@ -152,6 +174,14 @@ def test_load_hf_config_from_dir_and_file(tmp_path):
 def test_load_hf_config_refuses_what_we_do_not_implement(tmp_path, change, match):
     with pytest.raises(ValueError, match=match):
         load_hf_config(_write(tmp_path, LLAMA | change))
+
+
+def test_load_hf_config_reads_llama3_rope_both_spellings():
+    old = load_hf_config(LLAMA | {"rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}})
+    new = load_hf_config(LLAMA | {"rope_parameters": LLAMA3_ROPE})
+    assert old.rope_scaling == new.rope_scaling and old.rope_scaling.original_max_position_embeddings == 32
+    assert (old.rope_theta, new.rope_theta) == (1e6, 5000.0)
+    assert load_hf_config(LLAMA).rope_scaling is None
 
 
 def test_load_hf_config_missing_or_corrupt(tmp_path):

@@ -26,6 +26,7 @@ class Cfg:
     vocab_size: int = 10
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_layernorm: bool = False
 
 
 def random_hf(cfg, seed=0):
@@ -34,13 +35,14 @@ def random_hf(cfg, seed=0):
 
 
 def test_name_table_covers_hf_names_once():
-    for cfg in (Cfg(), Cfg(qkv_bias=True, tie_word_embeddings=True)):
+    for cfg in (Cfg(), Cfg(qkv_bias=True, tie_word_embeddings=True), Cfg(qk_layernorm=True)):
         table = mapping.name_table(cfg)
         hf_names = [h for e in table for h in e.hf]
         assert len(hf_names) == len(set(hf_names))
         assert set(hf_names) == set(mapping.hf_shapes(cfg))
         assert ("lm_head.weight" in hf_names) == (not cfg.tie_word_embeddings)
         assert any(n.endswith("q_proj.bias") for n in hf_names) == cfg.qkv_bias
+        assert sum(n.endswith(("q_norm.weight", "k_norm.weight")) for n in hf_names) == 4 * cfg.qk_layernorm
         assert len({e.mcore for e in table}) == len(table)
 
 
@@ -66,9 +68,9 @@ def test_qkv_bias_roundtrip_and_bad_rows():
         mapping.qkv_mcore_to_hf(cfg, qkv[:23])
 
 
-@pytest.mark.parametrize("tie,bias", [(False, False), (True, True)])
-def test_group_roundtrip_bit_identical(tie, bias):
-    cfg = Cfg(tie_word_embeddings=tie, qkv_bias=bias)
+@pytest.mark.parametrize("tie,bias,qk_norm", [(False, False, False), (True, True, False), (False, False, True)])
+def test_group_roundtrip_bit_identical(tie, bias, qk_norm):
+    cfg = Cfg(tie_word_embeddings=tie, qkv_bias=bias, qk_layernorm=qk_norm)
     hf = random_hf(cfg)
     padded = 16
     shapes = mapping.mcore_shapes(cfg, padded)
@@ -84,6 +86,19 @@ def test_group_roundtrip_bit_identical(tie, bias):
         assert torch.equal(back[name], hf[name]), name
     emb = mapping.hf_to_mcore_group(cfg, "embedding", hf, padded)[mapping.EMBED]
     assert emb.shape == (16, 12) and torch.count_nonzero(emb[10:]) == 0
+
+
+def test_qwen3_qk_norm_maps_to_replicated_q_k_layernorm():
+    """Qwen3's q_norm / k_norm ([head_dim], head_dim 5 != hidden/heads 3) are Megatron's q/k_layernorm, whole on every TP rank."""
+    cfg = Cfg(qk_layernorm=True, head_dim=5)
+    hf = random_hf(cfg)
+    mc = mapping.hf_to_mcore_group(cfg, "layer.1", hf, 16)
+    for hf_norm, mc_norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+        t = mc[f"decoder.layers.1.self_attention.{mc_norm}.weight"]
+        assert torch.equal(t, hf[f"model.layers.1.self_attn.{hf_norm}.weight"]) and t.shape == (5,)
+        assert mapping.tp_kind(f"decoder.layers.1.self_attention.{mc_norm}.weight") == "replicated"
+    assert mc["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (2 * 4 * 5, 12)
+    assert mc["decoder.layers.1.self_attention.linear_proj.weight"].shape == (12, 4 * 5)
 
 
 def test_fc1_is_gate_then_up():
