@@ -3,7 +3,8 @@
     bash tests/gpu/run_gpu_checks.sh        # or: python -m pytest tests/gpu -m gpu -q
 
 Uses every visible GPU up to 2 (TP = that count): an NCCL all-reduce over the TP group, then a
-bf16 Learner step on a tiny Llama whose loss must be finite and whose logprobs must move.
+bf16 Learner step on a tiny Llama whose loss must be finite and whose logprobs must move; the loss
+returns float, 0-dim and per-sequence statistics, reduced over NCCL with the loss.
 """
 
 import pytest
@@ -33,10 +34,18 @@ def _nccl_step(rank, world):
     dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())
     tokens = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(1))
     before = learner.forward_logprobs(tokens)
-    metrics = learner.train_step({"tokens": tokens}, lambda lp, mb: (-lp.mean(), {}))
+    metrics = learner.train_step({"tokens": tokens}, _loss_with_metrics)
     after = learner.forward_logprobs(tokens)
     learner.close()
-    return {"sum": x[0].item(), "loss": metrics["loss"], "gain": (after - before).mean().item()}
+    return {"sum": x[0].item(), "loss": metrics["loss"], "gain": (after - before).mean().item(),
+            "rows": metrics["rows"], "seq_mean": metrics["seq_mean"]}
+
+
+def _loss_with_metrics(lp, mb):
+    """-mean logprob with the three kinds of statistic a loss may return (as grpo_loss does):
+    a Python float, a 0-dim CUDA tensor and a per-sequence [b] CUDA tensor."""
+    return -lp.mean(), {"rows": float(lp.shape[0]), "tokens": torch.tensor(float(lp.numel()), device=lp.device),
+                        "seq_mean": lp.detach().mean(dim=1)}
 
 
 def test_nccl_parallel_init_and_learner_step():
@@ -46,3 +55,4 @@ def test_nccl_parallel_init_and_learner_step():
         assert out["sum"] == world * (world + 1) / 2
         assert torch.isfinite(torch.tensor(out["loss"]))
         assert out["gain"] > 0, "one step on -logprob must raise the batch's logprobs"
+        assert out["rows"] == 4.0 and len(out["seq_mean"]) == 4  # summed over micro-batches, placed per row
