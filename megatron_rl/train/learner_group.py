@@ -96,6 +96,7 @@ class LearnerWorker:
         init_distributed(self.platform, rank=self.rank, world_size=self.world_size)
         self.hf_cfg = load_hf_config(hf_dir)
         self.publish_device = "cpu"  # where published tensors are materialised (connect_rollout)
+        self.publish_dtype = torch.float32  # the engines' dtype once connected (connect_rollout)
         self.learner = Learner(learner_cfg, self.hf_cfg, self.platform, sampling=sampling)
         from megatron.core import parallel_state as ps
 
@@ -161,11 +162,11 @@ class LearnerWorker:
 
     # ---- weights out -----------------------------------------------------------------------------
 
-    def weight_source(self, device: str = "cpu"):
-        """This rank's view of the policy as HF tensors, streamed group by group (publish.source)."""
+    def weight_source(self, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        """This rank's view of the policy as HF tensors in `dtype`, streamed group by group (publish.source)."""
         from megatron_rl.publish.source import MegatronWeightSource
 
-        return MegatronWeightSource(self.learner.model[0].module, self.hf_cfg, device=device)
+        return MegatronWeightSource(self.learner.model[0].module, self.hf_cfg, dtype=dtype, device=device)
 
     @torch.no_grad()
     def hf_state(self) -> dict[str, torch.Tensor] | None:
@@ -180,12 +181,16 @@ class LearnerWorker:
     def connect_rollout(self, rollout_workers: list, bucket_bytes: int, transport: str = "gloo") -> None:
         """Rank 0 becomes rank 0 of the publication group formed with every rollout engine.
         `transport`: "gloo" (CPU tensors) or "nccl" (tensors stay on this rank's GPU)."""
-        self.publish_device = "cuda" if transport == "nccl" else "cpu"
-        if self.rank != 0:
-            return
         import ray
 
         from megatron_rl.publish import WeightPublisher
+        from megatron_rl.publish.trainer import engine_dtype
+
+        self.publish_device = "cuda" if transport == "nccl" else "cpu"
+        # Every rank casts (the gathers and pipeline sends run in it): once, in the engine's dtype.
+        self.publish_dtype = engine_dtype(rollout_workers)
+        if self.rank != 0:
+            return
 
         self.publisher = WeightPublisher(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes,
                                          transport=transport)
@@ -195,7 +200,7 @@ class LearnerWorker:
     def publish(self, version: int) -> dict | None:
         """Publish the policy from rank 0 as `version`, streamed: each group is gathered (every
         rank takes part, in lockstep) only when the publisher pulls it into a bucket."""
-        source = self.weight_source(self.publish_device)
+        source = self.weight_source(self.publish_device, self.publish_dtype)
         if self.rank != 0:
             for _ in source:  # drive this rank's share of the gathers
                 pass
