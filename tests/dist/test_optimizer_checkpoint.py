@@ -64,6 +64,7 @@ def _save_and_resume(rank, world, ckpt_dir):
 
 
 def test_memory_efficient_save_and_exact_resume(tmp_path):
+    (tmp_path / "ckpt").mkdir()
     out = run_distributed(_save_and_resume, 2, str(tmp_path / "ckpt"), timeout=600)
     assert [r["held"] for r in out] == [True, False], "gathered optimizer state on DP rank 0 only"
     for r in out:
