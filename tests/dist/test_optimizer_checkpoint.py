@@ -33,6 +33,8 @@ def _moments(learner):
 
 
 def _save_and_resume(rank, world, ckpt_dir):
+    import multiprocessing
+
     from megatron.core import dist_checkpointing
 
     from megatron_rl.learner import Learner, LearnerConfig
@@ -46,7 +48,12 @@ def _save_and_resume(rank, world, ckpt_dir):
     sd = learner.sharded_state_dict()
     held = sd["optimizer"]["param_state"] is not None
     sd.pop("scheduler"), sd.pop("step")
-    dist_checkpointing.save(sd, ckpt_dir)
+    proc = multiprocessing.current_process()
+    daemon, proc.daemon = proc.daemon, False  # save starts a Manager; spawned ranks are daemonic
+    try:
+        dist_checkpointing.save(sd, ckpt_dir)
+    finally:
+        proc.daemon = daemon
     saved_params = [p.detach().clone() for p in learner.model[0].module.parameters()]
     saved_moments = _moments(learner)
     after = learner.train_step({"tokens": tokens}, _loss)["loss"]
