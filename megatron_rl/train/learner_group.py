@@ -26,13 +26,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def seed_everything(seed: int, deterministic: bool, threads: int) -> None:
+def seed_everything(seed: int, deterministic: bool | None, threads: int) -> None:
+    """Seeds, threads and deterministic mode (None: on for CPU, off on GPU; platform.apply_determinism)."""
+    from megatron_rl.platform import apply_determinism
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    apply_determinism(deterministic, cuda=torch.cuda.is_available())
 
 
 def micro_batch_denominators(mb: dict) -> tuple[float, float]:
@@ -67,7 +69,7 @@ class LearnerWorker:
     """One learner rank (wrapped by ray.remote in LearnerGroup)."""
 
     def __init__(self, *, rank: int, world_size: int, learner_cfg, loss_cfg, hf_dir: str, seed: int,
-                 deterministic: bool, threads: int):
+                 deterministic: bool | None, threads: int):
         self.rank, self.world_size = rank, world_size
         self._args = (learner_cfg, loss_cfg, hf_dir, seed, deterministic, threads)
 
@@ -248,7 +250,7 @@ class LearnerGroup:
     """All learner ranks, driven in lock step; methods return rank 0's answer."""
 
     def __init__(self, *, learner_cfg, loss_cfg, hf_dir: str, data_parallel_size: int, seed: int,
-                 deterministic: bool, threads: int, placement=None, sampling=None):
+                 deterministic: bool | None, threads: int, placement=None, sampling=None):
         import ray
 
         from megatron_rl.platform.priority import with_normal_priority
