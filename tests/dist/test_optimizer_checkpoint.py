@@ -67,7 +67,8 @@ def _save_and_resume(rank, world, ckpt_dir):
     same_moments = all(torch.equal(a, b) for a, b in zip(saved_moments, _moments(fresh)))
     resumed = fresh.train_step({"tokens": tokens}, _loss)["loss"]
     fresh.close()
-    return {"held": held, "params": same_params, "moments": same_moments, "after": after, "resumed": resumed}
+    return {"held": held, "params": same_params, "moments": same_moments, "after": after, "resumed": resumed,
+            "optimizer": type(fresh.optimizer.optimizer).__name__}
 
 
 def test_memory_efficient_save_and_exact_resume(tmp_path):
