@@ -203,8 +203,8 @@ class Learner:
         if non_loss_data:
             return logprobs_bt.detach()
         loss, metrics = loss_fn(logprobs_bt, mb)
-        # Every statistic on the loss's device (Python floats included): _reduce_metrics stacks
-        # them into one tensor for one all-reduce, which NCCL only takes on the GPU.
+        # Every statistic on the loss's device (Python floats included), as the loss interface says;
+        # _reduce_metrics concatenates them into one tensor for one all-reduce (NCCL: on the GPU).
         reported = {k: (v.detach().float().clone() if isinstance(v, torch.Tensor)
                         else torch.tensor(float(v), dtype=torch.float32, device=loss.device))
                     for k, v in metrics.items()}
