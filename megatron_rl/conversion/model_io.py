@@ -103,8 +103,30 @@ def load_model(model, weights_dir: Path) -> None:
     if not (weights_dir / "metadata.json").is_file():
         raise FileNotFoundError(f"{weights_dir} is not a Megatron-Core distributed checkpoint (no metadata.json)")
     inner = _unwrap(model)
-    state = dist_checkpointing.load(inner.sharded_state_dict(), str(weights_dir), strict="raise_all")
+    sharded = inner.sharded_state_dict()
+    _tolerate_absent_final_norm_extra_state(sharded, weights_dir)
+    state = dist_checkpointing.load(sharded, str(weights_dir), strict="raise_all")
     inner.load_state_dict(state, strict=False)
+
+
+# With Transformer Engine importable, Megatron-Core 0.16 builds the final norm from TE (TENorm)
+# even under the local layer spec; TE modules carry an `_extra_state` (FP8 metadata) that local
+# norms do not.  Checkpoints written without TE (the converter, CPU runs) lack it, and one written
+# with it would be refused by a local model (strict load: unexpected key), so the converter does
+# not write it and a load tolerates its absence: the module keeps its own (no-FP8: empty) state.
+FINAL_NORM_EXTRA_STATE = "decoder.final_layernorm._extra_state"
+
+
+def _tolerate_absent_final_norm_extra_state(sharded: dict, weights_dir: Path) -> None:
+    if FINAL_NORM_EXTRA_STATE not in sharded:
+        return
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(weights_dir)).read_metadata().state_dict_metadata
+    if not any(k == FINAL_NORM_EXTRA_STATE or k.startswith(FINAL_NORM_EXTRA_STATE + "/") for k in keys):
+        logger.info("%s: no %s in the checkpoint (written without Transformer Engine); the final "
+                    "norm keeps its own extra state", weights_dir, FINAL_NORM_EXTRA_STATE)
+        del sharded[FINAL_NORM_EXTRA_STATE]
 
 
 def write_manifest(mcore_dir: Path, **fields) -> dict:

@@ -6,7 +6,7 @@
         logits = model(tokens, position_ids, attention_mask=None)   # [B, T, V_padded / tp]
 
 The mapping of Llama / Qwen2 semantics onto Megatron switches:
-  SwiGLU MLP          -> gated_linear_unit=True, activation_func=silu, no bias_activation_fusion
+  SwiGLU MLP          -> gated_linear_unit=True, activation_func=silu, no compiled fusions (below)
   RMSNorm             -> normalization="RMSNorm", layernorm_epsilon=rms_norm_eps
   GQA                 -> num_query_groups=num_kv_heads, kv_channels=head_dim
   no linear biases    -> add_bias_linear=False; Qwen2's q/k/v bias -> add_qkv_bias=True
@@ -65,10 +65,13 @@ def build_transformer_config(cfg: HFModelConfig, *, tp: int, pp: int, platform: 
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         attention_softmax_in_fp32=True,
-        # Fusions need apex/TE kernels; on CPU they do not exist.
-        bias_activation_fusion=not platform.is_cpu and platform.use_te,
+        # Megatron's bias-SwiGLU and bias-dropout-add fusions are torch.compile'd (megatron.core.jit),
+        # which recompiles for new sequence lengths -- and RL batches change length every step.  With
+        # no linear biases and no dropout they would fuse only elementwise ops: the eager path is
+        # used on every platform (TE's own kernels -- attention, norms, GEMMs -- are unaffected).
+        bias_activation_fusion=False,
         masked_softmax_fusion=False,  # needs Megatron's compiled softmax kernels; TE has its own
-        bias_dropout_fusion=not platform.is_cpu,
+        bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,

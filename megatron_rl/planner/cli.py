@@ -30,13 +30,16 @@ def plan_for_config(cfg) -> dict:
         tp=lc.tensor_model_parallel_size, pp=lc.pipeline_model_parallel_size, dp=cfg.run.learner_data_parallel_size,
         dtype=dtype, use_distributed_optimizer=lc.use_distributed_optimizer, micro_batch_size=lc.micro_batch_size,
         seq_length=rc.max_model_len, activation_checkpointing=lc.recompute_activations,
-        reference_model=cfg.loss.kl_coef > 0)
+        reference_model=cfg.loss.kl_coef > 0, publish_dtype="fp32" if rc.dtype == "float32" else "bf16")
     max_seqs = int(rc.engine_options.get("max_num_seqs", cfg.samples_per_step // cfg.run.rollout_groups or 1))
     roll = RolloutLayout(tp=rc.tensor_parallel_size, groups=cfg.run.rollout_groups,
                          dtype="fp32" if rc.dtype == "float32" else "bf16",
-                         max_num_seqs=max_seqs, max_model_len=rc.max_model_len)
+                         max_num_seqs=max_seqs, max_model_len=rc.max_model_len,
+                         gpu_memory_utilization=float(rc.engine_options.get("gpu_memory_utilization",
+                                                                            rc.gpu_memory_utilization)))
     reserve = cfg.cluster.reserve_fraction
-    led, rled = learner_ledger(model, lay, reserve), rollout_ledger(model, roll, reserve)
+    led = learner_ledger(model, lay, reserve)
+    rled = rollout_ledger(model, roll, reserve, cfg.cluster.gpu_memory_gib)
     # Colocated roles only free vLLM's memory between turns when its sleep mode is enabled.
     sleep = bool(rc.engine_options.get("enable_sleep_mode", False))
     verdicts = compare_placements(led, rled, lay, roll, cfg.cluster.gpu_memory_gib, cfg.cluster.gpus, sleep_mode=sleep)
@@ -45,7 +48,11 @@ def plan_for_config(cfg) -> dict:
         "gpu_memory_gib": cfg.cluster.gpu_memory_gib,
         "learner_gib_per_gpu": {k: v / GIB for k, v in led.items.items()} | {"total": led.total / GIB},
         "rollout_gib_per_gpu": {k: v / GIB for k, v in rled.items.items()} | {"total": rled.total / GIB},
-        "placements": [as_dict(v) | {"peak_gib_per_gpu": v.peak_bytes_per_gpu / GIB} for v in verdicts],
+        "rollout_need_gib": rled.need / GIB,
+        "rollout_budget_gib": None if rled.budget is None else rled.budget / GIB,
+        "placements": [as_dict(v) | {"peak_gib_per_gpu": v.peak_bytes_per_gpu / GIB,
+                                     "margin": 1 - v.peak_bytes_per_gpu / (cfg.cluster.gpu_memory_gib * GIB)}
+                       for v in verdicts],
         "configured_placement": cfg.run.placement,
     }
 
@@ -54,14 +61,16 @@ def render(plan: dict) -> str:
     lines = [f"model: {plan['model_params'] / 1e9:.3f} B parameters; GPU memory {plan['gpu_memory_gib']:.0f} GiB"]
     for role in ("learner", "rollout"):
         items = plan[f"{role}_gib_per_gpu"]
-        lines.append(f"{role} per GPU:")
+        extra = (f" (engine budget {plan['rollout_budget_gib']:.2f} GiB = gpu_memory_utilization x GPU memory; "
+                 f"needs {plan['rollout_need_gib']:.2f})" if role == "rollout" and plan["rollout_budget_gib"] is not None else "")
+        lines.append(f"{role} per GPU:{extra}")
         lines += [f"  {k:<18} {v:10.2f} GiB" for k, v in items.items()]
     lines.append("placements:")
     for v in plan["placements"]:
         mark = "fits" if v["fits"] else "DOES NOT FIT"
         chosen = " (configured)" if v["placement"] == plan["configured_placement"] else ""
-        lines.append(f"  {v['placement']:<14}{chosen} {v['gpus_needed']} GPUs, peak {v['peak_gib_per_gpu']:.2f} GiB/GPU: "
-                     f"{mark}; largest item {v['largest_item']} ({v['note']})")
+        lines.append(f"  {v['placement']:<14}{chosen} {v['gpus_needed']} GPUs, peak {v['peak_gib_per_gpu']:.2f} GiB/GPU "
+                     f"({v['margin']:.0%} margin): {mark}; largest item {v['largest_item']} ({v['note']})")
     return "\n".join(lines)
 
 

@@ -18,15 +18,24 @@ Every number is a closed-form estimate, documented next to its formula, in bytes
                    n_inflight = PP for the first 1F1B stage (it holds PP micro-batches), 1 otherwise.
     logits       = b x s x V / TP x 4 x 2       (fp32 logits and their gradient on the last stage)
     comm buffers = 2 x bucket x bytes(grad)     (double-buffered DDP buckets)
+    cuda context = a fixed allowance for the process's CUDA context and NCCL communicators
+    publish      = 2 x V x h x bytes(publish dtype)  (one streamed group, the embedding, gathered
+                   over TP and its full tensor, in the engine's dtype: publish.source)
   rollout (per GPU of one vLLM group with tensor parallel TP_r):
     weights      = P / TP_r x bytes(dtype)
     kv cache     = M_KV = 2 x B x L x H_kv x d x T x bytes(dtype) / TP_r
     runtime      = a fixed allowance for CUDA context, graphs and sampler workspaces
+    unused budget = gpu_memory_utilization x GPU memory - the above (vLLM claims its whole budget
+                   at start-up and gives the rest to the KV cache), when the budget is known
   reserve        = reserve_fraction x (sum of the above)   (fragmentation, allocator caches)
 
-Placement: disaggregated learners and rollout groups each need their own GPUs to fit;
-colocated roles take turns on the same GPUs, and with vLLM's sleep mode (weights and KV cache
-released between rollouts) the peak is max(learner, rollout), without it their sum.
+Placement: disaggregated learners and rollout groups each need their own GPUs to fit.
+Colocated roles share the GPUs and the learner keeps its weights, gradients and optimizer state
+resident while vLLM generates, so the peak is the larger of
+    rollout phase  learner resident (all but activations/logits) + the engine's budget
+    learn phase    learner total + the sleeping engine (its runtime allowance) with vLLM's sleep
+                   mode, or + the engine's whole budget without it.
+An engine whose own need exceeds its budget does not fit either (vLLM refuses to start).
 """
 
 from __future__ import annotations
@@ -73,6 +82,8 @@ class LearnerLayout:
     grad_reduce_in_fp32: bool = True
     use_distributed_optimizer: bool = True
     micro_batch_size: int = 1
+    cuda_context_gib: float = 1.0
+    publish_dtype: str = "bf16"
     seq_length: int = 1024
     activation_checkpointing: bool = False
     reference_model: bool = True
@@ -93,6 +104,7 @@ class RolloutLayout:
     max_num_seqs: int = 64
     max_model_len: int = 2048
     runtime_gib: float = 2.0
+    gpu_memory_utilization: float | None = None  # vLLM's budget fraction (None: unknown, CPU)
 
     @property
     def gpus(self) -> int:
@@ -105,10 +117,20 @@ class Ledger:
 
     role: str
     items: dict[str, float] = field(default_factory=dict)
+    need: float = 0.0
+    """What the role itself needs (rollout: without the unused budget; learner: total)."""
+    budget: float | None = None
+    """The most the role may take (rollout: gpu_memory_utilization x GPU memory), if known."""
 
     @property
     def total(self) -> float:
         return sum(self.items.values())
+
+    def resident(self, transient: tuple[str, ...] = ("activations", "logits", "publish")) -> float:
+        """Bytes kept between steps: everything but the transient items (reserve scaled alike)."""
+        base = sum(v for k, v in self.items.items() if k != "reserve")
+        kept = sum(v for k, v in self.items.items() if k != "reserve" and k not in transient)
+        return self.total * (kept / base) if base else 0.0
 
     def largest(self) -> str:
         return max(self.items, key=self.items.get)
@@ -143,9 +165,12 @@ def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float
         "activations": act,
         "logits": b * s * model.vocab_size / lay.tp * 4 * 2,
         "comm_buffers": 2 * lay.ddp_bucket_params * grad_b,
+        "cuda_context": lay.cuda_context_gib * GIB,
+        "publish": 2 * model.vocab_size * h * _bytes(lay.publish_dtype),
     }
     items["reserve"] = reserve_fraction * sum(items.values())
-    return Ledger(role="learner", items=items)
+    total = sum(items.values())
+    return Ledger(role="learner", items=items, need=total)
 
 
 def kv_cache_bytes(model: ModelDims, roll: RolloutLayout) -> float:
@@ -156,14 +181,22 @@ def kv_cache_bytes(model: ModelDims, roll: RolloutLayout) -> float:
     )
 
 
-def rollout_ledger(model: ModelDims, roll: RolloutLayout, reserve_fraction: float) -> Ledger:
+def rollout_ledger(model: ModelDims, roll: RolloutLayout, reserve_fraction: float,
+                   gpu_memory_gib: float | None = None) -> Ledger:
+    """Per-GPU memory of one engine: its need, and with a known budget (gpu_memory_utilization x
+    gpu_memory_gib) the whole budget, which vLLM claims at start-up whatever the need."""
     items = {
         "weights": model.num_params / roll.tp * _bytes(roll.dtype),
         "kv_cache": kv_cache_bytes(model, roll),
         "runtime": roll.runtime_gib * GIB,
     }
     items["reserve"] = reserve_fraction * sum(items.values())
-    return Ledger(role="rollout", items=items)
+    need = sum(items.values())
+    budget = None
+    if roll.gpu_memory_utilization is not None and gpu_memory_gib is not None:
+        budget = roll.gpu_memory_utilization * gpu_memory_gib * GIB
+        items["unused_budget"] = max(0.0, budget - need)
+    return Ledger(role="rollout", items=items, need=need, budget=budget)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,32 +213,33 @@ def compare_placements(
     learner: Ledger, rollout: Ledger, lay: LearnerLayout, roll: RolloutLayout,
     gpu_memory_gib: float, gpus_available: int, sleep_mode: bool = True,
 ) -> list[PlacementVerdict]:
-    """Colocated (roles take turns on the same GPUs) vs disaggregated (separate GPUs)."""
+    """Colocated (roles share the same GPUs) vs disaggregated (separate GPUs); see the module doc."""
     cap = gpu_memory_gib * GIB
+    engine_ok = rollout.budget is None or rollout.need <= rollout.budget
+    engine_note = "" if engine_ok else (f"; the engine needs {rollout.need / GIB:.1f} GiB, more than its "
+                                        f"budget {rollout.budget / GIB:.1f} GiB (gpu_memory_utilization)")
     out = []
-    # Disaggregated: each role on its own GPUs.
     dis_gpus = lay.gpus + roll.gpus
     worst = learner if learner.total >= rollout.total else rollout
     out.append(PlacementVerdict(
         placement="disaggregated", gpus_needed=dis_gpus, peak_bytes_per_gpu=worst.total,
-        fits=learner.total <= cap and rollout.total <= cap and dis_gpus <= gpus_available,
+        fits=learner.total <= cap and rollout.total <= cap and dis_gpus <= gpus_available and engine_ok,
         largest_item=f"{worst.role}/{worst.largest()}",
-        note=f"{lay.gpus} learner + {roll.gpus} rollout GPUs",
+        note=f"{lay.gpus} learner + {roll.gpus} rollout GPUs{engine_note}",
     ))
-    # Colocated: the same GPUs run both; sleep mode frees vLLM's weights and KV between turns.
     col_gpus = max(lay.gpus, roll.gpus)
-    peak = max(learner.total, rollout.total) if sleep_mode else learner.total + rollout.total
-    if sleep_mode:
-        big = worst
-        largest = f"{big.role}/{big.largest()}"
-    else:
-        merged = {f"learner/{k}": v for k, v in learner.items.items()}
-        merged.update({f"rollout/{k}": v for k, v in rollout.items.items()})
-        largest = max(merged, key=merged.get)
+    asleep = roll.runtime_gib * GIB if sleep_mode else rollout.total
+    phases = {"rollout phase": learner.resident() + rollout.total, "learn phase": learner.total + asleep}
+    phase = max(phases, key=phases.get)
+    merged = {f"learner/{k}": v for k, v in learner.items.items()}
+    merged.update({f"rollout/{k}": v for k, v in rollout.items.items()})
     out.append(PlacementVerdict(
-        placement="colocated", gpus_needed=col_gpus, peak_bytes_per_gpu=peak,
-        fits=peak <= cap and col_gpus <= gpus_available, largest_item=largest,
-        note="vLLM sleeps between rollouts (peak = max)" if sleep_mode else "no sleep mode (peak = sum)",
+        placement="colocated", gpus_needed=col_gpus, peak_bytes_per_gpu=phases[phase],
+        fits=phases[phase] <= cap and col_gpus <= gpus_available and engine_ok,
+        largest_item=max(merged, key=merged.get),
+        note=(f"peak in the {phase}; vLLM sleeps while the learner learns" if sleep_mode
+              else f"peak in the {phase}; no sleep mode: vLLM keeps its budget while the learner learns")
+        + engine_note,
     ))
     return out
 

@@ -78,6 +78,27 @@ def detect_platform(device: str | None = None, dtype: str | None = None) -> Plat
     return Platform(device=torch.device("cpu"), backend="gloo", dtype=DTYPES[dtype or "fp32"], use_te=False)
 
 
+def apply_determinism(deterministic: bool | None, cuda: bool) -> bool:
+    """Set torch's deterministic-algorithms mode for this process; returns whether it is on.
+
+    None (run.deterministic's default) means on for CPU processes, off on GPUs.  On a GPU the mode
+    makes every torch.empty NaN-fill its memory (a debugging aid that costs a memory pass per
+    allocation), warns on cuBLAS without a fixed workspace, and swaps in slower kernels; and the
+    GPU path is not bitwise reproducible anyway (NCCL reduction order, TE/cuDNN kernels).  Asked for
+    explicitly on a GPU, it is honoured without the NaN fill and with cuBLAS's fixed workspace.
+    """
+    on = (not cuda) if deterministic is None else bool(deterministic)
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    if on and cuda:
+        import os
+
+        from torch.utils import deterministic as det
+
+        det.fill_uninitialized_memory = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read at cuBLAS handle creation
+    return on
+
+
 def layer_spec(platform: Platform, hf_cfg=None):
     """Megatron ModuleSpec of one GPT layer for `platform`: TE modules on GPUs, local ones on CPU.
 

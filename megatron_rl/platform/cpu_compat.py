@@ -25,7 +25,9 @@ optimizer and gradient clipping).  Each is redirected here, and nothing else:
    tracker's fork() really switches the stream used by dropout / init on this device.
    Plus `torch.cuda.synchronize()` -> no-op (CPU ops are synchronous).
 
-`enable_cpu_compat()` does nothing when CUDA is available, and is idempotent.  Everything it
+`enable_cpu_compat()` does nothing when CUDA is available, unless forced: init_distributed forces
+it for a CPU platform (CPU-forced work on a GPU machine: `convert verify`, the gloo process
+tests), whose Megatron buffers would otherwise land on the GPU.  It is idempotent.  Everything it
 changes is recorded in `redirect_counts()` so tests can assert what was redirected.
 """
 
@@ -132,7 +134,8 @@ def _patch_cuda_runtime() -> None:
 def enable_cpu_compat(force: bool = False) -> bool:
     """Install the CPU redirections for this process; returns True when they are active.
 
-    No-op (returns False) when CUDA is available, unless `force` (used only by tests).
+    No-op (returns False) when CUDA is available, unless `force` (a process that chose the CPU
+    path: init_distributed with a CPU platform, and tests).
     The runtime patches are process-wide; the device-mapping mode is per thread (torch keeps
     function modes in thread-local state), so a thread that runs Megatron code other than the
     one that first called this (e.g. a threaded Ray actor) calls it again: it is cheap.

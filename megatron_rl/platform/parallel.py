@@ -6,7 +6,8 @@
         model = build_gpt_model(...)
     # groups destroyed here; another layout may follow in the same processes
 
-The CPU path enables `cpu_compat` first, so the same calls work on gloo without a GPU.
+The CPU path enables `cpu_compat` first (also on a machine with GPUs: a CPU-forced process keeps
+Megatron's CUDA calls on the CPU), so the same calls work on gloo without a GPU.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def init_distributed(
     if platform.is_cpu:
         from megatron_rl.platform.cpu_compat import enable_cpu_compat
 
-        enable_cpu_compat()
+        # The CPU path was asked for: redirect Megatron's CUDA calls even where CUDA is visible,
+        # or its buffers (torch.cuda.current_device()) would land on a GPU next to CPU weights.
+        enable_cpu_compat(force=True)
     if dist.is_initialized():
         return
     rank = _env_int("RANK") if rank is None else rank

@@ -53,6 +53,9 @@ def _child(fn, rank: int, world_size: int, port: int, args: tuple, results, devi
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
     )
+    if device == "cpu":
+        # A CPU-forced child hides the GPUs before anything initialises CUDA (TE, vLLM, Megatron).
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     try:
         import torch.distributed as dist

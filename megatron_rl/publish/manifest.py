@@ -112,6 +112,22 @@ class PublicationManifest:
                 return f"version {self.version}: {name} has shape {tuple(got[name])}, the model's is {tuple(shape)}"
         return None
 
+    @property
+    def dtypes(self) -> list[str]:
+        """The dtype names the publication's tensors carry (each tensor's is in its TensorSpec)."""
+        return sorted({t.dtype for b in self.buckets for t in b.tensors})
+
+    def dtype_problem(self, expected: str) -> str | None:
+        """None if every tensor is in the engine's dtype `expected` (a dtype name, e.g. "bfloat16"),
+        else the first one that is not: loading it would cast silently, and the bytes checked
+        would not be the bytes served."""
+        for b in self.buckets:
+            for t in b.tensors:
+                if t.dtype != expected:
+                    return (f"version {self.version}: {t.name} is {t.dtype}, the engine serves {expected} "
+                            f"(the trainer must publish in the engine's dtype)")
+        return None
+
     def to_dict(self) -> dict:
         return {
             "version": self.version,

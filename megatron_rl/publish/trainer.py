@@ -40,6 +40,7 @@ from megatron_rl.publish.manifest import (
     PublicationManifest,
     dtype_name,
     flatten_groups,
+    to_dtype,
 )
 from megatron_rl.publish.wire import open_group, send_publication
 
@@ -60,6 +61,17 @@ class PublicationReport:
     @property
     def committed(self) -> bool:
         return all(r["committed"] for r in self.results)
+
+
+def engine_dtype(workers: list) -> torch.dtype:
+    """The one dtype every rollout group serves (RolloutWorker.serving_dtype): what the trainer
+    casts its tensors to, once, before hashing and sending them (engines refuse any other)."""
+    import ray
+
+    names = sorted(set(ray.get([w.serving_dtype.remote() for w in workers])))
+    if len(names) != 1:
+        raise ValueError(f"rollout groups serve different dtypes {names}: set rollout.dtype to one of them")
+    return to_dtype(names[0])
 
 
 class WeightPublisher:

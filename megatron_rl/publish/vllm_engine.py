@@ -20,7 +20,8 @@ module registers the backend; RolloutWorker does both).  Then, through the LLM o
 `update_weights` receives the whole publication (wire.receive_publication) into staging
 buffers, verifies every bucket and checks that it holds exactly the model's tensors (names
 and shapes from the model's config.json through the shared mapping: nothing missing, nothing
-extra); nothing touches the model yet.  `finish_weight_update`
+extra) in the dtype the engine serves (the trainer casts once, the checksums cover those bytes,
+a mismatch is refused rather than cast on load); nothing touches the model yet.  `finish_weight_update`
 loads the staged tensors through vLLM's layerwise reload only when all of them verified;
 otherwise it drops them, and the model keeps serving the previous version.  A refusal is
 reported (bucket index and tensor names) through `megatron_rl_publication_status`, never
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.publish.manifest import dtype_name
 from megatron_rl.publish.wire import ReceivedPublication, StagingBuffers, open_group, receive_publication
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,7 @@ class VerifiedCommit:
         self.rank = None
         self.staged: ReceivedPublication | None = None
         self.expected = expected_tensors(self.model_config.model)
+        self.serving_dtype = dtype_name(self.model_config.dtype)  # what a publication must carry
         self.status: dict[str, Any] = {"version": None, "ok": None, "error": None, "bad_bucket": None}
         self.loaded: list[tuple[str, torch.Tensor]] | None = None  # loaded, not yet accepted by the group
         self.rollback_tensors: list[tuple[str, torch.Tensor]] | None = None  # host copy of the serving version
@@ -134,6 +137,10 @@ class VerifiedCommit:
                                       error=f"manifest version {got.manifest.version} != announced {version}")
         if got.ok and self.expected is not None:
             problem = got.manifest.coverage_problem(self.expected)
+            if problem is not None:
+                got = ReceivedPublication(got.manifest, error=problem)
+        if got.ok and self.serving_dtype is not None:  # None only for engines built without a model
+            problem = got.manifest.dtype_problem(self.serving_dtype)
             if problem is not None:
                 got = ReceivedPublication(got.manifest, error=problem)
         self.staged = got

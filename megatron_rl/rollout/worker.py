@@ -208,6 +208,10 @@ class RolloutWorker:
         pc = self.llm.llm_engine.vllm_config.parallel_config
         return pc.world_size
 
+    def serving_dtype(self) -> str:
+        """The dtype (name, e.g. "bfloat16") the engine serves; publications must carry it."""
+        return str(self.llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
+
     def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
         """Join the trainer's publication group (blocks until every rank has joined)."""
         self._require_transfer()

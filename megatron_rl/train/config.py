@@ -133,8 +133,10 @@ class RunConfig:
     """Resume from the newest COMMITTED checkpoint in run.dir if one exists."""
     seed: int = 0
     """Seed of sampling, of the order training visits examples, and of everything random in the driver."""
-    deterministic: bool = True
-    """Deterministic CPU mode: fixed seeds, deterministic torch algorithms, one learner thread count."""
+    deterministic: Optional[bool] = None
+    """Deterministic torch algorithms. None: on for CPU processes (with fixed seeds and one thread
+    count, CPU runs are reproducible), off on GPUs (there it NaN-fills every allocation and slows
+    kernels, while NCCL/TE reductions are not bitwise reproducible anyway); true/false forces it."""
     torch_threads: int = 1
     """Intra-op threads of each learner process (CPU)."""
     use_existing_ray: bool = False

@@ -26,13 +26,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def seed_everything(seed: int, deterministic: bool, threads: int) -> None:
+def seed_everything(seed: int, deterministic: bool | None, threads: int) -> None:
+    """Seeds, threads and deterministic mode (None: on for CPU, off on GPU; platform.apply_determinism)."""
+    from megatron_rl.platform import apply_determinism
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    apply_determinism(deterministic, cuda=torch.cuda.is_available())
 
 
 def micro_batch_denominators(mb: dict) -> tuple[float, float]:
@@ -67,7 +69,7 @@ class LearnerWorker:
     """One learner rank (wrapped by ray.remote in LearnerGroup)."""
 
     def __init__(self, *, rank: int, world_size: int, learner_cfg, loss_cfg, hf_dir: str, seed: int,
-                 deterministic: bool, threads: int):
+                 deterministic: bool | None, threads: int):
         self.rank, self.world_size = rank, world_size
         self._args = (learner_cfg, loss_cfg, hf_dir, seed, deterministic, threads)
 
@@ -96,6 +98,7 @@ class LearnerWorker:
         init_distributed(self.platform, rank=self.rank, world_size=self.world_size)
         self.hf_cfg = load_hf_config(hf_dir)
         self.publish_device = "cpu"  # where published tensors are materialised (connect_rollout)
+        self.publish_dtype = torch.float32  # the engines' dtype once connected (connect_rollout)
         self.learner = Learner(learner_cfg, self.hf_cfg, self.platform, sampling=sampling)
         from megatron.core import parallel_state as ps
 
@@ -161,11 +164,11 @@ class LearnerWorker:
 
     # ---- weights out -----------------------------------------------------------------------------
 
-    def weight_source(self, device: str = "cpu"):
-        """This rank's view of the policy as HF tensors, streamed group by group (publish.source)."""
+    def weight_source(self, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        """This rank's view of the policy as HF tensors in `dtype`, streamed group by group (publish.source)."""
         from megatron_rl.publish.source import MegatronWeightSource
 
-        return MegatronWeightSource(self.learner.model[0].module, self.hf_cfg, device=device)
+        return MegatronWeightSource(self.learner.model[0].module, self.hf_cfg, dtype=dtype, device=device)
 
     @torch.no_grad()
     def hf_state(self) -> dict[str, torch.Tensor] | None:
@@ -180,12 +183,16 @@ class LearnerWorker:
     def connect_rollout(self, rollout_workers: list, bucket_bytes: int, transport: str = "gloo") -> None:
         """Rank 0 becomes rank 0 of the publication group formed with every rollout engine.
         `transport`: "gloo" (CPU tensors) or "nccl" (tensors stay on this rank's GPU)."""
-        self.publish_device = "cuda" if transport == "nccl" else "cpu"
-        if self.rank != 0:
-            return
         import ray
 
         from megatron_rl.publish import WeightPublisher
+        from megatron_rl.publish.trainer import engine_dtype
+
+        self.publish_device = "cuda" if transport == "nccl" else "cpu"
+        # Every rank casts (the gathers and pipeline sends run in it): once, in the engine's dtype.
+        self.publish_dtype = engine_dtype(rollout_workers)
+        if self.rank != 0:
+            return
 
         self.publisher = WeightPublisher(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes,
                                          transport=transport)
@@ -195,7 +202,7 @@ class LearnerWorker:
     def publish(self, version: int) -> dict | None:
         """Publish the policy from rank 0 as `version`, streamed: each group is gathered (every
         rank takes part, in lockstep) only when the publisher pulls it into a bucket."""
-        source = self.weight_source(self.publish_device)
+        source = self.weight_source(self.publish_device, self.publish_dtype)
         if self.rank != 0:
             for _ in source:  # drive this rank's share of the gathers
                 pass
@@ -243,7 +250,7 @@ class LearnerGroup:
     """All learner ranks, driven in lock step; methods return rank 0's answer."""
 
     def __init__(self, *, learner_cfg, loss_cfg, hf_dir: str, data_parallel_size: int, seed: int,
-                 deterministic: bool, threads: int, placement=None, sampling=None):
+                 deterministic: bool | None, threads: int, placement=None, sampling=None):
         import ray
 
         from megatron_rl.platform.priority import with_normal_priority

@@ -1,11 +1,37 @@
 #!/usr/bin/env bash
-# GPU checks in one go (TE-vs-local spec parity in bf16, NCCL init + a learner step).
-#   bash tests/gpu/run_gpu_checks.sh [pytest args]
+# GPU checks, part by part, each reported as ran (passed/FAILED) or skipped with the reason.
+#   bash tests/gpu/run_gpu_checks.sh            # budget: <= 8 minutes on one GPU
 # Needs a CUDA machine with the GPU extra installed (bash launch/install.sh picks it).
-set -euo pipefail
+#   1 TE vs local layer-spec parity (bf16)                 1 GPU + Transformer Engine
+#   2 NCCL init + bf16 learner step with float/0-dim/[b] loss statistics   1 GPU (TP = GPUs, up to 2)
+#   3 checkpoint save + resume with TE's FusedAdam         1 GPU + Transformer Engine
+#   4 NCCL disaggregated publication + engine logprobs after refit   2 GPUs
+#   5 tiny recipe colocated in bf16 with IPC refit and sleep/wake   not implemented yet (issue 18)
+set -uo pipefail
 cd "$(dirname "$0")/../.."
 python=".venv/bin/python"
 [ -x "$python" ] || python=python3
-nvidia-smi -L
-"$python" -c "import torch; assert torch.cuda.is_available(), 'CUDA not available'; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-exec "$python" -m pytest tests/gpu -m gpu -q -rs -p no:warnings "$@"
+start=$(date +%s)
+gpus=$("$python" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+te=$("$python" -c "import transformer_engine.pytorch" >/dev/null 2>&1 && echo yes || echo no)
+echo "GPUs: $gpus; transformer_engine.pytorch imports: $te"
+[ "$gpus" -ge 1 ] && nvidia-smi -L
+failed=0
+part() {  # part NAME NEED_GPUS NEED_TE TEST_PATH
+  local name=$1 need=$2 need_te=$3 path=$4
+  if [ "$gpus" -lt "$need" ]; then echo "== $name: skipped (needs $need GPU(s), found $gpus)"; return; fi
+  if [ "$need_te" = yes ] && [ "$te" != yes ]; then echo "== $name: skipped (transformer_engine.pytorch does not import)"; return; fi
+  local t0=$(date +%s)
+  if "$python" -m pytest "$path" -m gpu -q -rs -p no:warnings -p no:cacheprovider; then
+    echo "== $name: ran, passed ($(( $(date +%s) - t0 )) s)"
+  else
+    echo "== $name: ran, FAILED ($(( $(date +%s) - t0 )) s)"; failed=1
+  fi
+}
+part "TE vs local parity" 1 yes tests/gpu/test_gpu_te_parity.py
+part "NCCL learner step with metrics" 1 no tests/gpu/test_gpu_nccl.py
+part "checkpoint save + resume (TE FusedAdam)" 1 yes tests/gpu/test_gpu_checkpoint_te.py
+part "NCCL disaggregated publication + logprobs after refit" 2 no tests/gpu/test_gpu_publish_nccl.py
+echo "== tiny recipe colocated bf16 with IPC refit and sleep/wake: skipped (not implemented: no ipc transport or sleep/wake in the driver yet)"
+echo "total $(( $(date +%s) - start )) s"
+exit $failed

@@ -8,6 +8,7 @@ Two tests, each honest about what one GPU can show:
     NCCL refuses two ranks on one device, and a 1-rank group proves nothing about collectives.
   * with >= 1 GPU: 1 rank, the NCCL process group initialises and a bf16 Learner step on a tiny
     Llama has a finite loss and raises the logprobs it was trained on (no collective claimed).
+Either way the loss returns float, 0-dim and per-sequence statistics, reduced with the loss.
 """
 
 import pytest
@@ -37,10 +38,18 @@ def _nccl_step(rank, world):
     dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())
     tokens = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(1))
     before = learner.forward_logprobs(tokens)
-    metrics = learner.train_step({"tokens": tokens}, lambda lp, mb: (-lp.mean(), {}))
+    metrics = learner.train_step({"tokens": tokens}, _loss_with_metrics)
     after = learner.forward_logprobs(tokens)
     learner.close()
-    return {"sum": x[0].item(), "loss": metrics["loss"], "gain": (after - before).mean().item()}
+    return {"sum": x[0].item(), "loss": metrics["loss"], "gain": (after - before).mean().item(),
+            "rows": metrics["rows"], "seq_mean": metrics["seq_mean"]}
+
+
+def _loss_with_metrics(lp, mb):
+    """-mean logprob with the three kinds of statistic a loss may return (as grpo_loss does):
+    a Python float, a 0-dim CUDA tensor and a per-sequence [b] CUDA tensor."""
+    return -lp.mean(), {"rows": float(lp.shape[0]), "tokens": torch.tensor(float(lp.numel()), device=lp.device),
+                        "seq_mean": lp.detach().mean(dim=1)}
 
 
 def _check(results, world):
@@ -49,6 +58,7 @@ def _check(results, world):
         assert out["sum"] == world * (world + 1) / 2
         assert torch.isfinite(torch.tensor(out["loss"]))
         assert out["gain"] > 0, "one step on -logprob must raise the batch's logprobs"
+        assert out["rows"] == 4.0 and len(out["seq_mean"]) == 4  # summed over micro-batches, placed per row
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,

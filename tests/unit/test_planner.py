@@ -36,11 +36,15 @@ def test_learner_ledger_by_hand():
         "reference_model": p * 2,
         "activations": 2 * 1 * 16 * 1 * 64 * 34,  # layers * inflight * s*b*h*(10+24/tp)
         "logits": 16 * 1000 * 4 * 2, "comm_buffers": 2 * 1000 * 4,
+        "cuda_context": GIB, "publish": 2 * 1000 * 64 * 2,  # V x h in bf16, gathered + full
     }
     for key, val in expected.items():
         assert led.items[key] == pytest.approx(val), key
-    assert led.items["reserve"] == pytest.approx(0.1 * 3034304)
-    assert led.total == pytest.approx(3034304 * 1.1)
+    base = 3034304 + GIB + 256000
+    assert led.items["reserve"] == pytest.approx(0.1 * base)
+    assert led.total == pytest.approx(base * 1.1)
+    # Between steps the activations, logits and publication gathers are released.
+    assert led.resident() == pytest.approx((base - expected["activations"] - 128000 - 256000) * 1.1)
 
 
 def test_unsharded_bytes_per_param_in_documented_range():
@@ -75,3 +79,43 @@ def test_7b_does_not_fit_one_small_gpu_and_names_largest_item():
     led8, rled8 = learner_ledger(qwen7b, lay8, 0.15), rollout_ledger(qwen7b, roll8, 0.15)
     col = compare_placements(led8, rled8, lay8, roll8, gpu_memory_gib=80, gpus_available=8)
     assert col[1].placement == "colocated" and col[1].fits and col[1].peak_bytes_per_gpu < 80 * GIB
+
+
+QWEN7B = ModelDims(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                   num_heads=28, num_kv_heads=4, head_dim=128)
+
+
+def test_engine_takes_its_whole_budget_and_needs_to_fit_in_it():
+    roll = RolloutLayout(tp=1, groups=8, max_num_seqs=64, max_model_len=2048, gpu_memory_utilization=0.4)
+    rled = rollout_ledger(QWEN7B, roll, 0.15, gpu_memory_gib=80)
+    assert rled.total == pytest.approx(0.4 * 80 * GIB) and rled.need < rled.total
+    small = RolloutLayout(tp=1, groups=8, max_num_seqs=64, max_model_len=2048, gpu_memory_utilization=0.2)
+    lay = LearnerLayout(tp=2, pp=1, dp=4, activation_checkpointing=True)
+    led = learner_ledger(QWEN7B, lay, 0.15)
+    verdicts = compare_placements(led, rollout_ledger(QWEN7B, small, 0.15, 80), lay, small, 80, 8)
+    assert not any(v.fits for v in verdicts) and all("more than its budget" in v.note for v in verdicts)
+
+
+def test_colocated_peak_counts_the_resident_learner_and_the_budget():
+    """The 7B colocated layout at gpu_memory_utilization 0.4 (32 GiB): without sleep mode the
+    learner's whole footprint sits next to vLLM's budget (does not fit 80 GiB); with it, the
+    rollout phase (resident learner + budget) is the peak."""
+    lay = LearnerLayout(tp=2, pp=1, dp=4, activation_checkpointing=True)
+    roll = RolloutLayout(tp=1, groups=8, max_num_seqs=64, max_model_len=2048, gpu_memory_utilization=0.4)
+    led, rled = learner_ledger(QWEN7B, lay, 0.15), rollout_ledger(QWEN7B, roll, 0.15, 80)
+    awake = compare_placements(led, rled, lay, roll, 80, 8, sleep_mode=False)[1]
+    assert awake.peak_bytes_per_gpu == pytest.approx(led.total + rled.total) and not awake.fits
+    asleep = compare_placements(led, rled, lay, roll, 80, 8, sleep_mode=True)[1]
+    assert asleep.peak_bytes_per_gpu == pytest.approx(max(led.resident() + rled.total, led.total + 2 * GIB))
+    assert asleep.peak_bytes_per_gpu > max(led.total, rled.total)  # the old max(learner, rollout) was optimistic
+
+
+@pytest.mark.parametrize("recipe", ["configs/qwen2_7b_8gpu_colocated.yaml", "configs/qwen2_7b_8gpu_disaggregated.yaml"])
+def test_7b_recipes_fit_with_ten_percent_margin(recipe):
+    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.train.config import load_train_config
+
+    plan = plan_for_config(load_train_config(recipe, []))
+    chosen = next(v for v in plan["placements"] if v["placement"] == plan["configured_placement"])
+    assert chosen["fits"] and chosen["margin"] >= 0.10, chosen
+    assert plan["rollout_need_gib"] <= plan["rollout_budget_gib"]
