@@ -30,12 +30,15 @@ from dataclasses import dataclass
 
 from megatron_rl.checkpoint import CheckpointError
 from megatron_rl.train.config import TrainConfig
+from megatron_rl.train.learner_group import LearnerDied, LearnerOutOfMemory
+from megatron_rl.train.restart import EXIT_CANARY, CanaryFailed, check_canary
 from megatron_rl.train.roles import PublicationError, Roles, check_resume_world
 from megatron_rl.train.stop import StopConditionMet
 
 logger = logging.getLogger(__name__)
 
 EXIT_REQUEUE = 75  # the driver checkpointed because it was asked to stop; requeue the job
+EXIT_OOM = 87  # a learner step ran out of memory even at half the micro-batch size; nothing applied
 
 
 @dataclass
@@ -63,7 +66,8 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
     check_resume_world(cfg)                                              # refuse before starting anything
     roles = Roles.build(cfg)
     try:
-        state = roles.resume()
+        state = roles.resume()                                           # learner, queue, shadow forward
+        resumed_at = state.step if state.step else None
         roles.metrics.rewind(state.step if state.step else -1)          # steps after it are redone: log them once
         if state.step == 0:
             roles.log_eval(0, split="test")
@@ -75,7 +79,11 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
             trajs, t_score = roles.score(step, samples)                  # verifier pool
             roles.enqueue(trajs, leases)                                 # coordinator (WAL)
             taken = roles.take(step, state.version)                      # version window
-            learn, t_learn = roles.learn(taken, state.version)           # GRPO step -> v+1
+            canary = resumed_at is not None and step == resumed_at           # first step after a restart
+            learn, t_learn = roles.learn(taken, state.version, lr_scale=cfg.run.canary_lr_scale if canary else 1.0)
+            if canary:
+                check_canary(step + 1, learn)                            # finite loss and grad norm
+            roles.record_consumed(step + 1, taken)
             state.version += 1
             t_pub = roles.publish(state.version)                         # all groups or none
             state.step = step + 1
@@ -101,8 +109,14 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
                 "initial_test_correctness": first.get("correctness"), "final_test_correctness": last["correctness"],
                 "initial_test_reward": first.get("reward"), "final_test_reward": last["reward"],
                 "final_test_format": last["format"], "run_dir": str(roles.run_dir)}
-    except PublicationError as err:                                      # a dead engine: resumable
+    except (PublicationError, LearnerDied) as err:                       # a dead engine or rank: resumable
         raise requeue_after(err, roles) from err
+    except LearnerOutOfMemory as err:                                    # even the half micro-batch failed
+        raise oom_stop(err, roles) from err
+    except CanaryFailed as err:                                          # nothing checkpointed after it
+        from megatron_rl.cli import CommandError
+
+        raise CommandError(str(err), exit_code=EXIT_CANARY) from err
     except ValueError as err:  # past start-up only a checkpoint problem is the user's, others are bugs (not exit 2)
         if isinstance(err, CheckpointError):
             raise
@@ -126,3 +140,15 @@ def requeue_after(err: Exception, roles: Roles):
         tail = f"newest checkpoint is corrupt ({rows[0]['problem']}); rerunning resumes from the newest intact one"
     logger.error("%s; %s", err, tail)
     return CommandError(f"{err}; {tail}", exit_code=EXIT_REQUEUE)
+
+
+def oom_stop(err: Exception, roles: Roles):
+    """The one-line error (exit 87) for a step that ran out of memory at the configured and at half the
+    micro-batch size: nothing of it was applied, the newest checkpoint is where a rerun resumes."""
+    from megatron_rl.cli import CommandError
+
+    cause = str(getattr(err, "cause", None) or err).strip().splitlines()
+    text = f"stopped: {cause[-1] if cause else err}; lower learner.micro_batch_size (or " \
+           "learner.max_tokens_per_micro_batch) and rerun to resume from the newest checkpoint"
+    logger.error("%s", text)
+    return CommandError(text, exit_code=EXIT_OOM)

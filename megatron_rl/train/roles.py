@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 QUEUE_DB = "queue.db"
 QUEUE_SNAPSHOT = "queue_snapshot.db"
 PENDING_ROUNDS = "rollout_rounds.json"  # rounds generated before a checkpoint, not yet learned from
+CONSUMED_LOG = "consumed.jsonl"  # the trajectory ids each learner step learned from
 
 
 class PublicationError(RuntimeError):
@@ -103,7 +104,8 @@ class Roles:
         learner = LearnerGroup(learner_cfg=lc, loss_cfg=cfg.loss, hf_dir=str(model_dir),
                                data_parallel_size=cfg.run.learner_data_parallel_size, seed=lc.seed,
                                deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads,
-                               placement=place.learner, sampling=cfg.sampling)
+                               placement=place.learner, sampling=cfg.sampling,
+                               call_timeout_s=cfg.run.learner_timeout_s)
         learner.connect_rollout(fleet.workers, bucket_bytes=cfg.run.publish_bucket_mib << 20,
                                 transport=cfg.rollout.weight_transfer)
         verifier = VerifierPool(cfg.reward)
@@ -127,6 +129,7 @@ class Roles:
         import ray
 
         from megatron_rl.checkpoint import load_checkpoint, load_rng_state, quarantine_newer
+        from megatron_rl.train.restart import shadow_forward
 
         state = TrainState(step=0, version=0)
         ckpt = self.resume_from  # verified (sha256) before anything was restored from it
@@ -137,6 +140,7 @@ class Roles:
                                ckpt, manifest["config_hash"][:12], config_hash(self.cfg)[:12])
             self.learner.load(str(ckpt / "weights"))
             self.learner.set_rng_states({r: load_rng_state(ckpt, r) for r in manifest["rng"]["ranks"]})
+            shadow_forward(self.learner, ckpt, self.cfg.run.shadow_tolerance)  # refuses altered weights
             self.cursor.load_state_dict(manifest["data_cursor"])
             rounds = [Round.from_dict(d) for d in json.loads((ckpt / PENDING_ROUNDS).read_text())] \
                 if (ckpt / PENDING_ROUNDS).is_file() else []
@@ -155,7 +159,9 @@ class Roles:
         import ray
 
         from megatron_rl.checkpoint import rotate, save_checkpoint
+        from megatron_rl.train.restart import save_probe
 
+        probe_rows = self.cfg.learner.micro_batch_size * self.cfg.run.learner_data_parallel_size
         rounds = self._producer.pause()  # nothing in flight: cursor, queue and rounds agree
         try:
             position = ray.get(self.coordinator.position.remote())
@@ -163,6 +169,7 @@ class Roles:
 
             def save_fn(tmp: Path) -> None:
                 self.learner.save(str(tmp / "weights"))
+                save_probe(self.learner, rows=probe_rows, vocab_size=self._vocab_size(), ckpt_dir=tmp)
                 snapshot_queue(self.run_dir / QUEUE_DB, tmp / QUEUE_SNAPSHOT)
                 (tmp / PENDING_ROUNDS).write_text(json.dumps([r.to_dict() for r in rounds]))
 
@@ -182,6 +189,9 @@ class Roles:
         rotate(ckpts, self.cfg.run.keep_checkpoints)
         logger.info("checkpoint %s committed", path)
         return path
+
+    def _vocab_size(self) -> int:
+        return int(json.loads((self.model_dir / "config.json").read_text())["vocab_size"])
 
     # ---- the phases ------------------------------------------------------------------------------
 
@@ -241,7 +251,15 @@ class Roles:
                                    f"after {self.cfg.run.take_timeout_s} s")
             time.sleep(0.05)
 
-    def learn(self, taken: list, version: int) -> tuple[dict, float]:
+    def record_consumed(self, step: int, taken: list) -> None:
+        """Append the ids learner step `step` learned from to RUN_DIR/consumed.jsonl (one line per
+        step and attempt; after a resume the last line of a step is the one that counts).  The
+        drills count lost and duplicated trajectories from it and the WAL (megatron_rl/drill.py)."""
+        row = {"step": step, "pid": os.getpid(), "time": time.time(), "ids": [t.id for t in taken]}
+        with open(self.run_dir / CONSUMED_LOG, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def learn(self, taken: list, version: int, lr_scale: float = 1.0) -> tuple[dict, float]:
         from megatron_rl.train.batch import build_batch
 
         t0 = time.perf_counter()
@@ -250,7 +268,7 @@ class Roles:
         out = {f"adv/{k}": v for k, v in adv_stats.items()}
         # D_lag (batch-wide and P50/P95/P99 over sequences) comes from the training forward itself:
         # its logprobs are the learner's before this update (megatron_rl.grpo.loss.grpo_metrics).
-        out.update(self.learner.train_step(batch))
+        out.update(self.learner.train_step(batch, lr_scale=lr_scale))
         out["dv"] = [version - t.oldest_version for t in taken]
         self._report_lag(out)
         return out, time.perf_counter() - t0

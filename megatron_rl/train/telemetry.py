@@ -65,6 +65,7 @@ class Telemetry:
         out["numerics/min_behavior_logprob"] = float(logps.min()) if logps.size else 0.0
         out["numerics/lag_quarantined"] = float(learn.get("lag_quarantined", 0.0))
         out["numerics/update_successful"] = float(learn.get("update_successful", 1.0))
+        out["numerics/oom_retries"] = float(learn.get("oom_retries", 0.0))  # step retried at half micro-batch
         # system/
         gen_tps = gen_tokens / max(phases["rollout"], 1e-9)
         informative = learn.get("adv/informative_tokens", 0.0)
