@@ -23,9 +23,9 @@ def _cmd_drill(args: argparse.Namespace) -> int:
     at_step = args.at_step if args.at_step is not None else (4 if args.name == "bad_checkpoint" else 2)
     steps = args.steps if args.steps is not None else max(4, at_step + 1)
     run_dir = Path(args.run_dir or f"runs/drills/{args.name}")
-    clear_run_dir(run_dir)
     if not Path(args.config).is_file():
         raise FileNotFoundError(f"--config: no such file {args.config}")
+    clear_run_dir(run_dir)
     cfg = DrillConfig(name=args.name, config=args.config, run_dir=str(run_dir), at_step=at_step, steps=steps,
                       variant=args.variant, from_run=args.from_run, overrides=list(args.overrides), timeout_s=args.timeout)
     record = run_drill(cfg)
@@ -38,17 +38,19 @@ def register(sub) -> None:
     from megatron_rl.drill import DRILLS
 
     p = sub.add_parser("drill", help="inject a fault into a short real training run; print the recovery record")
-    p.add_argument("name", choices=DRILLS, help="the fault to inject")
-    p.add_argument("--config", required=True, help="training config YAML (e.g. configs/tiny_cpu.yaml)")
-    p.add_argument("--at-step", type=int, default=None,
-                   help="learner step (0-based) the fault hits; bad_checkpoint: the checkpoint step to damage "
-                        "(default 2; bad_checkpoint 4)")
-    p.add_argument("--steps", type=int, default=None, help="training steps of the drill run (default max(4, S+1))")
-    p.add_argument("--variant", default=None,
-                   help="bad_checkpoint: flip|truncate|uncommit; verifier_timeout: share of calls that hang")
-    p.add_argument("--from-run", default=None,
-                   help="bad_checkpoint: damage a copy of this finished run instead of training one first")
-    p.add_argument("--run-dir", default=None, help="run directory (default runs/drills/NAME; replaced)")
-    p.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit of one training attempt (s)")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the training config")
-    p.set_defaults(func=_cmd_drill)
+    names = p.add_subparsers(dest="name", metavar="NAME", required=True)
+    for name in DRILLS:  # one parser per drill, so options and k=v overrides may come in any order after NAME
+        d = names.add_parser(name, help=f"the {name} drill")
+        d.add_argument("--config", required=True, help="training config YAML (e.g. configs/tiny_cpu.yaml)")
+        d.add_argument("--at-step", type=int, default=None,
+                       help="learner step (0-based) the fault hits; bad_checkpoint: the checkpoint step to "
+                            "damage (default 2; bad_checkpoint 4)")
+        d.add_argument("--steps", type=int, default=None, help="training steps of the drill run (default max(4, S+1))")
+        d.add_argument("--variant", default=None,
+                       help="bad_checkpoint: flip|truncate|uncommit; verifier_timeout: share of calls that hang")
+        d.add_argument("--from-run", default=None,
+                       help="bad_checkpoint: damage a copy of this finished run instead of training one first")
+        d.add_argument("--run-dir", default=None, help="run directory (default runs/drills/NAME; replaced)")
+        d.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit of one training attempt (s)")
+        d.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the training config")
+        d.set_defaults(func=_cmd_drill)

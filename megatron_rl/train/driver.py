@@ -79,10 +79,11 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
             trajs, t_score = roles.score(step, samples)                  # verifier pool
             roles.enqueue(trajs, leases)                                 # coordinator (WAL)
             taken = roles.take(step, state.version)                      # version window
-            canary = resumed_at is not None and step == resumed_at           # first step after a restart
-            learn, t_learn = roles.learn(taken, state.version, lr_scale=cfg.run.canary_lr_scale if canary else 1.0)
-            if canary:
+            if step == resumed_at:                                       # canary: first step after a restart
+                learn, t_learn = roles.learn(taken, state.version, lr_scale=cfg.run.canary_lr_scale)
                 check_canary(step + 1, learn)                            # finite loss and grad norm
+            else:
+                learn, t_learn = roles.learn(taken, state.version)       # GRPO step -> v+1
             roles.record_consumed(step + 1, taken)
             state.version += 1
             t_pub = roles.publish(state.version)                         # all groups or none

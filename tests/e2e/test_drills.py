@@ -13,6 +13,7 @@ same up to float summation order at and after it (no partial or doubled optimize
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 
@@ -29,6 +30,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def _drill(tmp_path_factory, name, *args):
     run_dir = tmp_path_factory.mktemp(f"drill_{name}") / "run"
     proc = run_cli("drill", name, "--config", str(TINY), "--run-dir", str(run_dir), *args, check=False)
+    assert "{" in proc.stdout, proc.stderr[-4000:]
     record = last_json(proc.stdout)
     return proc.returncode, record
 
@@ -115,13 +117,15 @@ def _alter_embedding(ckpt):
 
     weights = ckpt / "weights"
     meta = FileSystemReader(str(weights)).read_metadata()
-    index, info = next((i, v) for i, v in meta.storage_data.items()
-                       if "embedding" in i.fqn and "optimizer" not in i.fqn)
+    info = next(v for i, v in meta.storage_data.items()
+                if "embedding" in i.fqn and "optimizer" not in i.fqn)
     target = weights / info.relative_path
-    data = bytearray(target.read_bytes())
-    view = torch.frombuffer(data, dtype=torch.float32, offset=info.offset, count=info.length // 4)
-    view.mul_(3.0)
-    target.write_bytes(bytes(data))
+    data = target.read_bytes()
+    tensor = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), weights_only=True)
+    buf = io.BytesIO()
+    torch.save(tensor * 3.0, buf)
+    assert len(buf.getvalue()) == info.length
+    target.write_bytes(data[:info.offset] + buf.getvalue() + data[info.offset + info.length:])
     manifest = json.loads((ckpt / "COMMITTED").read_text())
     rel = target.relative_to(ckpt).as_posix()
     manifest["files"][rel] = {"sha256": file_sha256(target), "bytes": target.stat().st_size}
