@@ -165,7 +165,25 @@ def worker_crash(drill: Drill) -> dict:
             "recovered": first.returncode == EXIT_REQUEUE and resumed is not None and _finished(drill, second)}
 
 
+def bad_refit(drill: Drill) -> dict:
+    """Publication at_step+1 verifies byte for byte but is loaded with one matrix's rows reversed: the
+    refit check (engine vs learner logprobs on the probe) must refuse it, the group roll back to the
+    version before, the version be published again, and the run go on with continuous versions."""
+    cfg = drill.cfg
+    version = cfg.at_step + 1
+    run = drill.train(fault={"fault": "permute_load", "at_version": version})
+    detected = _first_line(run.stderr, rf"refit check: version {version} loaded")
+    again = _first_line(run.stderr, rf"publishing version {version} again")
+    return {"injected_at": {"version": version, "load": "first matrix's rows reversed"},
+            "detected_by": "refit check after publication (engine vs learner logprobs on the probe)"
+            if detected else None,
+            "evidence": detected, "action": f"group rolled back to version {version - 1}; version {version} "
+                                            "published again" if again else "none",
+            "recovered": _finished(drill, run) and again is not None}
+
+
 RUNNERS = {
+    "bad_refit": bad_refit,
     "bad_checkpoint": bad_checkpoint,
     "oom": oom,
     "oom_twice": lambda d: oom(d, times=2),

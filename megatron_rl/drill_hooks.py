@@ -16,6 +16,9 @@ injects the fault itself, so a drill exercises the real failure path, not a patc
     learner_kill      LearnerWorker.train_step (rank `rank`) the rank SIGKILLs itself at learner step at_step
     verifier_timeout  reward.pool grader processes           a share `fraction` of grading calls hang
                                                              (chosen by a hash of response and reference)
+    permute_load      publish.vllm_engine (engine processes) publication `at_version` is loaded with the
+                                                             rows of its first matrix reversed, after its
+                                                             bytes verified (`times` loads, default 1)
 
 `at_step` counts learner steps from 0 (the step about to be learned: learner step s produces policy
 version s+1).  Each injection appends {"fault", "at_step", "time", "pid"} to the JSON-lines file
@@ -33,7 +36,7 @@ import zlib
 logger = logging.getLogger(__name__)
 
 ENV = "MEGATRON_RL_DRILL"
-FAULTS = ("oom", "learner_kill", "verifier_timeout")
+FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load")
 
 
 def drill_spec(fault: str) -> dict | None:

@@ -154,11 +154,17 @@ class RunConfig:
     shadow_tolerance: float = 1e-3
     """Resume refuses a checkpoint whose loaded weights give logprobs on its stored probe batch that
     differ from the saved ones by more than this (max |Δ logprob|; train/restart.py)."""
+    refit_tolerance: Optional[float] = 0.05
+    """Refit check after each publication: a rollout group whose freshly loaded weights give logprobs
+    on a fixed probe that differ from the learner's by more than this (mean |Δ|) rolls that version
+    back, and the version is published once more; None turns the check off."""
     canary_lr_scale: float = 1.0
     """Learning-rate scale of the first step after a restart (the canary; its loss and grad norm must
     be finite).  1.0 keeps a resumed run bit-identical to an uninterrupted one; e.g. 0.1 eases back in."""
 
     def __post_init__(self) -> None:
+        if self.refit_tolerance is not None and not self.refit_tolerance > 0:
+            raise ConfigError(f"run.refit_tolerance must be > 0 or null, got {self.refit_tolerance}")
         if not self.shadow_tolerance >= 0:
             raise ConfigError(f"run.shadow_tolerance must be >= 0, got {self.shadow_tolerance}")
         if not 0 < self.canary_lr_scale <= 1:

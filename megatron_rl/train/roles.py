@@ -289,16 +289,43 @@ class Roles:
         import ray
 
         t0 = time.perf_counter()
-        try:
-            report = self.learner.publish(version)
-        except Exception as err:
-            self._raise_if_engine_down(version, err)
-            raise
-        if not report["committed"]:
+        self._expect_probe(version)
+        for attempt in (1, 2):
+            try:
+                report = self.learner.publish(version)
+            except Exception as err:
+                self._raise_if_engine_down(version, err)
+                raise
+            if report["committed"]:
+                break
             self._raise_if_engine_down(version, report["errors"])
-            raise RuntimeError(f"publication of version {version} was refused: {report['errors']}")
+            refits = [e for e in report["errors"] if e and e.startswith("refit check")]
+            if not refits:
+                raise RuntimeError(f"publication of version {version} was refused: {report['errors']}")
+            if attempt == 2:
+                raise PublicationError(f"publication of policy version {version} failed the refit check twice "
+                                       f"({refits[0]}); the groups serve version {version - 1}")
+            logger.warning("%s; the group rolled back to version %d, publishing version %d again",
+                           refits[0], version - 1, version)
         ray.get(self.coordinator.set_version.remote(version))
         return time.perf_counter() - t0
+
+    def _expect_probe(self, version: int) -> None:
+        """Give every rollout group the learner's logprobs of the fixed probe batch for `version`
+        (its refit check, rollout/worker.py); skipped when the learner scores under a sampling
+        transform (temperature, top-p/k) the engine's teacher-forced logprobs do not apply."""
+        import ray
+
+        from megatron_rl.train.restart import probe_tokens
+
+        s = self.cfg.sampling
+        if self.cfg.run.refit_tolerance is None or (s.temperature, s.top_p, s.top_k) != (1.0, 1.0, 0):
+            return
+        rows = self.cfg.learner.micro_batch_size * self.cfg.run.learner_data_parallel_size
+        tokens_bt = probe_tokens(rows, self._vocab_size(), seed=1)
+        logprobs_bt = self.learner.forward_logprobs(tokens_bt)  # [B, T-1]
+        seqs, lps = tokens_bt[:4].tolist(), logprobs_bt[:4].tolist()  # 4 rows are plenty for the engine
+        ray.get([w.expect_probe.remote(version, seqs, lps, self.cfg.run.refit_tolerance) for w in self.fleet.workers])
 
     def _raise_if_engine_down(self, version: int, cause, timeout_s: float = 10.0) -> None:
         """PublicationError naming the rollout groups whose engine does not answer (dead actor,

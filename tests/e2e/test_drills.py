@@ -2,9 +2,9 @@
 
     /work/heavy timeout 1800 .venv/bin/python -m pytest tests/e2e/test_drills.py -q
 
-Each drill runs once (4-5 steps, no dev evals): worker_crash (2 training attempts), bad_checkpoint
-(1: it damages a copy of the worker_crash run), oom (1), oom_twice (1), verifier_timeout (1), and
-the shadow-forward check (1 attempt, refused at resume): 7 start-ups of ~70 s.  Every record must
+Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts), bad_checkpoint
+(1: it damages a copy of the worker_crash run), oom (1), oom_twice (1), verifier_timeout (1),
+bad_refit (1), and the shadow-forward check (1 attempt, refused at resume): 8 start-ups of ~70 s.  Every record must
 show what the protocol promises: recovered (or the documented clean stop), 0 trajectories lost,
 0 duplicated, continuous versions.  The oom run is also compared with the worker_crash run, whose
 steps 1-4 are those of an uninterrupted run (resume is exact): same losses before the fault, the
@@ -144,3 +144,11 @@ def test_shadow_forward_refuses_altered_weights_with_matching_manifest(bad_check
     assert "shadow forward" in proc.stderr and "step_000005" in proc.stderr, proc.stderr[-3000:]
     assert "refusing to continue" in proc.stderr
     assert not (run / "checkpoints" / "step_000006").exists()
+
+
+def test_refit_check_catches_permuted_load(tmp_path_factory):
+    code, rec = _drill(tmp_path_factory, "bad_refit", "--at-step", "1", "--steps", "3")
+    assert code == 0 and rec["recovered"], rec
+    assert rec["detected_by"] and "refit check: version 2 loaded" in rec["evidence"], rec
+    assert rec["action"].startswith("group rolled back to version 1"), rec
+    _common(rec, redone=0)

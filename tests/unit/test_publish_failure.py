@@ -101,6 +101,9 @@ class _Roles:
     def record_consumed(self, step, taken):
         pass
 
+    def _expect_probe(self, version):  # no refit probe in this double
+        pass
+
     def close(self):
         self.closed = True
 
