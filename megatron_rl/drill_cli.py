@@ -30,8 +30,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
                       variant=args.variant, from_run=args.from_run, overrides=list(args.overrides), timeout_s=args.timeout)
     record = run_drill(cfg)
     print(json.dumps(record))
-    ok = record.get("recovered") or record.get("clean_stop")
-    return 0 if ok and record["trajectories_lost"] == 0 and record["trajectories_duplicated"] == 0 else 1
+    return 0 if record.get("recovered") and record["trajectories_lost"] == 0 and record["trajectories_duplicated"] == 0 else 1
 
 
 def register(sub) -> None:

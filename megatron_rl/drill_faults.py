@@ -116,12 +116,16 @@ def oom(drill: Drill, times: int = 1) -> dict:
                 "action": "step abandoned (no optimizer step), retried at half the micro-batch size "
                           "(same global batch by gradient accumulation)" if retried == 1.0 else "none",
                 "recovered": _finished(drill, run) and retried == 1.0}
+    # The documented remedy: rerun with a smaller micro-batch; it resumes from the newest checkpoint.
     stopped = _first_line(run.stderr, r"megatron-rl train: error: stopped: ")
+    clean = run.returncode == EXIT_OOM and stopped is not None
+    smaller = "learner.micro_batch_size=16"
+    rerun = drill.train(extra=(smaller,)) if clean else None
+    resumed = rerun is not None and _first_line(rerun.stderr, r"resumed from \S+")
     return {"detected_by": "LearnerWorker.train_step (torch.OutOfMemoryError, twice)" if detected else None,
-            "evidence": stopped,
-            "action": f"clean stop with exit {run.returncode}" if run.returncode == EXIT_OOM else
-                      f"exit {run.returncode}",
-            "recovered": False, "clean_stop": run.returncode == EXIT_OOM and stopped is not None}
+            "evidence": stopped, "first_exit": run.returncode, "clean_stop": clean,
+            "action": f"clean stop with exit {run.returncode}; rerun with {smaller}: {resumed or 'no resume'}",
+            "recovered": bool(rerun is not None and resumed and _finished(drill, rerun))}
 
 
 def verifier_timeout(drill: Drill) -> dict:
