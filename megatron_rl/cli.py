@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "megatron_rl.planner.cli",
     "megatron_rl.conversion.cli",
     "megatron_rl.checkpoint_cli",
+    "megatron_rl.drill_cli",
     "megatron_rl.models.tiny",
 ]
 
@@ -64,4 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m megatron_rl.cli` runs this file as __main__: call the importable module's main, so the
+    # CommandError commands raise (megatron_rl.cli.CommandError) is the class it catches (exit 75, ...).
+    from megatron_rl import cli as _cli
+
+    sys.exit(_cli.main())

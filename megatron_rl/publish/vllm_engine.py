@@ -155,7 +155,7 @@ class VerifiedCommit:
             self.status["committed"] = False
             return
         try:
-            self._load(staged.tensors)
+            self._load(self._drill_permute(staged.tensors))
         except Exception as err:  # noqa: BLE001 -- reported; the group rolls every worker back
             log.error("rank %s: loading publication %s failed: %r", self.rank, self.status.get("version"), err)
             self.status.update(committed=False, ok=False, load_failed=True,
@@ -184,6 +184,23 @@ class VerifiedCommit:
                 self.fail_load_after = None
                 raise RuntimeError(f"injected load failure after {i} tensors (drill)")
             yield item
+
+    def _drill_permute(self, tensors):
+        """Drill hook (`megatron-rl drill bad_refit`, megatron_rl/drill_hooks.py): at version at_version,
+        load the first matrix with its rows reversed -- bytes that verified, laid out wrongly."""
+        from megatron_rl.drill_hooks import drill_spec, record_injection
+
+        spec = drill_spec("permute_load")
+        done = getattr(self, "_drill_permuted", 0)
+        if spec is None or self.status.get("version") != int(spec["at_version"]) or done >= int(spec.get("times", 1)):
+            return tensors
+        self._drill_permuted = done + 1
+        tensors = list(tensors)
+        i = next(k for k, (_, t) in enumerate(tensors) if t.dim() == 2)
+        name, t = tensors[i]
+        record_injection(spec, tensor=name, version=self.status.get("version"))
+        tensors[i] = (name, t.flip(0))
+        return tensors
 
     def _settle_after_failed_load(self) -> None:
         """Close the interrupted layerwise reload so every layer is materialised again (with

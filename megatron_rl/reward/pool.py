@@ -39,6 +39,9 @@ Grader = Callable[[str, str, RewardConfig, "int | None"], Score]
 
 def _worker_main(conn: mp_conn.Connection, grader: Grader, cfg: RewardConfig) -> None:
     """Worker loop: receive (index, response, reference, length), send back (index, status, payload)."""
+    from megatron_rl.drill_hooks import drill_spec, hangs, record_injection
+
+    drill = drill_spec("verifier_timeout")  # `megatron-rl drill verifier_timeout`: a share of calls hang
     conn.send(_READY)  # grading timeouts start only once the worker is up
     while True:
         try:
@@ -48,6 +51,9 @@ def _worker_main(conn: mp_conn.Connection, grader: Grader, cfg: RewardConfig) ->
         if task is None:
             return
         index, response, reference, length = task
+        if drill is not None and hangs(drill, response, reference):
+            record_injection(drill, response=response[:40])
+            time.sleep(3600)  # the pool's timeout kills this process
         try:
             result: Any = grader(response, reference, cfg, length)
             status = "ok"

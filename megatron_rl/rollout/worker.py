@@ -267,6 +267,9 @@ class RolloutWorker:
         if not bad:
             loaded = self.llm.collective_rpc("megatron_rl_publication_status")
             bad = [s for s in loaded if not s.get("committed")]
+            if not bad:  # the bytes verified and loaded: do the weights compute what the learner's do?
+                refit = self._refit_check(version)
+                bad = [refit] if refit else []
             if bad:
                 self._roll_back(version, bad)
             else:
@@ -281,6 +284,31 @@ class RolloutWorker:
             "bad_bucket": bad[0].get("bad_bucket") if bad else None,
             "workers": statuses,
         }
+
+    def expect_probe(self, version: int, sequences: list[list[int]], logprobs: list[list[float]],
+                     tolerance: float) -> None:
+        """The refit check's reference for publication `version`: the learner's logprobs [B][T-1] of
+        the probe `sequences` [B][T] under the weights it is about to publish."""
+        self._probe = (int(version), sequences, logprobs, float(tolerance))
+
+    def _refit_check(self, version: int) -> dict[str, Any] | None:
+        """None when this group's freshly loaded weights give the learner's probe logprobs (mean
+        |Δ| <= tolerance), else a failed status: bytes that verify but were laid out wrongly (a
+        permuted or mis-mapped tensor) are refused like a failed load, and the group rolls back."""
+        probe = getattr(self, "_probe", None)
+        if probe is None or probe[0] != version:
+            return None
+        _, sequences, expected, tolerance = probe
+        got = self.score(sequences)
+        deltas = [abs(g - e) for g_row, e_row in zip(got, expected) for g, e in zip(g_row[1:], e_row)]
+        err = sum(deltas) / max(len(deltas), 1)
+        if err <= tolerance:
+            log.info("refit check of version %d: mean |Δ logprob| %.3g on the probe", version, err)
+            return None
+        return {"ok": False, "committed": False, "bad_bucket": None,
+                "error": f"refit check: version {version} loaded, but its logprobs on the probe differ from the "
+                         f"learner's by mean |Δ| {err:.3g} > run.refit_tolerance {tolerance:g} (tensors laid out "
+                         "wrongly?)"}
 
     def _roll_back(self, version: int, failed: list[dict[str, Any]]) -> None:
         """A worker failed to load `version` after others may have: every worker reloads the

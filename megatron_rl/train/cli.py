@@ -9,7 +9,9 @@ against the model, data files) and prints the plan without starting Ray, vLLM or
 Exit codes: 0 done, 2 bad input, 75 stopped by a signal after checkpointing (requeue me),
 81-86 a stop condition held and the run checkpointed and stopped (megatron_rl/train/stop.py:
 81 nonfinite, 82 dev_eval_falling, 83 kl_out_of_bounds, 84 entropy_out_of_bounds, 85 lag_p95,
-86 verifier_errors); the final JSON line names it.
+86 verifier_errors); the final JSON line names it.  75 also ends a run whose rollout engine or
+learner rank died (rerun to resume); 87 a learner step that ran out of memory at the configured and
+at half the micro-batch size (nothing of it applied).  Fault drills: `megatron-rl drill`.
 """
 
 from __future__ import annotations

@@ -151,8 +151,30 @@ class RunConfig:
     """Size of one checksummed bucket of a weight publication."""
     take_timeout_s: float = 600.0
     """How long a learner step waits for a full batch inside its version window before failing."""
+    learner_timeout_s: float = 1800.0
+    """How long one call on the learner ranks (a step, a save, a publication) may take; past it, or as
+    soon as a rank dies, the run stops with exit 75 (rerun to resume) instead of hanging."""
+
+    shadow_tolerance: float = 1e-3
+    """Resume refuses a checkpoint whose loaded weights give logprobs on its stored probe batch that
+    differ from the saved ones by more than this (max |Δ logprob|; train/restart.py)."""
+    refit_tolerance: Optional[float] = 0.05
+    """Refit check after each publication: a rollout group whose freshly loaded weights give logprobs
+    on a fixed probe that differ from the learner's by more than this (mean |Δ|) rolls that version
+    back, and the version is published once more; None turns the check off."""
+    canary_lr_scale: float = 1.0
+    """Learning-rate scale of the first step after a restart (the canary; its loss and grad norm must
+    be finite).  1.0 keeps a resumed run bit-identical to an uninterrupted one; e.g. 0.1 eases back in."""
 
     def __post_init__(self) -> None:
+        if self.refit_tolerance is not None and not self.refit_tolerance > 0:
+            raise ConfigError(f"run.refit_tolerance must be > 0 or null, got {self.refit_tolerance}")
+        if not self.shadow_tolerance >= 0:
+            raise ConfigError(f"run.shadow_tolerance must be >= 0, got {self.shadow_tolerance}")
+        if not 0 < self.canary_lr_scale <= 1:
+            raise ConfigError(f"run.canary_lr_scale must be in (0, 1], got {self.canary_lr_scale}")
+        if not self.learner_timeout_s > 0:
+            raise ConfigError(f"run.learner_timeout_s must be > 0, got {self.learner_timeout_s}")
         for name in ("steps", "prompts_per_step", "group_size", "rollout_groups", "learner_data_parallel_size",
                      "publish_bucket_mib"):
             if getattr(self, name) < 1:

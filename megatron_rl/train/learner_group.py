@@ -14,9 +14,12 @@ per-micro-batch loss interface.  The driver never touches tensors of a single ra
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
+import signal
+import time
 from functools import partial
 from pathlib import Path
 
@@ -65,8 +68,18 @@ def grpo_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict, cfg):
     )
 
 
+class LearnerOutOfMemory(RuntimeError):
+    """A learner step ran out of memory at the configured micro-batch size and at half of it."""
+
+
+class LearnerDied(RuntimeError):
+    """A learner rank died (its actor is gone) or did not answer within run.learner_timeout_s."""
+
+
 class LearnerWorker:
     """One learner rank (wrapped by ray.remote in LearnerGroup)."""
+
+    _ooms = 0  # drill bookkeeping: injected out-of-memory errors so far
 
     def __init__(self, *, rank: int, world_size: int, learner_cfg, loss_cfg, hf_dir: str, seed: int,
                  deterministic: bool | None, threads: int):
@@ -131,12 +144,79 @@ class LearnerWorker:
     def _loss_fn(self, logprobs_bt: torch.Tensor, mb: dict):
         return grpo_micro_batch_loss(logprobs_bt, mb, self.loss_cfg)
 
-    def train_step(self, batch: dict) -> dict[str, float]:
-        from megatron_rl.grpo.loss import grpo_step_weight
+    def train_step(self, batch: dict, lr_scale: float = 1.0) -> dict[str, float]:
+        """One GRPO step (at `lr_scale` times the scheduled learning rate: the restart canary).  An out-of-memory error inside it abandons the step (grad buffers cleared,
+        no optimizer step, the step counter unchanged) and retries it once at half the micro-batch
+        size: the same global batch by gradient accumulation.  A second failure raises
+        LearnerOutOfMemory, with nothing of the step applied."""
+        from megatron_rl.drill_hooks import drill_spec, record_injection
 
+        kill = drill_spec("learner_kill")  # `megatron-rl drill worker_crash`: this rank dies mid-run
+        if kill and self.rank == int(kill.get("rank", 0)) and self.learner.step == int(kill["at_step"]):
+            record_injection(kill, rank=self.rank)
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.reference is not None:
             batch = dict(batch, ref_logprobs=self._reference_logprobs(batch["tokens"], batch.get("lengths")))
-        return self.learner.train_step(batch, self._loss_fn, partial(grpo_step_weight, cfg=self.loss_cfg))
+        mbs = self.learner.cfg.micro_batch_size
+        try:
+            return self._step(batch, lr_scale)
+        except torch.OutOfMemoryError as err:
+            self._abandon_step()
+            half = mbs // 2
+            logger.warning("learner step %d: out of memory at micro_batch_size %d (%s); step abandoned, "
+                           "retrying at %d", self.learner.step, mbs, str(err).splitlines()[0], half)
+        if half < 1 or self.learner.cfg.global_batch_size % (half * self.learner.dp):
+            raise LearnerOutOfMemory(f"learner step {self.learner.step} ran out of memory at micro_batch_size "
+                                     f"{mbs}, which cannot be halved; nothing of the step was applied")
+        cfg = self.learner.cfg
+        self.learner.cfg = dataclasses.replace(cfg, micro_batch_size=half, max_tokens_per_micro_batch=(
+            cfg.max_tokens_per_micro_batch // 2 if cfg.max_tokens_per_micro_batch else None))
+        try:
+            out = self._step(batch, lr_scale)
+        except torch.OutOfMemoryError as err:
+            self._abandon_step()
+            raise LearnerOutOfMemory(f"learner step {self.learner.step} ran out of memory at micro_batch_size "
+                                     f"{mbs} and again at {half} ({str(err).splitlines()[0]}); nothing of the "
+                                     "step was applied") from None
+        finally:
+            self.learner.cfg = cfg
+        out.update(oom_retries=1.0, retry_micro_batch_size=float(half))
+        return out
+
+    def _step(self, batch: dict, lr_scale: float = 1.0) -> dict[str, float]:
+        from megatron_rl.drill_hooks import drill_spec, record_injection
+        from megatron_rl.grpo.loss import grpo_step_weight
+
+        loss_fn = self._loss_fn
+        oom = drill_spec("oom")  # `megatron-rl drill oom`: the forward/backward of step at_step fails
+        if oom and self.learner.step == int(oom["at_step"]) and self._ooms < int(oom.get("times", 1)):
+            self._ooms += 1
+
+            def loss_fn(logprobs_bt, mb):  # noqa: ARG001 - fails inside the schedule, mid-step
+                record_injection(oom, rank=self.rank, micro_batch_size=self.learner.cfg.micro_batch_size)
+                raise torch.OutOfMemoryError("drill: CUDA out of memory (injected by MEGATRON_RL_DRILL)")
+        groups = self.learner.optimizer.param_groups
+        scheduled = [g["lr"] for g in groups]
+        for g in groups:  # the scheduler sets the next step's rate after a successful update
+            g["lr"] *= lr_scale
+        try:
+            out = self.learner.train_step(batch, loss_fn, partial(grpo_step_weight, cfg=self.loss_cfg))
+        finally:
+            if lr_scale != 1.0 and [g["lr"] for g in groups] == [lr * lr_scale for lr in scheduled]:
+                for g, lr in zip(groups, scheduled):  # no update: the schedule did not move
+                    g["lr"] = lr
+        return out
+
+    def _abandon_step(self) -> None:
+        """Drop what a failed forward/backward left: accumulated gradients and freed activations."""
+        import gc
+
+        for chunk in self.learner.model:
+            chunk.zero_grad_buffer()
+        self.learner.optimizer.zero_grad()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def sft_step(self, batch: dict) -> dict[str, float]:
         """One supervised step (negative log-likelihood of the masked tokens, train/sft.py)."""
@@ -250,13 +330,15 @@ class LearnerGroup:
     """All learner ranks, driven in lock step; methods return rank 0's answer."""
 
     def __init__(self, *, learner_cfg, loss_cfg, hf_dir: str, data_parallel_size: int, seed: int,
-                 deterministic: bool | None, threads: int, placement=None, sampling=None):
+                 deterministic: bool | None, threads: int, placement=None, sampling=None,
+                 call_timeout_s: float = 1800.0):
         import ray
 
         from megatron_rl.platform.priority import with_normal_priority
 
         world = learner_cfg.tensor_model_parallel_size * learner_cfg.pipeline_model_parallel_size
         self.world_size = world * data_parallel_size
+        self.call_timeout_s = call_timeout_s
         cls = ray.remote(LearnerWorker)
         self.workers = [
             cls.options(**with_normal_priority(placement(rank) if placement else {"num_cpus": 0})).remote(
@@ -265,15 +347,33 @@ class LearnerGroup:
             for rank in range(self.world_size)
         ]
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
-        ray.get([w.setup.remote(addr, port, sampling) for w in self.workers])
+        self._all("setup", addr, port, sampling)
 
     def _all(self, method: str, *args) -> list:
+        """Call `method` on every rank; fail fast when one rank dies (the others may be blocked in a
+        collective with it and would never answer) or none answers within `call_timeout_s`."""
         import ray
 
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        pending, deadline = list(refs), time.monotonic() + self.call_timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = sorted(rank_of[r] for r in pending)
+                raise LearnerDied(f"learner rank(s) {ranks} did not finish {method} within "
+                                  f"run.learner_timeout_s={self.call_timeout_s:g} s")
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    raise LearnerDied(f"learner rank {rank_of[ref]} died during {method} "
+                                      f"({type(err).__name__})") from None
+        return ray.get(refs)
 
-    def train_step(self, batch: dict) -> dict[str, float]:
-        return self._all("train_step", batch)[0]
+    def train_step(self, batch: dict, lr_scale: float = 1.0) -> dict[str, float]:
+        return self._all("train_step", batch, lr_scale)[0]
 
     def sft_step(self, batch: dict) -> dict[str, float]:
         return self._all("sft_step", batch)[0]

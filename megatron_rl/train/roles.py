@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 QUEUE_DB = "queue.db"
 QUEUE_SNAPSHOT = "queue_snapshot.db"
 PENDING_ROUNDS = "rollout_rounds.json"  # rounds generated before a checkpoint, not yet learned from
+CONSUMED_LOG = "consumed.jsonl"  # the trajectory ids each learner step learned from
 
 
 class PublicationError(RuntimeError):
@@ -103,7 +104,8 @@ class Roles:
         learner = LearnerGroup(learner_cfg=lc, loss_cfg=cfg.loss, hf_dir=str(model_dir),
                                data_parallel_size=cfg.run.learner_data_parallel_size, seed=lc.seed,
                                deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads,
-                               placement=place.learner, sampling=cfg.sampling)
+                               placement=place.learner, sampling=cfg.sampling,
+                               call_timeout_s=cfg.run.learner_timeout_s)
         learner.connect_rollout(fleet.workers, bucket_bytes=cfg.run.publish_bucket_mib << 20,
                                 transport=cfg.rollout.weight_transfer)
         verifier = VerifierPool(cfg.reward)
@@ -127,6 +129,7 @@ class Roles:
         import ray
 
         from megatron_rl.checkpoint import load_checkpoint, load_rng_state, quarantine_newer
+        from megatron_rl.train.restart import shadow_forward
 
         state = TrainState(step=0, version=0)
         ckpt = self.resume_from  # verified (sha256) before anything was restored from it
@@ -137,6 +140,7 @@ class Roles:
                                ckpt, manifest["config_hash"][:12], config_hash(self.cfg)[:12])
             self.learner.load(str(ckpt / "weights"))
             self.learner.set_rng_states({r: load_rng_state(ckpt, r) for r in manifest["rng"]["ranks"]})
+            shadow_forward(self.learner, ckpt, self.cfg.run.shadow_tolerance)  # refuses altered weights
             self.cursor.load_state_dict(manifest["data_cursor"])
             rounds = [Round.from_dict(d) for d in json.loads((ckpt / PENDING_ROUNDS).read_text())] \
                 if (ckpt / PENDING_ROUNDS).is_file() else []
@@ -155,7 +159,9 @@ class Roles:
         import ray
 
         from megatron_rl.checkpoint import rotate, save_checkpoint
+        from megatron_rl.train.restart import save_probe
 
+        probe_rows = self.cfg.learner.micro_batch_size * self.cfg.run.learner_data_parallel_size
         rounds = self._producer.pause()  # nothing in flight: cursor, queue and rounds agree
         try:
             position = ray.get(self.coordinator.position.remote())
@@ -163,6 +169,7 @@ class Roles:
 
             def save_fn(tmp: Path) -> None:
                 self.learner.save(str(tmp / "weights"))
+                save_probe(self.learner, rows=probe_rows, vocab_size=self._vocab_size(), ckpt_dir=tmp)
                 snapshot_queue(self.run_dir / QUEUE_DB, tmp / QUEUE_SNAPSHOT)
                 (tmp / PENDING_ROUNDS).write_text(json.dumps([r.to_dict() for r in rounds]))
 
@@ -182,6 +189,9 @@ class Roles:
         rotate(ckpts, self.cfg.run.keep_checkpoints)
         logger.info("checkpoint %s committed", path)
         return path
+
+    def _vocab_size(self) -> int:
+        return int(json.loads((self.model_dir / "config.json").read_text())["vocab_size"])
 
     # ---- the phases ------------------------------------------------------------------------------
 
@@ -249,7 +259,15 @@ class Roles:
                                    f"after {self.cfg.run.take_timeout_s} s")
             time.sleep(0.05)
 
-    def learn(self, taken: list, version: int) -> tuple[dict, float]:
+    def record_consumed(self, step: int, taken: list) -> None:
+        """Append the ids learner step `step` learned from to RUN_DIR/consumed.jsonl (one line per
+        step and attempt; after a resume the last line of a step is the one that counts).  The
+        drills count lost and duplicated trajectories from it and the WAL (megatron_rl/drill.py)."""
+        row = {"step": step, "pid": os.getpid(), "time": time.time(), "ids": [t.id for t in taken]}
+        with open(self.run_dir / CONSUMED_LOG, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def learn(self, taken: list, version: int, lr_scale: float = 1.0) -> tuple[dict, float]:
         from megatron_rl.train.batch import build_batch
 
         t0 = time.perf_counter()
@@ -258,7 +276,7 @@ class Roles:
         out = {f"adv/{k}": v for k, v in adv_stats.items()}
         # D_lag (batch-wide and P50/P95/P99 over sequences) comes from the training forward itself:
         # its logprobs are the learner's before this update (megatron_rl.grpo.loss.grpo_metrics).
-        out.update(self.learner.train_step(batch))
+        out.update(self.learner.train_step(batch, lr_scale=lr_scale))
         out["dv"] = [version - t.oldest_version for t in taken]
         self._report_lag(out)
         return out, time.perf_counter() - t0
@@ -279,16 +297,43 @@ class Roles:
         import ray
 
         t0 = time.perf_counter()
-        try:
-            report = self.learner.publish(version)
-        except Exception as err:
-            self._raise_if_engine_down(version, err)
-            raise
-        if not report["committed"]:
+        self._expect_probe(version)
+        for attempt in (1, 2):
+            try:
+                report = self.learner.publish(version)
+            except Exception as err:
+                self._raise_if_engine_down(version, err)
+                raise
+            if report["committed"]:
+                break
             self._raise_if_engine_down(version, report["errors"])
-            raise RuntimeError(f"publication of version {version} was refused: {report['errors']}")
+            refits = [e for e in report["errors"] if e and e.startswith("refit check")]
+            if not refits:
+                raise RuntimeError(f"publication of version {version} was refused: {report['errors']}")
+            if attempt == 2:
+                raise PublicationError(f"publication of policy version {version} failed the refit check twice "
+                                       f"({refits[0]}); the groups serve version {version - 1}")
+            logger.warning("%s; the group rolled back to version %d, publishing version %d again",
+                           refits[0], version - 1, version)
         ray.get(self.coordinator.set_version.remote(version))
         return time.perf_counter() - t0
+
+    def _expect_probe(self, version: int) -> None:
+        """Give every rollout group the learner's logprobs of the fixed probe batch for `version`
+        (its refit check, rollout/worker.py); skipped when the learner scores under a sampling
+        transform (temperature, top-p/k) the engine's teacher-forced logprobs do not apply."""
+        import ray
+
+        from megatron_rl.train.restart import probe_tokens
+
+        s = self.cfg.sampling
+        if self.cfg.run.refit_tolerance is None or (s.temperature, s.top_p, s.top_k) != (1.0, 1.0, 0):
+            return
+        rows = self.cfg.learner.micro_batch_size * self.cfg.run.learner_data_parallel_size
+        tokens_bt = probe_tokens(rows, self._vocab_size(), seed=1)
+        logprobs_bt = self.learner.forward_logprobs(tokens_bt)  # [B, T-1]
+        seqs, lps = tokens_bt[:4].tolist(), logprobs_bt[:4].tolist()  # 4 rows are plenty for the engine
+        ray.get([w.expect_probe.remote(version, seqs, lps, self.cfg.run.refit_tolerance) for w in self.fleet.workers])
 
     def _raise_if_engine_down(self, version: int, cause, timeout_s: float = 10.0) -> None:
         """PublicationError naming the rollout groups whose engine does not answer (dead actor,

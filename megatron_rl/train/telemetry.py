@@ -72,6 +72,7 @@ class Telemetry:
         for key in ("lag_quarantined", "update_successful"):
             if key in learn:
                 out[f"numerics/{key}"] = float(learn[key])
+        out["numerics/oom_retries"] = float(learn.get("oom_retries", 0.0))  # a count: no retry is a real 0
         # system/
         sampling = sampling or {}
         if sampling:  # groups dynamic sampling threw away were generated too: ESR counts them

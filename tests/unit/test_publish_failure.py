@@ -93,10 +93,16 @@ class _Roles:
     def take(self, step, version):
         return []
 
-    def learn(self, taken, version):
+    def learn(self, taken, version, lr_scale=1.0):
         if self.learn_error:
             raise self.learn_error
-        return {}, 0.0
+        return {"loss": 0.0, "grad_norm": 0.0}, 0.0  # finite: the restart canary passes
+
+    def record_consumed(self, step, taken):
+        pass
+
+    def _expect_probe(self, version):  # no refit probe in this double
+        pass
 
     def close(self):
         self.closed = True

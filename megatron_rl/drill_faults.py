@@ -1,0 +1,196 @@
+"""The drills of `megatron-rl drill`: how each fault is injected and what counts as detected/recovered.
+
+    megatron-rl drill worker_crash --config configs/tiny_cpu.yaml
+
+Each runner takes a `megatron_rl.drill.Drill` (its run directory and attempt log), runs the training
+attempts the recovery protocol needs (RUNBOOK.md, "Fault drills") and returns the drill-specific
+part of the record: detected_by, action, recovered, and its evidence.  The accounting common to
+every drill (lost, duplicated, versions, time to recover) is megatron_rl.drill.account.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from megatron_rl.drill import Drill, last_json
+
+EXIT_REQUEUE, EXIT_OOM = 75, 87
+
+
+def _finished(drill: Drill, attempt) -> bool:
+    summary = last_json(attempt.stdout) or {}
+    return attempt.returncode == 0 and summary.get("steps") == drill.cfg.steps
+
+
+def _metric_rows(drill: Drill) -> list[dict]:
+    path = drill.run_dir / "metrics" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip() and "learn/loss" in line]
+
+
+def _first_line(text: str, pattern: str) -> str | None:
+    m = re.search(pattern, text)
+    if not m:
+        return None
+    start = text.rfind("\n", 0, m.start()) + 1
+    end = text.find("\n", m.end())
+    line = text[start:end if end >= 0 else None]
+    return line.split(" WARNING ", 1)[-1].split(" ERROR ", 1)[-1].split(" INFO ", 1)[-1].strip()
+
+
+def bad_checkpoint(drill: Drill) -> dict:
+    """Train to at_step (checkpoints every 2 steps), damage the newest checkpoint (variant: flip
+    bytes of a weights file, truncate the queue snapshot, or drop its COMMITTED manifest), rerun to
+    `steps`: the rerun must name the damage and resume from the previous checkpoint."""
+    cfg = drill.cfg
+    if cfg.from_run:
+        copy_run(Path(cfg.from_run), drill.run_dir)
+        drill.keep_wal_ids()
+    else:
+        first = drill.train(steps=cfg.at_step)
+        if first.returncode != 0:
+            return {"detected_by": None, "action": f"the run before the damage failed (exit {first.returncode})",
+                    "recovered": False}
+    ckpt = drill.run_dir / "checkpoints" / f"step_{cfg.at_step:06d}"
+    variant = cfg.variant or "flip"
+    damaged = damage_checkpoint(ckpt, variant)
+    drill.note_injection("bad_checkpoint", variant=variant, file=damaged)
+    second = drill.train()
+    fallback = drill.run_dir / "checkpoints" / f"step_{cfg.at_step - 2:06d}"
+    named = _first_line(second.stderr, re.escape(damaged)) if variant != "uncommit" else \
+        _first_line(second.stderr, r"resumed from")
+    resumed = f"resumed from {fallback}" in second.stderr
+    loaded_bad = f"resumed from {ckpt}" in second.stderr
+    return {"injected_at": {"checkpoint": ckpt.name, "variant": variant, "file": damaged},
+            "detected_by": "checkpoint verification on resume (sha256 against COMMITTED)" if named else None,
+            "evidence": named,
+            "action": f"fell back to {fallback.name}" if resumed else "no fallback",
+            "recovered": _finished(drill, second) and resumed and not loaded_bad}
+
+
+def copy_run(src: Path, dst: Path) -> None:
+    """Copy a finished run's directory (its checkpoints, queue, metrics and consumed ids)."""
+    for item in src.iterdir():
+        if item.name.startswith("drill_"):
+            continue
+        target = dst / item.name
+        if item.is_dir():
+            shutil.copytree(item, target, symlinks=True)
+        else:
+            shutil.copy2(item, target)
+
+
+def damage_checkpoint(ckpt: Path, variant: str) -> str:
+    """Damage one file of `ckpt`; returns its path relative to the checkpoint."""
+    if variant == "flip":
+        target = max((ckpt / "weights").rglob("*.distcp"), key=lambda p: p.stat().st_size)
+        data = bytearray(target.read_bytes())
+        for i in range(len(data) // 2, len(data) // 2 + 16):
+            data[i] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif variant == "truncate":
+        target = ckpt / "queue_snapshot.db"
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 3])
+    elif variant == "uncommit":
+        target = ckpt / "COMMITTED"
+        target.unlink()
+    else:
+        raise ValueError(f"drill bad_checkpoint: variant must be flip, truncate or uncommit, got {variant!r}")
+    return target.relative_to(ckpt).as_posix()
+
+
+def oom(drill: Drill, times: int = 1) -> dict:
+    """An out-of-memory error inside learner step at_step (`times` attempts fail): one failure is
+    retried at half the micro-batch size and the run finishes; two end the run with exit 87."""
+    cfg = drill.cfg
+    run = drill.train(fault={"fault": "oom", "at_step": cfg.at_step, "times": times})
+    log = drill.log()
+    detected = _first_line(log, r"out of memory at micro_batch_size \d+ \(")
+    if times == 1:
+        rows = {r["step"]: r for r in _metric_rows(drill)}
+        retried = rows.get(cfg.at_step + 1, {}).get("numerics/oom_retries")
+        return {"detected_by": "LearnerWorker.train_step (torch.OutOfMemoryError)" if detected else None,
+                "evidence": detected,
+                "action": "step abandoned (no optimizer step), retried at half the micro-batch size "
+                          "(same global batch by gradient accumulation)" if retried == 1.0 else "none",
+                "recovered": _finished(drill, run) and retried == 1.0}
+    # The documented remedy: rerun with a smaller micro-batch; it resumes from the newest checkpoint.
+    stopped = _first_line(run.stderr, r"megatron-rl train: error: stopped: ")
+    clean = run.returncode == EXIT_OOM and stopped is not None
+    smaller = "learner.micro_batch_size=16"
+    rerun = drill.train(extra=(smaller,)) if clean else None
+    resumed = rerun is not None and _first_line(rerun.stderr, r"resumed from \S+")
+    return {"detected_by": "LearnerWorker.train_step (torch.OutOfMemoryError, twice)" if detected else None,
+            "evidence": stopped, "first_exit": run.returncode, "clean_stop": clean,
+            "action": f"clean stop with exit {run.returncode}; rerun with {smaller}: {resumed or 'no resume'}",
+            "recovered": bool(rerun is not None and resumed and _finished(drill, rerun))}
+
+
+def verifier_timeout(drill: Drill) -> dict:
+    """A share (variant, default 0.05) of grading calls hang; each must be cut at reward.timeout_s,
+    error-coded, excluded from the loss and counted, while the run goes on."""
+    share = float(drill.cfg.variant or 0.05)
+    run = drill.train(fault={"fault": "verifier_timeout", "fraction": share}, extra=("reward.timeout_s=0.5",))
+    hung = len(drill.injections())
+    rows = _metric_rows(drill)
+    counted = max((r.get("latency/verifier_timeout", 0.0) for r in rows), default=0.0)
+
+    def mean(key):
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return round(sum(vals) / len(vals), 3) if vals else None
+
+    return {"injected_at": {"share_of_grading_calls": share, "hung_calls": hung},
+            "detected_by": "VerifierPool per-call timeout (reward.timeout_s)" if counted else None,
+            "action": "hung graders killed and replaced; samples error-coded 'timeout', excluded, counted",
+            "timeouts_counted": int(counted),
+            "verifier_error_rate": mean("latency/verifier_error_rate"),
+            "raw_tps": mean("system/generated_tokens_per_s"), "esr": mean("system/esr"),
+            "effective_tps": mean("system/effective_tokens_per_s"),
+            "recovered": _finished(drill, run) and hung > 0 and int(counted) >= 1}
+
+
+def worker_crash(drill: Drill) -> dict:
+    """SIGKILL of learner rank 0 at learner step at_step: the driver must exit 75 within
+    run.learner_timeout_s, and rerunning the same command resumes from the newest COMMITTED
+    checkpoint with continuous steps.  (The vLLM-engine variant is not automated here.)"""
+    cfg = drill.cfg
+    first = drill.train(fault={"fault": "learner_kill", "at_step": cfg.at_step, "rank": 0})
+    events = drill.injections()
+    fail_fast_s = round(first.ended - min(e["time"] for e in events), 1) if events else None
+    detected = _first_line(first.stderr, r"learner rank \d+ died")
+    second = drill.train()
+    resumed = _first_line(second.stderr, r"resumed from \S+")
+    return {"injected_at": {"step": cfg.at_step, "learner_rank": 0, "signal": "SIGKILL"},
+            "detected_by": "LearnerGroup call (Ray actor died)" if detected else None,
+            "evidence": detected, "first_exit": first.returncode, "fail_fast_s": fail_fast_s,
+            "action": f"exit {first.returncode}, rerun: {resumed}",
+            "recovered": first.returncode == EXIT_REQUEUE and resumed is not None and _finished(drill, second)}
+
+
+def bad_refit(drill: Drill) -> dict:
+    """Publication at_step+1 verifies byte for byte but is loaded with one matrix's rows reversed: the
+    refit check (engine vs learner logprobs on the probe) must refuse it, the group roll back to the
+    version before, the version be published again, and the run go on with continuous versions."""
+    cfg = drill.cfg
+    version = cfg.at_step + 1
+    run = drill.train(fault={"fault": "permute_load", "at_version": version})
+    detected = _first_line(run.stderr, rf"refit check: version {version} loaded")
+    again = _first_line(run.stderr, rf"publishing version {version} again")
+    return {"injected_at": {"version": version, "load": "first matrix's rows reversed"},
+            "detected_by": "refit check after publication (engine vs learner logprobs on the probe)"
+            if detected else None,
+            "evidence": detected, "action": f"group rolled back to version {version - 1}; version {version} "
+                                            "published again" if again else "none",
+            "recovered": _finished(drill, run) and again is not None}
+
+
+RUNNERS = {
+    "bad_refit": bad_refit,
+    "bad_checkpoint": bad_checkpoint,
+    "oom": oom,
+    "oom_twice": lambda d: oom(d, times=2),
+    "verifier_timeout": verifier_timeout,
+    "worker_crash": worker_crash,
+}

@@ -1,0 +1,156 @@
+"""Fault drills (issue #12) through the real `megatron-rl drill` CLI on the tiny recipe.
+
+    /work/heavy timeout 1800 .venv/bin/python -m pytest tests/e2e/test_drills.py -q
+
+Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts), bad_checkpoint
+(1: it damages a copy of the worker_crash run), oom (1), oom_twice (2: the stop, then the rerun
+with a smaller micro-batch), verifier_timeout (1), bad_refit (1), and the shadow-forward check (1
+attempt, refused at resume): 9 start-ups of ~70 s.  Every record must
+show what the protocol promises: recovered (or the documented clean stop), 0 trajectories lost,
+0 duplicated, continuous versions.  The oom run is also compared with the worker_crash run, whose
+steps 1-4 are those of an uninterrupted run (resume is exact): same losses before the fault, the
+same up to float summation order at and after it (no partial or doubled optimizer update).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+import torch
+
+from megatron_rl.cli import main
+from megatron_rl.drill import DEFAULT_OVERRIDES
+from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _drill(tmp_path_factory, name, *args):
+    run_dir = tmp_path_factory.mktemp(f"drill_{name}") / "run"
+    proc = run_cli("drill", name, "--config", str(TINY), "--run-dir", str(run_dir), *args, check=False)
+    assert "{" in proc.stdout, proc.stderr[-4000:]
+    record = last_json(proc.stdout)
+    return proc.returncode, record
+
+
+def _losses(run_dir):
+    return {r["step"]: r for r in read_jsonl(f"{run_dir}/metrics/metrics.jsonl") if "learn/loss" in r}
+
+
+def _common(record, redone):
+    assert record["trajectories_lost"] == 0, record
+    assert record["trajectories_duplicated"] == 0, record
+    assert record["versions_continuous"], record
+    assert record["steps_redone"] == redone, record
+    assert record["time_to_recover_s"] is not None and record["time_to_recover_s"] > 0, record
+
+
+@pytest.fixture(scope="module")
+def worker_crash(tmp_path_factory):
+    return _drill(tmp_path_factory, "worker_crash", "run.learner_timeout_s=60")
+
+
+@pytest.fixture(scope="module")
+def bad_checkpoint(tmp_path_factory, worker_crash):
+    # Damage a copy of the worker_crash run (checkpoints 2 and 4), saving the run before the damage.
+    return _drill(tmp_path_factory, "bad_checkpoint", "--from-run", worker_crash[1]["run_dir"])
+
+
+def test_worker_crash_exits_75_and_resumes(worker_crash):
+    code, rec = worker_crash
+    assert code == 0 and rec["recovered"], rec
+    assert rec["first_exit"] == 75 and rec["fail_fast_s"] < 60, rec
+    assert "learner rank 0 died" in rec["evidence"], rec
+    assert rec["checkpoint_versions"] == {"2": 2, "4": 4}, rec
+    _common(rec, redone=0)  # step 3 never finished before the kill: nothing learned twice
+
+
+def test_bad_checkpoint_falls_back(bad_checkpoint):
+    code, rec = bad_checkpoint
+    assert code == 0 and rec["recovered"], rec
+    assert rec["action"] == "fell back to step_000002", rec
+    assert rec["injected_at"]["file"] in (rec["evidence"] or ""), rec  # the log names the damaged file
+    assert rec["checkpoint_versions"] == {"2": 2, "4": 4, "5": 5}, rec
+    _common(rec, redone=2)  # steps 3 and 4 relearned
+
+
+def test_oom_retries_at_half_micro_batch(tmp_path_factory, worker_crash):
+    code, rec = _drill(tmp_path_factory, "oom")
+    assert code == 0 and rec["recovered"], rec
+    assert "micro_batch_size 64" in rec["evidence"], rec
+    _common(rec, redone=0)  # the retry happens inside the step
+    # worker_crash's steps 1-4 are those of an uninterrupted run (resume is exact)
+    got, ref = _losses(rec["run_dir"]), _losses(worker_crash[1]["run_dir"])
+    assert got[3]["numerics/oom_retries"] == 1.0 and got[2]["numerics/oom_retries"] == 0.0
+    for step in (1, 2):  # before the fault: bit-identical
+        assert got[step]["learn/loss"] == ref[step]["learn/loss"]
+    for step in (3, 4):  # the retried step and the one after it: the same batch and weights
+        for key in ("learn/loss", "learn/grad_norm"):
+            assert got[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_oom_twice_stops_cleanly_then_resumes_smaller(tmp_path_factory):
+    code, rec = _drill(tmp_path_factory, "oom_twice", "--at-step", "2", "--steps", "3")
+    assert code == 0 and rec["clean_stop"] and rec["recovered"], rec
+    assert [a["exit"] for a in rec["attempts"]] == [87, 0], rec
+    assert "micro_batch_size 64 and again at 32" in rec["evidence"], rec
+    assert "step_000002" in rec["action"], rec  # the rerun resumed from the checkpoint before the stop
+    _common(rec, redone=0)  # the failed step applied nothing and logged nothing
+
+
+def test_verifier_timeout_is_counted_and_excluded(tmp_path_factory):
+    code, rec = _drill(tmp_path_factory, "verifier_timeout", "--variant", "0.05", "--steps", "3")
+    assert code == 0 and rec["recovered"], rec
+    assert 1 <= rec["timeouts_counted"] <= rec["injected_at"]["hung_calls"], rec
+    assert rec["verifier_error_rate"] > 0, rec
+    assert rec["effective_tps"] < rec["raw_tps"], rec
+    _common(rec, redone=0)
+
+
+def _alter_embedding(ckpt):
+    """Scale the word embedding's stored values (the test double for tampered weights) and rewrite the
+    COMMITTED manifest so every sha256 matches again."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_rl.checkpoint import file_sha256
+
+    weights = ckpt / "weights"
+    meta = FileSystemReader(str(weights)).read_metadata()
+    info = next(v for i, v in meta.storage_data.items()
+                if "embedding" in i.fqn and "optimizer" not in i.fqn)
+    target = weights / info.relative_path
+    data = target.read_bytes()
+    tensor = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), weights_only=True)
+    buf = io.BytesIO()
+    torch.save(tensor * 3.0, buf)
+    assert len(buf.getvalue()) == info.length
+    target.write_bytes(data[:info.offset] + buf.getvalue() + data[info.offset + info.length:])
+    manifest = json.loads((ckpt / "COMMITTED").read_text())
+    rel = target.relative_to(ckpt).as_posix()
+    manifest["files"][rel] = {"sha256": file_sha256(target), "bytes": target.stat().st_size}
+    (ckpt / "COMMITTED").write_text(json.dumps(manifest))
+    return rel
+
+
+def test_shadow_forward_refuses_altered_weights_with_matching_manifest(bad_checkpoint, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(bad_checkpoint[1]["run_dir"], run, symlinks=True)
+    ckpt = run / "checkpoints" / "step_000005"
+    _alter_embedding(ckpt)
+    assert main(["checkpoint", "verify", str(run)]) == 0  # every sha256 matches: bytes look intact
+    proc = run_cli("train", "--config", str(TINY), f"run.dir={run}", "run.steps=6", *DEFAULT_OVERRIDES, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "shadow forward" in proc.stderr and "step_000005" in proc.stderr, proc.stderr[-3000:]
+    assert "refusing to continue" in proc.stderr
+    assert not (run / "checkpoints" / "step_000006").exists()
+
+
+def test_refit_check_catches_permuted_load(tmp_path_factory):
+    code, rec = _drill(tmp_path_factory, "bad_refit", "--at-step", "1", "--steps", "3")
+    assert code == 0 and rec["recovered"], rec
+    assert rec["detected_by"] and "refit check: version 2 loaded" in rec["evidence"], rec
+    assert rec["action"].startswith("group rolled back to version 1"), rec
+    _common(rec, redone=0)
