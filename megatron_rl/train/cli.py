@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatron_rl.console import attach_run_dir
 
 
 def _config_and_plan(args: argparse.Namespace):
@@ -28,6 +29,8 @@ def _config_and_plan(args: argparse.Namespace):
     plan = check_and_plan(cfg)
     if args.dry_run:
         print(json.dumps(plan, indent=2))
+    else:  # library and engine logs go to RUN_DIR/logs/ from here on (megatron_rl/console.py)
+        attach_run_dir(cfg.run.dir)
     return cfg
 
 
@@ -70,6 +73,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
     cfg = load_train_config(args.config, args.overrides)
     check_and_plan(cfg)
+    attach_run_dir(cfg.run.dir)
     report = reconcile(cfg)
     if not args.json:
         print(render_table(report))

@@ -12,12 +12,12 @@ pytestmark = pytest.mark.unit
 def test_progress_line_shows_the_steps_numbers_and_eta():
     metrics = {"learn/reward_mean": 0.625, "learn/reward_correctness": 0.125, "learn/kl_ref_k2_grad_theta_ref": 0.0123,
                "queue/taken_dv/p95": 1.0, "learn/d_lag/p95": 2.5e-7, "system/esr": 0.5,
-               "system/generated_tokens_per_s": 812.4}
+               "system/generated_tokens_per_s": 812.4, "queue/version": 12.0}
     line = progress_line(12, 60, metrics, seconds_per_step=2.5)
-    assert line == ("step 12/60 | reward 0.625 correct 0.125 | kl 0.0123 dv95 1 lag95 2.5e-07 | esr 0.50 "
+    assert line == ("step 12/60 v12 | reward 0.625 correct 0.125 | kl 0.0123 dv95 1 lag95 2.5e-07 | esr 0.50 "
                     "gen 812 tok/s | eta 2m00s")
 
 
 def test_missing_or_nonfinite_metrics_are_dashes_not_zeros():
     line = progress_line(1, 2, {"learn/reward_mean": float("nan")}, seconds_per_step=1.0)
-    assert "reward - correct - | kl - dv95 - lag95 -" in line and "eta 0m01s" in line
+    assert "v- | reward - correct - | kl - dv95 - lag95 -" in line and "eta 0m01s" in line
