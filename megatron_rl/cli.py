@@ -11,7 +11,7 @@ The console is quiet (megatron_rl/console.py): progress and the project's own me
 and engine logs go to RUN_DIR/logs/.  `--verbose` (anywhere on the command line) shows them too.
 Exit codes: 0 done; 2 input the user can fix (a `ConfigError`, e.g. a config key, a data file, a
 checkpoint; or a missing file), with one `megatron-rl CMD: error: ...` line; a `CommandError`'s
-own code; anything else is a bug: its traceback, exit 1.
+own code; anything else is a bug: it propagates (its traceback, exit 1).
 """
 
 from __future__ import annotations
@@ -73,21 +73,21 @@ def main(argv: list[str] | None = None) -> int:
 
     argv, verbose = _split_verbose(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
-    with console_session(verbose=verbose or args.verbose, level=args.log_level):
+    with console_session(verbose=verbose or args.verbose, level=args.log_level) as console:
         try:
             return int(args.func(args) or 0)
         except CommandError as err:
-            print(f"megatron-rl {args.command}: error: {err}", file=sys.stderr)
+            console.error_line(f"megatron-rl {args.command}: error: {err}")
             return err.exit_code
         except (ConfigError, FileNotFoundError, FileExistsError) as err:
             # What a user can fix: one clear line, no traceback.
-            print(f"megatron-rl {args.command}: error: {err}", file=sys.stderr)
+            console.error_line(f"megatron-rl {args.command}: error: {err}")
             return 2
-        except Exception:  # a bug: show where it happened
-            traceback.print_exc(file=sys.stderr)
-            print(f"megatron-rl {args.command}: internal error (traceback above; full logs under RUN_DIR/logs/)",
-                  file=sys.stderr)
-            return 1
+        except Exception:
+            # A bug: it propagates (traceback on the console once the session is closed, exit 1);
+            # the run's log file keeps a copy.
+            console.to_file_only(f"megatron-rl {args.command}: internal error\n{traceback.format_exc()}")
+            raise
 
 
 if __name__ == "__main__":

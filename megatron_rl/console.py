@@ -11,7 +11,9 @@ What reaches the console (stderr) by default:
   - records of the project's loggers (`megatron_rl.*`) at INFO and above;
   - errors (ERROR and above) from anything, including lines of Ray workers that look like errors.
 Everything else -- vLLM, Megatron-Core, Ray, transformers, Python warnings, and whatever C/C++
-code writes to file descriptor 2 -- goes to `RUN_DIR/logs/driver.log`.  The output of Ray
+code, child processes or progress bars of libraries write to stderr (file descriptor 2 and
+`sys.stderr` point there once the run directory is known) -- goes to `RUN_DIR/logs/driver.log`;
+the console handler keeps a duplicate of the original stderr.  The output of Ray
 actors and tasks (the learner ranks, rollout workers and the vLLM engine processes they start,
 the coordinator) goes to `RUN_DIR/logs/ray_<ActorClass>.log`, one line per line they wrote,
 prefixed with the process id.  Records logged before the run directory is known are kept and
@@ -124,7 +126,7 @@ class ConsoleSession:
         self.buffer = BufferHandler()
         self.file_handler: logging.Handler | None = None
         self._saved_fd2: int | None = None
-        self._saved_stderr = sys.stderr
+        self._saved_stderr = self.console_stream
         self._worker_files: dict[str, io.TextIOBase] = {}
         self._worker_lock = threading.Lock()
         self._root_state = _root_state()
@@ -171,8 +173,7 @@ class ConsoleSession:
             self._saved_fd2 = os.dup(fd2)
             console = os.fdopen(os.dup(self._saved_fd2), "w", buffering=1, encoding="utf-8", errors="replace")
             if self.console_stream is sys.__stderr__:  # not replaced by a test harness
-                self.console.stream = console
-                sys.stderr = console
+                self.console.stream = self.console_stream = console
         target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(target, fd2)
         os.close(target)
@@ -183,14 +184,27 @@ class ConsoleSession:
             self.file_handler.close()
             self.file_handler = None
 
+    def error_line(self, text: str) -> None:
+        """A line for the console whatever fd 2 points at (and for the log file)."""
+        self.console.end_bar()
+        self.console_stream.write(text + "\n")
+        self.console_stream.flush()
+        self.to_file_only(text)
+
+    def to_file_only(self, text: str) -> None:
+        if self.file_handler is not None:
+            self.file_handler.stream.write(text + "\n")
+            self.file_handler.flush()
+
     # ---- Ray workers' output -----------------------------------------------------------------
 
     def worker_output(self, data: dict) -> None:
         """Ray's per-batch callback for what its workers wrote: lines to RUN_DIR/logs/ray_<name>.log,
         error-looking lines also to the console."""
-        name = data.get("actor_name") or data.get("task_name") or "worker"
+        pid = data.get("pid")
+        name = data.get("actor_name") or data.get("task_name") or (pid if isinstance(pid, str) else "worker")
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(name))[:80]
-        prefix = f"(pid={data.get('pid')}{', ' + str(data['ip']) if data.get('ip') else ''}) "
+        prefix = f"(pid={pid}{', ' + str(data['ip']) if data.get('ip') else ''}) "
         lines = [str(line) for line in data.get("lines", [])]
         errors = [line for line in lines if _ERROR_LINE.search(line)]
         with self._worker_lock:
@@ -230,9 +244,9 @@ class ConsoleSession:
             os.dup2(self._saved_fd2, sys.__stderr__.fileno())
             os.close(self._saved_fd2)
             self._saved_fd2 = None
-            if sys.stderr is not self._saved_stderr:
-                sys.stderr.close()
-                sys.stderr = self._saved_stderr
+            if self.console_stream is not self._saved_stderr:
+                self.console_stream.close()
+                self.console.stream = self.console_stream = self._saved_stderr
         logging.captureWarnings(False)
         _restore_root(self._root_state)
 

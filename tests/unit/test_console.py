@@ -70,6 +70,7 @@ CHILD = textwrap.dedent("""
         logging.getLogger("megatron.core").warning("a library warning")
         warnings.warn("a python warning")
         os.write(2, b"C++ library writes to fd 2\\n")
+        sys.stderr.write("a library progress bar on sys.stderr\\n")
         subprocess.run(["sh", "-c", "echo child engine process >&2"], check=True)
         progress("step 1/1 | reward 0.5")
         logging.getLogger("megatron_rl.train").info("eval done")
@@ -94,12 +95,13 @@ def test_library_logs_and_fd2_go_to_the_run_dir_errors_reach_the_console(tmp_pat
     for shown in ("step 1/1 | reward 0.5", "eval done", "an error reaches the console", "boom in the engine",
                   "after the session: console again", "fd 2 restored"):
         assert shown in text, shown
-    for hidden in ("a library warning", "a python warning", "C++ library", "child engine process",
+    for hidden in ("a library warning", "a python warning", "C++ library", "child engine process", "progress bar",
                    "before the run dir", "vllm engine started"):
         assert hidden not in text, hidden
     assert len(console) == 6, console
     driver = (logs / "driver.log").read_text()
     for kept in ("before the run dir", "a library warning", "a python warning", "C++ library writes to fd 2",
+                 "a library progress bar on sys.stderr",
                  "child engine process", "an error reaches the console"):
         assert kept in driver, kept
     worker = (logs / "ray_RolloutWorker.log").read_text().splitlines()
@@ -114,7 +116,7 @@ def test_verbose_shows_library_logs_on_the_console(tmp_path):
     assert "a library warning" in (logs / "driver.log").read_text()  # the file is written either way
 
 
-def test_user_errors_exit_2_in_one_line_bugs_show_a_traceback_and_exit_1(capsys, monkeypatch, tmp_path):
+def test_user_errors_exit_2_in_one_line_bugs_propagate(capsys, monkeypatch, tmp_path):
     import megatron_rl.report as report
 
     tiny = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -127,10 +129,8 @@ def test_user_errors_exit_2_in_one_line_bugs_show_a_traceback_and_exit_1(capsys,
         raise ValueError("an internal invariant broke")
 
     monkeypatch.setattr(report, "write_report", bug)
-    assert main(["report", str(tmp_path)]) == 1
-    err = capsys.readouterr().err
-    assert "Traceback (most recent call last)" in err and "ValueError: an internal invariant broke" in err
-    assert "internal error" in err
+    with pytest.raises(ValueError, match="an internal invariant broke"):  # not "bad input": a traceback, exit 1
+        main(["report", str(tmp_path)])
 
 
 def test_verbose_is_accepted_after_the_subcommand(capsys):
