@@ -259,6 +259,12 @@ def current() -> ConsoleSession | None:
     return _current
 
 
+def end_progress() -> None:
+    """Finish the terminal's bar (a newline) before the command prints its result on stdout."""
+    if _current is not None:
+        _current.console.end_bar()
+
+
 def attach_run_dir(run_dir: str | Path) -> Path | None:
     """`ConsoleSession.attach_run_dir` of the current session; nothing without one."""
     return _current.attach_run_dir(run_dir) if _current is not None else None

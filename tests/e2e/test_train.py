@@ -18,20 +18,21 @@ from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 COMMON = ["run.eval_every=2", "run.checkpoint_every=2", "run.keep_checkpoints=3"]
+CONSOLE: dict = {}  # run directory -> the lines its `megatron-rl train` printed (stdout + stderr)
 
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
     d = tmp_path_factory.mktemp("run_a")
     proc = run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=4", *COMMON)
-    run_a.console = proc.stdout.splitlines() + proc.stderr.splitlines()
+    CONSOLE[d] = proc.stdout.splitlines() + proc.stderr.splitlines()
     return d, last_json(proc.stdout)
 
 
 def test_console_is_quiet_and_engine_logs_go_to_the_run_dir(run_a):
     """At most 40 console lines, one progress line per step; vLLM/Megatron/Ray logs in RUN_DIR/logs/."""
     d, _ = run_a
-    console = run_a.console
+    console = CONSOLE[d]
     assert len(console) <= 40, "\n".join(console)
     steps = [line.split()[1] for line in console if line.startswith("step ")]
     assert steps == ["1/4", "2/4", "3/4", "4/4"], console
