@@ -21,3 +21,15 @@ def test_progress_line_shows_the_steps_numbers_and_eta():
 def test_missing_or_nonfinite_metrics_are_dashes_not_zeros():
     line = progress_line(1, 2, {"learn/reward_mean": float("nan")}, seconds_per_step=1.0)
     assert "v- | reward - correct - | kl - dv95 - lag95 -" in line and "eta 0m01s" in line
+
+
+def test_sft_and_experiment_progress_lines():
+    from megatron_rl.experiment import run_progress_line
+    from megatron_rl.train.telemetry import sft_progress_line
+
+    out = {"loss": 1.25, "nll_sum": 30.0, "tokens": 12.0, "grad_norm": 0.5}
+    assert sft_progress_line(3, 10, out, seconds_per_step=9.0, tokens_per_s=120.0) == (
+        "sft step 3/10 | loss 1.2500 nll/token 2.5000 grad 0.5 | 120 tok/s | eta 1m03s")
+    assert "nll/token -" in sft_progress_line(1, 1, {"loss": 1.0, "nll_sum": 0.0, "tokens": 0}, 1.0, 0.0)
+    assert run_progress_line(2, 6, "grpo", 1, wall_s=125.0, eta_s=3700.0) == (
+        "experiment run 2/6 | grpo seed 1 done in 2m05s | eta 61m40s")
