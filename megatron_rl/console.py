@@ -34,6 +34,8 @@ from pathlib import Path
 PROGRESS_LOGGER = "megatron_rl.progress"
 DRIVER_LOG = "driver.log"
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+WORKER_FORMAT = "%(levelname)s %(name)s: %(message)s"
+_PROJECT_WARNING = re.compile(r"^(WARNING|ERROR|CRITICAL) (megatron_rl\.[\w.]+): (.*)$")
 _ERROR_LINE = re.compile(r"(^|\s|\[)(ERROR|CRITICAL|FATAL)\b|^Traceback \(most recent call last\)")
 
 progress_log = logging.getLogger(PROGRESS_LOGGER)
@@ -206,7 +208,10 @@ class ConsoleSession:
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(name))[:80]
         prefix = f"(pid={pid}{', ' + str(data['ip']) if data.get('ip') else ''}) "
         lines = [str(line) for line in data.get("lines", [])]
-        errors = [line for line in lines if _ERROR_LINE.search(line)]
+        if not lines:
+            return
+        name = name or "worker"
+        errors = [line for line in lines if _ERROR_LINE.search(line) and not _PROJECT_WARNING.match(line)]
         with self._worker_lock:
             fh = self._worker_file(name)
             if fh is not None:
@@ -215,6 +220,11 @@ class ConsoleSession:
         workers = logging.getLogger("ray.workers")
         for line in errors:
             workers.error("%s%s%s", name, prefix, line)
+        for line in lines:  # the project's own warnings in an actor (configure_worker_logging)
+            m = _PROJECT_WARNING.match(line)
+            if m:
+                logging.getLogger(m.group(2)).log(logging.getLevelName(m.group(1)), "(%s %s) %s", name,
+                                                  prefix.strip(), m.group(3))
         if self.log_dir is None:  # nowhere else to put them yet: the driver log keeps them
             for line in lines:
                 if line not in errors:
@@ -252,6 +262,25 @@ class ConsoleSession:
 
 
 _current: ConsoleSession | None = None
+
+
+def configure_worker_logging(level: int = logging.INFO) -> None:
+    """In a Ray actor: the project's records as `LEVEL name: message` lines on stderr, which the
+    driver's session files under RUN_DIR/logs/ray_<Actor>.log and whose warnings and errors it
+    shows on the console.  Once per process; other loggers are left as they are."""
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return  # not a Ray actor (e.g. a RolloutWorker used in-process): the caller's logging stands
+    project = logging.getLogger("megatron_rl")
+    if any(getattr(h, "megatron_rl_worker", False) for h in project.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(WORKER_FORMAT))
+    handler.megatron_rl_worker = True
+    project.addHandler(handler)
+    project.setLevel(level)
+    project.propagate = False
 
 
 def current() -> ConsoleSession | None:

@@ -76,7 +76,9 @@ CHILD = textwrap.dedent("""
         logging.getLogger("megatron_rl.train").info("eval done")
         logging.getLogger("ray").error("an error reaches the console")
         console.worker_output({"pid": 42, "ip": "10.0.0.1", "actor_name": "RolloutWorker",
-                               "lines": ["INFO vllm engine started", "ERROR 11-30 boom in the engine"]})
+                               "lines": ["INFO vllm engine started", "ERROR 11-30 boom in the engine",
+                                         "INFO megatron_rl.rollout.worker: engine ready",
+                                         "WARNING megatron_rl.coordinator.queue: backpressure on (d_lag_p95)"]})
     sys.stderr.write("after the session: console again\\n")
     os.write(2, b"fd 2 restored\\n")
 """)
@@ -93,19 +95,21 @@ def test_library_logs_and_fd2_go_to_the_run_dir_errors_reach_the_console(tmp_pat
     console, logs = _child(tmp_path, verbose=False)
     text = "\n".join(console)
     for shown in ("step 1/1 | reward 0.5", "eval done", "an error reaches the console", "boom in the engine",
+                  "WARNING megatron_rl.coordinator.queue: (RolloutWorker (pid=42, 10.0.0.1)) backpressure on (d_lag_p95)",
                   "after the session: console again", "fd 2 restored"):
         assert shown in text, shown
     for hidden in ("a library warning", "a python warning", "C++ library", "child engine process", "progress bar",
-                   "before the run dir", "vllm engine started"):
+                   "before the run dir", "vllm engine started", "engine ready"):
         assert hidden not in text, hidden
-    assert len(console) == 6, console
+    assert len(console) == 7, console
     driver = (logs / "driver.log").read_text()
     for kept in ("before the run dir", "a library warning", "a python warning", "C++ library writes to fd 2",
                  "a library progress bar on sys.stderr",
                  "child engine process", "an error reaches the console"):
         assert kept in driver, kept
     worker = (logs / "ray_RolloutWorker.log").read_text().splitlines()
-    assert worker == ["(pid=42, 10.0.0.1) INFO vllm engine started", "(pid=42, 10.0.0.1) ERROR 11-30 boom in the engine"]
+    assert worker[:2] == ["(pid=42, 10.0.0.1) INFO vllm engine started", "(pid=42, 10.0.0.1) ERROR 11-30 boom in the engine"]
+    assert len(worker) == 4 and worker[2].endswith("INFO megatron_rl.rollout.worker: engine ready")
 
 
 def test_verbose_shows_library_logs_on_the_console(tmp_path):
