@@ -44,6 +44,8 @@ setup(
     version="0.1.0",
     description="RL post-training for LLMs: Megatron-Core learners, vLLM rollouts, Ray, Slurm",
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    # The sbatch template `megatron-rl submit` renders ships inside the package.
+    package_data={"megatron_rl": ["slurm/*.sbatch.in"]},
     python_requires=">=3.10",
     install_requires=BASE,
     extras_require=EXTRAS,

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from megatron_rl import __version__
+from megatron_rl.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ FORMAT = "megatron-rl-checkpoint/1"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConfigError):
     """A checkpoint that cannot be used as asked: the message names the directory and the problem."""
 
 

@@ -24,7 +24,13 @@ T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A configuration a user can fix: the message names the dotted key."""
+    """Input a user can fix (config, data, checkpoint, command-line values): the message names the
+    key, file or value.  The CLI ends with that one line and exit 2; any other exception is a bug
+    (traceback, exit 1).  Subclasses: DataError, checkpoint.CheckpointError."""
+
+
+class DataError(ConfigError):
+    """A data file or task the run cannot use as configured (names the file/line or the field)."""
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
@@ -89,6 +95,10 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
         return cls(**kwargs)
     except TypeError as err:
         raise ConfigError(f"{where or 'config'}: {err}") from None
+    except ConfigError:
+        raise
+    except ValueError as err:  # a section's own check (__post_init__): the user's input, named
+        raise ConfigError(f"{where}: {err}" if where else str(err)) from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

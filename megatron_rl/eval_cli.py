@@ -20,6 +20,8 @@ import json
 import logging
 from pathlib import Path
 
+from megatron_rl.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -61,12 +63,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from megatron_rl.train.roles import load_data
 
     if (args.run is None) == (args.model is None):
-        raise ValueError("give exactly one of --run RUN_DIR or --model HF_DIR")
+        raise ConfigError("give exactly one of --run RUN_DIR or --model HF_DIR")
     temperature = args.temperature if args.temperature is not None else (0.0 if args.samples == 1 else 1.0)
     decoding = Decoding(samples=args.samples, temperature=temperature, seed=args.seed)
     ks = sorted({1, args.k})
     if args.k > args.samples:
-        raise ValueError(f"--k {args.k} needs --samples >= {args.k}")
+        raise ConfigError(f"--k {args.k} needs --samples >= {args.k}")
     if args.run is not None:
         run_dir = Path(args.run).resolve()
         cfg = _run_config(run_dir, args.overrides)
@@ -74,7 +76,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         out = Path(args.out) if args.out else run_dir / "eval" / f"{args.split}_{model_dir.name}.jsonl"
     else:
         if args.config is None:
-            raise ValueError("--model needs --config (for the data, reward and rollout settings)")
+            raise ConfigError("--model needs --config (for the data, reward and rollout settings)")
         cfg = load_train_config(args.config, args.overrides)
         model_dir = Path(args.model).resolve()
         if not (model_dir / "config.json").is_file():

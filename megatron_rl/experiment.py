@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from megatron_rl.config import ConfigError
+
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +56,9 @@ class Preregistration:
 
     def __post_init__(self) -> None:
         if self.primary_metric != "test_correctness":
-            raise ValueError(f"preregistration.primary_metric must be 'test_correctness', got {self.primary_metric!r}")
+            raise ConfigError(f"preregistration.primary_metric must be 'test_correctness', got {self.primary_metric!r}")
         if not 0 < self.alpha < 0.5:
-            raise ValueError(f"preregistration.alpha must be in (0, 0.5), got {self.alpha}")
+            raise ConfigError(f"preregistration.alpha must be in (0, 0.5), got {self.alpha}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -84,15 +86,15 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         if self.preregistration.baseline_arm not in self.arms:
-            raise ValueError(f"preregistration.baseline_arm {self.preregistration.baseline_arm!r} is not an arm "
+            raise ConfigError(f"preregistration.baseline_arm {self.preregistration.baseline_arm!r} is not an arm "
                              f"({sorted(self.arms)})")
         for name, arm in self.arms.items():
             if arm.command not in COMMANDS:
-                raise ValueError(f"arms.{name}.command must be one of {list(COMMANDS)}, got {arm.command!r}")
+                raise ConfigError(f"arms.{name}.command must be one of {list(COMMANDS)}, got {arm.command!r}")
             if arm.init_from is not None and arm.init_from not in self.arms:
-                raise ValueError(f"arms.{name}.init_from {arm.init_from!r} is not an arm")
+                raise ConfigError(f"arms.{name}.init_from {arm.init_from!r} is not an arm")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds must be distinct and non-empty, got {self.seeds}")
+            raise ConfigError(f"seeds must be distinct and non-empty, got {self.seeds}")
         self.order()  # no cycles
 
     def order(self) -> list[str]:
@@ -101,7 +103,7 @@ class ExperimentConfig:
         while len(done) < len(self.arms):
             ready = [a for a in self.arms if a not in done and (self.arms[a].init_from in done + [None])]
             if not ready:
-                raise ValueError(f"arms.*.init_from forms a cycle among {sorted(set(self.arms) - set(done))}")
+                raise ConfigError(f"arms.*.init_from forms a cycle among {sorted(set(self.arms) - set(done))}")
             done += ready
         return done
 
@@ -156,7 +158,7 @@ def preregister(cfg: ExperimentConfig) -> dict:
         old = json.loads(path.read_text())
         old.pop("registered_at", None)
         if old != record:
-            raise ValueError(f"{path} differs from this experiment file: a pre-registration cannot change after "
+            raise ConfigError(f"{path} differs from this experiment file: a pre-registration cannot change after "
                              f"runs started (use a new experiment dir)")
         return json.loads(path.read_text())
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,27 +177,40 @@ def validate_runs(cfg: ExperimentConfig) -> None:
             try:
                 load_train_config(cfg.base, [a for a in args[3:] if "=" in a])
             except ValueError as err:
-                raise ValueError(f"arms.{arm} (seed {seed}): {err}") from None
+                raise ConfigError(f"arms.{arm} (seed {seed}): {err}") from None
 
 
 def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] = launch_cli) -> list[tuple[str, int]]:
     """Run every (arm, seed) not finished yet; returns the ones run now.  Stops on a failed run."""
+    from megatron_rl.console import progress
+
+    start = time.time()
     validate_runs(cfg)
     preregister(cfg)
-    ran = []
-    for arm in cfg.order():
-        for seed in cfg.seeds:
-            d = run_dir(cfg, arm, seed)
-            if (d / "result.json").is_file():
-                logger.info("%s seed %d: finished earlier, skipped", arm, seed)
-                continue
-            t0 = time.time()
-            rc = launch(command_for(cfg, arm, seed), Path(cfg.dir) / "logs" / f"{arm}_seed_{seed}.log")
-            if rc != 0:
-                raise RuntimeError(f"run {arm} seed {seed} failed (exit {rc}); see {cfg.dir}/logs/{arm}_seed_{seed}.log "
-                                   f"-- rerun the experiment to resume")
-            (d / "result.json").write_text(json.dumps({"arm": arm, "seed": seed, "launched_at": t0,
-                                                       "wall_s": time.time() - t0}))
-            ran.append((arm, seed))
+    ran: list[tuple[str, int]] = []
+    runs = [(arm, seed) for arm in cfg.order() for seed in cfg.seeds]
+    todo = [r for r in runs if not (run_dir(cfg, *r) / "result.json").is_file()]
+    if len(todo) < len(runs):
+        logger.info("%d of %d runs finished earlier: skipped", len(runs) - len(todo), len(runs))
+    for i, (arm, seed) in enumerate(todo):
+        d = run_dir(cfg, arm, seed)
+        t0 = time.time()
+        rc = launch(command_for(cfg, arm, seed), Path(cfg.dir) / "logs" / f"{arm}_seed_{seed}.log")
+        if rc != 0:
+            raise RuntimeError(f"run {arm} seed {seed} failed (exit {rc}); see {cfg.dir}/logs/{arm}_seed_{seed}.log "
+                               f"-- rerun the experiment to resume")
+        wall = time.time() - t0
+        (d / "result.json").write_text(json.dumps({"arm": arm, "seed": seed, "launched_at": t0, "wall_s": wall}))
+        ran.append((arm, seed))
+        progress(run_progress_line(len(runs) - len(todo) + i + 1, len(runs), arm, seed, wall,
+                                   eta_s=(len(todo) - i - 1) * (time.time() - start) / (i + 1)))
     return ran
+
+
+def run_progress_line(done: int, total: int, arm: str, seed: int, wall_s: float, eta_s: float) -> str:
+    """The experiment's console line after each run: runs done/total, which run, its time, ETA."""
+    def dur(s: float) -> str:
+        return f"{int(s) // 60}m{int(s) % 60:02d}s"
+
+    return f"experiment run {done}/{total} | {arm} seed {seed} done in {dur(wall_s)} | eta {dur(eta_s)}"
 

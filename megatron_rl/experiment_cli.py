@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 def _cmd_experiment(args) -> int:
+    from megatron_rl.console import end_progress
     from megatron_rl.experiment_report import write_report
 
     cfg = load_experiment(args.config)
@@ -30,6 +31,7 @@ def _cmd_experiment(args) -> int:
     logger.info("experiment %s: %d runs now, %d skipped", cfg.dir, len(ran),
                 len(cfg.arms) * len(cfg.seeds) - len(ran))
     report = write_report(cfg)
+    end_progress()
     print(json.dumps({arm: {k: e.get(k) for k in ("test_correctness_mean", "difference", "ci", "verdict")}
                       for arm, e in report["arms"].items()}))
     return 0

@@ -1,13 +1,15 @@
-"""Small helpers the launch scripts call: waiting for a Ray cluster to assemble.
+"""`megatron-rl wait-ray`: wait for a Ray cluster to assemble (the sbatch script calls it).
 
-    python -m megatron_rl.launch_cli wait-ray --address HOST:PORT --nodes 2 --timeout 300
+    megatron-rl wait-ray --address HOST:PORT --nodes 2 --timeout 300
+
+Exit 0 once `--nodes` Ray nodes are alive at `--address` (logs "ray cluster ready: N nodes"),
+1 with one error line when they are not within `--timeout` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 
 log = logging.getLogger(__name__)
@@ -35,22 +37,22 @@ def wait_for_ray(address: str, nodes: int, timeout: float) -> int:
     raise TimeoutError(f"Ray cluster at {address} did not reach {nodes} nodes in {timeout:.0f} s ({last_err})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rl.launch_cli")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    wr = sub.add_parser("wait-ray", help="wait until a Ray cluster has N alive nodes")
-    wr.add_argument("--address", required=True)
-    wr.add_argument("--nodes", type=int, required=True)
-    wr.add_argument("--timeout", type=float, default=300)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+def _cmd_wait_ray(args: argparse.Namespace) -> int:
+    from megatron_rl.cli import CommandError
+    from megatron_rl.config import ConfigError
+
+    if args.nodes < 1 or args.timeout <= 0:
+        raise ConfigError(f"--nodes must be >= 1 and --timeout > 0, got {args.nodes}, {args.timeout}")
     try:
         wait_for_ray(args.address, args.nodes, args.timeout)
     except TimeoutError as err:
-        print(f"wait-ray: {err}", file=sys.stderr)
-        return 1
+        raise CommandError(str(err), exit_code=1) from None
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def register(sub) -> None:
+    p = sub.add_parser("wait-ray", help="wait until a Ray cluster has N alive nodes (used by the sbatch script)")
+    p.add_argument("--address", required=True, help="HOST:PORT of the Ray head")
+    p.add_argument("--nodes", type=int, required=True, help="how many alive nodes to wait for")
+    p.add_argument("--timeout", type=float, default=300, help="seconds before giving up (exit 1)")
+    p.set_defaults(func=_cmd_wait_ray)

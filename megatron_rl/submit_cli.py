@@ -4,9 +4,12 @@
     megatron-rl submit --config configs/qwen2_7b_8gpu_disaggregated.yaml --run-dir runs/b \
         --nodes 2 --gpus-per-task 8 --time 24:00:00
 
-The template is slurm/train.sbatch.in; the rendered script is written to RUN_DIR/train.sbatch
-(and printed with --dry-run, which submits nothing).  The config is validated first, so a bad
-config fails here rather than in the queue.
+The template is megatron_rl/slurm/train.sbatch.in, shipped inside the package (package_data,
+read through importlib.resources), so `submit` works from an installed package as from a
+checkout.  The rendered script is written to RUN_DIR/train.sbatch (and printed with --dry-run,
+which submits nothing).  The config is validated first, so a bad config fails here rather than
+in the queue.  The script calls `megatron-rl wait-ray` and `megatron-rl train` from the same
+environment (`sys.prefix`).
 """
 
 from __future__ import annotations
@@ -18,8 +21,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "train.sbatch.in"
+from megatron_rl.config import ConfigError
+
+TEMPLATE = ("megatron_rl", "slurm/train.sbatch.in")  # package, resource path inside it
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
+
+
+def template_text() -> str:
+    """The sbatch template as installed with the package."""
+    from importlib.resources import files
+
+    package, name = TEMPLATE
+    resource = files(package).joinpath(name)
+    if not resource.is_file():
+        raise FileNotFoundError(f"sbatch template {name} is missing from the installed package {package} "
+                                "(reinstall megatron-rl)")
+    return resource.read_text(encoding="utf-8")
 
 
 def render(
@@ -30,13 +47,11 @@ def render(
     """Fill the template; every value is checked and shell-quoted."""
     for name, val in (("nodes", nodes), ("tasks_per_node", tasks_per_node), ("cpus_per_task", cpus_per_task)):
         if val < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {val}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {val}")
     if gpus_per_task < 0:
-        raise ValueError(f"--gpus-per-task must be >= 0, got {gpus_per_task}")
+        raise ConfigError(f"--gpus-per-task must be >= 0, got {gpus_per_task}")
     if not _TIME_RE.match(time_limit):
-        raise ValueError(f"--time {time_limit!r} is not a Slurm time (D-HH:MM:SS, HH:MM:SS or MM)")
-    if not TEMPLATE.is_file():
-        raise FileNotFoundError(f"sbatch template not found: {TEMPLATE}")
+        raise ConfigError(f"--time {time_limit!r} is not a Slurm time (D-HH:MM:SS, HH:MM:SS or MM)")
     values = {
         "JOB_NAME": job_name,
         "NODES": str(nodes),
@@ -51,7 +66,7 @@ def render(
         "OVERRIDES": " ".join(shlex.quote(o) for o in overrides),
         "EXTRA_DIRECTIVES": "\n".join(f"#SBATCH {e}" for e in extra),
     }
-    text = TEMPLATE.read_text()
+    text = template_text()
     for key, val in values.items():
         text = text.replace("{{" + key + "}}", val)
     leftover = re.findall(r"\{\{[A-Z_]+\}\}", text)

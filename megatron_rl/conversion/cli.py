@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from megatron_rl.config import ConfigError
+
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -50,7 +52,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
     from megatron_rl.conversion.mcore_to_hf import convert_mcore_to_hf
 
     if args.max_shard_gb <= 0:
-        raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
+        raise ConfigError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     out = convert_mcore_to_hf(args.mcore, args.out, dtype=args.dtype, force=args.force,
                               max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
     print(out)
@@ -61,9 +63,9 @@ def _verify(args: argparse.Namespace) -> int:
     from megatron_rl.conversion.verify import verify_conversion
 
     if args.batch < 1 or args.seq_len < 1:
-        raise ValueError(f"--batch and --seq-len must be positive, got {args.batch}, {args.seq_len}")
+        raise ConfigError(f"--batch and --seq-len must be positive, got {args.batch}, {args.seq_len}")
     if args.tolerance is not None and not args.tolerance >= 0:
-        raise ValueError(f"--tolerance must be >= 0, got {args.tolerance}")
+        raise ConfigError(f"--tolerance must be >= 0, got {args.tolerance}")
     report = verify_conversion(args.hf, args.mcore, tp=args.tp, pp=args.pp, seed=args.seed,
                                batch=args.batch, seq_len=args.seq_len, tolerance=args.tolerance)
     print(json.dumps(report))

@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from megatron_rl.conversion import mapping
+from megatron_rl.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def _weight_files(root: Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"{index}: not a valid safetensors index ({err!r})") from None
+            raise ConfigError(f"{index}: not a valid safetensors index ({err!r})") from None
         return {name: root / fname for name, fname in weight_map.items()}
     single = root / SINGLE_NAME
     if not single.is_file():
@@ -68,15 +69,15 @@ class HFCheckpoint:
                     shapes[name] = tuple(handle.get_slice(name).get_shape())
                     self._file_of[name] = path
             except (SafetensorError, OSError, ValueError) as err:
-                raise ValueError(f"corrupt safetensors file {path}: {err}") from None
+                raise ConfigError(f"corrupt safetensors file {path}: {err}") from None
             self._handles[path] = handle
         expected = mapping.hf_shapes(cfg)
         missing = sorted(set(expected) - set(shapes))
         if missing:
-            raise ValueError(f"{self.root}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
+            raise ConfigError(f"{self.root}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
         for name, shape in expected.items():
             if shapes[name] != shape:
-                raise ValueError(f"{self.root}: tensor {name!r} has shape {shapes[name]}, config.json implies {shape}")
+                raise ConfigError(f"{self.root}: tensor {name!r} has shape {shapes[name]}, config.json implies {shape}")
         extra = sorted(set(shapes) - set(expected))
         if extra:
             logger.warning("%s: ignoring %d tensors the model does not use (e.g. %s)", self.root, len(extra), extra[0])
@@ -89,7 +90,7 @@ class HFCheckpoint:
         try:
             return self._handles[self._file_of[name]].get_tensor(name)
         except SafetensorError as err:
-            raise ValueError(f"corrupt safetensors file {self._file_of[name]} (tensor {name!r}): {err}") from None
+            raise ConfigError(f"corrupt safetensors file {self._file_of[name]} (tensor {name!r}): {err}") from None
 
     def read_group(self, group: str) -> dict[str, torch.Tensor]:
         """The HF tensors of one streaming group (see mapping.groups)."""

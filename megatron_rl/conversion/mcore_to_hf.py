@@ -34,6 +34,7 @@ from megatron_rl.conversion.hf_io import HFWriter, atomic_output_dir, copy_model
 from megatron_rl.conversion.hf_to_mcore import DTYPE_CHOICES, TORCH_DTYPES, GroupProgress
 from megatron_rl.checkpoint import MANIFEST as COMMITTED
 from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, read_manifest
+from megatron_rl.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +81,10 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, dtype: st
         manifest = read_manifest(mcore_dir)
     cfg = load_hf_config(hf_dir)
     if dtype is not None and dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype {dtype!r} is not one of {list(DTYPE_CHOICES)}")
+        raise ConfigError(f"dtype {dtype!r} is not one of {list(DTYPE_CHOICES)}")
     out_dtype = SHORT_TO_HF[dtype] if dtype else manifest.get("source_dtype", cfg.torch_dtype)
     if out_dtype not in HF_DTYPE_NAMES:
-        raise ValueError(f"source dtype {out_dtype!r} in {mcore_dir} is not one of {sorted(HF_DTYPE_NAMES)}; pass --dtype")
+        raise ConfigError(f"source dtype {out_dtype!r} in {mcore_dir} is not one of {sorted(HF_DTYPE_NAMES)}; pass --dtype")
     t0 = time.monotonic()
     with atomic_output_dir(out_dir, force=force) as tmp:
         total = _export_weights(mcore_dir / WEIGHTS_DIR, cfg, tmp, HF_DTYPE_NAMES[out_dtype], max_shard_bytes)

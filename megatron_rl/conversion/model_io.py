@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.conversion import mapping
+from megatron_rl.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +147,9 @@ def read_manifest(mcore_dir: str | Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise ConfigError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
     for sub in (WEIGHTS_DIR, HF_DIR):
         if not (root / sub).is_dir():
             raise FileNotFoundError(f"{root}: missing {sub}/ next to {MANIFEST}")

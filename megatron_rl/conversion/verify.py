@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, load_model, read_manifest, run_on_ranks
+from megatron_rl.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def default_tolerance(mcore_dir: str | Path) -> float:
     """DEFAULT_TOLERANCE for the dtype recorded in a converted directory's manifest."""
     dtype = read_manifest(mcore_dir).get("dtype", "fp32")
     if dtype not in DEFAULT_TOLERANCE:
-        raise ValueError(f"{mcore_dir}: manifest dtype {dtype!r} has no default tolerance; pass --tolerance")
+        raise ConfigError(f"{mcore_dir}: manifest dtype {dtype!r} has no default tolerance; pass --tolerance")
     return DEFAULT_TOLERANCE[dtype]
 
 

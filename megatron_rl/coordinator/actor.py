@@ -31,6 +31,9 @@ class CoordinatorActor:
     """Every public method forwards to TrajectoryQueue (see queue.py for semantics)."""
 
     def __init__(self, config: CoordinatorConfig, tokenizer_hash: str):
+        from megatron_rl.console import configure_worker_logging
+
+        configure_worker_logging()  # its warnings (e.g. backpressure) reach the driver's console
         self._queue = TrajectoryQueue(config, tokenizer_hash=tokenizer_hash)
 
     def pid(self) -> int:

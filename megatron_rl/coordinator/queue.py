@@ -519,7 +519,7 @@ class TrajectoryQueue:
         for name, values in (("age_s", age), ("dv", dv), ("admission_wait_s", waits)):
             for q in (50, 95, 99):
                 out[f"queue/{name}_p{q}"] = float(np.percentile(values, q)) if len(values) else 0.0
-        for name in ("accepted", "consumed", "duplicates", "conflicts"):
+        for name in ("accepted", "consumed", "duplicates", "conflicts", "dropped/version_lag", "dropped/max_age"):
             out[f"queue/{name}"] = 0.0
         out.update({f"queue/{k}": float(v) for k, v in self._counters.items()})
         return out

@@ -17,6 +17,8 @@ import json
 import string
 from typing import Any, Iterator, Sequence
 
+from megatron_rl.config import DataError
+
 
 @dataclasses.dataclass(frozen=True)
 class Example:
@@ -60,11 +62,11 @@ class Dataset:
         seen: set[str] = set()
         for ex in self.examples:
             if ex.id in seen:
-                raise ValueError(f"dataset {self.name!r} split {self.split!r}: duplicate example id {ex.id!r}")
+                raise DataError(f"dataset {self.name!r} split {self.split!r}: duplicate example id {ex.id!r}")
             seen.add(ex.id)
         version = content_hash(self.examples)
         if self.dataset_version and self.dataset_version != version:
-            raise ValueError(
+            raise DataError(
                 f"dataset {self.name!r} split {self.split!r}: dataset_version {self.dataset_version} "
                 f"does not match its content hash {version}"
             )
@@ -95,12 +97,12 @@ class PromptTemplate:
         try:
             names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
         except ValueError as err:
-            raise ValueError(f"prompt template {self.template!r} is malformed: {err}") from None
+            raise DataError(f"prompt template {self.template!r} is malformed: {err}") from None
         unknown = [n for n in names if n not in _TEMPLATE_FIELDS]
         if unknown:
-            raise ValueError(f"prompt template {self.template!r}: unknown field {{{unknown[0]}}}; allowed: {list(_TEMPLATE_FIELDS)}")
+            raise DataError(f"prompt template {self.template!r}: unknown field {{{unknown[0]}}}; allowed: {list(_TEMPLATE_FIELDS)}")
         if "question" not in names:
-            raise ValueError(f"prompt template {self.template!r} must contain {{question}}")
+            raise DataError(f"prompt template {self.template!r} must contain {{question}}")
 
     def render(self, example: Example) -> str:
         return self.template.format(question=example.question, id=example.id)

@@ -16,14 +16,15 @@ import json
 from pathlib import Path
 
 from megatron_rl.data.dataset import Dataset, Example
+from megatron_rl.config import DataError
 
 
 def _field(record: dict, field: str, where: str) -> str:
     if field not in record:
-        raise ValueError(f"{where}: missing field {field!r} (fields present: {sorted(record)})")
+        raise DataError(f"{where}: missing field {field!r} (fields present: {sorted(record)})")
     value = record[field]
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"{where}: field {field!r} must be a string or number, got {type(value).__name__}")
+        raise DataError(f"{where}: field {field!r} must be a string or number, got {type(value).__name__}")
     return str(value)
 
 
@@ -50,20 +51,20 @@ def load_jsonl(
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+                raise DataError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+                raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
             question = _field(record, question_field, where)
             answer = _field(record, answer_field, where)
             if answer_delimiter is not None:
                 if answer_delimiter not in answer:
-                    raise ValueError(f"{where}: field {answer_field!r} has no answer delimiter {answer_delimiter!r}")
+                    raise DataError(f"{where}: field {answer_field!r} has no answer delimiter {answer_delimiter!r}")
                 answer = answer.rsplit(answer_delimiter, 1)[1]
             answer = answer.strip()
             if not answer:
-                raise ValueError(f"{where}: field {answer_field!r} is empty")
+                raise DataError(f"{where}: field {answer_field!r} is empty")
             ex_id = _field(record, id_field, where) if id_field else str(lineno)
             examples.append(Example(id=ex_id, question=question, answer=answer))
     if not examples:
-        raise ValueError(f"{path}: no examples (file is empty)")
+        raise DataError(f"{path}: no examples (file is empty)")
     return Dataset(name=name or path.stem, split=split, examples=examples)

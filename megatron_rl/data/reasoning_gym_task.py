@@ -20,6 +20,7 @@ from typing import Any
 
 from megatron_rl.data.dataset import Dataset, Example, PromptTemplate
 from megatron_rl.data.splits import check_disjoint
+from megatron_rl.config import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +37,14 @@ def make_reasoning_gym(name: str, config: dict[str, Any], *, seed: int, train_si
     import reasoning_gym
 
     if train_size < 1 or holdout_size < 1:
-        raise ValueError(f"data.train_size and data.holdout_size must be >= 1, got {train_size}, {holdout_size}")
+        raise DataError(f"data.train_size and data.holdout_size must be >= 1, got {train_size}, {holdout_size}")
     seen: set[str] = set()
     splits = {}
     for split, size in (("test", holdout_size), ("dev", holdout_size), ("train", train_size)):
         try:
             generator = reasoning_gym.create_dataset(name, size=size, seed=_split_seed(seed, name, split), **config)
         except (KeyError, TypeError, ValueError, AssertionError) as err:
-            raise ValueError(f"data.generator {name!r} with data.generator_config {config}: {err}") from None
+            raise DataError(f"data.generator {name!r} with data.generator_config {config}: {err}") from None
         examples, dropped = [], 0
         for i, entry in enumerate(generator):
             key = " ".join(entry["question"].split())
@@ -54,7 +55,7 @@ def make_reasoning_gym(name: str, config: dict[str, Any], *, seed: int, train_si
             examples.append(Example(id=f"{name}-{split}-{i}", question=entry["question"], answer=str(entry["answer"]),
                                     metadata=json.dumps(entry.get("metadata", {}), default=list, sort_keys=True)))
         if not examples:
-            raise ValueError(f"reasoning-gym {name!r}: every {split} question repeats an earlier split's")
+            raise DataError(f"reasoning-gym {name!r}: every {split} question repeats an earlier split's")
         if dropped:
             logger.info("reasoning-gym %s: dropped %d %s questions already in a held-out split", name, dropped, split)
         splits[split] = Dataset(name=f"rg-{name}", split=split, examples=examples)
@@ -76,4 +77,4 @@ def check_encodable(splits: dict[str, Dataset], template: PromptTemplate, tokeni
                             bad.setdefault(ch, ex.id)
     if bad:
         shown = ", ".join(f"{ch!r} (e.g. {ex_id})" for ch, ex_id in list(bad.items())[:10])
-        raise ValueError(f"the tokenizer cannot encode {len(bad)} character(s) of this task: {shown}")
+        raise DataError(f"the tokenizer cannot encode {len(bad)} character(s) of this task: {shown}")

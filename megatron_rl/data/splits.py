@@ -18,6 +18,7 @@ import random
 from collections import defaultdict
 
 from megatron_rl.data.dataset import Dataset
+from megatron_rl.config import DataError
 
 HELD_OUT = ("test", "dev")  # carving order: the hidden test split first
 
@@ -30,7 +31,7 @@ def holdout_splits(train: Dataset, *, dev: Dataset | None, test: Dataset | None,
                    fraction: float) -> dict[str, Dataset]:
     """{"train", "dev", "test"}: given splits kept, missing ones carved from `train`, all disjoint."""
     if not 0 < fraction < 0.5:
-        raise ValueError(f"data.holdout_fraction must be in (0, 0.5), got {fraction}")
+        raise DataError(f"data.holdout_fraction must be in (0, 0.5), got {fraction}")
     given = {"dev": dev, "test": test}
     missing = [name for name in HELD_OUT if given[name] is None]
     pool = list(train.examples)
@@ -38,7 +39,7 @@ def holdout_splits(train: Dataset, *, dev: Dataset | None, test: Dataset | None,
         random.Random(f"holdout:{seed}:{train.dataset_version}").shuffle(pool)
         size = max(1, int(len(train) * fraction))
         if len(pool) <= size * len(missing):
-            raise ValueError(f"dataset {train.name!r} has {len(train)} examples: too few to carve "
+            raise DataError(f"dataset {train.name!r} has {len(train)} examples: too few to carve "
                              f"{'/'.join(missing)} split(s) of {size} and keep training examples; "
                              f"give data.dev_file / data.test_file")
         for name in missing:
@@ -61,5 +62,5 @@ def check_disjoint(splits: dict[str, Dataset], show: int = 5) -> None:
         listed = "; ".join(
             f"{q[:60]!r} in " + ", ".join(f"{s} (id {i})" for s, i in seen.items()) for q, seen in shared[:show])
         more = f" and {len(shared) - show} more" if len(shared) > show else ""
-        raise ValueError(f"{len(shared)} question(s) appear in more than one split, so held-out results would "
+        raise DataError(f"{len(shared)} question(s) appear in more than one split, so held-out results would "
                          f"be measured on training data: {listed}{more}")

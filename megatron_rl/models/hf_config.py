@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.config import ConfigError
+
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 ROPE_TYPES = ("default", "llama3")
@@ -80,9 +82,9 @@ def _read(source: str | Path | dict) -> tuple[dict, str]:
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
+        raise ConfigError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
     return data, str(path)
 
 
@@ -90,11 +92,11 @@ def _arch(data: dict, where: str) -> str:
     archs = data.get("architectures")
     if archs:
         if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-            raise ValueError(f"{where}: unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")
+            raise ConfigError(f"{where}: unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")
         return ARCHITECTURES[archs[0]]
     model_type = data.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"{where}: unsupported model_type {model_type!r} (no 'architectures'); supported: {sorted(MODEL_TYPES)}")
+        raise ConfigError(f"{where}: unsupported model_type {model_type!r} (no 'architectures'); supported: {sorted(MODEL_TYPES)}")
     return MODEL_TYPES[model_type]
 
 
@@ -105,10 +107,10 @@ def _rope(data: dict, where: str) -> tuple[float, Llama3RopeScaling | None]:
         params = dict(data.get("rope_scaling") or {})
         params.setdefault("rope_theta", data.get("rope_theta", 10000.0))
     if not isinstance(params, dict):
-        raise ValueError(f"{where}: rope_parameters must be an object, got {type(params).__name__}")
+        raise ConfigError(f"{where}: rope_parameters must be an object, got {type(params).__name__}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"{where}: rope scaling {rope_type!r} is not implemented (supported rope_type: {list(ROPE_TYPES)})")
+        raise ConfigError(f"{where}: rope scaling {rope_type!r} is not implemented (supported rope_type: {list(ROPE_TYPES)})")
     theta = float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
     if rope_type == "default":
         return theta, None
@@ -116,10 +118,10 @@ def _rope(data: dict, where: str) -> tuple[float, Llama3RopeScaling | None]:
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         value = params.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{where}: rope_scaling.{key} must be a positive number for rope_type 'llama3', got {value!r}")
+            raise ConfigError(f"{where}: rope_scaling.{key} must be a positive number for rope_type 'llama3', got {value!r}")
         values[key] = value
     if values["high_freq_factor"] <= values["low_freq_factor"]:
-        raise ValueError(f"{where}: rope_scaling.high_freq_factor {values['high_freq_factor']} must exceed "
+        raise ConfigError(f"{where}: rope_scaling.high_freq_factor {values['high_freq_factor']} must exceed "
                          f"low_freq_factor {values['low_freq_factor']}")
     return theta, Llama3RopeScaling(factor=float(values["factor"]), low_freq_factor=float(values["low_freq_factor"]),
                                     high_freq_factor=float(values["high_freq_factor"]),
@@ -128,10 +130,10 @@ def _rope(data: dict, where: str) -> tuple[float, Llama3RopeScaling | None]:
 
 def _need(data: dict, key: str, where: str) -> Any:
     if data.get(key) is None:
-        raise ValueError(f"{where}: missing field {key!r}")
+        raise ConfigError(f"{where}: missing field {key!r}")
     value = data[key]
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{where}: field {key!r} must be a positive integer, got {value!r}")
+        raise ConfigError(f"{where}: field {key!r} must be a positive integer, got {value!r}")
     return value
 
 
@@ -141,21 +143,21 @@ def load_hf_config(source: str | Path | dict) -> HFModelConfig:
     arch = _arch(data, where)
     act = data.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"{where}: hidden_act {act!r} is not supported (only 'silu' / SwiGLU)")
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported (only 'silu' / SwiGLU)")
     if data.get("mlp_bias"):
-        raise ValueError(f"{where}: mlp_bias=true is not supported")
+        raise ConfigError(f"{where}: mlp_bias=true is not supported")
     if arch in ("llama", "qwen3") and data.get("attention_bias"):
-        raise ValueError(f"{where}: attention_bias=true is not supported for {arch} (o_proj bias)")
+        raise ConfigError(f"{where}: attention_bias=true is not supported for {arch} (o_proj bias)")
     if data.get("use_sliding_window"):
-        raise ValueError(f"{where}: use_sliding_window=true is not supported")
+        raise ConfigError(f"{where}: use_sliding_window=true is not supported")
     hidden = _need(data, "hidden_size", where)
     heads = _need(data, "num_attention_heads", where)
     kv_heads = data.get("num_key_value_heads") or heads
     head_dim = data.get("head_dim") or hidden // heads
     if data.get("head_dim") is None and hidden % heads:
-        raise ValueError(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+        raise ConfigError(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
     if heads % kv_heads:
-        raise ValueError(f"{where}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}")
+        raise ConfigError(f"{where}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}")
     rope_theta, rope_scaling = _rope(data, where)
     return HFModelConfig(
         arch=arch,
@@ -181,7 +183,7 @@ def load_hf_config(source: str | Path | dict) -> HFModelConfig:
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     """Round vocab_size up to a multiple of multiple*tp (Megatron's make_vocab_size_divisible_by)."""
     if vocab_size < 1 or tp < 1 or multiple < 1:
-        raise ValueError(f"vocab_size, tp and multiple must be positive, got {vocab_size}, {tp}, {multiple}")
+        raise ConfigError(f"vocab_size, tp and multiple must be positive, got {vocab_size}, {tp}, {multiple}")
     step = multiple * tp
     return -(-vocab_size // step) * step
 
@@ -190,12 +192,12 @@ def check_parallel_layout(cfg: HFModelConfig, tp: int, pp: int, dp: int = 1) -> 
     """Raise ValueError naming the number that a TP/PP/DP layout does not divide."""
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if cfg.num_heads % tp:
-        raise ValueError(f"num_heads {cfg.num_heads} is not divisible by tensor parallel size {tp}")
+        raise ConfigError(f"num_heads {cfg.num_heads} is not divisible by tensor parallel size {tp}")
     if cfg.num_kv_heads % tp:
-        raise ValueError(f"num_kv_heads {cfg.num_kv_heads} is not divisible by tensor parallel size {tp}")
+        raise ConfigError(f"num_kv_heads {cfg.num_kv_heads} is not divisible by tensor parallel size {tp}")
     if cfg.intermediate_size % tp:
-        raise ValueError(f"intermediate_size {cfg.intermediate_size} is not divisible by tensor parallel size {tp}")
+        raise ConfigError(f"intermediate_size {cfg.intermediate_size} is not divisible by tensor parallel size {tp}")
     if cfg.num_layers % pp:
-        raise ValueError(f"num_layers {cfg.num_layers} is not divisible by pipeline parallel size {pp}")
+        raise ConfigError(f"num_layers {cfg.num_layers} is not divisible by pipeline parallel size {pp}")

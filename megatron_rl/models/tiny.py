@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.models.tokenizer import build_tokenizer, tokenizer_hash
+from megatron_rl.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,9 @@ def build_config(arch: str, size: str, *, tie_embeddings: bool = False, vocab_si
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     if arch not in ARCHS:
-        raise ValueError(f"arch {arch!r} is not one of {list(ARCHS)}")
+        raise ConfigError(f"arch {arch!r} is not one of {list(ARCHS)}")
     if size not in SIZES:
-        raise ValueError(f"size {size!r} is not one of {list(SIZES)}")
+        raise ConfigError(f"size {size!r} is not one of {list(SIZES)}")
     tok_len = len(build_tokenizer())
     if vocab_size < tok_len:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {tok_len} tokens")

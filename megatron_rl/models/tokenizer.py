@@ -22,6 +22,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from megatron_rl.config import ConfigError
+
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 CHARS = "\t\n" + "".join(chr(c) for c in range(32, 127))
@@ -82,7 +84,7 @@ def tokenizer_hash(model_dir: str | Path) -> str:
         try:
             content = json.loads(path.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
+            raise ConfigError(f"{path}: not valid JSON ({err})") from None
         digest.update(name.encode() + b"\0")
         digest.update(json.dumps(content, sort_keys=True, separators=(",", ":")).encode() + b"\0")
     return digest.hexdigest()

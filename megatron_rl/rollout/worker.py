@@ -119,6 +119,10 @@ class RolloutWorker:
     def __init__(self, config: RolloutConfig | dict):
         import torch
 
+        from megatron_rl.console import configure_worker_logging
+
+        configure_worker_logging()
+
         self.config = config if isinstance(config, RolloutConfig) else from_dict(RolloutConfig, config)
         undo_ray_niceness()
         on_gpu = torch.cuda.is_available()

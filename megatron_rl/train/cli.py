@@ -6,7 +6,9 @@
 
 `train --dry-run` validates the whole config (types, cross-section rules, parallel layout
 against the model, data files) and prints the plan without starting Ray, vLLM or Megatron.
-Exit codes: 0 done, 2 bad input, 75 stopped by a signal after checkpointing (requeue me),
+The console shows one progress line per step (a bar on a terminal) and the project's own
+messages; library and engine logs go to RUN_DIR/logs/ (`--verbose` shows them; megatron_rl/console.py).
+Exit codes: 0 done, 1 a bug (its traceback), 2 bad input, 75 stopped by a signal after checkpointing (requeue me),
 81-86 a stop condition held and the run checkpointed and stopped (megatron_rl/train/stop.py:
 81 nonfinite, 82 dev_eval_falling, 83 kl_out_of_bounds, 84 entropy_out_of_bounds, 85 lag_p95,
 86 verifier_errors); the final JSON line names it.  75 also ends a run whose rollout engine or
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatron_rl.console import attach_run_dir, end_progress
 
 
 def _config_and_plan(args: argparse.Namespace):
@@ -30,6 +33,8 @@ def _config_and_plan(args: argparse.Namespace):
     plan = check_and_plan(cfg)
     if args.dry_run:
         print(json.dumps(plan, indent=2))
+    else:  # library and engine logs go to RUN_DIR/logs/ from here on (megatron_rl/console.py)
+        attach_run_dir(cfg.run.dir)
     return cfg
 
 
@@ -50,15 +55,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     try:
         summary = train(cfg, stop)
     except StopConditionMet as exc:
+        end_progress()
         print(json.dumps({**exc.condition.to_dict(), "checkpointed": True}))
         raise
     except SystemExit as exc:
+        end_progress()
         if exc.code == EXIT_REQUEUE:
             print(json.dumps({"stopped": "signal", "checkpointed": True}))
         raise
     if baseline is not None:
         summary = {"baseline": "sft", "sft_steps": baseline["steps"],
                    "baseline_test_correctness": baseline["test_correctness"], **summary}
+    end_progress()
     print(json.dumps(summary))
     return 0
 
@@ -69,7 +77,9 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         return 0
     from megatron_rl.train.sft import sft
 
-    print(json.dumps(sft(cfg)))
+    summary = sft(cfg)
+    end_progress()
+    print(json.dumps(summary))
     return 0
 
 
@@ -80,6 +90,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
     cfg = load_train_config(args.config, args.overrides)
     check_and_plan(cfg)
+    attach_run_dir(cfg.run.dir)
     report = reconcile(cfg)
     if not args.json:
         print(render_table(report))

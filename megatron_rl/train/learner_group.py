@@ -83,6 +83,9 @@ class LearnerWorker:
 
     def __init__(self, *, rank: int, world_size: int, learner_cfg, loss_cfg, hf_dir: str, seed: int,
                  deterministic: bool | None, threads: int):
+        from megatron_rl.console import configure_worker_logging
+
+        configure_worker_logging()
         self.rank, self.world_size = rank, world_size
         self._args = (learner_cfg, loss_cfg, hf_dir, seed, deterministic, threads)
 

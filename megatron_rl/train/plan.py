@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from megatron_rl.train.config import TrainConfig
+from megatron_rl.config import ConfigError
 
 
 def model_config(cfg: TrainConfig):
@@ -63,7 +64,7 @@ def check_resume_tokenizer(cfg: TrainConfig) -> str | None:
         ours = tokenizer_hash(model_dir)
         theirs = read_manifest(ckpt).get("tokenizer_hash")
         if theirs and theirs != ours:
-            raise ValueError(f"checkpoint {ckpt} was written with tokenizer {theirs[:12]}..., but "
+            raise ConfigError(f"checkpoint {ckpt} was written with tokenizer {theirs[:12]}..., but "
                              f"{model_dir} has tokenizer {ours[:12]}...: refusing to resume across tokenizers")
     return str(ckpt)
 
@@ -73,15 +74,15 @@ def check_run_dir(cfg: TrainConfig) -> None:
     path = Path(cfg.run.dir).absolute()
     if path.exists():
         if not path.is_dir():
-            raise ValueError(f"run.dir {cfg.run.dir}: exists and is not a directory")
+            raise ConfigError(f"run.dir {cfg.run.dir}: exists and is not a directory")
         return
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise ValueError(f"run.dir {cfg.run.dir}: cannot be created, {parent} is not a directory")
+        raise ConfigError(f"run.dir {cfg.run.dir}: cannot be created, {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"run.dir {cfg.run.dir}: cannot be created, {parent} is not writable")
+        raise ConfigError(f"run.dir {cfg.run.dir}: cannot be created, {parent} is not writable")
 
 
 def check_safetensors(path: str | Path) -> None:
@@ -97,16 +98,16 @@ def check_safetensors(path: str | Path) -> None:
     with open(path, "rb") as fh:
         head = fh.read(8)
         if len(head) < 8:
-            raise ValueError(f"weight file {path}: {size} bytes, too short for a safetensors header (truncated?)")
+            raise ConfigError(f"weight file {path}: {size} bytes, too short for a safetensors header (truncated?)")
         n = int.from_bytes(head, "little")
         if 8 + n > size:
-            raise ValueError(f"weight file {path}: header of {n} bytes does not fit the {size}-byte file (truncated?)")
+            raise ConfigError(f"weight file {path}: header of {n} bytes does not fit the {size}-byte file (truncated?)")
         try:
             header = json.loads(fh.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"weight file {path}: unreadable safetensors header ({err})") from None
+            raise ConfigError(f"weight file {path}: unreadable safetensors header ({err})") from None
     if not isinstance(header, dict):
-        raise ValueError(f"weight file {path}: safetensors header is not a JSON object")
+        raise ConfigError(f"weight file {path}: safetensors header is not a JSON object")
     end = 0
     for name, meta in header.items():
         if name == "__metadata__":
@@ -114,12 +115,12 @@ def check_safetensors(path: str | Path) -> None:
         try:
             begin, stop = (int(x) for x in meta["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"weight file {path}: tensor {name!r} has no valid data_offsets") from None
+            raise ConfigError(f"weight file {path}: tensor {name!r} has no valid data_offsets") from None
         if not 0 <= begin <= stop:
-            raise ValueError(f"weight file {path}: tensor {name!r} has data_offsets [{begin}, {stop}]")
+            raise ConfigError(f"weight file {path}: tensor {name!r} has data_offsets [{begin}, {stop}]")
         end = max(end, stop)
     if 8 + n + end > size:
-        raise ValueError(f"weight file {path}: the header describes {8 + n + end} bytes, the file has {size} "
+        raise ConfigError(f"weight file {path}: the header describes {8 + n + end} bytes, the file has {size} "
                          f"(truncated? copy or download it again)")
 
 
@@ -145,10 +146,10 @@ def check_and_plan(cfg: TrainConfig) -> dict:
     check_parallel_layout(hf, lc.tensor_model_parallel_size, lc.pipeline_model_parallel_size,
                           cfg.run.learner_data_parallel_size)
     if hf.num_heads % cfg.rollout.tensor_parallel_size or hf.num_kv_heads % cfg.rollout.tensor_parallel_size:
-        raise ValueError(f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide "
+        raise ConfigError(f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide "
                          f"num_heads {hf.num_heads} and num_kv_heads {hf.num_kv_heads}")
     if lc.global_batch_size % (lc.micro_batch_size * cfg.run.learner_data_parallel_size):
-        raise ValueError(f"learner.global_batch_size {lc.global_batch_size} is not divisible by micro_batch_size x "
+        raise ConfigError(f"learner.global_batch_size {lc.global_batch_size} is not divisible by micro_batch_size x "
                          f"run.learner_data_parallel_size = {lc.micro_batch_size} x {cfg.run.learner_data_parallel_size}")
     splits, template = load_data(cfg)
     resume_from = check_resume_tokenizer(cfg)

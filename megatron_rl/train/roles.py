@@ -24,6 +24,7 @@ from pathlib import Path
 
 from megatron_rl import __version__
 from megatron_rl.config import config_hash
+from megatron_rl.console import progress
 from megatron_rl.train.config import TrainConfig, data_order_seed, resolved_dict
 from megatron_rl.train.producer import Producer, Round, TrainState
 from megatron_rl.train.stop import STOP_FILE, StopCondition, StopRules
@@ -362,8 +363,7 @@ class Roles:
         self.metrics.log(step, metrics)
         self.stop_rules.observe(step, metrics)
         self._step_seconds.append(phases["step"])
-        logger.info("%s", progress_line(step, self.cfg.run.steps, metrics,
-                                        sum(self._step_seconds) / len(self._step_seconds)))
+        progress(progress_line(step, self.cfg.run.steps, metrics, sum(self._step_seconds) / len(self._step_seconds)))
 
     def stop_condition(self) -> StopCondition | None:
         """The stop condition (train/stop.py) the metrics logged so far meet, or None; one that

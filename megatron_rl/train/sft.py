@@ -72,6 +72,7 @@ def sft(cfg) -> dict:
 
     from megatron_rl.checkpoint import load_checkpoint, load_rng_state, resume_checkpoint, rotate, save_checkpoint
     from megatron_rl.config import config_hash
+    from megatron_rl.console import progress
     from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
     from megatron_rl.data.cursor import DataCursor
     from megatron_rl.metrics import MetricsLogger
@@ -79,6 +80,7 @@ def sft(cfg) -> dict:
     from megatron_rl.train.config import data_order_seed
     from megatron_rl.train.learner_group import LearnerGroup
     from megatron_rl.train.roles import open_run_dir
+    from megatron_rl.train.telemetry import sft_progress_line
 
     run_dir, model_dir, tokenizer, tok_hash, splits, template = open_run_dir(cfg, kind="sft")
     ckpts = run_dir / "checkpoints"
@@ -104,14 +106,19 @@ def sft(cfg) -> dict:
             start = int(manifest["step"])
             logger.info("resumed SFT from %s at step %d", resume_from, start)
         metrics = MetricsLogger(run_dir / "metrics")
+        seconds: list[float] = []
         for step in range(start, cfg.sft.steps):
             t0 = time.perf_counter()
             examples = [train[i] for i in cursor.next_indices(lc.global_batch_size)]
             batch = sft_batch(examples, template, tokenizer, micro_batch_size=lc.micro_batch_size)
             out = learner.sft_step(batch)
+            step_s = time.perf_counter() - t0
             metrics.log(step + 1, {"sft/loss": out["loss"], "sft/nll_per_token": out["nll_sum"] / max(out["tokens"], 1),
                                    "sft/tokens": out["tokens"], "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"],
-                                   "latency/sft_step_s": time.perf_counter() - t0})
+                                   "latency/sft_step_s": step_s})
+            seconds.append(step_s)
+            progress(sft_progress_line(step + 1, cfg.sft.steps, out, sum(seconds) / len(seconds),
+                                       float(out["tokens"]) / max(step_s, 1e-9)))
             due = cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0
             if due or step + 1 == cfg.sft.steps:
                 save_checkpoint(ckpts, step + 1, policy_version=step + 1, config_hash=config_hash(cfg),

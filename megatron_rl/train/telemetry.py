@@ -115,7 +115,8 @@ def _mean(values: list) -> float:
 def progress_line(step: int, total: int, metrics: dict, seconds_per_step: float) -> str:
     """One console line per step: where the run is and whether it is learning.
 
-    step/total, reward and correctness of the step's samples, KL to the
+    step/total, the policy version the coordinator serves after the step's publication,
+    reward and correctness of the step's samples, KL to the
     reference, dv and D_lag P95, ESR, generated tokens/s and the ETA at the mean step time so
     far.  A value the step did not log shows as "-" (never as a made-up zero).
     """
@@ -126,8 +127,26 @@ def progress_line(step: int, total: int, metrics: dict, seconds_per_step: float)
         return "-" if value is None or not math.isfinite(value) else format(value, spec)
 
     eta = max(total - step, 0) * seconds_per_step
-    return (f"step {step}/{total} | reward {fmt('learn/reward_mean', '.3f')} "
+    return (f"step {step}/{total} v{fmt('queue/version', '.0f')} | reward {fmt('learn/reward_mean', '.3f')} "
             f"correct {fmt('learn/reward_correctness', '.3f')} | kl {fmt('learn/kl_ref', '.3g')} "
             f"dv95 {fmt('queue/taken_dv/p95', '.0f')} lag95 {fmt('learn/d_lag/p95', '.2g')} | "
             f"esr {fmt('system/esr', '.2f')} gen {fmt('system/generated_tokens_per_s', '.0f')} tok/s | "
-            f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+            f"eta {_duration(eta)}")
+
+
+def sft_progress_line(step: int, total: int, out: dict, seconds_per_step: float, tokens_per_s: float) -> str:
+    """The SFT step's console line: step/total, loss, NLL per token, grad norm, tokens/s, ETA."""
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None or not math.isfinite(float(value)) else format(float(value), spec)
+
+    nll = out["nll_sum"] / out["tokens"] if out.get("tokens") else None
+    return (f"sft step {step}/{total} | loss {fmt(out.get('loss'), '.4f')} nll/token {fmt(nll, '.4f')} "
+            f"grad {fmt(out.get('grad_norm'), '.3g')} | {fmt(tokens_per_s, '.0f')} tok/s | "
+            f"eta {_duration(max(total - step, 0) * seconds_per_step)}")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"

@@ -77,8 +77,10 @@ def test_sbatch_two_ray_nodes_requeue_and_resume(slurm, tmp_path):
     out = out_file.read_text()
     assert job_state(job) == "COMPLETED", out[-4000:]
     assert out.count("ray cluster ready: 2 nodes") == 2, "each attempt must assemble a 2-node Ray cluster"
-    attempts = sorted(p.name for p in (run_dir / "logs").iterdir())
+    attempts = sorted(p.name for p in (run_dir / "logs").iterdir() if p.is_dir())
     assert attempts == [f"job{job}.attempt0", f"job{job}.attempt1"], attempts
+    # Library and engine logs of both attempts (megatron_rl/console.py), next to the per-attempt logs.
+    assert (run_dir / "logs" / "driver.log").is_file() and (run_dir / "logs" / "ray_RolloutWorker.log").is_file()
     second = (run_dir / "logs" / f"job{job}.attempt1" / "driver.log").read_text()
     assert "resumed from" in second
 

@@ -18,13 +18,41 @@ from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 COMMON = ["run.eval_every=2", "run.checkpoint_every=2", "run.keep_checkpoints=3"]
+CONSOLE: dict = {}  # run directory -> the lines its `megatron-rl train` printed (stdout + stderr)
 
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
     d = tmp_path_factory.mktemp("run_a")
     proc = run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=4", *COMMON)
+    CONSOLE[d] = proc.stdout.splitlines() + proc.stderr.splitlines()
     return d, last_json(proc.stdout)
+
+
+def test_console_is_quiet_and_engine_logs_go_to_the_run_dir(run_a):
+    """At most 40 console lines, one progress line per step; vLLM/Megatron/Ray logs in RUN_DIR/logs/."""
+    d, _ = run_a
+    console = CONSOLE[d]
+    assert len(console) <= 40, "\n".join(console)
+    steps = [line.split()[1] for line in console if line.startswith("step ")]
+    assert steps == ["1/4", "2/4", "3/4", "4/4"], console
+    assert not [line for line in console if "vLLM" in line or "(RolloutWorker" in line or " WARNING ray" in line]
+    logs = d / "logs"
+    rollout = (logs / "ray_RolloutWorker.log").read_text()
+    assert "vllm" in rollout.lower() and "LlamaForCausalLM" in rollout  # the engine's own start-up log
+    assert (logs / "ray_LearnerWorker.log").stat().st_size > 0
+    assert "megatron_rl.progress: step 4/4" in (logs / "driver.log").read_text()
+
+
+def test_report_draws_the_runs_plots(run_a):
+    from megatron_rl.panels import CHARTS
+    from megatron_rl.report import write_report
+
+    d, _ = run_a
+    result = write_report(d)
+    drawn = {p.rsplit("/", 1)[-1] for p in result["plots"]}
+    # Every chart of the report has data in a real run (the queue's drop counters included).
+    assert drawn == {f"{c.slug}.png" for c in CHARTS if c.in_report}, result["missing"]
 
 
 def test_reward_rises_on_held_out_split(run_a):

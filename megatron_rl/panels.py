@@ -1,0 +1,78 @@
+"""The charts a run is watched with: one list for TensorBoard's custom-scalars layout and for
+`megatron-rl report`.
+
+    from megatron_rl.panels import CHARTS, tensorboard_layout
+    tensorboard_layout()   # {"learn": {"D_lag P50/P95/P99": ["Multiline", [...]]}, ...}
+
+Each chart belongs to a panel (the metric key prefix: learn/, numerics/, system/, latency/,
+queue/, eval/) and lists the series it draws as regular expressions over metric keys (full
+match); percentile charts put P50, P95 and P99 of one quantity on one chart.  A series that no
+logged key matches is "missing": the report names it instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterable
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Chart:
+    panel: str
+    """TensorBoard category (the metric prefix)."""
+    title: str
+    """Chart title; also the PNG's name in the report (slugged)."""
+    series: tuple[str, ...]
+    """Regular expressions over metric keys (full match), one per line drawn (or family of lines)."""
+    in_report: bool = True
+    """Drawn by `megatron-rl report` (every chart is in the TensorBoard layout)."""
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "_", self.title.replace("Δ", "d").lower()).strip("_")
+
+    def matches(self, keys: Iterable[str]) -> tuple[dict[str, list[str]], list[str]]:
+        """({pattern: matching keys (sorted)}, [patterns matching no key])."""
+        keys = sorted(keys)
+        found = {p: [k for k in keys if re.fullmatch(p, k)] for p in self.series}
+        return {p: ks for p, ks in found.items() if ks}, [p for p, ks in found.items() if not ks]
+
+
+def _pcts(key: str) -> tuple[str, ...]:
+    return tuple(re.escape(f"{key}/p{q}") for q in (50, 95, 99))
+
+
+CHARTS: tuple[Chart, ...] = (
+    Chart(panel="learn", title="Reward and correctness",
+          series=("learn/reward_mean", "learn/reward_correctness", "eval/test_correctness", "eval/dev_correctness")),
+    Chart(panel="learn", title="KL to reference", series=(r"learn/kl_ref_.*",)),
+    Chart(panel="learn", title="Entropy", series=("learn/entropy_estimate",)),
+    Chart(panel="learn", title="Response length", series=("learn/response_length",)),
+    Chart(panel="learn", title="Clip fraction", series=("learn/clip_fraction",)),
+    Chart(panel="learn", title="Grad norm", series=("learn/grad_norm",)),
+    Chart(panel="learn", title="D_lag P50/P95/P99", series=_pcts("learn/d_lag")),
+    Chart(panel="numerics", title="Non-finite values", in_report=False,
+          series=("numerics/nonfinite_loss", "numerics/nonfinite_grad_norm", "numerics/nonfinite_behavior_logprobs")),
+    Chart(panel="numerics", title="Min behavior logprob", series=("numerics/min_behavior_logprob",), in_report=False),
+    Chart(panel="system", title="TPS vs effective TPS",
+          series=("system/generated_tokens_per_s", "system/effective_tokens_per_s")),
+    Chart(panel="system", title="Step time by phase",
+          series=tuple(f"system/time_{p}_s" for p in ("rollout", "score", "learn", "publish", "step"))),
+    Chart(panel="system", title="ESR", series=("system/esr",), in_report=False),
+    Chart(panel="latency", title="Rollout round P50/P95/P99", series=_pcts("latency/rollout_round_s"), in_report=False),
+    Chart(panel="latency", title="Verifier batch P50/P95/P99", series=_pcts("latency/verifier_batch_s"),
+          in_report=False),
+    Chart(panel="queue", title="Δv P50/P95/P99", series=_pcts("queue/taken_dv")),
+    Chart(panel="queue", title="Queue depth and drops", series=("queue/depth", r"queue/dropped.*")),
+    Chart(panel="eval", title="Held-out correctness", series=(r"eval/.*_correctness",), in_report=False),
+    Chart(panel="eval", title="Held-out reward", series=(r"eval/.*_reward",), in_report=False),
+)
+
+
+def tensorboard_layout(charts: Iterable[Chart] = CHARTS) -> dict[str, dict[str, list]]:
+    """{panel: {title: ["Multiline", [tag regex, ...]]}}: torch's SummaryWriter.add_custom_scalars form."""
+    layout: dict[str, dict[str, list]] = {}
+    for chart in charts:
+        layout.setdefault(chart.panel, {})[chart.title] = ["Multiline", list(chart.series)]
+    return layout

@@ -1,0 +1,20 @@
+"""Every test under tests/unit is in the fast tier: `python -m pytest -m unit` (under 2 minutes).
+
+A file that forgets `pytestmark = pytest.mark.unit` is marked here, so the tier never silently
+loses tests; what starts vLLM, Ray clusters or several Megatron processes belongs in tests/e2e or
+tests/dist instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.unit)
