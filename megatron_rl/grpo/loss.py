@@ -147,6 +147,9 @@ class GRPOLossConfig:
     """ε floor of the group std in the advantage normalisation (used by compute_advantages)."""
     filter_zero_variance: bool = False
     """Drop samples of zero-variance groups from the loss (used by compute_advantages)."""
+    entropy_coef: float = 0.0
+    """β_H of the entropy bonus: each token's advantage gains β_H x (-log μ(a_t)), its surprisal under the
+    policy that sampled it, whose expected gradient ascends the policy's entropy (see grpo_loss)."""
     advantage_baseline: Literal["group", "batch"] = "group"
     """"group": GRPO, (R - group mean) / group std; "batch": REINFORCE++, (R - batch mean) / batch std,
     so groups whose rewards are all equal still carry signal (see grpo/advantages.py)."""
@@ -174,6 +177,8 @@ class GRPOLossConfig:
             raise ValueError(f"adv_eps must be > 0, got {self.adv_eps}")
         if self.lag_threshold is not None and not self.lag_threshold > 0:
             raise ValueError(f"lag_threshold must be > 0 or None, got {self.lag_threshold}")
+        if not self.entropy_coef >= 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if self.advantage_baseline not in ("group", "batch"):
             raise ValueError(f"advantage_baseline must be 'group' or 'batch', got {self.advantage_baseline!r}")
         if self.advantage_baseline == "batch" and self.filter_zero_variance:
@@ -288,6 +293,11 @@ def grpo_loss(
     old = masked(old_logprobs_bt) if old_logprobs_bt is not None else None
     adv_bt = advantages_b.to(mask)[:, None].expand_as(logprobs_bt)
     anchor = behavior if old is None else old
+    if cfg.entropy_coef:
+        # Entropy bonus as a per-token advantage: E_a[-log π(a) ∇log π(a)] = ∇H(π) (score function;
+        # E[∇log π] = 0), so adding β_H x surprisal of the sampled token ascends the entropy.
+        # Capped at 20 nats: a token outside a truncated (top-k/top-p) set scores -87.3 (learner/logprobs.py).
+        adv_bt = adv_bt + cfg.entropy_coef * torch.where(keep_bt, -anchor, zeros).clamp(max=20.0)
 
     # Clipped surrogate, per token.
     ratio_bt = _exp_log_ratio(logprobs_bt - anchor)

@@ -400,3 +400,22 @@ def test_huge_log_ratios_give_finite_gradients():
             loss.backward()
             assert torch.isfinite(loss) and torch.isfinite(lp.grad).all(), (adv, cfg, lp.grad)
             assert math.isfinite(grpo_metrics(stats, cfg)["ratio_max"])
+
+
+def test_entropy_bonus_expected_gradient_ascends_entropy():
+    # Exact expectation over a 5-way categorical: sum_a pi(a) * grad loss(a) must equal -beta * grad H.
+    theta = torch.tensor([0.3, -1.2, 2.0, 0.1, -0.4], dtype=torch.float64, requires_grad=True)
+    beta = 0.3
+    cfg = GRPOLossConfig(entropy_coef=beta, clip_eps_low=0.2, clip_eps_high=0.2)
+    logp = torch.log_softmax(theta, dim=0)
+    expected = torch.zeros(())
+    for a in range(5):
+        lp = logp[a].reshape(1, 1)
+        loss, _ = grpo_loss(lp, lp.detach(), None, torch.zeros(1, dtype=torch.float64), torch.ones(1, 1), cfg)
+        expected = expected + logp[a].exp().detach() * loss
+    (grad_loss,) = torch.autograd.grad(expected, theta, retain_graph=True)
+    entropy = -(logp.exp() * logp).sum()
+    (grad_h,) = torch.autograd.grad(entropy, theta)
+    assert torch.allclose(grad_loss, -beta * grad_h, atol=1e-10), (grad_loss, grad_h)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        GRPOLossConfig(entropy_coef=-0.1)
