@@ -40,9 +40,10 @@ def plan_for_config(cfg) -> dict:
     reserve = cfg.cluster.reserve_fraction
     led = learner_ledger(model, lay, reserve)
     rled = rollout_ledger(model, roll, reserve, cfg.cluster.gpu_memory_gib)
-    # Colocated roles only free vLLM's memory between turns when its sleep mode is enabled.
-    sleep = bool(rc.engine_options.get("enable_sleep_mode", False))
-    verdicts = compare_placements(led, rled, lay, roll, cfg.cluster.gpu_memory_gib, cfg.cluster.gpus, sleep_mode=sleep)
+    # vLLM's sleep mode would free the engine's memory while the learner learns, but the driver does
+    # not call sleep/wake_up yet: the engine is counted awake even when enable_sleep_mode is set.
+    sleep_requested = bool(rc.engine_options.get("enable_sleep_mode", False))
+    verdicts = compare_placements(led, rled, lay, roll, cfg.cluster.gpu_memory_gib, cfg.cluster.gpus, sleep_mode=False)
     return {
         "model_params": model.num_params,
         "gpu_memory_gib": cfg.cluster.gpu_memory_gib,
@@ -54,6 +55,7 @@ def plan_for_config(cfg) -> dict:
                                      "margin": 1 - v.peak_bytes_per_gpu / (cfg.cluster.gpu_memory_gib * GIB)}
                        for v in verdicts],
         "configured_placement": cfg.run.placement,
+        "sleep_mode_ignored": sleep_requested,
     }
 
 
@@ -65,6 +67,9 @@ def render(plan: dict) -> str:
                  f"needs {plan['rollout_need_gib']:.2f})" if role == "rollout" and plan["rollout_budget_gib"] is not None else "")
         lines.append(f"{role} per GPU:{extra}")
         lines += [f"  {k:<18} {v:10.2f} GiB" for k, v in items.items()]
+    if plan.get("sleep_mode_ignored"):
+        lines.append("note: rollout.engine_options.enable_sleep_mode is set, but the driver does not put engines "
+                     "to sleep yet; they are counted awake")
     lines.append("placements:")
     for v in plan["placements"]:
         mark = "fits" if v["fits"] else "DOES NOT FIT"

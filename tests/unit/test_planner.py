@@ -1,5 +1,7 @@
 """Planner ledger against numbers computed by hand (see the comments for each step)."""
 
+from pathlib import Path
+
 import pytest
 
 from megatron_rl.planner.ledger import (
@@ -8,6 +10,7 @@ from megatron_rl.planner.ledger import (
 )
 
 pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
 
 SMALL = ModelDims(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)
@@ -115,7 +118,18 @@ def test_7b_recipes_fit_with_ten_percent_margin(recipe):
     from megatron_rl.planner.cli import plan_for_config
     from megatron_rl.train.config import load_train_config
 
-    plan = plan_for_config(load_train_config(recipe, []))
+    plan = plan_for_config(load_train_config(REPO / recipe, []))
     chosen = next(v for v in plan["placements"] if v["placement"] == plan["configured_placement"])
     assert chosen["fits"] and chosen["margin"] >= 0.10, chosen
     assert plan["rollout_need_gib"] <= plan["rollout_budget_gib"]
+
+
+def test_sleep_mode_is_not_counted_while_the_driver_never_sleeps():
+    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.train.config import load_train_config
+
+    recipe = REPO / "configs/qwen2_7b_8gpu_colocated.yaml"
+    awake = plan_for_config(load_train_config(recipe, []))
+    asked = plan_for_config(load_train_config(recipe, ["rollout.engine_options.enable_sleep_mode=true"]))
+    assert asked["sleep_mode_ignored"] and not awake["sleep_mode_ignored"]
+    assert [p["peak_gib_per_gpu"] for p in asked["placements"]] == [p["peak_gib_per_gpu"] for p in awake["placements"]]
