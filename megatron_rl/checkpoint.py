@@ -466,5 +466,5 @@ def rotate(run_dir: str | Path, keep_n: int) -> list[Path]:
             doomed.append(child)
     for path in doomed:
         _remove(path)
-        logger.info("rotated out %s", path)
+        logger.debug("rotated out %s", path)
     return doomed

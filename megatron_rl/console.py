@@ -6,8 +6,8 @@
         progress("step 3/60 | reward ...")               # a line per step, or a bar on a terminal
 
 What reaches the console (stderr) by default:
-  - progress lines (logger `megatron_rl.progress`): one line each, or one bar redrawn in place
-    when stderr is a terminal;
+  - progress lines (logger `megatron_rl.progress`): one bar redrawn in place when stderr is a
+    terminal, else about ten lines per run (first, every ceil(steps/10)-th, last; all in the log);
   - records of the project's loggers (`megatron_rl.*`) at INFO and above;
   - errors (ERROR and above) from anything, including lines of Ray workers that look like errors.
 Everything else -- vLLM, Megatron-Core, Ray, transformers, Python warnings, and whatever C/C++
@@ -41,9 +41,23 @@ _ERROR_LINE = re.compile(r"(^|\s|\[)(ERROR|CRITICAL|FATAL)\b|^Traceback \(most r
 progress_log = logging.getLogger(PROGRESS_LOGGER)
 
 
-def progress(line: str) -> None:
-    """One progress line (step, version, reward, ...): a console line or the terminal's bar."""
-    progress_log.info("%s", line)
+PIPED_PROGRESS_LINES = 10
+"""Where stderr is not a terminal, a run of `total` steps shows about this many progress lines (the
+first, every ceil(total / 10)-th and the last); RUN_DIR/logs/driver.log keeps every one."""
+
+
+def progress(line: str, step: int | None = None, total: int | None = None) -> None:
+    """One progress line (step, version, reward, ...): the terminal's bar, or a console line (for
+    step `step` of `total`, only some of them: PIPED_PROGRESS_LINES)."""
+    progress_log.info("%s", line, extra={"progress_step": step, "progress_total": total})
+
+
+def progress_due(step: int | None, total: int | None, lines: int = PIPED_PROGRESS_LINES) -> bool:
+    """Whether a piped console shows the progress line of `step` of `total`."""
+    if step is None or not total:
+        return True
+    stride = -(-total // lines)
+    return step in (1, total) or step % stride == 0
 
 
 class ConsoleHandler(logging.Handler):
@@ -72,7 +86,9 @@ class ConsoleHandler(logging.Handler):
             return
         try:
             if record.name == PROGRESS_LOGGER:
-                self._progress(record.getMessage())
+                if self.bar or progress_due(getattr(record, "progress_step", None),
+                                            getattr(record, "progress_total", None)):
+                    self._progress(record.getMessage())
             else:
                 self._line(self.format(record))
             self.stream.flush()

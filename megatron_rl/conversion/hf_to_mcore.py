@@ -38,7 +38,7 @@ DTYPE_CHOICES = tuple(TORCH_DTYPES)
 
 
 class GroupProgress:
-    """Logs conversion progress every ~10% of groups (and at the last one)."""
+    """Logs conversion progress every ~10% of groups (and at the last one); at DEBUG for its first 2 s."""
 
     def __init__(self, what: str) -> None:
         self.what, self.t0, self._next = what, time.monotonic(), 0.1
@@ -46,8 +46,9 @@ class GroupProgress:
     def __call__(self, group: str, done: int, total: int) -> None:
         frac = done / max(total, 1)
         if frac >= self._next or done == total:
-            logger.info("%s: %d/%d groups (%s) %.0f%% in %.1fs", self.what, done, total, group, 100 * frac,
-                        time.monotonic() - self.t0)
+            elapsed = time.monotonic() - self.t0  # a conversion done in a blink needs no progress on the console
+            logger.log(logging.INFO if elapsed >= 2.0 else logging.DEBUG, "%s: %d/%d groups (%s) %.0f%% in %.1fs",
+                       self.what, done, total, group, 100 * frac, elapsed)
             self._next = frac + 0.1
 
 

@@ -188,7 +188,7 @@ class Roles:
         finally:
             self._producer.unpause()
         rotate(ckpts, self.cfg.run.keep_checkpoints)
-        logger.info("checkpoint %s committed", path)
+        logger.debug("checkpoint %s committed", path)  # checkpoint.py says it on the console
         return path
 
     def _vocab_size(self) -> int:
@@ -363,7 +363,8 @@ class Roles:
         self.metrics.log(step, metrics)
         self.stop_rules.observe(step, metrics)
         self._step_seconds.append(phases["step"])
-        progress(progress_line(step, self.cfg.run.steps, metrics, sum(self._step_seconds) / len(self._step_seconds)))
+        progress(progress_line(step, self.cfg.run.steps, metrics, sum(self._step_seconds) / len(self._step_seconds)),
+                 step=step, total=self.cfg.run.steps)
 
     def stop_condition(self) -> StopCondition | None:
         """The stop condition (train/stop.py) the metrics logged so far meet, or None; one that

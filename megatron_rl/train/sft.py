@@ -118,7 +118,7 @@ def sft(cfg) -> dict:
                                    "latency/sft_step_s": step_s})
             seconds.append(step_s)
             progress(sft_progress_line(step + 1, cfg.sft.steps, out, sum(seconds) / len(seconds),
-                                       float(out["tokens"]) / max(step_s, 1e-9)))
+                                       float(out["tokens"]) / max(step_s, 1e-9)), step=step + 1, total=cfg.sft.steps)
             due = cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0
             if due or step + 1 == cfg.sft.steps:
                 save_checkpoint(ckpts, step + 1, policy_version=step + 1, config_hash=config_hash(cfg),

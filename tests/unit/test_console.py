@@ -45,6 +45,21 @@ def test_console_shows_progress_and_project_messages_but_not_library_chatter():
     assert "chatty" in verbose.getvalue()
 
 
+def test_piped_progress_of_a_long_run_shows_about_ten_lines():
+    from megatron_rl.console import progress_due
+
+    out = io.StringIO()
+    h = ConsoleHandler(out, verbose=False, bar=False)
+    for step in range(1, 101):
+        rec = _record(PROGRESS_LOGGER, logging.INFO, f"step {step}/100")
+        rec.progress_step, rec.progress_total = step, 100
+        h.handle(rec)
+    lines = out.getvalue().splitlines()
+    assert lines == ["step 1/100"] + [f"step {s}/100" for s in range(10, 101, 10)]
+    assert all(progress_due(s, 8) for s in range(1, 9))  # a short run shows every step
+    assert [s for s in range(1, 24) if progress_due(s, 23)] == [1, 3, 6, 9, 12, 15, 18, 21, 23]
+
+
 def test_on_a_terminal_progress_is_one_bar_redrawn_in_place():
     out = io.StringIO()
     h = ConsoleHandler(out, verbose=False, bar=True)
