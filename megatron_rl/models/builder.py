@@ -15,7 +15,8 @@ The mapping of Llama / Qwen2 semantics onto Megatron switches:
                         factor, so the inverse frequencies are recomputed with the checkpoint's
                         low/high_freq_factor and original_max_position_embeddings (Megatron's own
                         RotaryEmbedding._apply_scaling, which follows transformers' llama3 rule)
-  Qwen3 q/k RMSNorm   -> qk_layernorm=True in the layer spec (over head_dim, before RoPE, as in HF);
+  Qwen3 q/k RMSNorm   -> qk_layernorm=True in the layer spec and the config (over head_dim, before
+                        RoPE, as in HF; the config flag makes Megatron sum its grads over TP);
                         head_dim is kv_channels, independent of hidden_size / num_heads
   tied embeddings     -> share_embeddings_and_output_weights=tie_word_embeddings
 Dropout is off: RL post-training compares logprobs of the same policy across engines.
@@ -56,6 +57,9 @@ def build_transformer_config(cfg: HFModelConfig, *, tp: int, pp: int, platform: 
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=cfg.qkv_bias,
+        # Besides the layer spec: finalize_model_grads sums q/k_layernorm grads over TP only when set
+        # (each TP rank normalises its own heads with the one replicated weight).
+        qk_layernorm=cfg.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,

@@ -2,7 +2,9 @@
 
     python -m pytest tests/dist/test_parallel_equivalence.py -q
 
-One launch of 4 gloo processes builds a tiny random Llama at TP1 (same seed everywhere), takes
+One launch of 4 gloo processes builds a tiny random Qwen3 at TP1 (same seed everywhere; Qwen3 is a
+Llama plus a q/k RMSNorm whose one replicated weight each TP rank applies to its own heads, so its
+grads must be summed over TP, and a head_dim of 32 != hidden/heads), takes
 its full state dict, and for each layout loads the matching shard:
   * logits (TP layouts, gathered over the vocab shards) and per-token logprobs, within 1e-5;
   * one optimizer step (Adam, weight decay, clip_grad=1.0, distributed optimizer) through the
@@ -18,8 +20,8 @@ from tests.reference import assert_same_logits
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 101, "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+TINY = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 101, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp) on 4 ranks; dp = 4 / (tp * pp)
 OPT = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, clip_grad=1.0)

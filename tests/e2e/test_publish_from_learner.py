@@ -1,7 +1,8 @@
 """A TP=2 Megatron learner publishes to TP=1 and TP=2 vLLM rollout groups; they agree to 1e-4.
 
-Also per architecture (Llama-3.x rope scaling, Qwen3 q/k norm with its own head_dim): the same
-two-step GRPO run trains the tiny model end to end on CPU and publishes it to a TP=1 group.
+The TP=1 group is exercised with the newer architectures (Llama-3.x rope scaling, which is a Llama
+otherwise; Qwen3 q/k norm with its own head_dim): the same two-step GRPO run trains each tiny
+model end to end on CPU and publishes it.
 
     python -m pytest tests/e2e/test_publish_from_learner.py -q
 
@@ -25,7 +26,7 @@ from tests.e2e.conftest import TINY, read_jsonl, run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("arch,rollout_tp", [("llama", 1), ("llama", 2), ("llama3", 1), ("qwen3", 1)])
+@pytest.mark.parametrize("arch,rollout_tp", [("llama", 2), ("llama3", 1), ("qwen3", 1)])
 def test_tp2_learner_publishes_to_rollout_group(tmp_path, arch, rollout_tp):
     run_cli("train", "--config", str(TINY), f"run.dir={tmp_path}", "run.steps=2", "run.eval_every=0",
             "run.checkpoint_every=0", "learner.tensor_model_parallel_size=2",

@@ -63,7 +63,7 @@ def llama_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("llama3", False), ("qwen3", True)])
 def test_checkpoint_loads_in_transformers(tmp_path, arch, tied):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,6 +84,9 @@ def test_checkpoint_loads_in_transformers(tmp_path, arch, tied):
     assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) is tied
     has_bias = model.model.layers[0].self_attn.q_proj.bias is not None
     assert has_bias is (arch == "qwen2")
+    assert hasattr(model.model.layers[0].self_attn, "q_norm") is (arch == "qwen3")
+    assert cfg.head_dim == cfg.hidden_size // cfg.num_attention_heads * (2 if arch == "qwen3" else 1)
+    assert cfg.rope_parameters.get("rope_type", "default") == ("llama3" if arch == "llama3" else "default")
     n = sum(p.numel() for p in model.parameters())
     assert 300_000 <= n <= 1_000_000
     logits = model(torch.tensor([ids])).logits

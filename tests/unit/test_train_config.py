@@ -91,6 +91,17 @@ def test_planner_reports_a_layout_that_cannot_fit(capsys):
     assert not col["fits"] and col["largest_item"] == "rollout/weights"
 
 
+def test_qwen3_8b_recipe_is_planned_from_its_config(capsys):
+    """The Qwen3-8B recipe's architecture file is read (head_dim 128, untied) and its layout fits 8 x 80 GiB."""
+    recipe = str(REPO / "configs" / "qwen3_8b_8gpu_colocated.yaml")
+    assert main(["plan", "--config", recipe, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert abs(plan["model_params"] / 1e9 - 8.19) < 0.01  # Qwen3-8B: 8.2B, 6.95B without embeddings
+    assert next(p for p in plan["placements"] if p["placement"] == "colocated")["fits"]
+    assert main(["plan", "--config", recipe, "--json", "rollout.tensor_parallel_size=1", "run.rollout_groups=8"]) == 1
+    capsys.readouterr()
+
+
 def _write_jsonl(path, questions):
     path.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in questions))
     return path
