@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def _drill(tmp_path_factory, name, *args):
 
 
 def _losses(run_dir):
-    return {r["step"]: r for r in read_jsonl(f"{run_dir}/metrics/metrics.jsonl") if "learn/loss" in r}
+    return {r["step"]: r for r in read_jsonl(Path(run_dir) / "metrics" / "metrics.jsonl") if "learn/loss" in r}
 
 
 def _common(record, redone):
