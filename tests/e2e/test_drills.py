@@ -5,7 +5,7 @@
 Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts), bad_checkpoint
 (1: it damages a copy of the worker_crash run), oom (1), oom_twice (2: the stop, then the rerun
 with a smaller micro-batch), verifier_timeout (1), bad_refit (1), and the shadow-forward check (1
-attempt, refused at resume): 9 start-ups of ~70 s.  Every record must
+attempt on a copy of the oom run, refused at resume): 9 start-ups of ~70 s.  Every record must
 show what the protocol promises: recovered (or the documented clean stop), 0 trajectories lost,
 0 duplicated, continuous versions.  The oom run is also compared with the worker_crash run, whose
 steps 1-4 are those of an uninterrupted run (resume is exact): same losses before the fault, the
@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def _drill(tmp_path_factory, name, *args):
 
 
 def _losses(run_dir):
-    return {r["step"]: r for r in read_jsonl(f"{run_dir}/metrics/metrics.jsonl") if "learn/loss" in r}
+    return {r["step"]: r for r in read_jsonl(Path(run_dir) / "metrics" / "metrics.jsonl") if "learn/loss" in r}
 
 
 def _common(record, redone):
@@ -77,8 +78,13 @@ def test_bad_checkpoint_falls_back(bad_checkpoint):
     _common(rec, redone=2)  # steps 3 and 4 relearned
 
 
-def test_oom_retries_at_half_micro_batch(tmp_path_factory, worker_crash):
-    code, rec = _drill(tmp_path_factory, "oom")
+@pytest.fixture(scope="module")
+def oom(tmp_path_factory):
+    return _drill(tmp_path_factory, "oom")
+
+
+def test_oom_retries_at_half_micro_batch(oom, worker_crash):
+    code, rec = oom
     assert code == 0 and rec["recovered"], rec
     assert "micro_batch_size 64" in rec["evidence"], rec
     _common(rec, redone=0)  # the retry happens inside the step
@@ -119,33 +125,35 @@ def _alter_embedding(ckpt):
 
     weights = ckpt / "weights"
     meta = FileSystemReader(str(weights)).read_metadata()
-    info = next(v for i, v in meta.storage_data.items()
-                if "embedding" in i.fqn and "optimizer" not in i.fqn)
-    target = weights / info.relative_path
-    data = target.read_bytes()
-    tensor = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), weights_only=True)
-    buf = io.BytesIO()
-    torch.save(tensor * 3.0, buf)
-    assert len(buf.getvalue()) == info.length
-    target.write_bytes(data[:info.offset] + buf.getvalue() + data[info.offset + info.length:])
+    # The model's copy and the distributed optimizer's fp32 copy (which the model is refilled from).
+    infos = [v for i, v in meta.storage_data.items()
+             if i.fqn in ("embedding.word_embeddings.weight", "optimizer.state.param.embedding.word_embeddings.weight")]
+    assert len(infos) == 2, [i.fqn for i in meta.storage_data]
     manifest = json.loads((ckpt / "COMMITTED").read_text())
-    rel = target.relative_to(ckpt).as_posix()
-    manifest["files"][rel] = {"sha256": file_sha256(target), "bytes": target.stat().st_size}
+    for info in infos:
+        target = weights / info.relative_path
+        data = target.read_bytes()
+        tensor = torch.load(io.BytesIO(data[info.offset:info.offset + info.length]), weights_only=True)
+        buf = io.BytesIO()
+        torch.save(tensor * 3.0, buf)
+        assert len(buf.getvalue()) == info.length
+        target.write_bytes(data[:info.offset] + buf.getvalue() + data[info.offset + info.length:])
+        manifest["files"][target.relative_to(ckpt).as_posix()] = {"sha256": file_sha256(target),
+                                                                  "bytes": target.stat().st_size}
     (ckpt / "COMMITTED").write_text(json.dumps(manifest))
-    return rel
 
 
-def test_shadow_forward_refuses_altered_weights_with_matching_manifest(bad_checkpoint, tmp_path):
+def test_shadow_forward_refuses_altered_weights_with_matching_manifest(oom, tmp_path):
     run = tmp_path / "run"
-    shutil.copytree(bad_checkpoint[1]["run_dir"], run, symlinks=True)
-    ckpt = run / "checkpoints" / "step_000005"
+    shutil.copytree(oom[1]["run_dir"], run, symlinks=True)
+    ckpt = run / "checkpoints" / "step_000004"
     _alter_embedding(ckpt)
     assert main(["checkpoint", "verify", str(run)]) == 0  # every sha256 matches: bytes look intact
-    proc = run_cli("train", "--config", str(TINY), f"run.dir={run}", "run.steps=6", *DEFAULT_OVERRIDES, check=False)
+    proc = run_cli("train", "--config", str(TINY), f"run.dir={run}", "run.steps=5", *DEFAULT_OVERRIDES, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "shadow forward" in proc.stderr and "step_000005" in proc.stderr, proc.stderr[-3000:]
+    assert "shadow forward" in proc.stderr and "step_000004" in proc.stderr, proc.stderr[-3000:]
     assert "refusing to continue" in proc.stderr
-    assert not (run / "checkpoints" / "step_000006").exists()
+    assert not (run / "checkpoints" / "step_000005").exists()
 
 
 def test_refit_check_catches_permuted_load(tmp_path_factory):
