@@ -1,6 +1,6 @@
 """The coordinator under load with random SIGKILLs: nothing lost, nothing consumed twice.
 
-    /work/heavy python benchmarks/coordinator_load.py [--duration 120] [--producers 8] [--consumers 2]
+    python benchmarks/coordinator_load.py [--duration 120] [--producers 8] [--consumers 2]
                                                       [--kill-every 8 20] [--seed 0] [--json]
 
 The coordinator is the real Ray actor (`start_coordinator`: SQLite WAL, max_restarts=-1,

@@ -1,6 +1,6 @@
 """Every fault drill of `megatron-rl drill` on the tiny recipe, one table row per drill.
 
-    .venv/bin/python benchmarks/drills.py [--config configs/tiny_cpu.yaml] [--only oom,worker_crash] [--json]
+    .venv/bin/python benchmarks/drills.py [--config configs/tiny_cpu_scratch.yaml] [--only oom,worker_crash] [--json]
 
 Each drill is a real training run (megatron_rl/drill.py; a few steps, ~70 s of start-up per
 training attempt on 2 CPU cores) with its fault injected through MEGATRON_RL_DRILL or by damaging
@@ -9,7 +9,7 @@ own exit code and a rerun with the documented remedy),
 trajectories lost and duplicated (consumed.jsonl against the WAL), versions continuous (steps and
 checkpoint versions with no gap or repeat), time to recover (injection -> first step learned
 after it, restarts included), steps redone, and the attempts' exit codes.  The whole table takes
-~10 minutes; run it under /work/heavy on a shared machine.
+~10 minutes.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def render(records: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(REPO / "configs" / "tiny_cpu.yaml"))
+    ap.add_argument("--config", default=str(REPO / "configs" / "tiny_cpu_scratch.yaml"))
     ap.add_argument("--only", default=",".join(PLAN), help="comma-separated drills (default: all)")
     ap.add_argument("--json", action="store_true", help="also print every record as a JSON line")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
 """Fault drills (issue #12): a real training run, one injected fault, one JSON record of what happened.
 
-    megatron-rl drill oom --config configs/tiny_cpu.yaml [--at-step 1] [run.steps=4 ...]
+    megatron-rl drill oom --config configs/tiny_cpu_scratch.yaml [--at-step 1] [run.steps=4 ...]
     python -m benchmarks.drills                                     # every drill, one table
 
 Each drill runs `megatron-rl train` in subprocesses (shortened: DEFAULT_OVERRIDES), injects its
@@ -40,7 +40,7 @@ class DrillConfig:
     name: str
     """The drill: one of DRILLS."""
     config: str
-    """Training config YAML (configs/tiny_cpu.yaml)."""
+    """Training config YAML (configs/tiny_cpu_scratch.yaml)."""
     run_dir: str
     """A fresh run directory for the drill (must not hold checkpoints)."""
     at_step: int = 2

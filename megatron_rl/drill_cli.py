@@ -1,8 +1,8 @@
 """`megatron-rl drill`: inject one fault into a real (shortened) training run and report the recovery.
 
-    megatron-rl drill oom --config configs/tiny_cpu.yaml [--at-step 2] [--steps 4] [k=v ...]
-    megatron-rl drill bad_checkpoint --config configs/tiny_cpu.yaml --variant truncate
-    megatron-rl drill verifier_timeout --config configs/tiny_cpu.yaml --variant 0.1 reward.timeout_s=0.5
+    megatron-rl drill oom --config configs/tiny_cpu_scratch.yaml [--at-step 2] [--steps 4] [k=v ...]
+    megatron-rl drill bad_checkpoint --config configs/tiny_cpu_scratch.yaml --variant truncate
+    megatron-rl drill verifier_timeout --config configs/tiny_cpu_scratch.yaml --variant 0.1 reward.timeout_s=0.5
 
 Prints one JSON record (megatron_rl/drill.py): fault, injected_at, detected_by, action, recovered,
 steps_redone, trajectories_lost, trajectories_duplicated, versions_continuous, time_to_recover_s.
@@ -40,7 +40,7 @@ def register(sub) -> None:
     names = p.add_subparsers(dest="name", metavar="NAME", required=True)
     for name in DRILLS:  # one parser per drill, so options and k=v overrides may come in any order after NAME
         d = names.add_parser(name, help=f"the {name} drill")
-        d.add_argument("--config", required=True, help="training config YAML (e.g. configs/tiny_cpu.yaml)")
+        d.add_argument("--config", required=True, help="training config YAML (e.g. configs/tiny_cpu_scratch.yaml)")
         d.add_argument("--at-step", type=int, default=None,
                        help="learner step (0-based) the fault hits; bad_checkpoint: the checkpoint step to "
                             "damage (default 2; bad_checkpoint 4)")

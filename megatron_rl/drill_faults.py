@@ -1,6 +1,6 @@
 """The drills of `megatron-rl drill`: how each fault is injected and what counts as detected/recovered.
 
-    megatron-rl drill worker_crash --config configs/tiny_cpu.yaml
+    megatron-rl drill worker_crash --config configs/tiny_cpu_scratch.yaml
 
 Each runner takes a `megatron_rl.drill.Drill` (its run directory and attempt log), runs the training
 attempts the recovery protocol needs (RUNBOOK.md, "Fault drills") and returns the drill-specific

@@ -1,7 +1,7 @@
 """Fault-injection hooks for `megatron-rl drill` (issue #12): the one switch the failing component reads.
 
     MEGATRON_RL_DRILL='{"fault": "oom", "at_step": 2, "events": "/abs/run/drill_events.jsonl"}' \
-        megatron-rl train --config configs/tiny_cpu.yaml
+        megatron-rl train --config configs/tiny_cpu_scratch.yaml
 
 A drill is declared in the environment variable MEGATRON_RL_DRILL (a JSON object) of the training
 process; Ray actors and grader processes started by it inherit it.  Without the variable every

@@ -1,6 +1,6 @@
 """Distributed-optimizer checkpoint at DP2: memory-efficient save, exact resume (issue 18, defect 4).
 
-    /work/heavy timeout 900 .venv/bin/python -m pytest tests/dist/test_optimizer_checkpoint.py -q
+    .venv/bin/python -m pytest tests/dist/test_optimizer_checkpoint.py -q
 
 Two gloo ranks (TP1 x DP2) train a tiny Llama one step with the distributed optimizer and save
 through the learner's sharded_state_dict (as train.learner_group does).  The save must use the

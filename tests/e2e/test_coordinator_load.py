@@ -1,7 +1,7 @@
 """The coordinator under load (issue #12 acceptance, short form): 8 producers, 2 consumers,
 45 s of load with random SIGKILLs of the real coordinator actor; 0 lost, 0 duplicated.
 
-    /work/heavy python -m pytest tests/e2e/test_coordinator_load.py -q
+    python -m pytest tests/e2e/test_coordinator_load.py -q
 
 Runs benchmarks/coordinator_load.py (see its docstring for how ids are counted) in a
 subprocess; the full benchmark is the same script with --duration 120 or more.

@@ -1,11 +1,13 @@
 """Fault drills (issue #12) through the real `megatron-rl drill` CLI on the tiny recipe.
 
-    /work/heavy timeout 1800 .venv/bin/python -m pytest tests/e2e/test_drills.py -q
+    python -m pytest tests/e2e/test_drills.py -q
 
-Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts), bad_checkpoint
-(1: it damages a copy of the worker_crash run), oom (1), oom_twice (2: the stop, then the rerun
-with a smaller micro-batch), verifier_timeout (1), bad_refit (1), and the shadow-forward check (1
-attempt on a copy of the oom run, refused at resume): 9 start-ups of ~70 s.  Every record must
+Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts), oom (1),
+oom_twice (2: the stop, then the rerun with a smaller micro-batch), verifier_timeout (1),
+bad_refit (1), and the shadow-forward check (1 attempt on a copy of the oom run, refused at
+resume): 8 start-ups of ~70 s.  The bad_checkpoint drill's fallback is the resume path that
+tests/e2e/test_bad_checkpoint.py drives for each kind of damage (`megatron-rl drill
+bad_checkpoint` wraps it).  Every record must
 show what the protocol promises: recovered (or the documented clean stop), 0 trajectories lost,
 0 duplicated, continuous versions.  The oom run is also compared with the worker_crash run, whose
 steps 1-4 are those of an uninterrupted run (resume is exact): same losses before the fault, the
@@ -54,12 +56,6 @@ def worker_crash(tmp_path_factory):
     return _drill(tmp_path_factory, "worker_crash", "run.learner_timeout_s=60")
 
 
-@pytest.fixture(scope="module")
-def bad_checkpoint(tmp_path_factory, worker_crash):
-    # Damage a copy of the worker_crash run (checkpoints 2 and 4), saving the run before the damage.
-    return _drill(tmp_path_factory, "bad_checkpoint", "--from-run", worker_crash[1]["run_dir"])
-
-
 def test_worker_crash_exits_75_and_resumes(worker_crash):
     code, rec = worker_crash
     assert code == 0 and rec["recovered"], rec
@@ -67,15 +63,6 @@ def test_worker_crash_exits_75_and_resumes(worker_crash):
     assert "learner rank 0 died" in rec["evidence"], rec
     assert rec["checkpoint_versions"] == {"2": 2, "4": 4}, rec
     _common(rec, redone=0)  # step 3 never finished before the kill: nothing learned twice
-
-
-def test_bad_checkpoint_falls_back(bad_checkpoint):
-    code, rec = bad_checkpoint
-    assert code == 0 and rec["recovered"], rec
-    assert rec["action"] == "fell back to step_000002", rec
-    assert rec["injected_at"]["file"] in (rec["evidence"] or ""), rec  # the log names the damaged file
-    assert rec["checkpoint_versions"] == {"2": 2, "4": 4, "5": 5}, rec
-    _common(rec, redone=2)  # steps 3 and 4 relearned
 
 
 @pytest.fixture(scope="module")
