@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megatron_rl.config import ConfigError, read_config_data
-from megatron_rl.train.config import TrainConfig, load_train_config
+from megatron_rl.train.config import load_train_config
 from tests.e2e.conftest import TINY
 from tests.unit.fuzz_common import FUZZ, JSON_VALUES, mutate
 
