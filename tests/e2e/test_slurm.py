@@ -55,7 +55,7 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 2.0):
 
 def test_sbatch_two_ray_nodes_requeue_and_resume(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    steps = 6
+    steps = 24  # long enough that the signal, sent once step 2 is committed, lands mid-run even on a loaded machine
     proc = run_cli("submit", "--config", str(TINY), "--run-dir", str(run_dir), "--nodes", "1",
                    "--tasks-per-node", "2", "--cpus-per-task", "1", "--time", "00:30:00",
                    f"run.steps={steps}", "run.checkpoint_every=1", "run.eval_every=0", "run.keep_checkpoints=10")
