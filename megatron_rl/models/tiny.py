@@ -25,19 +25,18 @@ Pass `vocab_size` / `--vocab-size` for a wider embedding.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rl.models.tokenizer import build_tokenizer, tokenizer_hash
+from megatron_rl.models.tokenizer import build_tokenizer
 from megatron_rl.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SIZES", "ARCHS", "make_tiny_model", "tokenizer_hash", "register"]
+__all__ = ["SIZES", "ARCHS", "make_tiny_model"]
 
 ARCHS = ("llama", "qwen2", "llama3", "qwen3")
 # Llama-3.1's rope scaling, except original_max_position_embeddings: 8192 would leave a tiny
@@ -161,29 +160,3 @@ def _write_special_tokens_map(path: Path) -> None:
     target = path / "special_tokens_map.json"
     if not target.exists():
         target.write_text(json.dumps({"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=2))
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    path = make_tiny_model(
-        args.out,
-        arch=args.arch,
-        size=args.size,
-        seed=args.seed,
-        tie_embeddings=args.tie_embeddings,
-        force=args.force,
-        vocab_size=args.vocab_size,
-    )
-    print(f"{path}  tokenizer sha256 {tokenizer_hash(path)}")
-    return 0
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("make-tiny-model", help="write a small random HF checkpoint + char tokenizer (no network)")
-    p.add_argument("--arch", choices=ARCHS, default="llama")
-    p.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --force)")
-    p.add_argument("--size", choices=list(SIZES), default="tiny", help="tiny ~0.4M, small ~24M, medium ~283M params")
-    p.add_argument("--seed", type=int, default=0, help="init seed; same seed -> identical weights")
-    p.add_argument("--tie-embeddings", action="store_true", help="share input embedding and LM head")
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="embedding rows (>= tokenizer size)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
-    p.set_defaults(func=_cmd)
