@@ -156,8 +156,8 @@ class ConsoleSession:
 
     # ---- the run directory ------------------------------------------------------------------
 
-    def attach_run_dir(self, run_dir: str | Path) -> Path:
-        """From now on write RUN_DIR/logs/driver.log (with what was logged so far) and, unless
+    def attach_run_dir(self, run_dir: str | Path, log_name: str = DRIVER_LOG) -> Path:
+        """From now on write RUN_DIR/logs/LOG_NAME (with what was logged so far) and, unless
         verbose, send file descriptor 2 (C/C++ libraries, child processes) there too."""
         log_dir = Path(run_dir).resolve() / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -165,7 +165,7 @@ class ConsoleSession:
             return log_dir
         self._detach_file()
         self.log_dir = log_dir
-        handler = logging.FileHandler(log_dir / DRIVER_LOG, encoding="utf-8")
+        handler = logging.FileHandler(log_dir / log_name, encoding="utf-8")
         handler.setFormatter(logging.Formatter(FORMAT))
         handler.setLevel(logging.DEBUG)
         for record in self.buffer.records:
@@ -176,7 +176,7 @@ class ConsoleSession:
         root.addHandler(handler)
         self.file_handler = handler
         if not self.verbose:
-            self._redirect_fd2(log_dir / DRIVER_LOG)
+            self._redirect_fd2(log_dir / log_name)
             if not self._ray_hook_installed:  # Ray is imported only by commands that run something
                 self._ray_hook_installed = _install_ray_hook(self)
         return log_dir
@@ -310,9 +310,9 @@ def end_progress() -> None:
         _current.console.end_bar()
 
 
-def attach_run_dir(run_dir: str | Path) -> Path | None:
+def attach_run_dir(run_dir: str | Path, log_name: str = DRIVER_LOG) -> Path | None:
     """`ConsoleSession.attach_run_dir` of the current session; nothing without one."""
-    return _current.attach_run_dir(run_dir) if _current is not None else None
+    return _current.attach_run_dir(run_dir, log_name) if _current is not None else None
 
 
 @contextlib.contextmanager

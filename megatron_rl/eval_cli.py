@@ -10,7 +10,8 @@ settings of `--config`.  One vLLM engine generates (no publication, no coordinat
 training queue is never read or written), the run's verifier grades, and the per-example
 outcomes are written as JSONL to `--out` (default `RUN_DIR/eval/<split>_step_N.jsonl`, or
 `eval_<model>_<split>.jsonl` here) so two evals can be compared example by example.  The last
-line printed is the JSON summary (decoding settings included).
+line printed is the JSON summary (decoding settings included).  Engine and Ray start-up output
+goes to `OUT_DIR/logs/eval.log` (`--verbose` shows it on the console too).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 from pathlib import Path
 
 from megatron_rl.config import ConfigError
+from megatron_rl.console import attach_run_dir, end_progress
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"--model: no config.json in {model_dir}")
         out = Path(args.out) if args.out else Path(f"eval_{model_dir.name}_{args.split}.jsonl")
+    # vLLM and Ray start-up output goes to OUT_DIR/logs/eval.log (the console keeps the result).
+    attach_run_dir(out.parent, log_name="eval.log")
     splits, template = load_data(cfg)
     ds = splits[args.split]
     examples = [ds[i] for i in range(min(args.limit or cfg.data.eval_size, len(ds)))]
@@ -97,6 +101,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                    grader_version=cfg.reward.grader_version(), outcomes=str(out),
                    manifest=str(out.parent / manifest))
     result.write(out)
+    end_progress()
     if not args.json:
         for key in ("correctness", "format", "reward", *(f"pass@{k}" for k in ks)):
             print(f"{key:>12}: {summary[key]:.4f}")

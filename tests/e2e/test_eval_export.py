@@ -40,6 +40,11 @@ def test_reasoning_gym_run_exports_and_evaluates_identically(tmp_path):
 
     proc = run_cli("eval", "--run", str(run), "--json")
     result = last_json(proc.stdout)
+    # Quiet: vLLM and Ray start-up output is in the eval's log file, not on the console.
+    assert len(proc.stderr.splitlines()) <= 10, proc.stderr[-3000:]
+    logs = run / "eval" / "logs"
+    assert "mcore_to_hf" in (logs / "eval.log").read_text()
+    assert any("vllm" in p.read_text().lower() for p in logs.glob("ray_*.log")), sorted(logs.iterdir())
     assert result["grader_version"].startswith("reasoning_gym-")
     assert result["decoding"] == {"samples": 1, "temperature": 0.0, "seed": 0} and result["examples"] == 24
     # The exported checkpoint through a fresh engine: the run's own final greedy eval, exactly.
