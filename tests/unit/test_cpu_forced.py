@@ -19,7 +19,7 @@ import pytest
 
 from megatron_rl.platform.spawn import free_port, run_distributed
 
-pytestmark = pytest.mark.unit
+# The fast tier (`-m unit`) is given by tests/unit/conftest.py: every test here but the slow ones.
 
 CUDA_VISIBLE = textwrap.dedent('''
     import json, os, sys, torch
@@ -34,6 +34,7 @@ CUDA_VISIBLE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_cpu_platform_redirects_cuda_even_when_cuda_is_visible():
     out = subprocess.run([sys.executable, "-c", CUDA_VISIBLE, str(free_port())], capture_output=True,
                          text=True, timeout=300)
@@ -45,5 +46,6 @@ def _visible_devices(rank, world):
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+@pytest.mark.slow
 def test_cpu_children_hide_the_gpus():
     assert run_distributed(_visible_devices, 1) == [""]

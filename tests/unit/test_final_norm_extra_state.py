@@ -14,7 +14,7 @@ import torch
 
 from megatron_rl.platform.spawn import run_distributed
 
-pytestmark = pytest.mark.unit
+# The fast tier (`-m unit`) is given by tests/unit/conftest.py: every test here but the slow ones.
 
 TINY = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -57,6 +57,7 @@ def _write_then_load(rank, world, weights_dir):
         return [name for name, p in canonical_params(model).items() if not torch.equal(p, saved[name])]
 
 
+@pytest.mark.slow
 def test_converted_checkpoint_loads_into_te_final_norm(tmp_path):
     (differing,) = run_distributed(_write_then_load, 1, str(tmp_path / "weights"))
     assert differing == []

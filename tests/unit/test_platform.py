@@ -19,7 +19,7 @@ import torch
 
 from megatron_rl.platform import Platform, detect_platform, layer_spec
 
-pytestmark = pytest.mark.unit
+# The fast tier (`-m unit`) is given by tests/unit/conftest.py: every test here but the slow ones.
 
 COVERED_PATH = textwrap.dedent('''
     import json, os, sys, torch, torch.distributed as dist
