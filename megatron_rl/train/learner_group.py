@@ -1,6 +1,6 @@
 """The learner ranks as Ray actors: one `LearnerWorker` per torch.distributed rank, driven SPMD.
 
-    group = LearnerGroup(learner_cfg=..., loss_cfg=..., hf_dir=..., data_parallel_size=dp, placement=place.learner)
+    group = LearnerGroup(learner_cfg=..., loss_cfg=..., hf_dir=..., seed=s, placement=place.learner)  # TP x PP x DP ranks
     metrics = group.train_step(batch)            # every rank gets the same global batch
     logprobs_bt = group.forward_logprobs(tokens_bt)
     group.save(ckpt_dir); group.load(ckpt_dir)
@@ -118,7 +118,7 @@ class LearnerWorker:
         self.learner = Learner(learner_cfg, self.hf_cfg, self.platform, sampling=sampling)
         from megatron.core import parallel_state as ps
 
-        tp = learner_cfg.tensor_model_parallel_size
+        tp = learner_cfg.tensor_parallel_size
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.padded_vocab = padded_vocab_size(self.hf_cfg.vocab_size, tp)
         ckpt = HFCheckpoint(hf_dir, self.hf_cfg)
@@ -136,9 +136,9 @@ class LearnerWorker:
         from megatron_rl.models.builder import build_gpt_model
 
         lc = self.learner.cfg
-        ref = build_gpt_model(self.hf_cfg, platform=self.platform, tp=lc.tensor_model_parallel_size,
-                              pp=lc.pipeline_model_parallel_size, config=self.learner.config)
-        fill_from_hf(ref, self.hf_cfg, self._ckpt, self.tp_rank, lc.tensor_model_parallel_size, self.padded_vocab)
+        ref = build_gpt_model(self.hf_cfg, platform=self.platform, tp=lc.tensor_parallel_size,
+                              pp=lc.pipeline_parallel_size, config=self.learner.config)
+        fill_from_hf(ref, self.hf_cfg, self._ckpt, self.tp_rank, lc.tensor_parallel_size, self.padded_vocab)
         ref.requires_grad_(False)
         return ref
 
@@ -332,15 +332,15 @@ class LearnerWorker:
 class LearnerGroup:
     """All learner ranks, driven in lock step; methods return rank 0's answer."""
 
-    def __init__(self, *, learner_cfg, loss_cfg, hf_dir: str, data_parallel_size: int, seed: int,
+    def __init__(self, *, learner_cfg, loss_cfg, hf_dir: str, seed: int,
                  deterministic: bool | None, threads: int, placement=None, sampling=None,
                  call_timeout_s: float = 1800.0):
         import ray
 
         from megatron_rl.platform.priority import with_normal_priority
 
-        world = learner_cfg.tensor_model_parallel_size * learner_cfg.pipeline_model_parallel_size
-        self.world_size = world * data_parallel_size
+        world = learner_cfg.tensor_parallel_size * learner_cfg.pipeline_parallel_size
+        self.world_size = world * learner_cfg.data_parallel_size
         self.call_timeout_s = call_timeout_s
         cls = ray.remote(LearnerWorker)
         self.workers = [
