@@ -56,7 +56,7 @@ def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
     from megatron_rl.checkpoint import latest_committed
     from megatron_rl.models.tokenizer import tokenizer_hash
     from megatron_rl.run_manifest import model_identity, open_run
-    from megatron_rl.train.learner_group import seed_everything
+    from megatron_rl.train.learner_build import seed_everything
 
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
