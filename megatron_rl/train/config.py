@@ -203,11 +203,12 @@ class ClusterConfig:
 @dataclass(kw_only=True)
 class SFTConfig:
     steps: int = 50
-    """Optimizer steps of `megatron-rl sft` (learner.global_batch_size examples each)."""
+    """Optimizer steps of `megatron-rl sft` (sft.global_batch_size examples each)."""
     lr: Optional[float] = None
     """Learning rate for SFT; None uses learner.lr."""
     global_batch_size: Optional[int] = None
-    """Examples per SFT step (a multiple of learner.micro_batch_size); None uses learner.global_batch_size."""
+    """Examples per SFT step (a multiple of learner.micro_batch_size); None uses the GRPO batch
+    (run.prompts_per_step x run.group_size)."""
     first: bool = False
     """`megatron-rl train` first runs (or resumes) SFT in RUN_DIR/sft and starts GRPO from its result:
     the baseline the run is measured against (its hidden-test correctness is in the final JSON line)."""
