@@ -17,10 +17,13 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_rl.coordinator.actor import start_coordinator
 from megatron_rl.coordinator.config import CoordinatorConfig
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +31,7 @@ logger = logging.getLogger(__name__)
 class Coordinator:
     """The coordinator actor as a typed object; `config` is the section it was started with."""
 
-    def __init__(self, actor: Any, config: CoordinatorConfig, *, take_timeout_s: float = 600.0):
+    def __init__(self, actor: ActorHandle, config: CoordinatorConfig, *, take_timeout_s: float = 600.0):
         self.actor = actor
         self.config = config
         self.take_timeout_s = take_timeout_s

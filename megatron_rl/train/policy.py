@@ -16,10 +16,11 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Callable
 
 from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import SamplingConfig
+from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.learner_group import LearnerGroup
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class PolicySettings:
     pad_id: int
 
     @classmethod
-    def from_config(cls, cfg, *, vocab_size: int, pad_id: int) -> "PolicySettings":
+    def from_config(cls, cfg: TrainConfig, *, vocab_size: int, pad_id: int) -> "PolicySettings":
         lc = cfg.learner
         return cls(loss=cfg.loss, sampling=cfg.sampling, micro_batch_size=lc.micro_batch_size,
                    probe_rows=lc.micro_batch_size * lc.data_parallel_size, refit_tolerance=cfg.run.refit_tolerance,
@@ -60,8 +61,8 @@ class Policy:
         self.settings = settings
 
     @classmethod
-    def create(cls, cfg, *, model_dir: Path, engines: list, placement: Any, vocab_size: int,
-               pad_id: int) -> "Policy":
+    def create(cls, cfg: TrainConfig, *, model_dir: Path, engines: list,
+               placement: Callable[[int], dict] | None, vocab_size: int, pad_id: int) -> "Policy":
         """The learner group (learner, loss, sampling and the run's determinism settings) started
         from `model_dir`, connected to the rollout engines it publishes to."""
         lc, run = cfg.learner, cfg.run

@@ -18,14 +18,21 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_rl.console import progress
+from megatron_rl.data.dataset import PromptTemplate
 from megatron_rl.metrics import MetricsLogger
+from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.producer import Round
 from megatron_rl.train.rollout_fleet import RolloutFleet
 from megatron_rl.train.stop import STOP_FILE, StopCondition, StopRules
 from megatron_rl.train.telemetry import Telemetry, progress_line
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_rl.reward.pool import VerifierPool
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +42,8 @@ CONSUMED_LOG = "consumed.jsonl"  # the trajectory ids each learner step learned 
 class Evaluator:
     """Greedy pass@1 of the policy the fleet serves, on the first `eval_size` examples of a split."""
 
-    def __init__(self, fleet: RolloutFleet, verifier: Any, splits: dict, template: Any, tokenizer: Any, *,
+    def __init__(self, fleet: RolloutFleet, verifier: VerifierPool, splits: dict, template: PromptTemplate,
+                 tokenizer: PreTrainedTokenizerBase, *,
                  eval_size: int, out_dir: Path):
         self.fleet, self.verifier, self.splits = fleet, verifier, splits
         self.template, self.tokenizer, self.eval_size, self.out_dir = template, tokenizer, eval_size, out_dir
@@ -71,8 +79,8 @@ class Reporter:
         self._step_seconds: list[float] = []
 
     @classmethod
-    def create(cls, cfg, *, run_dir: Path, fleet: RolloutFleet, verifier: Any, splits: dict, template: Any,
-               tokenizer: Any) -> "Reporter":
+    def create(cls, cfg: TrainConfig, *, run_dir: Path, fleet: RolloutFleet, verifier: VerifierPool, splits: dict,
+               template: PromptTemplate, tokenizer: PreTrainedTokenizerBase) -> "Reporter":
         """Metrics under run_dir/metrics, the `stop:` rules, evals of `data.eval_size` examples."""
         evaluator = Evaluator(fleet, verifier, splits, template, tokenizer, eval_size=cfg.data.eval_size,
                               out_dir=run_dir / "eval")

@@ -20,15 +20,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.data.cursor import DataCursor
+from megatron_rl.data.dataset import Dataset, PromptTemplate
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
 from megatron_rl.train.producer import Producer, Round, TrainState
 from megatron_rl.train.rollout_fleet import RolloutFleet
 from megatron_rl.train.scoring import Scorer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +49,7 @@ class RoundSpec:
     dynamic: DynamicSamplingConfig
 
     @classmethod
-    def from_config(cls, cfg) -> "RoundSpec":
+    def from_config(cls, cfg: TrainConfig) -> "RoundSpec":
         return cls(prompts_per_step=cfg.run.prompts_per_step, group_size=cfg.run.group_size, steps=cfg.run.steps,
                    seed=cfg.run.seed, dynamic=cfg.dynamic_sampling)
 
@@ -52,7 +57,8 @@ class RoundSpec:
 class PromptStream:
     """The training split, visited in the data cursor's order, encoded with the prompt template."""
 
-    def __init__(self, dataset: Any, template: Any, tokenizer: Any, cursor: DataCursor):
+    def __init__(self, dataset: Dataset, template: PromptTemplate, tokenizer: PreTrainedTokenizerBase,
+                 cursor: DataCursor):
         self.dataset, self.template, self.tokenizer, self.cursor = dataset, template, tokenizer, cursor
 
     def next(self, round_: int, n: int) -> tuple[list[list[int]], list[dict]]:
@@ -65,7 +71,8 @@ class PromptStream:
         return prompts, extra
 
 
-def start_fleet(rollout: RolloutConfig, model_dir: Path, placement: Any = None) -> RolloutFleet:
+def start_fleet(rollout: RolloutConfig, model_dir: Path,
+                placement: Callable[[int], dict] | None = None) -> RolloutFleet:
     """rollout.data_parallel_size vLLM groups (the `rollout:` section), serving the run's model as version 0."""
     return RolloutFleet(dataclasses.replace(rollout, model=str(model_dir)), num_groups=rollout.data_parallel_size,
                         placement=placement)

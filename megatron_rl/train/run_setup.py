@@ -13,12 +13,17 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_rl.config import config_hash
 from megatron_rl.data.cursor import DataCursor
+from megatron_rl.data.dataset import Dataset, PromptTemplate
 from megatron_rl.data.tasks import check_encodable, load_task
 from megatron_rl.train.config import TrainConfig, data_order_seed, resolved_dict
+from megatron_rl.train.start_model import prepare_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +32,12 @@ class RunInputs:
 
     run_dir: Path
     model_dir: Path
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     """The Hugging Face tokenizer of model_dir."""
     tokenizer_hash: str
-    splits: dict
+    splits: dict[str, Dataset]
     """{"train", "dev", "test"}: the task's datasets."""
-    template: Any
+    template: PromptTemplate
     """The PromptTemplate that encodes an example into prompt tokens."""
 
     @property
@@ -62,7 +67,7 @@ def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(resolved_dict(cfg), indent=2, sort_keys=True))
     seed_everything(cfg.run.seed, cfg.run.deterministic, cfg.run.torch_threads)
-    model_dir = prepare_model(cfg, run_dir)
+    model_dir = prepare_model(cfg.model, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     splits, template = load_task(cfg.data)
     check_encodable(splits, template, tokenizer)
@@ -73,27 +78,6 @@ def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
                        "dataset_version": splits["train"].dataset_version,
                        "grader_version": cfg.reward.grader_version()})
     return RunInputs(run_dir, model_dir, tokenizer, tok_hash, splits, template)
-
-def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:
-    """The HF model directory to start from (a tiny random model is made on first use; another
-    run's newest checkpoint is exported on first use)."""
-    if cfg.model.init_from is not None:
-        from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
-
-        return export_run_checkpoint(Path(cfg.model.init_from).resolve())
-    if cfg.model.path is not None:
-        path = Path(cfg.model.path).resolve()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path: no config.json in {path}")
-        return path
-    from megatron_rl.models.tiny import make_tiny_model
-
-    path = run_dir / "model"
-    if not (path / "config.json").is_file():
-        spec = cfg.model.tiny
-        make_tiny_model(path, arch=spec.arch, size=spec.size, seed=spec.seed)
-    return path
-
 
 def train_cursor(cfg: TrainConfig, train) -> DataCursor:
     """The data cursor over the training split: its order follows data.seed and run.seed."""

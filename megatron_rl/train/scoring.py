@@ -10,23 +10,26 @@ Samples graded already (by dynamic sampling, `sample.extra["score"]`) are not gr
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_rl.reward.math_verifier import RewardConfig
 from megatron_rl.reward.pool import VerifierPool
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Scorer:
     """Owns the verifier pool; turns samples into trajectories stamped with the run's identity."""
 
-    def __init__(self, verifier: VerifierPool, tokenizer: Any, *, tokenizer_hash: str, dataset_version: str):
+    def __init__(self, verifier: VerifierPool, tokenizer: PreTrainedTokenizerBase, *, tokenizer_hash: str, dataset_version: str):
         self.verifier = verifier
         self.tokenizer = tokenizer
         self.tokenizer_hash = tokenizer_hash
         self.dataset_version = dataset_version
 
     @classmethod
-    def create(cls, reward: RewardConfig, tokenizer: Any, *, tokenizer_hash: str, dataset_version: str) -> "Scorer":
+    def create(cls, reward: RewardConfig, tokenizer: PreTrainedTokenizerBase, *, tokenizer_hash: str, dataset_version: str) -> "Scorer":
         """A scorer with its own verifier pool of the `reward:` section's workers."""
         return cls(VerifierPool(reward), tokenizer, tokenizer_hash=tokenizer_hash, dataset_version=dataset_version)
 
