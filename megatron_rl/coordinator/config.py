@@ -6,9 +6,10 @@
     cfg = for_run(cfg, mode="one_step_off", batch_size=64)                # what the run derives
 
 A queue on its own takes every field as given.  In a training run three of them are derived, not
-written (`run_section` refuses them, `for_run` sets them): batch_size is run.prompts_per_step x run.group_size, wal_path is
-RUN_DIR/queue.db, and max_staleness (eta) follows run.mode (sync 0, one_step_off 1, async
-ASYNC_STALENESS unless coordinator.max_staleness overrides it, which only async mode allows).
+written (`run_section` refuses them, `for_run` sets them): batch_size is
+run.prompts_per_step x run.group_size, wal_path is RUN_DIR/queue.db, and max_staleness (eta)
+follows run.mode (sync 0, one_step_off 1, async ASYNC_STALENESS unless coordinator.max_staleness
+overrides it, which only async mode allows).
 max_version_lag (the TTL) defaults to that bound (at least 1).
 """
 

@@ -30,9 +30,9 @@ in the uninterrupted run; the leases are live again because the coordinator's ad
 in the queue snapshot of the same checkpoint.  While a round is generated or waits for the
 learner, a keep-alive thread renews its leases every lease_ttl_s / 3, so only a dead producer's
 leases expire (an expired lease's trajectories are dropped, see coordinator/admission.py).
-For the same reason the producer runs `lookahead` rounds past run.steps: a run of 2 steps then checkpoints the round that a
-4-step run sampled with version 1 during step 1, so raising run.steps and resuming continues
-exactly (a run that ends for good discards those rounds).  In async mode the version a round
+For the same reason the producer runs `lookahead` rounds past run.steps: a run of 2 steps then
+checkpoints the round that a 4-step run sampled with version 1 during step 1, so raising
+run.steps and resuming continues exactly (a run that ends for good discards those rounds).  In async mode the version a round
 gets depends on timing in any run; what is exact there is that resume loses nothing in flight.
 """
 

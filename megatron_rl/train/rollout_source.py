@@ -124,7 +124,8 @@ class RolloutSource:
         spec = self.spec
         if not spec.dynamic.enabled:
             prompts, extra = self.prompts.next(r, spec.prompts_per_step)
-            samples = self.fleet.generate(prompts, n=spec.group_size, extra=extra, sampling={"seed": self.round_seed(r)})
+            samples = self.fleet.generate(prompts, n=spec.group_size, extra=extra,
+                                          sampling={"seed": self.round_seed(r)})
             return samples, {}
         return self._sample_informative(r, self.round_seed(r))
 

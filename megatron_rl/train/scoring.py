@@ -22,21 +22,24 @@ if TYPE_CHECKING:
 class Scorer:
     """Owns the verifier pool; turns samples into trajectories stamped with the run's identity."""
 
-    def __init__(self, verifier: VerifierPool, tokenizer: PreTrainedTokenizerBase, *, tokenizer_hash: str, dataset_version: str):
+    def __init__(self, verifier: VerifierPool, tokenizer: PreTrainedTokenizerBase, *, tokenizer_hash: str,
+                 dataset_version: str):
         self.verifier = verifier
         self.tokenizer = tokenizer
         self.tokenizer_hash = tokenizer_hash
         self.dataset_version = dataset_version
 
     @classmethod
-    def create(cls, reward: RewardConfig, tokenizer: PreTrainedTokenizerBase, *, tokenizer_hash: str, dataset_version: str) -> "Scorer":
+    def create(cls, reward: RewardConfig, tokenizer: PreTrainedTokenizerBase, *, tokenizer_hash: str,
+               dataset_version: str) -> "Scorer":
         """A scorer with its own verifier pool of the `reward:` section's workers."""
         return cls(VerifierPool(reward), tokenizer, tokenizer_hash=tokenizer_hash, dataset_version=dataset_version)
 
     def grade(self, samples: list) -> list:
         """The verifier pool's Score of every sample (decoded response vs the prompt's answer)."""
         texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
-        return self.verifier.score(texts, [s.extra["answer"] for s in samples], [len(s.response_tokens) for s in samples])
+        answers, lengths = [s.extra["answer"] for s in samples], [len(s.response_tokens) for s in samples]
+        return self.verifier.score(texts, answers, lengths)
 
     def score(self, samples: list) -> tuple[list, float]:
         """Grade every sample (unless graded already); build contract-complete trajectories."""

@@ -84,7 +84,8 @@ def test_batch_and_staleness_are_derived_once():
 
     cfg = load_train_config(TINY, ["run.prompts_per_step=4", "run.group_size=8", "learner.micro_batch_size=8"])
     assert cfg.learner.global_batch_size == cfg.coordinator.batch_size == 32
-    bounds = {mode: load_train_config(TINY, [f"run.mode={mode}"]).coordinator for mode in ("sync", "one_step_off", "async")}
+    bounds = {mode: load_train_config(TINY, [f"run.mode={mode}"]).coordinator
+              for mode in ("sync", "one_step_off", "async")}
     assert [(c.max_staleness, c.max_version_lag) for c in bounds.values()] == [(0, 1), (1, 1), (2, 2)]
     async3 = load_train_config(TINY, ["run.mode=async", "coordinator.max_staleness=3"]).coordinator
     assert (async3.max_staleness, async3.max_version_lag) == (3, 3)
