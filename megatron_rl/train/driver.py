@@ -76,8 +76,8 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
     stop = stop or StopFlag()
     check_resume_world(cfg)                                              # refuse before starting anything
     roles = Roles.build(cfg)
-    source, scorer, coordinator, policy, report = roles.source, roles.scorer, roles.coordinator, roles.policy, \
-        roles.reporter
+    source, scorer, coordinator = roles.source, roles.scorer, roles.coordinator
+    policy, report = roles.policy, roles.reporter
     try:
         state, report.initial_eval = roles.checkpointer.resume(policy, source, coordinator)  # shadow forward
         resumed_at = state.step if state.step else None
