@@ -1,6 +1,7 @@
 """The policy being trained: the learner group (Megatron ranks) and the publication of its weights.
 
-    policy = Policy.create(cfg, model_dir=d, engines=fleet.workers, placement=place.learner, vocab_size=v, pad_id=0)
+    policy = Policy.create(cfg.learner, cfg.loss, cfg.run, cfg.sampling, weight_transfer=cfg.rollout.weight_transfer,
+                           model_dir=d, engines=fleet.workers, placement=place.learner, vocab_size=v, pad_id=0)
     learn, seconds = policy.learn(taken, version)     # one GRPO step on a taken batch -> version + 1
     seconds = policy.publish(version + 1)             # every rollout group loads it, or none does
 
@@ -19,8 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_rl.grpo.loss import GRPOLossConfig
-from megatron_rl.learner.config import SamplingConfig
-from megatron_rl.train.config import TrainConfig
+from megatron_rl.learner.config import LearnerConfig, SamplingConfig
+from megatron_rl.train.config import RunConfig
 from megatron_rl.train.learner_group import LearnerGroup
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class PublicationError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicySettings:
-    """What the policy needs of the run config (built by `from_config`, nothing else is read)."""
+    """What the policy needs of the run config besides the learner group (Policy.create)."""
 
     loss: GRPOLossConfig
     sampling: SamplingConfig
@@ -44,13 +45,6 @@ class PolicySettings:
     vocab_size: int
     pad_id: int
 
-    @classmethod
-    def from_config(cls, cfg: TrainConfig, *, vocab_size: int, pad_id: int) -> "PolicySettings":
-        lc = cfg.learner
-        return cls(loss=cfg.loss, sampling=cfg.sampling, micro_batch_size=lc.micro_batch_size,
-                   probe_rows=lc.micro_batch_size * lc.data_parallel_size, refit_tolerance=cfg.run.refit_tolerance,
-                   vocab_size=vocab_size, pad_id=pad_id)
-
 
 class Policy:
     """Owns the learner group and the publication of its weights to the rollout engines."""
@@ -61,17 +55,19 @@ class Policy:
         self.settings = settings
 
     @classmethod
-    def create(cls, cfg: TrainConfig, *, model_dir: Path, engines: list,
-               placement: Callable[[int], dict] | None, vocab_size: int, pad_id: int) -> "Policy":
-        """The learner group (learner, loss, sampling and the run's determinism settings) started
-        from `model_dir`, connected to the rollout engines it publishes to."""
-        lc, run = cfg.learner, cfg.run
-        learner = LearnerGroup(learner_cfg=lc, loss_cfg=cfg.loss, hf_dir=str(model_dir), seed=lc.seed,
-                               deterministic=run.deterministic, threads=run.torch_threads, placement=placement,
-                               sampling=cfg.sampling, call_timeout_s=run.learner_timeout_s)
-        learner.connect_rollout(engines, bucket_bytes=run.publish_bucket_mib << 20,
-                                transport=cfg.rollout.weight_transfer)
-        return cls(learner, engines, PolicySettings.from_config(cfg, vocab_size=vocab_size, pad_id=pad_id))
+    def create(cls, learner: LearnerConfig, loss: GRPOLossConfig, run: RunConfig, sampling: SamplingConfig, *,
+               weight_transfer: str, model_dir: Path, engines: list, placement: Callable[[int], dict] | None,
+               vocab_size: int, pad_id: int) -> "Policy":
+        """The learner group (the learner and loss sections, the run's determinism, timeout and
+        publication settings) started from `model_dir`, connected to the engines it publishes to."""
+        group = LearnerGroup(learner_cfg=learner, loss_cfg=loss, hf_dir=str(model_dir), seed=learner.seed,
+                             deterministic=run.deterministic, threads=run.torch_threads, placement=placement,
+                             sampling=sampling, call_timeout_s=run.learner_timeout_s)
+        group.connect_rollout(engines, bucket_bytes=run.publish_bucket_mib << 20, transport=weight_transfer)
+        settings = PolicySettings(loss=loss, sampling=sampling, micro_batch_size=learner.micro_batch_size,
+                                  probe_rows=learner.micro_batch_size * learner.data_parallel_size,
+                                  refit_tolerance=run.refit_tolerance, vocab_size=vocab_size, pad_id=pad_id)
+        return cls(group, engines, settings)
 
     def learn(self, taken: list, version: int, lr_scale: float = 1.0) -> tuple[dict, float]:
         """One GRPO step on the taken batch (learned at `version`); its metrics and seconds.

@@ -23,10 +23,9 @@ from typing import TYPE_CHECKING
 from megatron_rl.console import progress
 from megatron_rl.data.dataset import PromptTemplate
 from megatron_rl.metrics import MetricsLogger
-from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.producer import Round
 from megatron_rl.train.rollout_fleet import RolloutFleet
-from megatron_rl.train.stop import STOP_FILE, StopCondition, StopRules
+from megatron_rl.train.stop import STOP_FILE, StopCondition, StopConfig, StopRules
 from megatron_rl.train.telemetry import Telemetry, progress_line
 
 if TYPE_CHECKING:
@@ -79,12 +78,13 @@ class Reporter:
         self._step_seconds: list[float] = []
 
     @classmethod
-    def create(cls, cfg: TrainConfig, *, run_dir: Path, fleet: RolloutFleet, verifier: VerifierPool, splits: dict,
-               template: PromptTemplate, tokenizer: PreTrainedTokenizerBase) -> "Reporter":
-        """Metrics under run_dir/metrics, the `stop:` rules, evals of `data.eval_size` examples."""
-        evaluator = Evaluator(fleet, verifier, splits, template, tokenizer, eval_size=cfg.data.eval_size,
+    def create(cls, stop: StopConfig, *, steps: int, eval_size: int, run_dir: Path, fleet: RolloutFleet,
+               verifier: VerifierPool, splits: dict, template: PromptTemplate,
+               tokenizer: PreTrainedTokenizerBase) -> "Reporter":
+        """Metrics under run_dir/metrics, the `stop:` section's rules, evals of `eval_size` examples."""
+        evaluator = Evaluator(fleet, verifier, splits, template, tokenizer, eval_size=eval_size,
                               out_dir=run_dir / "eval")
-        return cls(run_dir, MetricsLogger(run_dir / "metrics"), StopRules(cfg.stop), evaluator, steps=cfg.run.steps)
+        return cls(run_dir, MetricsLogger(run_dir / "metrics"), StopRules(stop), evaluator, steps=steps)
 
     def rewind(self, step: int) -> None:
         """Steps after `step` are redone by a resumed run: drop what an earlier attempt logged of them."""

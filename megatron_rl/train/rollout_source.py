@@ -3,7 +3,7 @@ fleet, one round per learner step, as far ahead as the coordinator admits.
 
     fleet = start_fleet(cfg.rollout, model_dir, placement.rollout)
     source = RolloutSource(fleet, PromptStream(train, template, tokenizer, cursor), coordinator, scorer,
-                           spec=RoundSpec.from_config(cfg))
+                           spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling))
     source.start(state)              # replays the rounds a checkpoint saved, then samples new ones
     rnd = source.next(step)          # Round: samples (prompt-major groups of G), leases, seconds, stats
     rounds = source.pause(); ...; source.unpause()     # a checkpoint: nothing in flight
@@ -26,7 +26,7 @@ from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.data.cursor import DataCursor
 from megatron_rl.data.dataset import Dataset, PromptTemplate
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.train.config import TrainConfig
+from megatron_rl.train.config import RunConfig
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
 from megatron_rl.train.producer import Producer, Round, TrainState
 from megatron_rl.train.rollout_fleet import RolloutFleet
@@ -49,9 +49,9 @@ class RoundSpec:
     dynamic: DynamicSamplingConfig
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> "RoundSpec":
-        return cls(prompts_per_step=cfg.run.prompts_per_step, group_size=cfg.run.group_size, steps=cfg.run.steps,
-                   seed=cfg.run.seed, dynamic=cfg.dynamic_sampling)
+    def from_sections(cls, run: RunConfig, dynamic: DynamicSamplingConfig) -> "RoundSpec":
+        return cls(prompts_per_step=run.prompts_per_step, group_size=run.group_size, steps=run.steps, seed=run.seed,
+                   dynamic=dynamic)
 
 
 class PromptStream:
