@@ -13,7 +13,7 @@
 
 Layout of a run directory:
     step_000123/            one immutable directory per saved step
-        <whatever save_fn wrote>      the trainer (train/roles.py) writes: weights/ (Megatron
+        <whatever save_fn wrote>      the trainer (train/checkpointing.py) writes: weights/ (Megatron
                                       distributed checkpoint: weights + optimizer + scheduler),
                                       queue_snapshot.db (the coordinator's log: queue, admission
                                       leases, priority-sampler RNG), rollout_rounds.json (rounds

@@ -11,7 +11,7 @@ steps redone, the trajectories lost and duplicated, policy-version continuity an
 injection to the first step learned after it.
 
 Accounting (`account`): every learner step appends the ids it learned from to RUN_DIR/consumed.jsonl
-(roles.record_consumed), the last line of a step being the attempt that counts.  An id is
+(Reporter.record_consumed), the last line of a step being the attempt that counts.  An id is
 *acknowledged* once a queue (any attempt's WAL, copied before a rerun replaces it) accepted it or a
 learner took it; it is *accounted* if a final step learned from it, the final WAL still holds it, or
 the final WAL dropped it with a reason.  lost = acknowledged - accounted; duplicated = ids learned

@@ -62,7 +62,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from megatron_rl.evaluation import Decoding, evaluate_model
     from megatron_rl.run_manifest import close_run
     from megatron_rl.train.config import load_train_config
-    from megatron_rl.train.roles import load_data
+    from megatron_rl.data.tasks import load_task
 
     if (args.run is None) == (args.model is None):
         raise ConfigError("give exactly one of --run RUN_DIR or --model HF_DIR")
@@ -86,7 +86,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         out = Path(args.out) if args.out else Path(f"eval_{model_dir.name}_{args.split}.jsonl")
     # vLLM and Ray start-up output goes to OUT_DIR/logs/eval.log (the console keeps the result).
     attach_run_dir(out.parent, log_name="eval.log")
-    splits, template = load_data(cfg)
+    splits, template = load_task(cfg.data)
     ds = splits[args.split]
     examples = [ds[i] for i in range(min(args.limit or cfg.data.eval_size, len(ds)))]
     manifest = _open_manifest(out, cfg, model_dir, ds)

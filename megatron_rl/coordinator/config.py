@@ -2,12 +2,33 @@
 
     from megatron_rl.config import from_dict
     cfg = from_dict(CoordinatorConfig, {"batch_size": 64, "max_staleness": 1, "wal_path": "run/queue.db"})
+    section = run_section(data["coordinator"], mode="one_step_off")      # as a training config writes it
+    cfg = for_run(cfg, mode="one_step_off", batch_size=64)                # what the run derives
+
+A queue on its own takes every field as given.  In a training run three of them are derived, not
+written (`run_section` refuses them, `for_run` sets them): batch_size is
+run.prompts_per_step x run.group_size, wal_path is RUN_DIR/queue.db, and max_staleness (eta)
+follows run.mode (sync 0, one_step_off 1, async ASYNC_STALENESS unless coordinator.max_staleness
+overrides it, which only async mode allows).
+max_version_lag (the TTL) defaults to that bound (at least 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
+
+from megatron_rl.config import ConfigError
+
+MODE_STALENESS = {"sync": 0, "one_step_off": 1}
+"""The staleness bound eta each run.mode fixes; async's is ASYNC_STALENESS or coordinator.max_staleness."""
+ASYNC_STALENESS = 2
+
+DERIVED_IN_RUN = {
+    "batch_size": "it is derived: run.prompts_per_step x run.group_size",
+    "wal_path": "a training run keeps its queue log in RUN_DIR/queue.db (set run.dir)",
+}
 
 
 @dataclass(kw_only=True)
@@ -76,3 +97,46 @@ class CoordinatorConfig:
                 raise ValueError(f"coordinator.{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
         if not isinstance(self.wal_path, str):
             raise ValueError(f"coordinator.wal_path must be a str, got {self.wal_path!r}")
+
+
+def run_section(section: Any, *, mode: Any) -> Any:
+    """The `coordinator:` section of a training config, its staleness bound and TTL filled in.
+
+    Raises ConfigError for a key the run derives (naming it and what to set instead), and for
+    coordinator.max_staleness outside run.mode 'async'.  A section or mode of the wrong type is
+    returned as it is, for the loader to name."""
+    if not isinstance(section, dict) or mode not in (*MODE_STALENESS, "async"):
+        return section
+    for key, why in DERIVED_IN_RUN.items():
+        if key in section:
+            raise ConfigError(f"coordinator.{key} cannot be set in a training config: {why}; remove it")
+    if "max_staleness" in section and mode != "async":
+        raise ConfigError(f"coordinator.max_staleness may only be set with run.mode 'async': run.mode {mode!r} "
+                          f"fixes the staleness bound at {MODE_STALENESS[mode]}; remove it, or set run.mode=async")
+    out = dict(section)
+    out["max_staleness"] = MODE_STALENESS.get(mode, section.get("max_staleness", ASYNC_STALENESS))
+    bound = out["max_staleness"]
+    if mode == "async" and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+        raise ConfigError(f"coordinator.max_staleness must be an int >= 1 in run.mode 'async' (0 is run.mode "
+                          f"'sync'), got {bound!r}")
+    out.setdefault("max_version_lag", max(bound, 1))
+    return out
+
+
+def for_run(config: CoordinatorConfig, *, mode: str, batch_size: int) -> CoordinatorConfig:
+    """The coordinator a training run uses: B is its batch, and the staleness bound the one its mode
+    fixes (async keeps its own, >= 1); the TTL must not drop what admission let in."""
+    bound = MODE_STALENESS.get(mode, config.max_staleness)
+    config = dataclasses.replace(config, batch_size=batch_size, max_staleness=bound)
+    if mode == "async" and bound < 1:
+        raise ConfigError(f"run.mode 'async' needs coordinator.max_staleness >= 1, got {bound}")
+    if config.max_version_lag < bound:
+        raise ConfigError(f"coordinator.max_version_lag ({config.max_version_lag}) is below the staleness bound "
+                          f"({bound}, run.mode {mode!r}): admitted samples would expire")
+    return config
+
+
+def plan_entry(config: CoordinatorConfig) -> dict:
+    """What `train --dry-run` shows of the coordinator: B, the staleness bound and the TTL."""
+    return {"batch_size": config.batch_size, "max_staleness": config.max_staleness,
+            "max_version_lag": config.max_version_lag}

@@ -61,20 +61,3 @@ def make_reasoning_gym(name: str, config: dict[str, Any], *, seed: int, train_si
         splits[split] = Dataset(name=f"rg-{name}", split=split, examples=examples)
     check_disjoint(splits)
     return {s: splits[s] for s in ("train", "dev", "test")}
-
-
-def check_encodable(splits: dict[str, Dataset], template: PromptTemplate, tokenizer) -> None:
-    """Refuse, before any work, a task whose prompts or answers the tokenizer cannot encode
-    (characters that come back different after encode -> decode), naming the characters."""
-    bad: dict[str, str] = {}
-    for ds in splits.values():
-        for ex in ds:
-            for text in (template.render(ex), ex.answer):
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-                if tokenizer.decode(ids) != text:
-                    for ch in sorted(set(text)):
-                        if tokenizer.decode(tokenizer(ch, add_special_tokens=False)["input_ids"]) != ch:
-                            bad.setdefault(ch, ex.id)
-    if bad:
-        shown = ", ".join(f"{ch!r} (e.g. {ex_id})" for ch, ex_id in list(bad.items())[:10])
-        raise DataError(f"the tokenizer cannot encode {len(bad)} character(s) of this task: {shown}")

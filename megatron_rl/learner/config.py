@@ -1,7 +1,7 @@
 """LearnerConfig: the learner's section of the run config (Megatron's names for Megatron's knobs).
 SamplingConfig: the distribution the rollout engine samples from, which the learner scores.
 
-    cfg = LearnerConfig(tensor_model_parallel_size=2, global_batch_size=16, lr=1e-6)
+    cfg = LearnerConfig(tensor_parallel_size=2, global_batch_size=16, lr=1e-6)
     sampling = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20)   # the rollout's numbers
 """
 
@@ -15,14 +15,17 @@ from typing import Literal, Optional
 class LearnerConfig:
     """Parallel layout, batch shape, optimizer and LR schedule of the Megatron learner."""
 
-    tensor_model_parallel_size: int = 1
-    """TP: ranks sharing each layer's matrices."""
-    pipeline_model_parallel_size: int = 1
-    """PP: ranks holding consecutive blocks of layers."""
+    tensor_parallel_size: int = 1
+    """TP: ranks sharing each layer's matrices (Megatron's tensor_model_parallel_size)."""
+    pipeline_parallel_size: int = 1
+    """PP: ranks holding consecutive blocks of layers (Megatron's pipeline_model_parallel_size)."""
+    data_parallel_size: int = 1
+    """DP: learner replicas; learner ranks = TP x PP x DP."""
     micro_batch_size: int = 1
     """Sequences per forward/backward pass on one rank."""
-    global_batch_size: int = 1
-    """Sequences per optimizer step across all data-parallel ranks."""
+    global_batch_size: Optional[int] = None
+    """Sequences per optimizer step across all data-parallel ranks.  None: derived by the run
+    (GRPO: run.prompts_per_step x run.group_size; SFT: sft.global_batch_size); a Learner needs it set."""
     max_tokens_per_micro_batch: Optional[int] = None
     """Token budget of a micro-batch (rows x the micro-batch's own longest row, padding included).
     Set: every learner pass (training, logprobs, SFT) sorts the batch's rows by length, deals them
@@ -57,15 +60,17 @@ class LearnerConfig:
     """Full activation recomputation per layer (saves memory, costs a forward)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "micro_batch_size",
                      "global_batch_size"):
             value = getattr(self, name)
+            if name == "global_batch_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"learner.{name} must be a positive integer, got {value!r}")
         budget = self.max_tokens_per_micro_batch
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(f"learner.max_tokens_per_micro_batch must be an integer >= 0 or null, got {budget!r}")
-        if self.global_batch_size % self.micro_batch_size:
+        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"learner.global_batch_size {self.global_batch_size} is not a multiple of "
                              f"micro_batch_size {self.micro_batch_size}")
         if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:

@@ -72,15 +72,17 @@ class Learner:
         self.cfg, self.hf_cfg = cfg, hf_cfg
         self.sampling = sampling or SamplingConfig()  # the distribution every logprob here is taken under
         self.platform = platform or detect_platform(dtype=cfg.dtype)
-        tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+        tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
         if not dist.is_initialized():
             raise RuntimeError("Learner needs torch.distributed: call platform.parallel.init_distributed first")
         world = dist.get_world_size()
         if world % (tp * pp):
-            raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size*"
-                             f"pipeline_model_parallel_size = {tp}*{pp}")
+            raise ValueError(f"world size {world} is not divisible by tensor_parallel_size*"
+                             f"pipeline_parallel_size = {tp}*{pp}")
         self.dp = world // (tp * pp)
         check_parallel_layout(hf_cfg, tp, pp, self.dp)
+        if cfg.global_batch_size is None:
+            raise ValueError("learner.global_batch_size must be set (a training run derives it)")
         if cfg.global_batch_size % (cfg.micro_batch_size * self.dp):
             raise ValueError(f"learner.global_batch_size {cfg.global_batch_size} is not divisible by "
                              f"micro_batch_size*dp = {cfg.micro_batch_size}*{self.dp}")

@@ -20,10 +20,13 @@ LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    model: str
-    """HF checkpoint directory the engine starts from (version 0)."""
+    model: str = ""
+    """HF checkpoint directory the engine starts from (version 0); a training or eval run sets it to
+    the policy it serves (a training config may not write it)."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallel size of this rollout group."""
+    data_parallel_size: int = 1
+    """Data-parallel rollout groups of a run (one vLLM engine of tensor_parallel_size each)."""
     max_model_len: int = 1024
     """Longest prompt + response, in tokens."""
     seed: int = 0
@@ -65,10 +68,9 @@ class RolloutConfig:
     """Passed through to vllm.LLM as keyword arguments (they win over the fields above)."""
 
     def __post_init__(self):
-        if not self.model:
-            raise ValueError("rollout.model must name a checkpoint directory")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"rollout.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len < 2:
             raise ValueError(f"rollout.max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_gib < 1:

@@ -131,7 +131,7 @@ class RolloutWorker:
             import megatron_rl.publish.vllm_engine  # noqa: F401  (registers the backends here too)
         from vllm import LLM
 
-        if not os.path.isdir(self.config.model):
+        if not self.config.model or not os.path.isdir(self.config.model):
             raise FileNotFoundError(f"rollout.model: no checkpoint directory {self.config.model}")
         started = time.perf_counter()
         self.llm = LLM(**llm_kwargs(self.config, on_gpu))

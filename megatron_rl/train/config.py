@@ -15,8 +15,13 @@ Sections and their owners:
   cluster     ClusterConfig      (here)                  what the planner checks against
   stop        StopConfig         megatron_rl.train.stop  stop conditions and their exit codes
   dynamic_sampling DynamicSamplingConfig  megatron_rl.train.dynamic_sampling  keep only groups whose rewards vary
-Cross-section rules (the batch the learner takes equals prompts x group size, and so on)
-are checked in `TrainConfig.__post_init__`, naming both keys.  The learner scores exactly the
+Shared values are set once and derived: run.prompts_per_step x run.group_size is the learner's
+global batch and the coordinator's B, run.mode sets the staleness bound (coordinator/config.py),
+the rollout engines serve the policy the run starts from, and the queue log lives in the run
+directory.  Writing a derived key, or a key of an earlier version (RENAMED), is a ConfigError
+naming what to write instead.  Parallel sizes have one spelling, in the section of the role they
+size: learner.{tensor,pipeline,data}_parallel_size, rollout.{tensor,data}_parallel_size.
+Cross-section rules are checked in `TrainConfig.__post_init__`, naming both keys.  The learner scores exactly the
 distribution the engine samples from: rollout.temperature, top_k and top_p reach it as
 `TrainConfig.sampling` (see megatron_rl/learner/logprobs.py).
 """
@@ -30,7 +35,7 @@ from typing import Any, Literal, Optional
 
 from megatron_rl.config import ConfigError, from_dict, read_config_data
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
-from megatron_rl.coordinator.config import CoordinatorConfig
+from megatron_rl.coordinator.config import CoordinatorConfig, for_run, run_section
 from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import MIN_TEMPERATURE, LearnerConfig, SamplingConfig
 from megatron_rl.reward.math_verifier import RewardConfig
@@ -114,7 +119,8 @@ class RunConfig:
     dir: str = "runs/tiny"
     """Run directory: resolved config, checkpoints, TensorBoard events, metrics.jsonl."""
     mode: Literal["sync", "one_step_off", "async"] = "sync"
-    """sync: on-policy; one_step_off: sample with v while learning v+1; async: bounded by coordinator.max_staleness."""
+    """The staleness bound: sync (on-policy, 0 versions), one_step_off (sample with v while learning
+    v+1: 1 version), async (2 versions ahead, or as many as the coordinator section says)."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """colocated: learner and rollout share devices (take turns); disaggregated: separate devices."""
     steps: int = 100
@@ -122,7 +128,8 @@ class RunConfig:
     prompts_per_step: int = 8
     """Distinct prompts per step."""
     group_size: int = 8
-    """G: samples per prompt (the GRPO group)."""
+    """G: samples per prompt (the GRPO group).  prompts_per_step x group_size is the batch every
+    role works in: the learner's global batch and the coordinator's B are derived from it."""
     eval_every: int = 20
     """Evaluate greedy reward on the held-out split every this many steps (0 = only at start and end)."""
     checkpoint_every: int = 0
@@ -143,10 +150,6 @@ class RunConfig:
     """Connect to the Ray cluster at RAY_ADDRESS (set by the Slurm script) instead of starting one."""
     ray_num_cpus: Optional[int] = None
     """CPUs a locally started Ray advertises (None: Ray's own count)."""
-    rollout_groups: int = 1
-    """Data-parallel rollout groups (one vLLM engine each, of rollout.tensor_parallel_size)."""
-    learner_data_parallel_size: int = 1
-    """Data-parallel learner replicas; learner ranks = TP x PP x this."""
     publish_bucket_mib: int = 64
     """Size of one checksummed bucket of a weight publication."""
     take_timeout_s: float = 600.0
@@ -175,8 +178,7 @@ class RunConfig:
             raise ConfigError(f"run.canary_lr_scale must be in (0, 1], got {self.canary_lr_scale}")
         if not self.learner_timeout_s > 0:
             raise ConfigError(f"run.learner_timeout_s must be > 0, got {self.learner_timeout_s}")
-        for name in ("steps", "prompts_per_step", "group_size", "rollout_groups", "learner_data_parallel_size",
-                     "publish_bucket_mib"):
+        for name in ("steps", "prompts_per_step", "group_size", "publish_bucket_mib"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "checkpoint_every"):
@@ -201,11 +203,12 @@ class ClusterConfig:
 @dataclass(kw_only=True)
 class SFTConfig:
     steps: int = 50
-    """Optimizer steps of `megatron-rl sft` (learner.global_batch_size examples each)."""
+    """Optimizer steps of `megatron-rl sft` (sft.global_batch_size examples each)."""
     lr: Optional[float] = None
     """Learning rate for SFT; None uses learner.lr."""
     global_batch_size: Optional[int] = None
-    """Examples per SFT step (a multiple of learner.micro_batch_size); None uses learner.global_batch_size."""
+    """Examples per SFT step (a multiple of learner.micro_batch_size); None uses the GRPO batch
+    (run.prompts_per_step x run.group_size)."""
     first: bool = False
     """`megatron-rl train` first runs (or resumes) SFT in RUN_DIR/sft and starts GRPO from its result:
     the baseline the run is measured against (its hidden-test correctness is in the final JSON line)."""
@@ -235,27 +238,15 @@ class TrainConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
     def __post_init__(self) -> None:
+        # Derived, never written: one batch size for the learner and the coordinator, the staleness
+        # bound from run.mode (coordinator/config.py owns that rule).
         samples = self.run.prompts_per_step * self.run.group_size
-        if self.learner.global_batch_size != samples:
-            raise ConfigError(
-                f"learner.global_batch_size ({self.learner.global_batch_size}) must equal "
-                f"run.prompts_per_step x run.group_size ({self.run.prompts_per_step} x {self.run.group_size} = {samples})"
-            )
-        if self.coordinator.batch_size != samples:
-            raise ConfigError(
-                f"coordinator.batch_size ({self.coordinator.batch_size}) must equal "
-                f"run.prompts_per_step x run.group_size ({samples})"
-            )
-        staleness = self.coordinator.max_staleness
-        if self.run.mode == "sync" and staleness != 0:
-            raise ConfigError(f"run.mode 'sync' is on-policy: coordinator.max_staleness must be 0, got {staleness}")
-        if self.run.mode == "one_step_off" and staleness != 1:
-            raise ConfigError(f"run.mode 'one_step_off' needs coordinator.max_staleness 1, got {staleness}")
-        if self.run.mode == "async" and staleness < 1:
-            raise ConfigError(f"run.mode 'async' needs coordinator.max_staleness >= 1, got {staleness}")
-        if self.coordinator.max_version_lag < staleness:
-            raise ConfigError(f"coordinator.max_version_lag ({self.coordinator.max_version_lag}) is below "
-                              f"coordinator.max_staleness ({staleness}): admitted samples would expire")
+        if samples % self.learner.micro_batch_size:
+            raise ConfigError(f"run.prompts_per_step x run.group_size ({self.run.prompts_per_step} x "
+                              f"{self.run.group_size} = {samples}, the learner's global batch) must be a multiple "
+                              f"of learner.micro_batch_size ({self.learner.micro_batch_size})")
+        self.learner = dataclasses.replace(self.learner, global_batch_size=samples)
+        self.coordinator = for_run(self.coordinator, mode=self.run.mode, batch_size=samples)
         if self.rollout.weight_transfer == "nccl" and self.run.placement == "colocated":
             raise ConfigError("rollout.weight_transfer 'nccl' needs run.placement 'disaggregated': with colocated "
                               "roles the trainer and a rollout engine share a GPU, and NCCL refuses two ranks on "
@@ -300,21 +291,35 @@ class TrainConfig:
         return self.run.prompts_per_step * self.run.group_size
 
 
+RENAMED = {
+    "learner.tensor_model_parallel_size": "learner.tensor_parallel_size",
+    "learner.pipeline_model_parallel_size": "learner.pipeline_parallel_size",
+    "run.learner_data_parallel_size": "learner.data_parallel_size",
+    "run.rollout_groups": "rollout.data_parallel_size",
+}
+"""Keys of earlier versions: one spelling of parallel sizes, in the section of the role they size."""
+DERIVED = {
+    "learner.global_batch_size": "it is derived: run.prompts_per_step x run.group_size (SFT's batch is "
+                                 "sft.global_batch_size)",
+    "rollout.model": "the engines serve the policy the run starts from: set model.path, model.tiny or "
+                     "model.init_from",
+}
+"""Keys a training run sets itself (coordinator/config.py lists the coordinator's)."""
+
+
 def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
     """Read, override and validate a training config; errors name the dotted key.
 
-    `rollout.model` defaults to the policy the run starts from (model.path, or the tiny model
-    made in the run directory), so a config names its model once.
+    Keys the run derives (DERIVED, coordinator.run_section) and keys of earlier versions (RENAMED)
+    are refused, naming what to write instead.
     """
     data = read_config_data(path, overrides)
-    model = data.get("model") if isinstance(data.get("model"), dict) else {}
-    rollout = data.setdefault("rollout", {})
-    if isinstance(rollout, dict) and "model" not in rollout:
-        run_dir = (data.get("run") or {}).get("dir", RunConfig.dir) if isinstance(data.get("run"), dict) else RunConfig.dir
-        path = model.get("path")
-        if not (isinstance(path, str) and path) and not isinstance(run_dir, str):
-            raise ConfigError(f"run.dir: expected str, got {type(run_dir).__name__} {run_dir!r}")
-        rollout["model"] = str(path if isinstance(path, str) and path else Path(run_dir) / "model")
+    for dotted, hint in [*((k, f"it was renamed: use {v}") for k, v in RENAMED.items()), *DERIVED.items()]:
+        section, key = dotted.split(".")
+        if isinstance(data.get(section), dict) and key in data[section]:
+            raise ConfigError(f"{dotted} cannot be set: {hint}")
+    run = data.get("run") if isinstance(data.get("run"), dict) else {}
+    data["coordinator"] = run_section(data.get("coordinator", {}), mode=run.get("mode", RunConfig.mode))
     return from_dict(TrainConfig, data)
 
 

@@ -1,15 +1,17 @@
 """The learner ranks as Ray actors: one `LearnerWorker` per torch.distributed rank, driven SPMD.
 
-    group = LearnerGroup(learner_cfg=..., loss_cfg=..., hf_dir=..., data_parallel_size=dp, placement=place.learner)
+    group = LearnerGroup(learner_cfg=..., loss_cfg=..., hf_dir=..., seed=s, placement=place.learner)
     metrics = group.train_step(batch)            # every rank gets the same global batch
     logprobs_bt = group.forward_logprobs(tokens_bt)
     group.save(ckpt_dir); group.load(ckpt_dir)
     for hf_name, tensor in group.hf_state(): ... # full HF-named tensors, for publication
 
-Each worker initialises torch.distributed (gloo on CPU, NCCL on GPU) with its rank, builds the
-Megatron learner (`megatron_rl.learner.Learner`), fills it from the Hugging Face checkpoint
-(through the shared conversion mapping) and plugs the GRPO loss into the learner's
-per-micro-batch loss interface.  The driver never touches tensors of a single rank.
+learner.tensor_parallel_size x pipeline_parallel_size x data_parallel_size ranks.  Each worker
+initialises torch.distributed (gloo on CPU, NCCL on GPU) with its rank, builds the Megatron
+learner (`megatron_rl.learner.Learner`) and fills it from the Hugging Face checkpoint (through the
+shared conversion mapping; learner_build.py), plugs the GRPO loss into the learner's
+per-micro-batch loss interface (here), and publishes and checkpoints its weights
+(learner_weights.py).  The driver never touches tensors of a single rank.
 """
 
 from __future__ import annotations
@@ -17,27 +19,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
 import signal
 import time
 from functools import partial
-from pathlib import Path
 
-import numpy as np
 import torch
 
+from megatron_rl.train.learner_build import RankBuild
+from megatron_rl.train.learner_weights import RankWeights
+
 logger = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int, deterministic: bool | None, threads: int) -> None:
-    """Seeds, threads and deterministic mode (None: on for CPU, off on GPU; platform.apply_determinism)."""
-    from megatron_rl.platform import apply_determinism
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    torch.set_num_threads(threads)
-    apply_determinism(deterministic, cuda=torch.cuda.is_available())
 
 
 def micro_batch_denominators(mb: dict) -> tuple[float, float]:
@@ -76,8 +67,10 @@ class LearnerDied(RuntimeError):
     """A learner rank died (its actor is gone) or did not answer within run.learner_timeout_s."""
 
 
-class LearnerWorker:
-    """One learner rank (wrapped by ray.remote in LearnerGroup)."""
+class LearnerWorker(RankBuild, RankWeights):
+    """One learner rank (wrapped by ray.remote in LearnerGroup): built by RankBuild (learner_build.py:
+    torch.distributed, the Megatron learner, the initial policy, the reference), weights in and out
+    by RankWeights (learner_weights.py: publication, checkpoints, RNG), training here."""
 
     _ooms = 0  # drill bookkeeping: injected out-of-memory errors so far
 
@@ -88,59 +81,6 @@ class LearnerWorker:
         configure_worker_logging()
         self.rank, self.world_size = rank, world_size
         self._args = (learner_cfg, loss_cfg, hf_dir, seed, deterministic, threads)
-
-    def rendezvous_address(self) -> tuple[str, int]:
-        """(this node's IP, a free port): rank 0 hosts the torch.distributed rendezvous."""
-        import ray
-
-        from megatron_rl.platform.spawn import free_port
-
-        return ray.util.get_node_ip_address(), free_port()
-
-    def setup(self, master_addr: str, master_port: int, sampling=None) -> int:
-        """Join torch.distributed, build the learner (scoring under `sampling`) and load the initial policy."""
-        from megatron_rl.conversion.hf_io import HFCheckpoint
-        from megatron_rl.conversion.model_io import fill_from_hf
-        from megatron_rl.learner import Learner
-        from megatron_rl.models.hf_config import load_hf_config, padded_vocab_size
-        from megatron_rl.platform import detect_platform
-        from megatron_rl.platform.parallel import init_distributed
-
-        learner_cfg, loss_cfg, hf_dir, seed, deterministic, threads = self._args
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        seed_everything(seed, deterministic, threads)
-        self.loss_cfg = loss_cfg
-        self.platform = detect_platform(dtype=learner_cfg.dtype)
-        init_distributed(self.platform, rank=self.rank, world_size=self.world_size)
-        self.hf_cfg = load_hf_config(hf_dir)
-        self.publish_device = "cpu"  # where published tensors are materialised (connect_rollout)
-        self.publish_dtype = torch.float32  # the engines' dtype once connected (connect_rollout)
-        self.learner = Learner(learner_cfg, self.hf_cfg, self.platform, sampling=sampling)
-        from megatron.core import parallel_state as ps
-
-        tp = learner_cfg.tensor_model_parallel_size
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.padded_vocab = padded_vocab_size(self.hf_cfg.vocab_size, tp)
-        ckpt = HFCheckpoint(hf_dir, self.hf_cfg)
-        fill_from_hf(self.learner.model[0].module, self.hf_cfg, ckpt, self.tp_rank, tp, self.padded_vocab)
-        # Megatron's optimizer keeps fp32 main params for bf16 models: copy the loaded weights in.
-        if hasattr(self.learner.optimizer, "reload_model_params"):
-            self.learner.optimizer.reload_model_params()
-        self.hf_dir, self._ckpt = hf_dir, ckpt
-        self.reference = self._build_reference() if loss_cfg.kl_coef > 0 else None
-        return self.rank
-
-    def _build_reference(self):
-        """A frozen copy of the initial policy, same layout, forward only."""
-        from megatron_rl.conversion.model_io import fill_from_hf
-        from megatron_rl.models.builder import build_gpt_model
-
-        lc = self.learner.cfg
-        ref = build_gpt_model(self.hf_cfg, platform=self.platform, tp=lc.tensor_model_parallel_size,
-                              pp=lc.pipeline_model_parallel_size, config=self.learner.config)
-        fill_from_hf(ref, self.hf_cfg, self._ckpt, self.tp_rank, lc.tensor_model_parallel_size, self.padded_vocab)
-        ref.requires_grad_(False)
-        return ref
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -245,102 +185,18 @@ class LearnerWorker:
         finally:
             ddp.module = policy
 
-    # ---- weights out -----------------------------------------------------------------------------
-
-    def weight_source(self, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        """This rank's view of the policy as HF tensors in `dtype`, streamed group by group (publish.source)."""
-        from megatron_rl.publish.source import MegatronWeightSource
-
-        return MegatronWeightSource(self.learner.model[0].module, self.hf_cfg, dtype=dtype, device=device)
-
-    @torch.no_grad()
-    def hf_state(self) -> dict[str, torch.Tensor] | None:
-        """Full HF-named tensors of the current policy on global rank 0 (None elsewhere).
-
-        Every rank takes part: TP shards are gathered per group on the stage that owns it and
-        pipeline stages send their groups to the first stage (MegatronWeightSource).
-        """
-        state = dict(self.weight_source())
-        return state if self.rank == 0 else None
-
-    def connect_rollout(self, rollout_workers: list, bucket_bytes: int, transport: str = "gloo") -> None:
-        """Rank 0 becomes rank 0 of the publication group formed with every rollout engine.
-        `transport`: "gloo" (CPU tensors) or "nccl" (tensors stay on this rank's GPU)."""
-        import ray
-
-        from megatron_rl.publish import WeightPublisher
-        from megatron_rl.publish.trainer import engine_dtype
-
-        self.publish_device = "cuda" if transport == "nccl" else "cpu"
-        # Every rank casts (the gathers and pipeline sends run in it): once, in the engine's dtype.
-        self.publish_dtype = engine_dtype(rollout_workers)
-        if self.rank != 0:
-            return
-
-        self.publisher = WeightPublisher(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes,
-                                         transport=transport)
-        self.publisher.connect(rollout_workers)
-
-    @torch.no_grad()
-    def publish(self, version: int) -> dict | None:
-        """Publish the policy from rank 0 as `version`, streamed: each group is gathered (every
-        rank takes part, in lockstep) only when the publisher pulls it into a bucket."""
-        source = self.weight_source(self.publish_device, self.publish_dtype)
-        if self.rank != 0:
-            for _ in source:  # drive this rank's share of the gathers
-                pass
-            return None
-        report = self.publisher.publish(version, source)
-        return {"committed": report.committed, "seconds": report.seconds, "bytes": report.manifest.nbytes,
-                "errors": [r["error"] for r in report.results if not r["committed"]]}
-
-    # ---- checkpoints -------------------------------------------------------------------------------
-
-    def save(self, weights_dir: str) -> None:
-        """Megatron distributed checkpoint of model + optimizer + scheduler (collective)."""
-        from megatron.core import dist_checkpointing
-
-        Path(weights_dir).mkdir(parents=True, exist_ok=True)
-        sd = self.learner.sharded_state_dict()
-        extra = {"scheduler": sd.pop("scheduler"), "step": sd.pop("step")}
-        dist_checkpointing.save(sd, weights_dir)
-        torch.save(extra, Path(weights_dir) / f"extra_rank{self.rank:05d}.pt")
-
-    def rng_state(self) -> dict:
-        from megatron_rl.checkpoint import capture_rng_state
-
-        return capture_rng_state()
-
-    def set_rng_state(self, state: dict) -> None:
-        from megatron_rl.checkpoint import restore_rng_state
-
-        restore_rng_state(state)
-
-    def load(self, weights_dir: str) -> int:
-        from megatron.core import dist_checkpointing
-
-        sd = self.learner.sharded_state_dict(is_loading=True)
-        sd.pop("scheduler"), sd.pop("step")
-        state = dist_checkpointing.load(sd, weights_dir, strict="raise_all")
-        self.learner.load_sharded_state_dict(state)
-        extra = torch.load(Path(weights_dir) / f"extra_rank{self.rank:05d}.pt", weights_only=False)
-        self.learner.scheduler.load_state_dict(extra["scheduler"])
-        self.learner.step = int(extra["step"])
-        return self.learner.step
-
-
 class LearnerGroup:
     """All learner ranks, driven in lock step; methods return rank 0's answer."""
 
-    def __init__(self, *, learner_cfg, loss_cfg, hf_dir: str, data_parallel_size: int, seed: int,
+    def __init__(self, *, learner_cfg, loss_cfg, hf_dir: str, seed: int,
                  deterministic: bool | None, threads: int, placement=None, sampling=None,
                  call_timeout_s: float = 1800.0):
         import ray
 
         from megatron_rl.platform.priority import with_normal_priority
 
-        world = learner_cfg.tensor_model_parallel_size * learner_cfg.pipeline_model_parallel_size
-        self.world_size = world * data_parallel_size
+        world = learner_cfg.tensor_parallel_size * learner_cfg.pipeline_parallel_size
+        self.world_size = world * learner_cfg.data_parallel_size
         self.call_timeout_s = call_timeout_s
         cls = ray.remote(LearnerWorker)
         self.workers = [

@@ -41,7 +41,7 @@ class Placement:
         from ray.util.placement_group import placement_group
 
         gpu = torch.cuda.is_available() and ray.cluster_resources().get("GPU", 0) > 0
-        kind, groups, tp = cfg.run.placement, cfg.run.rollout_groups, cfg.rollout.tensor_parallel_size
+        kind, groups, tp = cfg.run.placement, cfg.rollout.data_parallel_size, cfg.rollout.tensor_parallel_size
         if kind == "colocated":
             if gpu and tp != 1:
                 raise ValueError("run.placement 'colocated' on GPUs needs rollout.tensor_parallel_size 1 "

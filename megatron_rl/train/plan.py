@@ -133,8 +133,9 @@ def check_weight_files(model_dir: str | Path) -> int:
 
 
 def check_and_plan(cfg: TrainConfig) -> dict:
+    from megatron_rl.coordinator.config import plan_entry
     from megatron_rl.models.hf_config import check_parallel_layout
-    from megatron_rl.train.roles import load_data
+    from megatron_rl.data.tasks import load_task
 
     check_run_dir(cfg)
     hf = model_config(cfg)
@@ -143,33 +144,33 @@ def check_and_plan(cfg: TrainConfig) -> dict:
     elif cfg.model.init_from is None and (Path(cfg.run.dir) / "model").is_dir():
         check_weight_files(Path(cfg.run.dir) / "model")  # the tiny model made by an earlier attempt
     lc = cfg.learner
-    check_parallel_layout(hf, lc.tensor_model_parallel_size, lc.pipeline_model_parallel_size,
-                          cfg.run.learner_data_parallel_size)
+    check_parallel_layout(hf, lc.tensor_parallel_size, lc.pipeline_parallel_size, lc.data_parallel_size)
     if hf.num_heads % cfg.rollout.tensor_parallel_size or hf.num_kv_heads % cfg.rollout.tensor_parallel_size:
         raise ConfigError(f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide "
                          f"num_heads {hf.num_heads} and num_kv_heads {hf.num_kv_heads}")
-    if lc.global_batch_size % (lc.micro_batch_size * cfg.run.learner_data_parallel_size):
-        raise ConfigError(f"learner.global_batch_size {lc.global_batch_size} is not divisible by micro_batch_size x "
-                         f"run.learner_data_parallel_size = {lc.micro_batch_size} x {cfg.run.learner_data_parallel_size}")
-    splits, template = load_data(cfg)
+    if lc.global_batch_size % (lc.micro_batch_size * lc.data_parallel_size):
+        raise ConfigError(f"run.prompts_per_step x run.group_size = {lc.global_batch_size} (the learner's batch) is "
+                         f"not divisible by learner.micro_batch_size x learner.data_parallel_size = "
+                         f"{lc.micro_batch_size} x {lc.data_parallel_size}")
+    splits, template = load_task(cfg.data)
     resume_from = check_resume_tokenizer(cfg)
-    ranks = lc.tensor_model_parallel_size * lc.pipeline_model_parallel_size * cfg.run.learner_data_parallel_size
+    ranks = lc.tensor_parallel_size * lc.pipeline_parallel_size * lc.data_parallel_size
     return {
         "mode": cfg.run.mode,
         "placement": cfg.run.placement,
         "model": cfg.model.path or (cfg.model.init_from and f"init_from {cfg.model.init_from}") or f"tiny {cfg.model.tiny.arch}/{cfg.model.tiny.size} (made in {cfg.run.dir}/model)",
         "model_params": _param_count(hf),
-        "learner": {"ranks": ranks, "tp": lc.tensor_model_parallel_size, "pp": lc.pipeline_model_parallel_size,
-                    "dp": cfg.run.learner_data_parallel_size, "global_batch": lc.global_batch_size,
+        "learner": {"ranks": ranks, "tp": lc.tensor_parallel_size, "pp": lc.pipeline_parallel_size,
+                    "dp": lc.data_parallel_size, "global_batch": lc.global_batch_size,
                     "micro_batch": lc.micro_batch_size, "distributed_optimizer": lc.use_distributed_optimizer},
-        "rollout": {"groups": cfg.run.rollout_groups, "tp": cfg.rollout.tensor_parallel_size,
+        "rollout": {"groups": cfg.rollout.data_parallel_size, "tp": cfg.rollout.tensor_parallel_size,
                     "samples_per_step": cfg.samples_per_step, "group_size": cfg.run.group_size,
                     "max_tokens": cfg.rollout.max_tokens},
         "data": {"task": cfg.data.task, "train": len(splits["train"]), "dev": len(splits["dev"]),
                  "test": len(splits["test"]), "version": splits["train"].dataset_version[:16],
                  "template": template.template},
         "steps": cfg.run.steps,
-        "max_staleness": cfg.coordinator.max_staleness,
+        "coordinator": plan_entry(cfg.coordinator),
         "run_dir": cfg.run.dir,
         "resume_from": resume_from,
     }

@@ -1,19 +1,21 @@
 """Rollout rounds, produced as far ahead as the coordinator admits.
 
-    producer = Producer(roles); producer.start(state)    # state.rounds: rounds saved by a checkpoint
-    samples, leases, seconds = producer.next(step)        # one round = one learner batch
+    producer = Producer(coordinator, sample_round, steps=100)   # sample_round(r) -> (samples, stats)
+    producer.start(state)                                 # state.rounds: rounds saved by a checkpoint
+    rnd = producer.next(step)     # Round: samples, leases, seconds, stats; one round = one learner batch
     rounds = producer.pause(); ...; producer.unpause()    # a checkpoint: finished rounds, none in flight
     producer.stop()   # the coordinator's version, set on publish, opens admission
 
 One background thread runs rounds in order: ask the coordinator for B admissions (the
-admission rule (max_staleness + v + 1) x B - (accepted + running) > 0 bounds staleness before
-any compute is spent), take the round's prompts from the data cursor, generate on the rollout
-fleet, and hand the samples to the driver.  The run mode only sets how far ahead it may go:
+admission rule (eta + v + 1) x B - (accepted + running) > 0 bounds staleness before any
+compute is spent), sample the round (`sample_round`, the rollout source: prompts from the data
+cursor, generated on the rollout fleet), and hand the samples to the driver.  The run mode only
+sets how far ahead it may go (the coordinator's bound eta, `Coordinator.lookahead`):
 
-  sync          max_staleness 0: round s starts after version s is published (on-policy)
-  one_step_off  max_staleness 1: round s+1 may sample with version s while step s learns,
+  sync          eta 0: round s starts after version s is published (on-policy)
+  one_step_off  eta 1: round s+1 may sample with version s while step s learns,
                 so every sample is at most one version stale (Δv <= 1)
-  async         max_staleness k: up to k versions ahead
+  async         eta k: up to k versions ahead
 
 so the same code serves every mode and the coordinator remains the single place that
 decides.  Rounds are numbered like steps; per-request sampling seeds derive from the run seed
@@ -28,10 +30,9 @@ in the uninterrupted run; the leases are live again because the coordinator's ad
 in the queue snapshot of the same checkpoint.  While a round is generated or waits for the
 learner, a keep-alive thread renews its leases every lease_ttl_s / 3, so only a dead producer's
 leases expire (an expired lease's trajectories are dropped, see coordinator/admission.py).
-For the same reason the producer runs
-`max_staleness` rounds past run.steps: a run of 2 steps then checkpoints the round that a
-4-step run sampled with version 1 during step 1, so raising run.steps and resuming continues
-exactly (a run that ends for good discards those rounds).  In async mode the version a round
+For the same reason the producer runs `lookahead` rounds past run.steps: a run of 2 steps then
+checkpoints the round that a 4-step run sampled with version 1 during step 1, so raising
+run.steps and resuming continues exactly (a run that ends for good discards those rounds).  In async mode the version a round
 gets depends on timing in any run; what is exact there is that resume loses nothing in flight.
 """
 
@@ -41,6 +42,9 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Callable
+
+from megatron_rl.coordinator.client import Coordinator
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +78,12 @@ class TrainState:
 
 
 class Producer:
-    def __init__(self, roles):
-        self.roles = roles
-        self.cfg = roles.cfg
+    """Runs rollout rounds in order on a background thread, each admitted by the coordinator first."""
+
+    def __init__(self, coordinator: Coordinator, sample_round: Callable[[int], tuple[list, dict]], *, steps: int):
+        self.coordinator = coordinator
+        self.sample_round = sample_round
+        self.steps = steps
         self._cond = threading.Condition()
         self._ready: dict[int, Round] = {}  # finished rounds the driver has not taken yet
         self._paused = False
@@ -86,7 +93,6 @@ class Producer:
         self._error: BaseException | None = None
         self._held: set[str] = set()  # leases of rounds admitted and not yet handed to the driver
         self._handed: list[str] = []  # leases of the round last handed out (enqueued soon)
-        self.handed_stats: dict = {}  # dynamic sampling's account of the round last handed out
         self._keepalive: threading.Thread | None = None
 
     def start(self, state: TrainState) -> None:
@@ -104,33 +110,29 @@ class Producer:
         self._keepalive.start()
 
     def _renew_leases(self) -> None:
-        import ray
-
-        while not self._stop.wait(self.cfg.coordinator.lease_ttl_s / 3):
+        while not self._stop.wait(self.coordinator.config.lease_ttl_s / 3):
             with self._cond:
                 leases = sorted(self._held.union(self._handed))
             if leases:
                 try:
-                    ray.get(self.roles.coordinator.renew.remote(leases))
+                    self.coordinator.renew(leases)
                 except Exception as err:  # the next beat retries; expiry is the coordinator's safety net
                     logger.warning("could not renew %d rollout leases: %s", len(leases), err)
 
     def _admit(self, need: int, round_: int) -> list[str] | None:
         """Block until the coordinator admits `need` rollouts; None if stopped or paused first."""
-        import ray
-
         leases: list[str] = []
         attempt = 0
         while len(leases) < need:
             if self._stop.is_set() or self._paused:
                 if leases:  # a checkpoint is waiting: give a partial grant back, ask again afterwards
-                    ray.get(self.roles.coordinator.release.remote(leases))
+                    self.coordinator.release(leases)
                     with self._cond:
                         self._held.difference_update(leases)
                 return None
             # The request id makes a call that Ray retries after a coordinator restart idempotent.
-            granted = ray.get(self.roles.coordinator.try_admit.remote(
-                need - len(leases), worker="producer", request_id=f"round-{round_}/{attempt}"))
+            granted = self.coordinator.try_admit(need - len(leases), worker="producer",
+                                                 request_id=f"round-{round_}/{attempt}")
             with self._cond:
                 self._held.update(granted)
             leases += granted
@@ -140,10 +142,9 @@ class Producer:
         return leases
 
     def _run(self, first_round: int) -> None:
-        cfg = self.cfg
-        need = self.roles.cfg.samples_per_step
+        need = self.coordinator.config.batch_size  # one round = one learner batch
         r = first_round
-        last = cfg.run.steps + cfg.coordinator.max_staleness  # rounds a longer run would sample before step `steps`
+        last = self.steps + self.coordinator.lookahead  # rounds a longer run would sample before step `steps`
         try:
             while r < last:
                 with self._cond:
@@ -157,7 +158,7 @@ class Producer:
                     if leases is None:
                         continue
                     t0 = time.perf_counter()
-                    samples, stats = self._sample(r)
+                    samples, stats = self.sample_round(r)
                     with self._cond:
                         self._ready[r] = Round(r, samples, leases, time.perf_counter() - t0, stats)
                     r += 1
@@ -170,55 +171,8 @@ class Producer:
                 self._error = err
                 self._cond.notify_all()
 
-    def _sample(self, r: int) -> tuple[list, dict]:
-        """The samples of round r (prompt-major groups) and, with dynamic sampling, its account."""
-        cfg = self.cfg
-        seed = cfg.run.seed * 1_000_000_007 + r * 7919  # per-request seeds derive from (run seed, round)
-        if not cfg.dynamic_sampling.enabled:
-            prompts, extra = self.roles.next_prompts(r)
-            return self.roles.fleet.generate(prompts, n=cfg.run.group_size, extra=extra, sampling={"seed": seed}), {}
-        return self._sample_informative(r, seed)
-
-    def _sample_informative(self, r: int, seed: int) -> tuple[list, dict]:
-        """Dynamic sampling (train/dynamic_sampling.py): oversample prompts, grade each group as it
-        arrives and keep only groups whose rewards vary, for at most max_attempts attempts; the
-        grades travel with the samples (sample.extra["score"]) so nothing is graded twice."""
-        from megatron_rl.train.dynamic_sampling import Group, fill, select_groups
-
-        ds, G, need = self.cfg.dynamic_sampling, self.cfg.run.group_size, self.cfg.run.prompts_per_step
-        kept: list[Group] = []
-        taken: set[str] = set()
-        sampled = discarded_tokens = attempts = 0
-        leftovers: list[Group] = []
-        while len(kept) < need and attempts < ds.max_attempts:
-            prompts, extra = self.roles.next_prompts(r, ds.prompts_to_draw(need - len(kept)))
-            samples = self.roles.fleet.generate(prompts, n=G, extra=extra, sampling={"seed": seed + attempts * 104_729})
-            scores = self.roles.grade(samples)
-            groups = [Group(samples[i * G].extra["prompt_id"], samples[i * G:(i + 1) * G], scores[i * G:(i + 1) * G])
-                      for i in range(len(prompts))]
-            new, leftovers = select_groups(groups, need=need - len(kept), taken=taken,
-                                           min_reward_std=ds.min_reward_std)
-            kept += new
-            sampled += len(groups)
-            discarded_tokens += sum(g.tokens for g in leftovers)
-            attempts += 1
-        informative = len(kept)
-        if len(kept) < need:
-            filler = fill(kept, leftovers, need=need, taken=taken)
-            discarded_tokens -= sum(g.tokens for g in filler)
-            kept += filler
-            logger.warning("round %d: dynamic sampling found %d of %d informative groups in %d attempts; "
-                           "filled with %d groups of equal rewards", r, informative, need, attempts, len(filler))
-        out = []
-        for g in kept:
-            for sample, score in zip(g.samples, g.scores, strict=True):
-                sample.extra["score"] = score.to_dict()
-                out.append(sample)
-        return out, {"sampled_groups": sampled, "informative_groups": informative,
-                     "filled_groups": need - informative, "discarded_tokens": discarded_tokens, "attempts": attempts}
-
-    def next(self, step: int) -> tuple[list, list, float]:
-        """The samples (and their admission leases) of round `step`, waiting for them."""
+    def next(self, step: int) -> Round:
+        """Round `step` (samples, admission leases, seconds, dynamic sampling's account), waiting for it."""
         with self._cond:
             while step not in self._ready:
                 if self._error is not None:
@@ -229,8 +183,7 @@ class Producer:
             item = self._ready.pop(step)
             self._held.difference_update(item.leases)
             self._handed = list(item.leases)
-            self.handed_stats = dict(item.stats)
-        return item.samples, item.leases, item.seconds
+        return item
 
     def pause(self) -> list[Round]:
         """Start no new round, let the one in flight finish; the finished rounds not yet taken."""

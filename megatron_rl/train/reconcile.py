@@ -22,24 +22,19 @@ import torch
 
 
 def reconcile(cfg, max_rows: int = 8) -> dict:
-    import ray
-
     from megatron_rl.grpo.loss import grpo_loss
     from megatron_rl.train.batch import build_batch
     from megatron_rl.train.roles import Roles
 
     roles = Roles.build(cfg)
     try:
-        state = roles.resume()
-        ray.get(roles.coordinator.set_version.remote(state.version))
-        prompts, extra = roles.next_prompts(state.step)
-        samples = roles.fleet.generate(prompts, n=cfg.run.group_size, extra=extra,
-                                       sampling={"seed": cfg.run.seed * 1_000_000_007 + state.step * 7919})
-        trajs, _ = roles.score(state.step, samples)
-        batch, _ = build_batch(trajs, pad_id=roles.tokenizer.pad_token_id or 0, loss_cfg=cfg.loss,
+        state, _ = roles.checkpointer.resume(roles.policy, roles.source, roles.coordinator)
+        samples, _ = roles.source.sample_round(state.step)
+        trajs, _ = roles.scorer.score(samples)
+        batch, _ = build_batch(trajs, pad_id=roles.inputs.pad_id, loss_cfg=cfg.loss,
                                micro_batch_size=cfg.learner.micro_batch_size)
-        current = roles.learner.forward_logprobs(batch["tokens"])  # [B, T-1]
-        reference = roles.learner.reference_logprobs(batch["tokens"])  # [B, T-1]
+        current = roles.policy.learner.forward_logprobs(batch["tokens"])  # [B, T-1]
+        reference = roles.policy.learner.reference_logprobs(batch["tokens"])  # [B, T-1]
         lp = current.clone().requires_grad_(True)
         loss, _ = grpo_loss(lp, batch["behavior_logprobs"], reference, batch["advantages"], batch["loss_mask"],
                             cfg.loss)  # the whole batch in one call: its own token / sequence counts

@@ -4,8 +4,9 @@
     shadow_forward(learner, ckpt, tolerance)        # on resume, after the weights are loaded
     check_canary(metrics)                           # after the first step of a resumed run
 
-Order on resume (roles.resume, driver.train): the learner first (weights, optimizer, RNG), then the
-queue (the checkpoint's WAL snapshot; the coordinator replays it and dedupes by trajectory id),
+Order on resume (Checkpointer.resume, train/checkpointing.py): the learner first (weights,
+optimizer, RNG), then the queue (the checkpoint's WAL snapshot; the coordinator replays it and
+dedupes by trajectory id),
 then the **shadow forward**: the learner's logprobs of a fixed probe batch, saved with the
 checkpoint (PROBE_FILE, hashed into its COMMITTED manifest like every file), are recomputed from
 the loaded weights; a difference beyond `run.shadow_tolerance` means the weights are not the ones

@@ -3,7 +3,7 @@
     megatron-rl sft --config configs/tiny_cpu.yaml run.dir=runs/sft [sft.steps=100 ...]
     megatron-rl train --config configs/tiny_cpu.yaml run.dir=runs/grpo model.init_from=runs/sft model.tiny=null
 
-Each step takes `learner.global_batch_size` training examples from the data cursor and
+Each step takes `sft.global_batch_size` (default: the GRPO batch) training examples from the data cursor and
 minimises the mean negative log-likelihood of the reference answer (then EOS) given the prompt,
 over response tokens only (the prompt is context, never a target):
 
@@ -74,19 +74,19 @@ def sft(cfg) -> dict:
     from megatron_rl.config import config_hash
     from megatron_rl.console import progress
     from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
-    from megatron_rl.data.cursor import DataCursor
     from megatron_rl.metrics import MetricsLogger
     from megatron_rl.run_manifest import close_run
-    from megatron_rl.train.config import data_order_seed
     from megatron_rl.train.learner_group import LearnerGroup
-    from megatron_rl.train.roles import open_run_dir
+    from megatron_rl.train.run_setup import open_run_dir, train_cursor
     from megatron_rl.train.telemetry import sft_progress_line
 
-    run_dir, model_dir, tokenizer, tok_hash, splits, template = open_run_dir(cfg, kind="sft")
+    inputs = open_run_dir(cfg, kind="sft")
+    run_dir, model_dir, tokenizer, tok_hash = inputs.run_dir, inputs.model_dir, inputs.tokenizer, inputs.tokenizer_hash
+    splits, template = inputs.splits, inputs.template
     ckpts = run_dir / "checkpoints"
     resume_from = resume_checkpoint(ckpts) if cfg.run.resume else None
     train = splits["train"]
-    cursor = DataCursor(len(train), seed=data_order_seed(cfg), dataset_version=train.dataset_version)
+    cursor = train_cursor(cfg, train)
     lc = dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr,
                              global_batch_size=cfg.sft.global_batch_size or cfg.learner.global_batch_size)
     own_ray = not ray.is_initialized()
@@ -95,8 +95,7 @@ def sft(cfg) -> dict:
     learner = metrics = None
     try:
         learner = LearnerGroup(learner_cfg=lc, loss_cfg=dataclasses.replace(cfg.loss, kl_coef=0.0),
-                               hf_dir=str(model_dir), data_parallel_size=cfg.run.learner_data_parallel_size,
-                               seed=lc.seed, deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads)
+                               hf_dir=str(model_dir), seed=lc.seed, deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads)
         start = 0
         if resume_from is not None:
             manifest = load_checkpoint(resume_from, tokenizer_hash=tok_hash)

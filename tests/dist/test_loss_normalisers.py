@@ -84,7 +84,7 @@ def _work(rank, world, seq_batch, lag_batch):
                               for n, p in model.named_parameters()}
     out = {}
     for tp in (1, 2):
-        learner = Learner(LearnerConfig(tensor_model_parallel_size=tp, micro_batch_size=2, global_batch_size=4,
+        learner = Learner(LearnerConfig(tensor_parallel_size=tp, micro_batch_size=2, global_batch_size=4,
                                         seed=SEED, use_distributed_optimizer=False, lr=1e-2, weight_decay=0.0,
                                         clip_grad=0.0), cfg, platform)
         module = learner.model[0].module

@@ -87,7 +87,7 @@ def _equivalence(rank, world):
         full, ref = _reference(cfg, platform, tokens)
     out = {"ref": {k: v for k, v in ref.items() if k != "updated"}, "layouts": {}}
     for tp, pp in LAYOUTS:
-        learner = Learner(LearnerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        learner = Learner(LearnerConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                         micro_batch_size=1, global_batch_size=4, seed=SEED,
                                         use_distributed_optimizer=True, **OPT), cfg, platform)
         module = learner.model[0].module

@@ -24,7 +24,7 @@ def _publish_source(rank: int, world_size: int, hf_dir: str):
     from megatron_rl.learner import LearnerConfig
     from megatron_rl.train.learner_group import LearnerWorker
 
-    cfg = LearnerConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, global_batch_size=2)
+    cfg = LearnerConfig(tensor_parallel_size=2, pipeline_parallel_size=2, global_batch_size=2)
     worker = LearnerWorker(rank=rank, world_size=world_size, learner_cfg=cfg, loss_cfg=GRPOLossConfig(),
                            hf_dir=hf_dir, seed=0, deterministic=True, threads=1)
     worker.setup("127.0.0.1", 0)  # torch.distributed is already up in this child

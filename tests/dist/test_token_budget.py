@@ -81,7 +81,7 @@ def _work(rank, world, batch):
                                   for n, p in model.named_parameters()}
     out = {"ref_logprobs": ref["logprobs"], "ref_loss": ref["loss"], "layouts": {}}
     for tp, pp in LAYOUTS:
-        learner = Learner(LearnerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        learner = Learner(LearnerConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                         micro_batch_size=1, global_batch_size=8, max_tokens_per_micro_batch=BUDGET,
                                         seed=SEED, use_distributed_optimizer=False, lr=1e-2, clip_grad=0.0), cfg,
                           platform)

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 @pytest.mark.parametrize("arch,rollout_tp", [("llama", 2), ("llama3", 1), ("qwen3", 1)])
 def test_tp2_learner_publishes_to_rollout_group(tmp_path, arch, rollout_tp):
     run_cli("train", "--config", str(TINY), f"run.dir={tmp_path}", "run.steps=2", "run.eval_every=0",
-            "run.checkpoint_every=0", "learner.tensor_model_parallel_size=2",
+            "run.checkpoint_every=0", "learner.tensor_parallel_size=2",
             f"rollout.tensor_parallel_size={rollout_tp}", f"model.tiny.arch={arch}")
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config["architectures"] == [{"qwen3": "Qwen3ForCausalLM"}.get(arch, "LlamaForCausalLM")]

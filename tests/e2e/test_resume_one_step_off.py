@@ -22,7 +22,7 @@ from tests.e2e.conftest import TINY, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-ONE_STEP_OFF = ["run.mode=one_step_off", "coordinator.max_staleness=1", "run.checkpoint_every=2",
+ONE_STEP_OFF = ["run.mode=one_step_off", "run.checkpoint_every=2",
                 "run.keep_checkpoints=3", "run.eval_every=0", "data.eval_size=8"]
 
 
@@ -70,7 +70,7 @@ def test_resume_at_another_data_parallel_size_is_refused_up_front(runs, tmp_path
     shutil.copytree(b, c)
     t0 = time.monotonic()
     proc = run_cli("train", "--config", str(TINY), f"run.dir={c}", "run.steps=6",
-                   "run.learner_data_parallel_size=2", "learner.micro_batch_size=32", *ONE_STEP_OFF, check=False)
+                   "learner.data_parallel_size=2", "learner.micro_batch_size=32", *ONE_STEP_OFF, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "cannot resume" in proc.stderr and "(1, 1, 1), this run has (1, 1, 2)" in proc.stderr, proc.stderr[-3000:]
     assert "Ray" not in proc.stderr and time.monotonic() - t0 < 60  # refused before anything started

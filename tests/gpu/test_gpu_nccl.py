@@ -32,7 +32,7 @@ def _nccl_step(rank, world):
 
     assert dist.get_backend() == "nccl"
     platform = detect_platform("cuda", "bf16")
-    learner = Learner(LearnerConfig(tensor_model_parallel_size=world, global_batch_size=4, micro_batch_size=2,
+    learner = Learner(LearnerConfig(tensor_parallel_size=world, global_batch_size=4, micro_batch_size=2,
                                     lr=1e-3), load_hf_config(TINY), platform)
     x = torch.full((4,), float(rank + 1), device="cuda")
     dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())

@@ -34,7 +34,7 @@ def test_console_shows_progress_and_project_messages_but_not_library_chatter():
     h = ConsoleHandler(out, verbose=False, bar=False)
     for name, level, msg in [(PROGRESS_LOGGER, logging.INFO, "step 1/2"), ("vllm.engine", logging.WARNING, "chatty"),
                              ("megatron.core", logging.INFO, "chatty too"), ("ray", logging.WARNING, "ray chatter"),
-                             ("megatron_rl.train.roles", logging.INFO, "checkpoint committed"),
+                             ("megatron_rl.train.checkpointing", logging.INFO, "checkpoint committed"),
                              ("vllm.engine", logging.ERROR, "engine died"), (PROGRESS_LOGGER, logging.INFO, "step 2/2")]:
         h.handle(_record(name, level, msg))
     lines = out.getvalue().splitlines()

@@ -12,7 +12,8 @@ import json
 import pytest
 
 from megatron_rl.data.dataset import Dataset, Example, PromptTemplate
-from megatron_rl.data.reasoning_gym_task import check_encodable, make_reasoning_gym
+from megatron_rl.data.reasoning_gym_task import make_reasoning_gym
+from megatron_rl.data.tasks import check_encodable
 from megatron_rl.reward.math_verifier import RewardConfig, score_response
 from megatron_rl.reward.pool import VerifierPool
 

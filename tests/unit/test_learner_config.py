@@ -12,13 +12,13 @@ pytestmark = pytest.mark.unit
 
 
 def test_defaults_and_yaml_style_build():
-    cfg = from_dict(LearnerConfig, {"tensor_model_parallel_size": 2, "lr": 1, "global_batch_size": 8,
+    cfg = from_dict(LearnerConfig, {"tensor_parallel_size": 2, "lr": 1, "global_batch_size": 8,
                                     "micro_batch_size": 2})
-    assert cfg.lr == 1.0 and cfg.tensor_model_parallel_size == 2 and cfg.use_distributed_optimizer
+    assert cfg.lr == 1.0 and cfg.tensor_parallel_size == 2 and cfg.use_distributed_optimizer
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"tensor_model_parallel_size": 0}, "tensor_model_parallel_size"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"micro_batch_size": 3, "global_batch_size": 8}, "global_batch_size 8"),
     ({"lr": 0.0}, "lr"),
     ({"min_lr": 1.0, "lr": 0.5}, "min_lr"),

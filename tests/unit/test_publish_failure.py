@@ -2,8 +2,9 @@
 
     python -m pytest tests/unit/test_publish_failure.py -q
 
-The real CLI and driver, with Roles.build replaced by a stand-in whose learner's publication
-fails the way gloo does when a peer dies ("Connection closed by peer").  The rollout groups are
+The real CLI, driver and Policy (publication, engine checks), with Roles.build replaced by a
+stand-in whose learner's publication fails the way gloo does when a peer dies ("Connection
+closed by peer"); the other roles do nothing.  The rollout groups are
 real Ray actors; the "dead engine" is one of them killed.  Expected: exit 75 (EXIT_REQUEUE), a
 `megatron-rl train: error:` line naming the group and saying that rerunning resumes from the
 intact newest checkpoint; a publication failure with every engine alive stays a bug
@@ -18,10 +19,11 @@ import torch
 
 from megatron_rl.checkpoint import save_checkpoint
 from megatron_rl.cli import main
-from megatron_rl.metrics import MetricsLogger
+from megatron_rl.grpo.loss import GRPOLossConfig
+from megatron_rl.learner.config import SamplingConfig
 from megatron_rl.train import driver
-from megatron_rl.train.producer import TrainState
-from megatron_rl.train.roles import Roles
+from megatron_rl.train.policy import Policy, PolicySettings
+from megatron_rl.train.producer import Round, TrainState
 from tests.e2e.conftest import TINY
 
 pytestmark = pytest.mark.unit
@@ -47,65 +49,67 @@ class _Learner:
     def publish(self, version):
         raise self.fail
 
-
-class _Producer:
-    def start(self, state):
-        pass
-
-    def next(self, step):
-        return [], [], 0.0
-
-    def stop(self):
+    def shutdown(self):
         pass
 
 
-class _Fleet:
-    def __init__(self, dead: bool):
-        self.workers = [Engine.remote(), Engine.remote()]
-        ray.get([w.policy_version.remote() for w in self.workers])
-        if dead:
-            ray.kill(self.workers[1])
+class _Policy(Policy):
+    """The real Policy (publication, engine checks) on a learner whose publication fails."""
 
-
-class _Roles:
-    """Everything but publication is a no-op; publish is the real Roles.publish."""
-
-    publish = Roles.publish
-    _raise_if_engine_down = Roles._raise_if_engine_down
-
-    def __init__(self, run_dir, fleet, learner, learn_error=None):
-        self.run_dir, self.fleet, self.learner, self.learn_error = run_dir, fleet, learner, learn_error
-        self.metrics = MetricsLogger()  # no sinks
-        self.closed = False
-
-    def resume(self):
-        return TrainState(step=2, version=2)
-
-    def producer(self):
-        return _Producer()
-
-    def score(self, step, samples):
-        return [], 0.0
-
-    def enqueue(self, trajs, leases):
-        return {}
-
-    def take(self, step, version):
-        return []
+    def __init__(self, learner, engines, learn_error=None):
+        settings = PolicySettings(loss=GRPOLossConfig(), sampling=SamplingConfig(), micro_batch_size=1, probe_rows=1,
+                                  refit_tolerance=None, vocab_size=8, pad_id=0)  # no refit probe in this double
+        super().__init__(learner, engines, settings)
+        self.learn_error = learn_error
 
     def learn(self, taken, version, lr_scale=1.0):
         if self.learn_error:
             raise self.learn_error
-        return {"loss": 0.0, "grad_norm": 0.0}, 0.0  # finite: the restart canary passes
+        return {"loss": 0.0, "grad_norm": 0.0, "dv": []}, 0.0  # finite: the restart canary passes
 
-    def record_consumed(self, step, taken):
-        pass
 
-    def _expect_probe(self, version):  # no refit probe in this double
-        pass
+class _Anything:
+    """A role whose every method does nothing (the source, scorer, coordinator, reporter)."""
+
+    initial_eval = last_eval = None
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+class _Source(_Anything):
+    def next(self, step):
+        return Round(step, [], [], 0.0)
+
+
+class _Scorer(_Anything):
+    def score(self, samples):
+        return [], 0.0
+
+
+class _Checkpointer:
+    def resume(self, policy, source, coordinator):
+        return TrainState(step=2, version=2), None
+
+
+class _Roles:
+    def __init__(self, run_dir, engines, learner, learn_error=None):
+        self.run_dir = run_dir
+        self.policy = _Policy(learner, engines, learn_error)
+        self.source, self.scorer, self.coordinator, self.reporter = _Source(), _Scorer(), _Anything(), _Anything()
+        self.checkpointer = _Checkpointer()
+        self.closed = False
 
     def close(self):
         self.closed = True
+
+
+def _engines(dead: bool) -> list:
+    workers = [Engine.remote(), Engine.remote()]
+    ray.get([w.policy_version.remote() for w in workers])
+    if dead:
+        ray.kill(workers[1])
+    return workers
 
 
 def _train(monkeypatch, tmp_path, roles_kw):
@@ -125,7 +129,7 @@ def _train(monkeypatch, tmp_path, roles_kw):
 
 def test_dead_engine_exits_75_with_one_line(ray_local, monkeypatch, tmp_path, capsys):
     fail = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
-    args, made = _train(monkeypatch, tmp_path, dict(fleet=_Fleet(dead=True), learner=_Learner(fail)))
+    args, made = _train(monkeypatch, tmp_path, dict(engines=_engines(dead=True), learner=_Learner(fail)))
     assert main(args) == driver.EXIT_REQUEUE
     err = capsys.readouterr().err.strip().splitlines()
     line = [x for x in err if x.startswith("megatron-rl train: error:")]
@@ -136,13 +140,13 @@ def test_dead_engine_exits_75_with_one_line(ray_local, monkeypatch, tmp_path, ca
 
 
 def test_publication_failure_with_live_engines_is_not_hidden(ray_local, monkeypatch, tmp_path):
-    args, _ = _train(monkeypatch, tmp_path, dict(fleet=_Fleet(dead=False), learner=_Learner(RuntimeError("boom"))))
+    args, _ = _train(monkeypatch, tmp_path, dict(engines=_engines(dead=False), learner=_Learner(RuntimeError("boom"))))
     with pytest.raises(RuntimeError, match="boom"):
         main(args)
 
 
 def test_value_error_in_the_loop_is_a_bug_not_bad_input(ray_local, monkeypatch, tmp_path):
-    args, _ = _train(monkeypatch, tmp_path, dict(fleet=_Fleet(dead=False), learner=_Learner(RuntimeError()),
+    args, _ = _train(monkeypatch, tmp_path, dict(engines=_engines(dead=False), learner=_Learner(RuntimeError()),
                                                  learn_error=ValueError("shape mismatch")))
     with pytest.raises(RuntimeError, match="internal error while training: shape mismatch"):
         main(args)

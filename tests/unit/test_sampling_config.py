@@ -78,7 +78,7 @@ def _traj(i: int, sampling: dict):
 
 
 def test_take_refuses_trajectories_sampled_under_other_settings():
-    from megatron_rl.train.roles import check_sampling
+    from megatron_rl.train.policy import check_sampling
 
     learner = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20)
     # What the rollout worker records: every SamplingParams field it passed, plus n.

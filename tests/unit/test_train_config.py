@@ -30,6 +30,8 @@ def test_valid_config_prints_the_plan(capsys, tmp_path):
     assert code == 0
     plan = json.loads(out)
     assert plan["mode"] == "sync" and plan["rollout"]["samples_per_step"] == 256
+    assert plan["learner"]["global_batch"] == plan["coordinator"]["batch_size"] == 256
+    assert plan["coordinator"]["max_staleness"] == 0
     assert plan["data"]["train"] == 800 and plan["resume_from"] is None
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
 
@@ -37,20 +39,60 @@ def test_valid_config_prints_the_plan(capsys, tmp_path):
 @pytest.mark.parametrize("override, needle", [
     ("learner.lr_typo=1", "learner.lr_typo"),                          # unknown key
     ("run.steps=many", "run.steps"),                                    # wrong type
-    ("learner.tensor_model_parallel_size=3", "tensor parallel size 3"),  # 4 heads / 3
-    ("learner.pipeline_model_parallel_size=3", "pipeline parallel size 3"),  # 2 layers / 3
-    ("learner.global_batch_size=32", "learner.global_batch_size"),      # != prompts x G
-    ("run.mode=async", "coordinator.max_staleness"),                    # async with staleness 0
+    ("learner.tensor_parallel_size=3", "tensor parallel size 3"),      # 4 heads / 3
+    ("learner.pipeline_parallel_size=3", "pipeline parallel size 3"),  # 2 layers / 3
+    ("learner.micro_batch_size=48", "learner.micro_batch_size"),        # 16 x 16 = 256 is not a multiple of 48
+    ("run.mode=async", None),                                           # async with its default bound: valid
     ("rollout.tensor_parallel_size=3", "rollout.tensor_parallel_size"),
     ("rollout.weight_transfer=nccl", "run.placement 'disaggregated'"),  # NCCL: no two ranks on one GPU
     ("rollout.weight_transfer=none", "could never reach the rollout engines"),
     ("dynamic_sampling.oversample=0.5", "dynamic_sampling.oversample"),
     ("model.init_from=runs/x", "exactly one of model.path"),                     # with model.tiny set
 ])
-def test_bad_config_is_named(capsys, override, needle):
-    code, _, err = dry_run(capsys, override)
+def test_bad_config_is_named(capsys, override, needle, tmp_path):
+    code, _, err = dry_run(capsys, override, f"run.dir={tmp_path}")
+    if needle is None:
+        assert code == 0, err
+        return
     assert code == 2
     assert needle in err, err
+
+
+@pytest.mark.parametrize("override, needles", [
+    # derived keys: refused, naming the key and what to write instead
+    ("learner.global_batch_size=256", ["learner.global_batch_size", "run.prompts_per_step x run.group_size"]),
+    ("coordinator.batch_size=256", ["coordinator.batch_size", "run.prompts_per_step x run.group_size"]),
+    ("coordinator.wal_path=/tmp/q.db", ["coordinator.wal_path", "RUN_DIR/queue.db"]),
+    ("rollout.model=/tmp/m", ["rollout.model", "model.path"]),
+    # the staleness bound comes from run.mode; only async may override it
+    ("coordinator.max_staleness=0", ["coordinator.max_staleness", "run.mode 'sync'", "run.mode=async"]),
+    # one spelling of parallel sizes: the old ones name the new key
+    ("learner.tensor_model_parallel_size=1", ["learner.tensor_model_parallel_size", "learner.tensor_parallel_size"]),
+    ("learner.pipeline_model_parallel_size=1", ["learner.pipeline_parallel_size"]),
+    ("run.learner_data_parallel_size=1", ["run.learner_data_parallel_size", "learner.data_parallel_size"]),
+    ("run.rollout_groups=2", ["run.rollout_groups", "rollout.data_parallel_size"]),
+])
+def test_derived_and_renamed_keys_are_refused_with_what_to_use(capsys, override, needles):
+    code, _, err = dry_run(capsys, override)
+    assert code == 2
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_batch_and_staleness_are_derived_once():
+    from megatron_rl.train.config import load_train_config
+
+    cfg = load_train_config(TINY, ["run.prompts_per_step=4", "run.group_size=8", "learner.micro_batch_size=8"])
+    assert cfg.learner.global_batch_size == cfg.coordinator.batch_size == 32
+    bounds = {mode: load_train_config(TINY, [f"run.mode={mode}"]).coordinator
+              for mode in ("sync", "one_step_off", "async")}
+    assert [(c.max_staleness, c.max_version_lag) for c in bounds.values()] == [(0, 1), (1, 1), (2, 2)]
+    async3 = load_train_config(TINY, ["run.mode=async", "coordinator.max_staleness=3"]).coordinator
+    assert (async3.max_staleness, async3.max_version_lag) == (3, 3)
+    with pytest.raises(ValueError, match="coordinator.max_version_lag"):
+        load_train_config(TINY, ["run.mode=async", "coordinator.max_staleness=3", "coordinator.max_version_lag=2"])
+    with pytest.raises(ValueError, match="coordinator.max_staleness must be an int >= 1"):
+        load_train_config(TINY, ["run.mode=async", "coordinator.max_staleness=0"])
 
 
 def test_sft_first_and_init_from_are_one_choice(capsys):
@@ -98,7 +140,7 @@ def test_qwen3_8b_recipe_is_planned_from_its_config(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert abs(plan["model_params"] / 1e9 - 8.19) < 0.01  # Qwen3-8B: 8.2B, 6.95B without embeddings
     assert next(p for p in plan["placements"] if p["placement"] == "colocated")["fits"]
-    assert main(["plan", "--config", recipe, "--json", "rollout.tensor_parallel_size=1", "run.rollout_groups=8"]) == 1
+    assert main(["plan", "--config", recipe, "--json", "rollout.tensor_parallel_size=1", "rollout.data_parallel_size=8"]) == 1
     capsys.readouterr()
 
 

@@ -1,0 +1,56 @@
+"""The data of a run, by task: train/dev/test splits and the prompt template.
+
+    splits, template = load_task(cfg.data)   # cfg.data: the `data:` section (train/config.py DataConfig)
+    check_encodable(splits, template, tokenizer)   # every prompt and answer survives encode -> decode
+
+Tasks: the built-in `digit_max` (builtin.py), a `reasoning_gym` generator (reasoning_gym_task.py), or
+`jsonl` files (jsonl.py), a held-out split without a file carved from the training file (splits.py).
+"""
+
+from __future__ import annotations
+
+from megatron_rl.data.builtin import DIGIT_MAX_TEMPLATE, make_digit_max
+from megatron_rl.config import DataError
+from megatron_rl.data.dataset import Dataset, PromptTemplate
+from megatron_rl.data.jsonl import load_jsonl
+from megatron_rl.data.splits import holdout_splits
+
+
+def load_task(d) -> tuple[dict, PromptTemplate]:
+    """The task's train/dev/test splits and its prompt template, from the `data:` section (DataConfig)."""
+    if d.task == "digit_max":
+        splits = make_digit_max(seed=d.seed)
+        template = DIGIT_MAX_TEMPLATE
+    elif d.task == "reasoning_gym":
+        from megatron_rl.data.reasoning_gym_task import REASONING_GYM_TEMPLATE, make_reasoning_gym
+
+        splits = make_reasoning_gym(d.generator, d.generator_config, seed=d.seed, train_size=d.train_size,
+                                    holdout_size=d.holdout_size)
+        template = REASONING_GYM_TEMPLATE
+    else:
+        kw = dict(question_field=d.question_field, answer_field=d.answer_field)
+        splits = holdout_splits(load_jsonl(d.train_file, split="train", **kw),
+                                dev=load_jsonl(d.dev_file, split="dev", **kw) if d.dev_file else None,
+                                test=load_jsonl(d.test_file, split="test", **kw) if d.test_file else None,
+                                seed=d.seed, fraction=d.holdout_fraction)
+        template = PromptTemplate("{question}")
+    if d.template is not None:
+        template = PromptTemplate(d.template)
+    return splits, template
+
+
+def check_encodable(splits: dict[str, Dataset], template: PromptTemplate, tokenizer) -> None:
+    """Refuse, before any work, a task whose prompts or answers the tokenizer cannot encode
+    (characters that come back different after encode -> decode), naming the characters."""
+    bad: dict[str, str] = {}
+    for ds in splits.values():
+        for ex in ds:
+            for text in (template.render(ex), ex.answer):
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                if tokenizer.decode(ids) != text:
+                    for ch in sorted(set(text)):
+                        if tokenizer.decode(tokenizer(ch, add_special_tokens=False)["input_ids"]) != ch:
+                            bad.setdefault(ch, ex.id)
+    if bad:
+        shown = ", ".join(f"{ch!r} (e.g. {ex_id})" for ch, ex_id in list(bad.items())[:10])
+        raise DataError(f"the tokenizer cannot encode {len(bad)} character(s) of this task: {shown}")

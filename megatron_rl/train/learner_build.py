@@ -1,0 +1,84 @@
+"""How a learner rank is built: torch.distributed, the Megatron learner, the initial policy from a
+Hugging Face checkpoint (through the shared conversion mapping) and the frozen reference model.
+
+    class LearnerWorker(RankBuild, ...)   # train/learner_group.py
+    worker.setup(master_addr, master_port, sampling)
+
+`seed_everything` sets seeds, threads and deterministic mode of a process (the driver's too).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int, deterministic: bool | None, threads: int) -> None:
+    """Seeds, threads and deterministic mode (None: on for CPU, off on GPU; platform.apply_determinism)."""
+    from megatron_rl.platform import apply_determinism
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    apply_determinism(deterministic, cuda=torch.cuda.is_available())
+
+
+class RankBuild:
+    """Mixin of LearnerWorker: needs self.rank, self.world_size and self._args (its __init__)."""
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(this node's IP, a free port): rank 0 hosts the torch.distributed rendezvous."""
+        import ray
+
+        from megatron_rl.platform.spawn import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int, sampling=None) -> int:
+        """Join torch.distributed, build the learner (scoring under `sampling`) and load the initial policy."""
+        from megatron_rl.conversion.hf_io import HFCheckpoint
+        from megatron_rl.conversion.model_io import fill_from_hf
+        from megatron_rl.learner import Learner
+        from megatron_rl.models.hf_config import load_hf_config, padded_vocab_size
+        from megatron_rl.platform import detect_platform
+        from megatron_rl.platform.parallel import init_distributed
+
+        learner_cfg, loss_cfg, hf_dir, seed, deterministic, threads = self._args
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        seed_everything(seed, deterministic, threads)
+        self.loss_cfg = loss_cfg
+        self.platform = detect_platform(dtype=learner_cfg.dtype)
+        init_distributed(self.platform, rank=self.rank, world_size=self.world_size)
+        self.hf_cfg = load_hf_config(hf_dir)
+        self.publish_device = "cpu"  # where published tensors are materialised (connect_rollout)
+        self.publish_dtype = torch.float32  # the engines' dtype once connected (connect_rollout)
+        self.learner = Learner(learner_cfg, self.hf_cfg, self.platform, sampling=sampling)
+        from megatron.core import parallel_state as ps
+
+        tp = learner_cfg.tensor_parallel_size
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.padded_vocab = padded_vocab_size(self.hf_cfg.vocab_size, tp)
+        ckpt = HFCheckpoint(hf_dir, self.hf_cfg)
+        fill_from_hf(self.learner.model[0].module, self.hf_cfg, ckpt, self.tp_rank, tp, self.padded_vocab)
+        # Megatron's optimizer keeps fp32 main params for bf16 models: copy the loaded weights in.
+        if hasattr(self.learner.optimizer, "reload_model_params"):
+            self.learner.optimizer.reload_model_params()
+        self.hf_dir, self._ckpt = hf_dir, ckpt
+        self.reference = self._build_reference() if loss_cfg.kl_coef > 0 else None
+        return self.rank
+
+    def _build_reference(self):
+        """A frozen copy of the initial policy, same layout, forward only."""
+        from megatron_rl.conversion.model_io import fill_from_hf
+        from megatron_rl.models.builder import build_gpt_model
+
+        lc = self.learner.cfg
+        ref = build_gpt_model(self.hf_cfg, platform=self.platform, tp=lc.tensor_parallel_size,
+                              pp=lc.pipeline_parallel_size, config=self.learner.config)
+        fill_from_hf(ref, self.hf_cfg, self._ckpt, self.tp_rank, lc.tensor_parallel_size, self.padded_vocab)
+        ref.requires_grad_(False)
+        return ref

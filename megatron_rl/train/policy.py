@@ -1,0 +1,161 @@
+"""The policy being trained: the learner group (Megatron ranks) and the publication of its weights.
+
+    policy = Policy.create(cfg.learner, cfg.loss, cfg.run, cfg.sampling, weight_transfer=cfg.rollout.weight_transfer,
+                           model_dir=d, engines=fleet.workers, placement=place.learner, vocab_size=v, pad_id=0)
+    learn, seconds = policy.learn(taken, version)     # one GRPO step on a taken batch -> version + 1
+    seconds = policy.publish(version + 1)             # every rollout group loads it, or none does
+
+A publication is checked twice: bucket checksums (publish/), and a refit probe (rollout/worker.py)
+that compares the engine's logprobs on a fixed batch with the learner's; a group failing it rolls
+back and the version is published once more.  A dead or unreachable engine is a PublicationError
+(the driver exits 75: rerun to resume).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from megatron_rl.grpo.loss import GRPOLossConfig
+from megatron_rl.learner.config import LearnerConfig, SamplingConfig
+from megatron_rl.train.config import RunConfig
+from megatron_rl.train.learner_group import LearnerGroup
+
+logger = logging.getLogger(__name__)
+
+
+class PublicationError(RuntimeError):
+    """Publishing new weights failed because a rollout group's engine is dead or unreachable."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicySettings:
+    """What the policy needs of the run config besides the learner group (Policy.create)."""
+
+    loss: GRPOLossConfig
+    sampling: SamplingConfig
+    """The distribution the engines sample from; the learner scores exactly it."""
+    micro_batch_size: int
+    probe_rows: int
+    """Rows of the fixed probe batch (micro batch x learner data-parallel size)."""
+    refit_tolerance: float | None
+    vocab_size: int
+    pad_id: int
+
+
+class Policy:
+    """Owns the learner group and the publication of its weights to the rollout engines."""
+
+    def __init__(self, learner: LearnerGroup, engines: list, settings: PolicySettings):
+        self.learner = learner
+        self.engines = engines
+        self.settings = settings
+
+    @classmethod
+    def create(cls, learner: LearnerConfig, loss: GRPOLossConfig, run: RunConfig, sampling: SamplingConfig, *,
+               weight_transfer: str, model_dir: Path, engines: list, placement: Callable[[int], dict] | None,
+               vocab_size: int, pad_id: int) -> "Policy":
+        """The learner group (the learner and loss sections, the run's determinism, timeout and
+        publication settings) started from `model_dir`, connected to the engines it publishes to."""
+        group = LearnerGroup(learner_cfg=learner, loss_cfg=loss, hf_dir=str(model_dir), seed=learner.seed,
+                             deterministic=run.deterministic, threads=run.torch_threads, placement=placement,
+                             sampling=sampling, call_timeout_s=run.learner_timeout_s)
+        group.connect_rollout(engines, bucket_bytes=run.publish_bucket_mib << 20, transport=weight_transfer)
+        settings = PolicySettings(loss=loss, sampling=sampling, micro_batch_size=learner.micro_batch_size,
+                                  probe_rows=learner.micro_batch_size * learner.data_parallel_size,
+                                  refit_tolerance=run.refit_tolerance, vocab_size=vocab_size, pad_id=pad_id)
+        return cls(group, engines, settings)
+
+    def learn(self, taken: list, version: int, lr_scale: float = 1.0) -> tuple[dict, float]:
+        """One GRPO step on the taken batch (learned at `version`); its metrics and seconds.
+
+        out["dv"] holds each trajectory's version lag; D_lag (batch-wide and P50/P95/P99 over
+        sequences) comes from the training forward itself (megatron_rl.grpo.loss.grpo_metrics)."""
+        from megatron_rl.train.batch import build_batch
+
+        t0 = time.perf_counter()
+        check_sampling(taken, self.settings.sampling)
+        batch, adv_stats = build_batch(taken, pad_id=self.settings.pad_id, loss_cfg=self.settings.loss,
+                                       micro_batch_size=self.settings.micro_batch_size)
+        out = {f"adv/{k}": v for k, v in adv_stats.items()}
+        out.update(self.learner.train_step(batch, lr_scale=lr_scale))
+        out["dv"] = [version - t.oldest_version for t in taken]
+        return out, time.perf_counter() - t0
+
+    def publish(self, version: int) -> float:
+        """Publish the learner's weights as `version` to every rollout group (all or none); seconds."""
+        t0 = time.perf_counter()
+        self._expect_probe(version)
+        for attempt in (1, 2):
+            try:
+                report = self.learner.publish(version)
+            except Exception as err:
+                self._raise_if_engine_down(version, err)
+                raise
+            if report["committed"]:
+                break
+            self._raise_if_engine_down(version, report["errors"])
+            refits = [e for e in report["errors"] if e and e.startswith("refit check")]
+            if not refits:
+                raise RuntimeError(f"publication of version {version} was refused: {report['errors']}")
+            if attempt == 2:
+                raise PublicationError(f"publication of policy version {version} failed the refit check twice "
+                                       f"({refits[0]}); the groups serve version {version - 1}")
+            logger.warning("%s; the group rolled back to version %d, publishing version %d again",
+                           refits[0], version - 1, version)
+        return time.perf_counter() - t0
+
+    def _expect_probe(self, version: int) -> None:
+        """Give every rollout group the learner's logprobs of the fixed probe batch for `version`
+        (its refit check, rollout/worker.py); skipped when the learner scores under a sampling
+        transform (temperature, top-p/k) the engine's teacher-forced logprobs do not apply."""
+        import ray
+
+        from megatron_rl.train.restart import probe_tokens
+
+        s, tol = self.settings.sampling, self.settings.refit_tolerance
+        if tol is None or (s.temperature, s.top_p, s.top_k) != (1.0, 1.0, 0):
+            return
+        tokens_bt = probe_tokens(self.settings.probe_rows, self.settings.vocab_size, seed=1)
+        logprobs_bt = self.learner.forward_logprobs(tokens_bt)  # [B, T-1]
+        seqs, lps = tokens_bt[:4].tolist(), logprobs_bt[:4].tolist()  # 4 rows are plenty for the engine
+        ray.get([w.expect_probe.remote(version, seqs, lps, tol) for w in self.engines])
+
+    def _raise_if_engine_down(self, version: int, cause, timeout_s: float = 10.0) -> None:
+        """PublicationError naming the rollout groups whose engine does not answer (dead actor,
+        crashed vLLM); returns when every group answers, so the caller reports the original error."""
+        import ray
+
+        down = []
+        for g, worker in enumerate(self.engines):
+            try:
+                ray.get(worker.policy_version.remote(), timeout=timeout_s)
+            except Exception as err:  # RayActorError, GetTimeoutError, a crashed engine's error
+                down.append(f"rollout group {g} ({type(err).__name__})")
+        if down:
+            first = str(cause).strip().splitlines()
+            raise PublicationError(f"publication of policy version {version} failed: the engine of "
+                                   f"{', '.join(down)} is dead or unreachable (cause: {first[-1] if first else cause})")
+
+    def close(self) -> None:
+        self.learner.shutdown()
+
+
+def check_sampling(trajs: list, sampling) -> None:
+    """Refuse trajectories sampled under settings other than the ones the learner scores.
+
+    The learner's logprobs are taken under `sampling` (TrainConfig.sampling); a trajectory drawn
+    with another temperature/top_p/top_k (e.g. queued before a resume with a changed config) has
+    behavior logprobs of another distribution, so its importance ratios would be wrong.  This is
+    an error rather than a silent exclusion: it means the run's configuration changed under it.
+    """
+    want = sampling.as_dict()
+    for t in trajs:
+        got = {k: t.sampling_config.get(k) for k in want}
+        if any(got[k] is None or float(got[k]) != float(v) for k, v in want.items()):
+            raise RuntimeError(f"trajectory {t.id} was sampled with {got}, but the learner scores {want} "
+                               f"(rollout.temperature/top_p/top_k changed within this run?); start a new run.dir "
+                               f"or restore the settings it was sampled with")

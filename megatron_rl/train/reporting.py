@@ -1,0 +1,134 @@
+"""What a training run reports: step metrics, held-out evals, the console progress line, stop rules,
+and the log of what each learner step consumed.
+
+    reporter = Reporter(run_dir, MetricsLogger(run_dir / "metrics"), StopRules(cfg.stop), evaluator, steps=100)
+    reporter.log_step(step, rnd, trajs, taken, learn, phases, queue=coord.metrics(), verifier=scorer.counters())
+    reporter.log_eval(step, split="dev")       # greedy pass@1 on a held-out split
+    condition = reporter.stop_condition()      # train/stop.py
+
+Metrics are grouped by TensorBoard panel (train/telemetry.py); every dict logged is also fed to the
+stop rules.  `consumed.jsonl` has one line per learner step and attempt (the drills count lost and
+duplicated trajectories from it, megatron_rl/drill.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_rl.console import progress
+from megatron_rl.data.dataset import PromptTemplate
+from megatron_rl.metrics import MetricsLogger
+from megatron_rl.train.producer import Round
+from megatron_rl.train.rollout_fleet import RolloutFleet
+from megatron_rl.train.stop import STOP_FILE, StopCondition, StopConfig, StopRules
+from megatron_rl.train.telemetry import Telemetry, progress_line
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_rl.reward.pool import VerifierPool
+
+logger = logging.getLogger(__name__)
+
+CONSUMED_LOG = "consumed.jsonl"  # the trajectory ids each learner step learned from
+
+
+class Evaluator:
+    """Greedy pass@1 of the policy the fleet serves, on the first `eval_size` examples of a split."""
+
+    def __init__(self, fleet: RolloutFleet, verifier: VerifierPool, splits: dict, template: PromptTemplate,
+                 tokenizer: PreTrainedTokenizerBase, *,
+                 eval_size: int, out_dir: Path):
+        self.fleet, self.verifier, self.splits = fleet, verifier, splits
+        self.template, self.tokenizer, self.eval_size, self.out_dir = template, tokenizer, eval_size, out_dir
+
+    def run(self, step: int, split: str) -> dict:
+        """The eval summary ({"reward", "correctness", "format", "verifier_errors", ...}); the test
+        split's per-example outcomes go to out_dir/test_step_N.jsonl (paired comparisons need them)."""
+        from megatron_rl.evaluation import Decoding, evaluate
+
+        ds = self.splits[split]
+        examples = [ds[i] for i in range(min(self.eval_size, len(ds)))]
+        result = evaluate(self.fleet, self.verifier, examples, self.template, self.tokenizer, Decoding(), split=split)
+        if split == "test":
+            result.write(self.out_dir / f"test_step_{step:06d}.jsonl")
+        summary = result.summary()
+        if summary["verifier_errors"]:
+            logger.warning("eval step %d on %s: %d of %d responses could not be graded (excluded from the means)",
+                           step, split, summary["verifier_errors"], len(examples))
+        return summary
+
+
+class Reporter:
+    """Owns the metrics logger, the telemetry window, the stop rules and the evals' results."""
+
+    def __init__(self, run_dir: Path, metrics: MetricsLogger, stop_rules: StopRules, evaluator: Evaluator, *,
+                 steps: int):
+        self.run_dir, self.metrics, self.stop_rules, self.evaluator, self.steps = \
+            run_dir, metrics, stop_rules, evaluator, steps
+        self.telemetry = Telemetry()
+        self.initial_eval: dict | None = None
+        """The step-0 eval of the hidden test split: {"reward", "correctness", "format"}."""
+        self.last_eval: dict | None = None
+        self._step_seconds: list[float] = []
+
+    @classmethod
+    def create(cls, stop: StopConfig, *, steps: int, eval_size: int, run_dir: Path, fleet: RolloutFleet,
+               verifier: VerifierPool, splits: dict, template: PromptTemplate,
+               tokenizer: PreTrainedTokenizerBase) -> "Reporter":
+        """Metrics under run_dir/metrics, the `stop:` section's rules, evals of `eval_size` examples."""
+        evaluator = Evaluator(fleet, verifier, splits, template, tokenizer, eval_size=eval_size,
+                              out_dir=run_dir / "eval")
+        return cls(run_dir, MetricsLogger(run_dir / "metrics"), StopRules(stop), evaluator, steps=steps)
+
+    def rewind(self, step: int) -> None:
+        """Steps after `step` are redone by a resumed run: drop what an earlier attempt logged of them."""
+        self.metrics.rewind(step if step else -1)
+
+    def log_step(self, step: int, rnd: Round, trajs: list, taken: list, learn: dict, phases: dict, *,
+                 queue: dict, verifier: dict) -> None:
+        """Log one learner step's metrics (panels of train/telemetry.py) and its console line."""
+        metrics = self.telemetry.step_metrics(rnd.samples, trajs, taken, learn, phases, queue, verifier,
+                                              sampling=rnd.stats or None)
+        self.metrics.log(step, metrics)
+        self.stop_rules.observe(step, metrics)
+        self._step_seconds.append(phases["step"])
+        progress(progress_line(step, self.steps, metrics, sum(self._step_seconds) / len(self._step_seconds)),
+                 step=step, total=self.steps)
+
+    def log_eval(self, step: int, split: str) -> float:
+        """Greedy pass@1 on a held-out split (dev during training, the hidden test split at the
+        ends); logs reward, correctness and format apart, returns the mean reward."""
+        self.last_eval = s = self.evaluator.run(step, split)
+        metrics = {f"eval/{split}_reward": s["reward"], f"eval/{split}_correctness": s["correctness"],
+                   f"eval/{split}_format": s["format"], f"eval/{split}_verifier_errors": float(s["verifier_errors"])}
+        self.metrics.log(step, metrics)
+        self.stop_rules.observe(step, metrics)
+        if step == 0 and split == "test" and self.initial_eval is None:
+            self.initial_eval = {k: s[k] for k in ("reward", "correctness", "format")}
+        logger.info("eval step %d on %s: mean reward %.3f, correctness %.3f", step, split, s["reward"],
+                    s["correctness"])
+        return s["reward"]
+
+    def stop_condition(self) -> StopCondition | None:
+        """The stop condition (train/stop.py) the metrics logged so far meet, or None; one that
+        holds is also written to RUN_DIR/stop_condition.json (for `megatron-rl doctor`)."""
+        condition = self.stop_rules.triggered
+        if condition is not None:
+            (self.run_dir / STOP_FILE).write_text(json.dumps(condition.to_dict()))
+        return condition
+
+    def record_consumed(self, step: int, taken: list) -> None:
+        """Append the ids learner step `step` learned from to RUN_DIR/consumed.jsonl (one line per
+        step and attempt; after a resume the last line of a step is the one that counts)."""
+        row = {"step": step, "pid": os.getpid(), "time": time.time(), "ids": [t.id for t in taken]}
+        with open(self.run_dir / CONSUMED_LOG, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self.metrics.close()

@@ -1,0 +1,168 @@
+"""Where the learner's batches come from: prompts from the data cursor, generated on the rollout
+fleet, one round per learner step, as far ahead as the coordinator admits.
+
+    fleet = start_fleet(cfg.rollout, model_dir, placement.rollout)
+    source = RolloutSource(fleet, PromptStream(train, template, tokenizer, cursor), coordinator, scorer,
+                           spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling))
+    source.start(state)              # replays the rounds a checkpoint saved, then samples new ones
+    rnd = source.next(step)          # Round: samples (prompt-major groups of G), leases, seconds, stats
+    rounds = source.pause(); ...; source.unpause()     # a checkpoint: nothing in flight
+    source.stop(); source.close()
+
+Owns the producer thread (producer.py), the rollout fleet (rollout_fleet.py), the data cursor and
+the prompt encoding (`PromptStream`), and dynamic sampling (dynamic_sampling.py: oversample
+prompts, grade each group as it arrives, keep groups whose rewards vary).  Per-request sampling
+seeds derive from the run seed and the round, so a round is the same in every run of a seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from megatron_rl.coordinator.client import Coordinator
+from megatron_rl.data.cursor import DataCursor
+from megatron_rl.data.dataset import Dataset, PromptTemplate
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.train.config import RunConfig
+from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
+from megatron_rl.train.producer import Producer, Round, TrainState
+from megatron_rl.train.rollout_fleet import RolloutFleet
+from megatron_rl.train.scoring import Scorer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoundSpec:
+    """The shape of a rollout round: what the source reads of the run config, nothing else."""
+
+    prompts_per_step: int
+    group_size: int
+    steps: int
+    seed: int
+    dynamic: DynamicSamplingConfig
+
+    @classmethod
+    def from_sections(cls, run: RunConfig, dynamic: DynamicSamplingConfig) -> "RoundSpec":
+        return cls(prompts_per_step=run.prompts_per_step, group_size=run.group_size, steps=run.steps, seed=run.seed,
+                   dynamic=dynamic)
+
+
+class PromptStream:
+    """The training split, visited in the data cursor's order, encoded with the prompt template."""
+
+    def __init__(self, dataset: Dataset, template: PromptTemplate, tokenizer: PreTrainedTokenizerBase,
+                 cursor: DataCursor):
+        self.dataset, self.template, self.tokenizer, self.cursor = dataset, template, tokenizer, cursor
+
+    def next(self, round_: int, n: int) -> tuple[list[list[int]], list[dict]]:
+        """The next n prompts (token ids) and their extras (prompt id, answer, round); advances the cursor."""
+        prompts, extra = [], []
+        for idx in self.cursor.next_indices(n):
+            ex = self.dataset[idx]
+            prompts.append(self.template.encode(ex, self.tokenizer))
+            extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_})
+        return prompts, extra
+
+
+def start_fleet(rollout: RolloutConfig, model_dir: Path,
+                placement: Callable[[int], dict] | None = None) -> RolloutFleet:
+    """rollout.data_parallel_size vLLM groups (the `rollout:` section), serving the run's model as version 0."""
+    return RolloutFleet(dataclasses.replace(rollout, model=str(model_dir)), num_groups=rollout.data_parallel_size,
+                        placement=placement)
+
+
+class RolloutSource:
+    """Owns the producer, the fleet, the prompts; yields one Round per learner step."""
+
+    def __init__(self, fleet: RolloutFleet, prompts: PromptStream, coordinator: Coordinator, scorer: Scorer, *,
+                 spec: RoundSpec):
+        self.fleet, self.prompts, self.scorer, self.spec = fleet, prompts, scorer, spec
+        self.producer = Producer(coordinator, self.sample_round, steps=spec.steps)
+        self._started = False
+
+    @property
+    def cursor(self) -> DataCursor:
+        return self.prompts.cursor
+
+    # ---- the producer -----------------------------------------------------------------------------
+
+    def start(self, state: TrainState) -> None:
+        self.producer.start(state)
+        self._started = True
+
+    def next(self, step: int) -> Round:
+        return self.producer.next(step)
+
+    def pause(self) -> list[Round]:
+        return self.producer.pause()
+
+    def unpause(self) -> None:
+        self.producer.unpause()
+
+    def stop(self) -> None:
+        if self._started:
+            self.producer.stop()
+
+    def close(self) -> None:
+        self.stop()
+        self.fleet.shutdown()
+
+    # ---- one round --------------------------------------------------------------------------------
+
+    def round_seed(self, r: int) -> int:
+        return self.spec.seed * 1_000_000_007 + r * 7919  # per-request seeds derive from (run seed, round)
+
+    def sample_round(self, r: int) -> tuple[list, dict]:
+        """The samples of round r (prompt-major groups) and, with dynamic sampling, its account."""
+        spec = self.spec
+        if not spec.dynamic.enabled:
+            prompts, extra = self.prompts.next(r, spec.prompts_per_step)
+            samples = self.fleet.generate(prompts, n=spec.group_size, extra=extra,
+                                          sampling={"seed": self.round_seed(r)})
+            return samples, {}
+        return self._sample_informative(r, self.round_seed(r))
+
+    def _sample_informative(self, r: int, seed: int) -> tuple[list, dict]:
+        """Dynamic sampling (train/dynamic_sampling.py): oversample prompts, grade each group as it
+        arrives and keep only groups whose rewards vary, for at most max_attempts attempts; the
+        grades travel with the samples (sample.extra["score"]) so nothing is graded twice."""
+        from megatron_rl.train.dynamic_sampling import Group, fill, select_groups
+
+        ds, G, need = self.spec.dynamic, self.spec.group_size, self.spec.prompts_per_step
+        kept: list[Group] = []
+        taken: set[str] = set()
+        sampled = discarded_tokens = attempts = 0
+        leftovers: list[Group] = []
+        while len(kept) < need and attempts < ds.max_attempts:
+            prompts, extra = self.prompts.next(r, ds.prompts_to_draw(need - len(kept)))
+            samples = self.fleet.generate(prompts, n=G, extra=extra, sampling={"seed": seed + attempts * 104_729})
+            scores = self.scorer.grade(samples)
+            groups = [Group(samples[i * G].extra["prompt_id"], samples[i * G:(i + 1) * G], scores[i * G:(i + 1) * G])
+                      for i in range(len(prompts))]
+            new, leftovers = select_groups(groups, need=need - len(kept), taken=taken,
+                                           min_reward_std=ds.min_reward_std)
+            kept += new
+            sampled += len(groups)
+            discarded_tokens += sum(g.tokens for g in leftovers)
+            attempts += 1
+        informative = len(kept)
+        if len(kept) < need:
+            filler = fill(kept, leftovers, need=need, taken=taken)
+            discarded_tokens -= sum(g.tokens for g in filler)
+            kept += filler
+            logger.warning("round %d: dynamic sampling found %d of %d informative groups in %d attempts; "
+                           "filled with %d groups of equal rewards", r, informative, need, attempts, len(filler))
+        out = []
+        for g in kept:
+            for sample, score in zip(g.samples, g.scores, strict=True):
+                sample.extra["score"] = score.to_dict()
+                out.append(sample)
+        return out, {"sampled_groups": sampled, "informative_groups": informative,
+                     "filled_groups": need - informative, "discarded_tokens": discarded_tokens, "attempts": attempts}

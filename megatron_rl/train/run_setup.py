@@ -1,0 +1,84 @@
+"""What every run (train, sft, eval) does first, before Ray, vLLM or Megatron start: the run
+directory with its resolved config, seeds, the model to start from, its tokenizer and the data
+(megatron_rl/data/tasks.py).
+
+    inputs = open_run_dir(cfg, kind="train")   # RunInputs: run_dir, model_dir, tokenizer, splits, template
+    cursor = train_cursor(cfg, inputs.splits["train"])   # the order training visits its examples
+
+A resume with other inputs (model, tokenizer, data, grader) is refused by run_manifest.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_rl.config import config_hash
+from megatron_rl.data.cursor import DataCursor
+from megatron_rl.data.dataset import Dataset, PromptTemplate
+from megatron_rl.data.tasks import check_encodable, load_task
+from megatron_rl.train.config import TrainConfig, data_order_seed, resolved_dict
+from megatron_rl.train.start_model import prepare_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInputs:
+    """The inputs a run opened: where it writes, the policy it starts from, tokenizer and data."""
+
+    run_dir: Path
+    model_dir: Path
+    tokenizer: PreTrainedTokenizerBase
+    """The Hugging Face tokenizer of model_dir."""
+    tokenizer_hash: str
+    splits: dict[str, Dataset]
+    """{"train", "dev", "test"}: the task's datasets."""
+    template: PromptTemplate
+    """The PromptTemplate that encodes an example into prompt tokens."""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(json.loads((self.model_dir / "config.json").read_text())["vocab_size"])
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id or 0
+
+
+def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
+    """What every run (train, sft) does first, before any Ray/vLLM/Megatron start: the run
+    directory with its resolved config, seeds, the model to start from, its tokenizer, the data
+    splits (checked encodable), and run_manifest.json (a resume with other inputs is refused).
+
+    Returns the RunInputs.
+    """
+    from transformers import AutoTokenizer
+
+    from megatron_rl.checkpoint import latest_committed
+    from megatron_rl.models.tokenizer import tokenizer_hash
+    from megatron_rl.run_manifest import model_identity, open_run
+    from megatron_rl.train.learner_build import seed_everything
+
+    run_dir = Path(cfg.run.dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(resolved_dict(cfg), indent=2, sort_keys=True))
+    seed_everything(cfg.run.seed, cfg.run.deterministic, cfg.run.torch_threads)
+    model_dir = prepare_model(cfg.model, run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    splits, template = load_task(cfg.data)
+    check_encodable(splits, template, tokenizer)
+    tok_hash = tokenizer_hash(model_dir)
+    open_run(run_dir, kind=kind, config_hash=config_hash(cfg),
+             resuming=cfg.run.resume and latest_committed(run_dir / "checkpoints") is not None,
+             identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
+                       "dataset_version": splits["train"].dataset_version,
+                       "grader_version": cfg.reward.grader_version()})
+    return RunInputs(run_dir, model_dir, tokenizer, tok_hash, splits, template)
+
+def train_cursor(cfg: TrainConfig, train) -> DataCursor:
+    """The data cursor over the training split: its order follows data.seed and run.seed."""
+    return DataCursor(len(train), seed=data_order_seed(cfg), dataset_version=train.dataset_version)

@@ -1,0 +1,34 @@
+"""The policy a run starts from, as a Hugging Face directory (the `model:` section).
+
+    model_dir = prepare_model(cfg.model, run_dir)
+
+`model.path` is used as it is; `model.tiny` is made in RUN_DIR/model on first use (no network);
+`model.init_from` exports another run's newest COMMITTED checkpoint on first use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_rl.train.config import ModelConfig
+
+
+def prepare_model(model: ModelConfig, run_dir: Path) -> Path:
+    """The HF model directory to start from (a tiny random model is made on first use; another
+    run's newest checkpoint is exported on first use)."""
+    if model.init_from is not None:
+        from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
+
+        return export_run_checkpoint(Path(model.init_from).resolve())
+    if model.path is not None:
+        path = Path(model.path).resolve()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: no config.json in {path}")
+        return path
+    from megatron_rl.models.tiny import make_tiny_model
+
+    path = run_dir / "model"
+    if not (path / "config.json").is_file():
+        spec = model.tiny
+        make_tiny_model(path, arch=spec.arch, size=spec.size, seed=spec.seed)
+    return path
