@@ -75,6 +75,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
         state = roles.resume()                                           # learner, queue, shadow forward
         resumed_at = state.step if state.step else None
         roles.metrics.rewind(state.step if state.step else -1)          # steps after it are redone: log them once
+        roles.stop_rules.restore(roles.run_dir / "metrics" / "metrics.jsonl")  # token budget across resumes
         if state.step == 0:
             roles.log_eval(0, split="test")
         producer = roles.producer()
@@ -105,17 +106,20 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
                 roles.checkpoint(state)                                  # COMMITTED last
             if condition:
                 producer.stop()
+                if condition.ends_run:                                   # a token budget: final eval, exit 0
+                    break
                 raise StopConditionMet(condition)                        # its own exit code
             if stop.requested and step + 1 < cfg.run.steps:
                 producer.stop()
                 raise SystemExit(EXIT_REQUEUE)
         producer.stop()
-        roles.log_eval(cfg.run.steps, split="test")
+        roles.log_eval(state.step, split="test")              # = run.steps unless a budget ended it
         first, last = roles.initial_eval or {}, roles.last_eval
         return {"steps": state.step, "version": state.version,
                 "initial_test_correctness": first.get("correctness"), "final_test_correctness": last["correctness"],
                 "initial_test_reward": first.get("reward"), "final_test_reward": last["reward"],
-                "final_test_format": last["format"], "run_dir": str(roles.run_dir)}
+                "final_test_format": last["format"], "run_dir": str(roles.run_dir),
+                **roles.stop_rules.summary()}
     except (PublicationError, LearnerDied) as err:                       # a dead engine or rank: resumable
         raise requeue_after(err, roles) from err
     except LearnerOutOfMemory as err:                                    # even the half micro-batch failed

@@ -101,12 +101,14 @@ class Roles:
         ranks = lc.tensor_model_parallel_size * lc.pipeline_model_parallel_size * cfg.run.learner_data_parallel_size
         place = Placement.create(cfg, ranks)
         rollout_cfg = dataclasses.replace(cfg.rollout, model=str(model_dir))
-        fleet = RolloutFleet(rollout_cfg, num_groups=cfg.run.rollout_groups, placement=place.rollout)
+        fleet = RolloutFleet(rollout_cfg, num_groups=cfg.run.rollout_groups, placement=place.rollout,
+                             wait=place.gpu)  # CPU: the engines start while the learner does
         learner = LearnerGroup(learner_cfg=lc, loss_cfg=cfg.loss, hf_dir=str(model_dir),
                                data_parallel_size=cfg.run.learner_data_parallel_size, seed=lc.seed,
                                deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads,
                                placement=place.learner, sampling=cfg.sampling,
                                call_timeout_s=cfg.run.learner_timeout_s)
+        fleet.wait_ready()
         learner.connect_rollout(fleet.workers, bucket_bytes=cfg.run.publish_bucket_mib << 20,
                                 transport=cfg.rollout.weight_transfer)
         verifier = VerifierPool(cfg.reward)

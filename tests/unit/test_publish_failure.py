@@ -22,6 +22,7 @@ from megatron_rl.metrics import MetricsLogger
 from megatron_rl.train import driver
 from megatron_rl.train.producer import TrainState
 from megatron_rl.train.roles import Roles
+from megatron_rl.train.stop import StopConfig, StopRules
 from tests.e2e.conftest import TINY
 
 pytestmark = pytest.mark.unit
@@ -76,6 +77,7 @@ class _Roles:
     def __init__(self, run_dir, fleet, learner, learn_error=None):
         self.run_dir, self.fleet, self.learner, self.learn_error = run_dir, fleet, learner, learn_error
         self.metrics = MetricsLogger()  # no sinks
+        self.stop_rules = StopRules(StopConfig())
         self.closed = False
 
     def resume(self):
