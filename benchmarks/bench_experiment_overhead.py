@@ -13,9 +13,9 @@ share over all runs; the goal is <= 20%.
 `--run EXP.yaml` first runs that experiment in a fresh directory (`--out`, default
 runs/bench_overhead_<time>; its `dir:` is replaced) and then measures it;
 benchmarks/overhead_experiment.yaml is one seed of experiments/grpo_vs_sft.yaml (SFT, then GRPO
-from it: ~4 minutes on 2 cores).  Any further `KEY=VALUE` arguments are added to the
-experiment's `overrides` (e.g. `runner.shared_ray=false` to measure the runner without its
-shared Ray cluster).
+from it: ~2-3 minutes on 2 cores).  Any further `KEY=VALUE` arguments set top-level fields of the
+experiment (values read as YAML), e.g. `shared_ray=false engine_in_process=false` to measure the
+runner without what it shares.
 """
 
 from __future__ import annotations
@@ -42,15 +42,17 @@ def run_overhead(run_dir: Path) -> dict | None:
             "startup_s": startup, "wall_s": result["wall_s"], "share": startup / result["wall_s"]}
 
 
-def run_experiment(config: Path, out: Path, overrides: list[str]) -> Path:
-    """Run `megatron-rl experiment` on a copy of CONFIG whose dir is OUT; returns OUT."""
+def run_experiment(config: Path, out: Path, fields: list[str]) -> Path:
+    """Run `megatron-rl experiment` on a copy of CONFIG whose dir is OUT (and FIELDS set); returns OUT."""
     import yaml
 
     exp = yaml.safe_load(config.read_text())
     base = Path(exp["base"])
     exp["base"] = str(base if base.is_absolute() else (config.parent / base).resolve())
     exp["dir"] = str(out.resolve())
-    exp["overrides"] = list(exp.get("overrides") or []) + overrides
+    for field in fields:
+        key, value = field.split("=", 1)
+        exp[key] = yaml.safe_load(value)
     out.mkdir(parents=True, exist_ok=True)
     copy = out / "experiment.yaml"
     copy.write_text(yaml.safe_dump(exp, sort_keys=False))
@@ -65,14 +67,14 @@ def main() -> None:
     parser.add_argument("exp_dir", type=Path, nargs="?", help="an experiment directory (megatron-rl experiment)")
     parser.add_argument("--run", type=Path, help="run this experiment file first, in a fresh directory")
     parser.add_argument("--out", type=Path, help="the fresh directory for --run")
-    parser.add_argument("overrides", nargs="*", default=[], help="KEY=VALUE added to the experiment's overrides")
+    parser.add_argument("fields", nargs="*", default=[], help="KEY=VALUE: top-level experiment fields to set")
     args = parser.parse_args()
     if args.exp_dir is not None and "=" in str(args.exp_dir):
-        args.overrides.insert(0, str(args.exp_dir))
+        args.fields.insert(0, str(args.exp_dir))
         args.exp_dir = None
     if args.run is not None:
         args.exp_dir = run_experiment(args.run, args.out or Path(f"runs/bench_overhead_{int(time.time())}"),
-                                      args.overrides)
+                                      args.fields)
     if args.exp_dir is None:
         parser.error("give an experiment directory or --run EXP.yaml")
     rows = [r for d in sorted((args.exp_dir / "runs").glob("*/seed_*")) if (r := run_overhead(d)) is not None]
