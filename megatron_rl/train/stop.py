@@ -34,8 +34,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Mapping, Optional
 
 from megatron_rl.config import ConfigError
@@ -177,7 +177,7 @@ class StopRules:
             for condition in self._evaluate(step, metrics):
                 if condition is not None:
                     self.triggered = condition
-                    logger.error("%s", condition.describe())
+                    logger.log(logging.INFO if condition.ends_run else logging.ERROR, "%s", condition.describe())
                     break
         return self.triggered
 
