@@ -11,6 +11,16 @@ so the claim cannot move after the data are in.  Then every (arm, seed) runs as 
 (`DIR/runs/<arm>/seed_<s>`), in dependency order, one after another; a run whose
 `result.json` exists is skipped, so an interrupted experiment resumes where it stopped.
 
+What the runs share, to cut each run's start-up (benchmarks/bench_experiment_overhead.py):
+`shared_ray` (default on) starts one Ray cluster in the runner and the runs connect to it
+(run.use_existing_ray, RAY_ADDRESS) instead of each starting its own; every run is still its
+own Ray job with its own actors (engine, learner, coordinator and its WAL queue in its run dir),
+which end with it.  `engine_in_process` (default on) runs each vLLM engine inside its rollout
+actor (rollout.engine_in_process).  `budget_generated_tokens` gives every `train` run the same
+generated-token budget (stop.max_generated_tokens): arms are compared at equal generated tokens,
+and each run's result.json records the tokens it generated and the budget that stopped it.
+Under Slurm, `--slurm` submits the runs as an array job instead (experiment_slurm.py).
+
 The analysis pairs runs on (seed, test example): every arm's per-example correctness on the
 hidden test split (written by each run's final eval) against the baseline arm's on the same
 seed and example.  The 95% CI of the mean difference comes from SciPy's paired bootstrap
@@ -23,14 +33,16 @@ correctness per arm with its CI, dev correctness curves with seed bands) land in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Optional
 
 from megatron_rl.config import ConfigError
 
@@ -83,6 +95,14 @@ class ExperimentConfig:
     """Each seed sets run.seed and learner.seed (data splits stay fixed: the test set is shared)."""
     overrides: list[str] = dataclasses.field(default_factory=list)
     """Dotted overrides for every run of every arm."""
+    budget_generated_tokens: Optional[int] = None
+    """Equal budget per `train` run: stop.max_generated_tokens (train/stop.py).  Each run ends once it has
+    generated this many tokens (checkpoint, final test eval); run.steps must be large enough to reach it."""
+    shared_ray: bool = True
+    """Start one Ray cluster in the runner for all runs (they connect with run.use_existing_ray) instead of
+    one per run.  Runs still own their actors, queues and run dirs: a run's actors end with it."""
+    engine_in_process: bool = True
+    """rollout.engine_in_process for every run whose rollout TP is 1 (vLLM without its two extra processes)."""
 
     def __post_init__(self) -> None:
         if self.preregistration.baseline_arm not in self.arms:
@@ -95,6 +115,12 @@ class ExperimentConfig:
                 raise ConfigError(f"arms.{name}.init_from {arm.init_from!r} is not an arm")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"seeds must be distinct and non-empty, got {self.seeds}")
+        budget = self.budget_generated_tokens
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ConfigError(f"budget_generated_tokens must be an int >= 1 (or null = off), got {budget!r}")
+        for name in ("shared_ray", "engine_in_process"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.order()  # no cycles
 
     def order(self) -> list[str]:
@@ -137,7 +163,51 @@ def command_for(cfg: ExperimentConfig, arm: str, seed: int) -> list[str]:
     if a.init_from is not None:
         args += [f"model.init_from={run_dir(cfg, a.init_from, seed)}", "model.tiny=null", "model.path=null",
                  "sft.first=false"]  # the arm it starts from is its baseline
+    if cfg.budget_generated_tokens is not None and a.command == "train":
+        args.append(f"stop.max_generated_tokens={cfg.budget_generated_tokens}")
+    if cfg.shared_ray:
+        args.append("run.use_existing_ray=true")  # RAY_ADDRESS: the runner's cluster (shared_ray_cluster)
+    if cfg.engine_in_process and _rollout_tp(cfg.base, args) == 1:
+        args.append("rollout.engine_in_process=true")
     return args
+
+
+def _rollout_tp(base: str, args: list[str]) -> int | None:
+    """The rollout TP a run's overrides give (None when its config does not load: validate_runs says why)."""
+    from megatron_rl.train.config import load_train_config
+
+    try:
+        return load_train_config(base, [x for x in args[3:] if "=" in x]).rollout.tensor_parallel_size
+    except ValueError:
+        return None
+
+
+@contextlib.contextmanager
+def shared_ray_cluster(cfg: ExperimentConfig) -> Iterator[str | None]:
+    """One local Ray cluster for all of an experiment's runs, owned by this process; yields its address
+    (exported as RAY_ADDRESS for the runs) or None when cfg.shared_ray is off.  Ray stops it on exit."""
+    if not cfg.shared_ray:
+        yield None
+        return
+    import ray
+
+    from megatron_rl.train.config import load_train_config
+
+    cpus = load_train_config(cfg.base, cfg.overrides).run.ray_num_cpus
+    t0 = time.time()
+    ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
+    address = ray.get_runtime_context().gcs_address
+    logger.info("shared Ray cluster for the runs at %s (up in %.1f s)", address, time.time() - t0)
+    before = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = address
+    try:
+        yield address
+    finally:
+        if before is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = before
+        ray.shutdown()
 
 
 def launch_cli(args: list[str], log: Path) -> int:
@@ -153,6 +223,8 @@ def preregister(cfg: ExperimentConfig) -> dict:
     record = {"preregistration": dataclasses.asdict(cfg.preregistration), "base": cfg.base,
               "arms": {k: dataclasses.asdict(v) for k, v in cfg.arms.items()}, "seeds": cfg.seeds,
               "overrides": cfg.overrides}
+    if cfg.budget_generated_tokens is not None:  # the equal budget is part of the design
+        record["budget_generated_tokens"] = cfg.budget_generated_tokens
     path = Path(cfg.dir) / "preregistration.json"
     if path.is_file():
         old = json.loads(path.read_text())
@@ -192,19 +264,50 @@ def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] = la
     todo = [r for r in runs if not (run_dir(cfg, *r) / "result.json").is_file()]
     if len(todo) < len(runs):
         logger.info("%d of %d runs finished earlier: skipped", len(runs) - len(todo), len(runs))
-    for i, (arm, seed) in enumerate(todo):
-        d = run_dir(cfg, arm, seed)
-        t0 = time.time()
-        rc = launch(command_for(cfg, arm, seed), Path(cfg.dir) / "logs" / f"{arm}_seed_{seed}.log")
-        if rc != 0:
-            raise RuntimeError(f"run {arm} seed {seed} failed (exit {rc}); see {cfg.dir}/logs/{arm}_seed_{seed}.log "
-                               f"-- rerun the experiment to resume")
-        wall = time.time() - t0
-        (d / "result.json").write_text(json.dumps({"arm": arm, "seed": seed, "launched_at": t0, "wall_s": wall}))
-        ran.append((arm, seed))
-        progress(run_progress_line(len(runs) - len(todo) + i + 1, len(runs), arm, seed, wall,
-                                   eta_s=(len(todo) - i - 1) * (time.time() - start) / (i + 1)))
+    with shared_ray_cluster(cfg) if todo else contextlib.nullcontext():
+        for i, (arm, seed) in enumerate(todo):
+            t0 = time.time()
+            rc = execute_run(cfg, arm, seed, launch)
+            if rc != 0:
+                raise RuntimeError(f"run {arm} seed {seed} failed (exit {rc}); see {log_path(cfg, arm, seed)} -- "
+                                   f"rerun the experiment to resume")
+            wall = time.time() - t0
+            ran.append((arm, seed))
+            progress(run_progress_line(len(runs) - len(todo) + i + 1, len(runs), arm, seed, wall,
+                                       eta_s=(len(todo) - i - 1) * (time.time() - start) / (i + 1)))
     return ran
+
+
+def log_path(cfg: ExperimentConfig, arm: str, seed: int) -> Path:
+    return Path(cfg.dir) / "logs" / f"{arm}_seed_{seed}.log"
+
+
+def execute_run(cfg: ExperimentConfig, arm: str, seed: int, launch: Callable[[list[str], Path], int],
+                args: list[str] | None = None) -> int:
+    """Launch one run; when it succeeds, write its result.json: launch time, wall time and what its
+    final JSON line says (steps, generated tokens, the budget that stopped it).  Returns its exit code."""
+    log = log_path(cfg, arm, seed)
+    t0 = time.time()
+    rc = launch(args if args is not None else command_for(cfg, arm, seed), log)
+    if rc == 0:
+        final = final_line(log)
+        (run_dir(cfg, arm, seed) / "result.json").write_text(json.dumps({
+            "arm": arm, "seed": seed, "launched_at": t0, "wall_s": time.time() - t0,
+            **{k: final[k] for k in ("steps", "generated_tokens", "stopped", "stopped_at_step") if k in final}}))
+    return rc
+
+
+def final_line(log: Path) -> dict:
+    """A run's final JSON line (its summary) from its log; {} when there is none."""
+    if not log.is_file():
+        return {}
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return {}
 
 
 def run_progress_line(done: int, total: int, arm: str, seed: int, wall_s: float, eta_s: float) -> str:

@@ -42,7 +42,7 @@ def template_text() -> str:
 def render(
     *, config: Path, run_dir: Path, nodes: int, tasks_per_node: int, cpus_per_task: int,
     gpus_per_task: int, time_limit: str, signal_seconds: int, job_name: str,
-    venv: Path, overrides: list[str], extra: list[str],
+    venv: Path, overrides: list[str], extra: list[str], driver: list[str] | None = None,
 ) -> str:
     """Fill the template; every value is checked and shell-quoted."""
     for name, val in (("nodes", nodes), ("tasks_per_node", tasks_per_node), ("cpus_per_task", cpus_per_task)):
@@ -65,6 +65,9 @@ def render(
         "VENV": shlex.quote(str(venv)),
         "OVERRIDES": " ".join(shlex.quote(o) for o in overrides),
         "EXTRA_DIRECTIVES": "\n".join(f"#SBATCH {e}" for e in extra),
+        # The driver's command line after `megatron-rl` (an experiment's array task runs one of its runs).
+        "DRIVER": " ".join(shlex.quote(a) for a in driver) if driver is not None else
+        'train --config "$CONFIG" "run.dir=$RUN_DIR" "run.use_existing_ray=true"',
     }
     text = template_text()
     for key, val in values.items():

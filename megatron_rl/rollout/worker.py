@@ -35,10 +35,11 @@ log = logging.getLogger(__name__)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos")
 
 def engine_env(cfg: RolloutConfig, on_gpu: bool) -> dict[str, str]:
-    """Environment variables vLLM's CPU backend needs for this config (empty on GPU)."""
+    """Environment variables vLLM needs for this config (on GPU only the in-process switch)."""
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if cfg.engine_in_process else {}
     if on_gpu:
-        return {}
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
+        return in_process
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), **in_process}
     bind = cfg.cpu_threads_bind
     if bind is None and cfg.tensor_parallel_size > 1:
         # vLLM's "auto" binding wants one NUMA node per TP rank; give each rank one core.
@@ -60,7 +61,7 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
         skip_tokenizer_init=True,
         enforce_eager=not on_gpu,
         logprobs_mode=cfg.logprobs_mode,
-        distributed_executor_backend="mp",
+        distributed_executor_backend="uni" if cfg.engine_in_process else "mp",
     )
     if on_gpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization

@@ -113,17 +113,20 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
                 roles.checkpointer.save(state, policy, source, coordinator, initial_eval=report.initial_eval)
             if condition:
                 source.stop()
+                if condition.ends_run:                                   # a token budget: final eval, exit 0
+                    break
                 raise StopConditionMet(condition)                        # its own exit code
             if stop.requested and step + 1 < cfg.run.steps:
                 source.stop()
                 raise SystemExit(EXIT_REQUEUE)
         source.stop()
-        report.log_eval(cfg.run.steps, split="test")
+        report.log_eval(state.step, split="test")                        # = run.steps unless a budget ended it
         first, last = report.initial_eval or {}, report.last_eval
         return {"steps": state.step, "version": state.version,
                 "initial_test_correctness": first.get("correctness"), "final_test_correctness": last["correctness"],
                 "initial_test_reward": first.get("reward"), "final_test_reward": last["reward"],
-                "final_test_format": last["format"], "run_dir": str(roles.run_dir)}
+                "final_test_format": last["format"], "run_dir": str(roles.run_dir),
+                **report.stop_rules.summary()}
     except (PublicationError, LearnerDied) as err:                       # a dead engine or rank: resumable
         raise requeue_after(err, roles.run_dir) from err
     except LearnerOutOfMemory as err:                                    # even the half micro-batch failed

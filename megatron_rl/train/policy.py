@@ -57,12 +57,14 @@ class Policy:
     @classmethod
     def create(cls, learner: LearnerConfig, loss: GRPOLossConfig, run: RunConfig, sampling: SamplingConfig, *,
                weight_transfer: str, model_dir: Path, engines: list, placement: Callable[[int], dict] | None,
-               vocab_size: int, pad_id: int) -> "Policy":
+               vocab_size: int, pad_id: int, engines_ready: Callable[[], None] = lambda: None) -> "Policy":
         """The learner group (the learner and loss sections, the run's determinism, timeout and
-        publication settings) started from `model_dir`, connected to the engines it publishes to."""
+        publication settings) started from `model_dir`, connected to the engines it publishes to
+        once `engines_ready()` returns (engines may still be starting while the learner does)."""
         group = LearnerGroup(learner_cfg=learner, loss_cfg=loss, hf_dir=str(model_dir), seed=learner.seed,
                              deterministic=run.deterministic, threads=run.torch_threads, placement=placement,
                              sampling=sampling, call_timeout_s=run.learner_timeout_s)
+        engines_ready()
         group.connect_rollout(engines, bucket_bytes=run.publish_bucket_mib << 20, transport=weight_transfer)
         settings = PolicySettings(loss=loss, sampling=sampling, micro_batch_size=learner.micro_batch_size,
                                   probe_rows=learner.micro_batch_size * learner.data_parallel_size,

@@ -87,8 +87,10 @@ class Reporter:
         return cls(run_dir, MetricsLogger(run_dir / "metrics"), StopRules(stop), evaluator, steps=steps)
 
     def rewind(self, step: int) -> None:
-        """Steps after `step` are redone by a resumed run: drop what an earlier attempt logged of them."""
+        """Steps after `step` are redone by a resumed run: drop what an earlier attempt logged of them,
+        then count the generated tokens of those kept (stop.max_generated_tokens across resumes)."""
         self.metrics.rewind(step if step else -1)
+        self.stop_rules.restore(self.run_dir / "metrics" / "metrics.jsonl")
 
     def log_step(self, step: int, rnd: Round, trajs: list, taken: list, learn: dict, phases: dict, *,
                  queue: dict, verifier: dict) -> None:

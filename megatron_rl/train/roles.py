@@ -61,13 +61,13 @@ class Roles:
         train = inputs.splits["train"]
         scorer = Scorer.create(cfg.reward, inputs.tokenizer, tokenizer_hash=inputs.tokenizer_hash,
                                dataset_version=train.dataset_version)
-        fleet = start_fleet(cfg.rollout, inputs.model_dir, place.rollout)
+        fleet = start_fleet(cfg.rollout, inputs.model_dir, place.rollout, wait=place.gpu)  # CPU: starts with the learner
         source = RolloutSource(fleet, PromptStream(train, inputs.template, inputs.tokenizer, train_cursor(cfg, train)),
                                coordinator, scorer, spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling))
         policy = Policy.create(cfg.learner, cfg.loss, cfg.run, cfg.sampling,
                                weight_transfer=cfg.rollout.weight_transfer, model_dir=inputs.model_dir,
-                               engines=fleet.workers, placement=place.learner, vocab_size=inputs.vocab_size,
-                               pad_id=inputs.pad_id)
+                               engines=fleet.workers, engines_ready=fleet.wait_ready, placement=place.learner,
+                               vocab_size=inputs.vocab_size, pad_id=inputs.pad_id)
         checkpointer = Checkpointer(inputs.run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from)
         reporter = Reporter.create(cfg.stop, steps=cfg.run.steps, eval_size=cfg.data.eval_size, run_dir=inputs.run_dir,
                                    fleet=fleet, verifier=scorer.verifier, splits=inputs.splits,

@@ -31,13 +31,20 @@ class PendingRollout:
 
 
 class RolloutFleet:
-    def __init__(self, cfg: RolloutConfig, num_groups: int, placement=None):
+    def __init__(self, cfg: RolloutConfig, num_groups: int, placement=None, *, wait: bool = True):
+        """Start the groups' engines; with wait=False return at once (the engines start while the
+        caller starts other things, e.g. the learner) and call wait_ready() before using them."""
         self.cfg = cfg
         self.workers = []
         for g in range(num_groups):
             opts = placement(g) if placement is not None else {}
             self.workers.append(create_rollout_worker(cfg, **opts))
-        ray.get([w.policy_version.remote() for w in self.workers])  # engines are up
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every engine is up (raises the actor's error if one failed to start)."""
+        ray.get([w.policy_version.remote() for w in self.workers])
 
     def submit(self, prompts: list[list[int]], *, n: int, sampling: dict, extra: list[dict]) -> PendingRollout:
         k = len(self.workers)

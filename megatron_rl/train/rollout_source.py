@@ -72,10 +72,11 @@ class PromptStream:
 
 
 def start_fleet(rollout: RolloutConfig, model_dir: Path,
-                placement: Callable[[int], dict] | None = None) -> RolloutFleet:
-    """rollout.data_parallel_size vLLM groups (the `rollout:` section), serving the run's model as version 0."""
+                placement: Callable[[int], dict] | None = None, *, wait: bool = True) -> RolloutFleet:
+    """rollout.data_parallel_size vLLM groups (the `rollout:` section), serving the run's model as version 0.
+    wait=False returns while the engines start (call the fleet's wait_ready() before using them)."""
     return RolloutFleet(dataclasses.replace(rollout, model=str(model_dir)), num_groups=rollout.data_parallel_size,
-                        placement=placement)
+                        placement=placement, wait=wait)
 
 
 class RolloutSource:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -90,7 +91,9 @@ def sft(cfg) -> dict:
     lc = dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr,
                              global_batch_size=cfg.sft.global_batch_size or cfg.learner.global_batch_size)
     own_ray = not ray.is_initialized()
-    if own_ray:
+    if own_ray and cfg.run.use_existing_ray:  # a cluster someone else started (Slurm, the experiment runner)
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
+    elif own_ray:
         ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     learner = metrics = None
     try:

@@ -26,14 +26,16 @@ Other exit codes of `megatron-rl train`: 0 done, 1 crashed, 2 bad input, 75 stop
 signal after checkpointing (requeue).  Threshold conditions (kl, entropy, lag, verifier) must
 hold for `stop.patience` consecutive steps; `dev_eval_falling` needs the dev eval to fall
 `dev_eval_drops` evals in a row (run.eval_every > 0).  The rules keep their history in memory:
-after a resume they start afresh.
+after a resume they start afresh, except the generated-token count (`StopRules.restore`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Mapping, Optional
 
 from megatron_rl.config import ConfigError
@@ -49,6 +51,8 @@ EXIT_CODES = {
     "verifier_errors": 86,
 }
 """The exit code of each stop condition (distinct from 0, 1, 2 = bad input and 75 = requeue)."""
+BUDGETS = ("max_generated_tokens",)
+"""Conditions that end a run normally (exit 0, final test eval): budgets, not faults."""
 STOP_FILE = "stop_condition.json"
 """RUN_DIR/stop_condition.json: the condition a run stopped on (StopCondition.to_dict())."""
 
@@ -71,6 +75,8 @@ class StopConfig:
     """Stop when learn/d_lag/p95 (behaviour-vs-learner lag, P95 over sequences) exceeds this (exit 85; None = off)."""
     verifier_error_rate_max: Optional[float] = None
     """Stop when the step's share of ungraded samples (latency/verifier_error_rate) exceeds this (exit 86; None = off)."""
+    max_generated_tokens: Optional[int] = None
+    """Budget: end the run normally (exit 0, final test eval) once it has generated this many tokens (None = off)."""
     patience: int = 1
     """Consecutive steps a threshold (kl, entropy, lag, verifier) must be crossed before the run stops."""
 
@@ -89,6 +95,9 @@ class StopConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"stop.{name} must be a finite number >= 0 (or null = off), got {value!r}")
+        budget = self.max_generated_tokens
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ConfigError(f"stop.max_generated_tokens must be an int >= 1 (or null = off), got {budget!r}")
         if self.verifier_error_rate_max is not None and self.verifier_error_rate_max >= 1:
             raise ConfigError(f"stop.verifier_error_rate_max must be < 1 (a share of samples), "
                               f"got {self.verifier_error_rate_max!r}")
@@ -110,7 +119,12 @@ class StopCondition:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_CODES[self.name]
+        return 0 if self.ends_run else EXIT_CODES[self.name]
+
+    @property
+    def ends_run(self) -> bool:
+        """A budget reached: the run ends as if it had reached run.steps (final eval, exit 0)."""
+        return self.name in BUDGETS
 
     def describe(self) -> str:
         return (f"stop condition {self.name} at step {self.step}: {self.metric} = {self.value:.6g} "
@@ -138,18 +152,42 @@ class StopRules:
         self._streak: dict[str, int] = {}  # threshold rule -> consecutive steps over it
         self._dev: list[float] = []  # dev eval values, in order
         self._drops = 0
+        self.generated_tokens = 0.0  # summed over the run's steps (system/generated_tokens), resumes included
+
+    def restore(self, metrics_jsonl: Path) -> float:
+        """Resume the generated-token count from the run's logged steps (after the metrics rewind)."""
+        self.generated_tokens = 0.0
+        if metrics_jsonl.is_file():
+            for line in metrics_jsonl.read_text(encoding="utf-8").splitlines():
+                try:
+                    self.generated_tokens += float(json.loads(line).get("system/generated_tokens", 0.0))
+                except (ValueError, AttributeError):
+                    continue  # a torn line: the rewind drops those
+        return self.generated_tokens
+
+    def summary(self) -> dict:
+        """For the run's final JSON line: tokens generated, and the budget that ended it if one did."""
+        out = {"generated_tokens": int(self.generated_tokens)}
+        if self.triggered is not None and self.triggered.ends_run:
+            out.update(stopped=self.triggered.name, stopped_at_step=self.triggered.step)
+        return out
 
     def observe(self, step: int, metrics: Mapping[str, float]) -> StopCondition | None:
         if self.triggered is None:
             for condition in self._evaluate(step, metrics):
                 if condition is not None:
                     self.triggered = condition
-                    logger.error("%s", condition.describe())
+                    logger.log(logging.INFO if condition.ends_run else logging.ERROR, "%s", condition.describe())
                     break
         return self.triggered
 
     def _evaluate(self, step: int, m: Mapping[str, float]):
         cfg = self.cfg
+        if "system/generated_tokens" in m:
+            self.generated_tokens += float(m["system/generated_tokens"])
+            if cfg.max_generated_tokens is not None and self.generated_tokens >= cfg.max_generated_tokens:
+                yield StopCondition("max_generated_tokens", step, "system/generated_tokens", self.generated_tokens,
+                                    f">= budget {cfg.max_generated_tokens}")
         if cfg.nonfinite:
             for key in ("numerics/nonfinite_loss", "numerics/nonfinite_grad_norm"):
                 if m.get(key, 0.0) > 0:

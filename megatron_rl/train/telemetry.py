@@ -85,6 +85,7 @@ class Telemetry:
         learned = sum(t.num_tokens for t in taken)
         out.update({
             "system/generated_tokens_per_s": gen_tps,
+            "system/generated_tokens": float(gen_tokens),  # this step's; stop.max_generated_tokens sums them
             "system/learned_tokens_per_s": learned / max(phases["learn"], 1e-9),
             "system/driver_max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         })

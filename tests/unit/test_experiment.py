@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_rl.experiment import load_experiment, preregister, run_all
+from megatron_rl.experiment import command_for, load_experiment, preregister, run_all
 from megatron_rl.experiment_report import paired_difference_ci, write_report
 
 pytestmark = pytest.mark.unit
@@ -17,9 +17,11 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _experiment(tmp_path, hypothesis="GRPO beats SFT", seeds=(0, 1, 2)):
+def _experiment(tmp_path, hypothesis="GRPO beats SFT", seeds=(0, 1, 2), **fields):
     path = tmp_path / "exp.yaml"
     path.write_text(json.dumps({
+        "shared_ray": False,  # unit tests: no Ray (tests/e2e/test_shared_ray.py runs the shared cluster)
+        **fields,
         "base": str(REPO / "configs" / "tiny_cpu.yaml"), "dir": str(tmp_path / "exp"), "seeds": list(seeds),
         "preregistration": {"hypothesis": hypothesis, "baseline_arm": "sft", "minimal_effect": 0.05},
         "arms": {"sft": {"command": "sft", "overrides": ["sft.steps=3"]},
@@ -43,6 +45,11 @@ def _fake_run(correct_by_arm):
                 f.write(json.dumps({"id": f"e{i}", "correctness": [float(rng.random() < correct_by_arm[arm])]}) + "\n")
         (d / "metrics" / "metrics.jsonl").write_text(json.dumps({"step": 1, "learn/response_length": 2.0}) + "\n")
         (d / "config.json").write_text(json.dumps({"run": {"prompts_per_step": 8, "group_size": 8}}))
+        log.parent.mkdir(parents=True, exist_ok=True)
+        budget = next((int(a.split("=")[1]) for a in args if a.startswith("stop.max_generated_tokens=")), None)
+        log.write_text("INFO a log line\n" + json.dumps(
+            {"steps": 3, "generated_tokens": 1100, **({"stopped": "max_generated_tokens"} if budget else {})}) +
+            "\n2026-01-01 WARNING a line after the summary\n")
         return 0
 
     return launch, calls
@@ -113,3 +120,35 @@ def test_a_bad_override_is_refused_before_any_run(tmp_path):
     with pytest.raises(ValueError, match=r"arms.grpo \(seed 0\): .*learner.lr_typo"):
         run_all(cfg, launch)
     assert calls == [] and not (Path(cfg.dir) / "preregistration.json").exists()
+
+
+def test_runs_get_the_budget_the_shared_cluster_and_the_in_process_engine(tmp_path):
+    cfg = _experiment(tmp_path, budget_generated_tokens=1000, shared_ray=True)
+    sft, grpo = command_for(cfg, "sft", 0), command_for(cfg, "grpo", 0)
+    assert "stop.max_generated_tokens=1000" in grpo and not any("max_generated_tokens" in a for a in sft)
+    for args in (sft, grpo):  # both connect to the runner's cluster; TP 1: the engine runs in its actor
+        assert "run.use_existing_ray=true" in args and "rollout.engine_in_process=true" in args
+    off = _experiment(tmp_path, engine_in_process=False)
+    assert not any(a.startswith(("rollout.engine_in_process", "run.use_existing_ray", "stop.max_generated"))
+                   for a in command_for(off, "grpo", 0))
+    tp2 = _experiment(tmp_path, overrides=["rollout.tensor_parallel_size=2"])
+    assert "rollout.engine_in_process=true" not in command_for(tp2, "grpo", 0)  # TP 2 keeps its worker processes
+
+
+def test_the_budget_is_preregistered_and_each_result_records_what_stopped_the_run(tmp_path):
+    cfg = _experiment(tmp_path, budget_generated_tokens=1000)
+    launch, calls = _fake_run({"sft": 0.3, "grpo": 0.9})
+    run_all(cfg, launch)
+    assert json.loads((Path(cfg.dir) / "preregistration.json").read_text())["budget_generated_tokens"] == 1000
+    grpo = json.loads((Path(cfg.dir) / "runs" / "grpo" / "seed_0" / "result.json").read_text())
+    assert grpo["stopped"] == "max_generated_tokens" and grpo["generated_tokens"] == 1100 and grpo["steps"] == 3
+    sft = json.loads((Path(cfg.dir) / "runs" / "sft" / "seed_0" / "result.json").read_text())
+    assert "stopped" not in sft
+    with pytest.raises(ValueError, match="cannot change after runs started"):  # a different budget is a new design
+        preregister(_experiment(tmp_path, budget_generated_tokens=2000))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "lots"])
+def test_a_bad_budget_names_its_field(tmp_path, bad):
+    with pytest.raises(ValueError, match="budget_generated_tokens"):
+        _experiment(tmp_path, budget_generated_tokens=bad)

@@ -4,6 +4,7 @@ carries its own exit code, stays quiet when off or under its bound, and validate
     python -m pytest tests/unit/test_stop.py -q
 """
 
+import json
 import math
 from pathlib import Path
 
@@ -116,3 +117,36 @@ def test_dev_eval_rule_needs_dev_evals():
         load_train_config(tiny, ["stop.dev_eval_drops=2", "run.eval_every=0"])
     cfg = load_train_config(tiny, ["stop.dev_eval_drops=2", "run.eval_every=5", "stop.kl_max=0.5"])
     assert cfg.stop.dev_eval_drops == 2 and cfg.stop.kl_max == 0.5 and cfg.stop.nonfinite is True
+
+
+def test_generated_token_budget_ends_the_run_normally_once_reached():
+    rules = StopRules(StopConfig(max_generated_tokens=1000))
+    assert feed(rules, [{"system/generated_tokens": 400.0}, {"system/generated_tokens": 400.0}]) is None
+    rules.observe(3, {"eval/dev_correctness": 0.5})  # an eval row generates nothing that counts
+    assert rules.triggered is None and rules.generated_tokens == 800
+    condition = rules.observe(4, {**HEALTHY, "system/generated_tokens": 400.0})
+    assert condition.name == "max_generated_tokens" and condition.step == 4 and condition.value == 1200
+    assert condition.ends_run and condition.exit_code == 0
+    assert rules.summary() == {"generated_tokens": 1200, "stopped": "max_generated_tokens", "stopped_at_step": 4}
+    assert StopRules(StopConfig()).summary() == {"generated_tokens": 0}  # off: counted, never stops
+    off = StopRules(StopConfig())
+    assert feed(off, [{"system/generated_tokens": 1e9}]) is None and off.generated_tokens == 1e9
+
+
+def test_generated_token_budget_counts_the_steps_before_a_resume(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 0, "time": 1.0, "eval/test_correctness": 0.5},
+        {"step": 1, "time": 2.0, "system/generated_tokens": 300.0},
+        {"step": 2, "time": 3.0, "system/generated_tokens": 300.0}]) + '{"step": 3, "ti')  # a torn last line
+    rules = StopRules(StopConfig(max_generated_tokens=1000))
+    assert rules.restore(log) == 600
+    assert rules.observe(3, {**HEALTHY, "system/generated_tokens": 300.0}) is None
+    assert rules.observe(4, {**HEALTHY, "system/generated_tokens": 300.0}).value == 1200
+    assert StopRules(StopConfig()).restore(tmp_path / "absent.jsonl") == 0
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True, "many"])
+def test_generated_token_budget_must_be_a_positive_int(bad):
+    with pytest.raises(ConfigError, match="stop.max_generated_tokens"):
+        StopConfig(max_generated_tokens=bad)

@@ -1,0 +1,81 @@
+"""Two runs in one shared Ray cluster (the experiment runner's) stay apart; a token budget ends a run.
+
+    python -m pytest tests/e2e/test_shared_ray.py -q
+
+The test process starts the cluster the way `megatron-rl experiment` does
+(experiment.shared_ray_cluster) and launches two tiny GRPO runs at the same time against it
+(run.use_existing_ray, vLLM in the rollout actor): A samples at temperature 1.0 under a
+generated-token budget, B at 0.7 for 2 steps.  Each run's queue (its WAL in its own run dir)
+must hold only its own trajectories, both runs must be jobs of the one cluster, and A must stop
+on its budget: exit 0, checkpointed, its final test eval done, "stopped" in its final JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.experiment import shared_ray_cluster
+from megatron_rl.trajectory import Trajectory
+from tests.e2e.conftest import REPO, TINY, last_json, read_jsonl
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+COMMON = ["run.eval_every=0", "data.eval_size=8", "run.use_existing_ray=true", "rollout.engine_in_process=true"]
+
+
+def wal_trajectories(run_dir) -> list[Trajectory]:
+    with sqlite3.connect(run_dir / "queue.db") as db:
+        return [Trajectory.from_bytes(row[0]) for row in db.execute("SELECT payload FROM traj")]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    import ray
+
+    d = tmp_path_factory.mktemp("shared")
+    runs = {"a": ["rollout.temperature=1.0", "run.seed=0", "run.steps=8", "stop.max_generated_tokens=250"],
+            "b": ["rollout.temperature=0.7", "run.seed=1", "run.steps=2"]}
+    with shared_ray_cluster(SimpleNamespace(shared_ray=True, base=str(TINY), overrides=[])) as address:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
+        procs = {name: subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(TINY),
+                                         f"run.dir={d / name}", *COMMON, *extra], cwd=REPO, env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for name, extra in runs.items()}
+        outs = {name: p.communicate(timeout=900) for name, p in procs.items()}
+        jobs = [j for j in ray._private.state.jobs() if not j.get("IsDead") or j.get("DriverPid")]
+    for name, p in procs.items():
+        assert p.returncode == 0, f"run {name} exited {p.returncode}\n{outs[name][1][-6000:]}"
+    return SimpleNamespace(dir=d, address=address, outs=outs, driver_pids={j.get("DriverPid") for j in jobs},
+                           pids={name: p.pid for name, p in procs.items()})
+
+
+def test_runs_in_one_cluster_do_not_see_each_others_trajectories(two_runs):
+    assert two_runs.address and set(two_runs.pids.values()) <= two_runs.driver_pids  # jobs of the one cluster
+    for name, temperature in (("a", 1.0), ("b", 0.7)):
+        trajs = wal_trajectories(two_runs.dir / name)
+        assert trajs, f"run {name}: no trajectories in its queue"
+        temps = {t.sampling_config["temperature"] for t in trajs}
+        assert temps == {temperature}, f"run {name}'s queue holds trajectories sampled at {temps}"
+    steps_b = [r["step"] for r in read_jsonl(two_runs.dir / "b" / "metrics" / "metrics.jsonl") if "learn/loss" in r]
+    assert steps_b == [1, 2]
+
+
+def test_a_generated_token_budget_ends_the_run_checkpointed_with_its_final_eval(two_runs):
+    d = two_runs.dir / "a"
+    final = last_json(two_runs.outs["a"][0])
+    assert final["stopped"] == "max_generated_tokens" and final["generated_tokens"] >= 250
+    rows = [r for r in read_jsonl(d / "metrics" / "metrics.jsonl") if "system/generated_tokens" in r]
+    assert final["steps"] == final["stopped_at_step"] == rows[-1]["step"] < 8  # stopped before run.steps
+    assert sum(r["system/generated_tokens"] for r in rows) == final["generated_tokens"]
+    assert sum(r["system/generated_tokens"] for r in rows[:-1]) < 250  # the step before had not reached it
+    ckpt = d / "checkpoints" / f"step_{final['steps']:06d}"
+    assert (ckpt / "COMMITTED").is_file()
+    assert (d / "eval" / f"test_step_{final['steps']:06d}.jsonl").is_file()  # the final eval ran
+    assert json.loads((d / "stop_condition.json").read_text())["stopped"] == "max_generated_tokens"
