@@ -256,10 +256,10 @@ class TrainConfig:
         if self.coordinator.max_version_lag < staleness:
             raise ConfigError(f"coordinator.max_version_lag ({self.coordinator.max_version_lag}) is below "
                               f"coordinator.max_staleness ({staleness}): admitted samples would expire")
-        if self.rollout.weight_transfer == "nccl" and self.run.placement == "colocated":
-            raise ConfigError("rollout.weight_transfer 'nccl' needs run.placement 'disaggregated': with colocated "
-                              "roles the trainer and a rollout engine share a GPU, and NCCL refuses two ranks on "
-                              "one device (use 'gloo')")
+        from megatron_rl.publish.transport import placement_problem  # the device part: at start-up
+
+        if placement_problem(self.rollout.weight_transfer, self.run.placement):
+            raise ConfigError(placement_problem(self.rollout.weight_transfer, self.run.placement))
         if self.rollout.weight_transfer == "none":
             raise ConfigError("rollout.weight_transfer 'none' cannot train: the policy could never reach the "
                               "rollout engines (use 'gloo', or 'nccl' with run.placement 'disaggregated')")

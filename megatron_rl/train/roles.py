@@ -67,6 +67,8 @@ class Roles:
     """The checkpoint restore_queue_snapshot verified and took the queue from; resume() loads it."""
     stop_rules: StopRules | None = None
     """The stop conditions (train/stop.py), fed every metrics dict this run logs."""
+    sleep: object | None = None
+    """vLLM sleep/wake around learner steps (rollout/sleep.py SleepCycle; None: never)."""
     _producer: Producer | None = None
     _step_seconds: list = dataclasses.field(default_factory=list)
 
@@ -81,7 +83,8 @@ class Roles:
         from megatron_rl.metrics import MetricsLogger
         from megatron_rl.reward.pool import VerifierPool
         from megatron_rl.train.learner_group import LearnerGroup
-        from megatron_rl.train.placement import Placement
+        from megatron_rl.rollout.sleep import SleepCycle
+        from megatron_rl.train.placement import Placement, gpu_path_choices
         from megatron_rl.train.rollout_fleet import RolloutFleet
 
         run_dir, model_dir, tokenizer, tok_hash, splits, template = open_run_dir(cfg, kind="train")
@@ -100,7 +103,9 @@ class Roles:
         lc = cfg.learner
         ranks = lc.tensor_model_parallel_size * lc.pipeline_model_parallel_size * cfg.run.learner_data_parallel_size
         place = Placement.create(cfg, ranks)
-        rollout_cfg = dataclasses.replace(cfg.rollout, model=str(model_dir))
+        transport, sleep_on, sleep_why = gpu_path_choices(cfg, place.device)  # once, from (placement, device)
+        rollout_cfg = dataclasses.replace(cfg.rollout, model=str(model_dir), weight_transfer=transport,
+                                          sleep_mode=sleep_on)
         fleet = RolloutFleet(rollout_cfg, num_groups=cfg.run.rollout_groups, placement=place.rollout)
         learner = LearnerGroup(learner_cfg=lc, loss_cfg=cfg.loss, hf_dir=str(model_dir),
                                data_parallel_size=cfg.run.learner_data_parallel_size, seed=lc.seed,
@@ -108,13 +113,14 @@ class Roles:
                                placement=place.learner, sampling=cfg.sampling,
                                call_timeout_s=cfg.run.learner_timeout_s)
         learner.connect_rollout(fleet.workers, bucket_bytes=cfg.run.publish_bucket_mib << 20,
-                                transport=cfg.rollout.weight_transfer)
+                                transport=transport)
+        sleep = SleepCycle(lambda: fleet.workers, enabled=sleep_on, reason=sleep_why)
         verifier = VerifierPool(cfg.reward)
         metrics = MetricsLogger(run_dir / "metrics")
         return cls(cfg=cfg, run_dir=run_dir, model_dir=model_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
                    splits=splits, template=template, cursor=cursor, coordinator=coordinator, fleet=fleet,
                    verifier=verifier, learner=learner, metrics=metrics, own_ray=own_ray, placement=place,
-                   resume_from=resume_from)
+                   resume_from=resume_from, sleep=sleep)
 
     def __post_init__(self) -> None:
         if self.stop_rules is None:
@@ -277,6 +283,8 @@ class Roles:
         out = {f"adv/{k}": v for k, v in adv_stats.items()}
         # D_lag (batch-wide and P50/P95/P99 over sequences) comes from the training forward itself:
         # its logprobs are the learner's before this update (megatron_rl.grpo.loss.grpo_metrics).
+        if self.sleep is not None:
+            self.sleep.before_learn()                        # colocated GPUs: the engines free their memory
         out.update(self.learner.train_step(batch, lr_scale=lr_scale))
         out["dv"] = [version - t.oldest_version for t in taken]
         self._report_lag(out)
@@ -298,6 +306,8 @@ class Roles:
         import ray
 
         t0 = time.perf_counter()
+        if self.sleep is not None:
+            self.sleep.before_refit()                        # awake before the refit and its check
         self._expect_probe(version)
         for attempt in (1, 2):
             try:

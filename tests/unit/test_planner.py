@@ -124,12 +124,20 @@ def test_7b_recipes_fit_with_ten_percent_margin(recipe):
     assert plan["rollout_need_gib"] <= plan["rollout_budget_gib"]
 
 
-def test_sleep_mode_is_not_counted_while_the_driver_never_sleeps():
+def test_sleep_mode_is_counted_exactly_when_the_driver_sleeps():
+    """The planner asks the driver's own rule (rollout/sleep.py): one_step_off generates while the
+    learner learns (engine counted awake); sync colocated on GPUs sleeps (counted asleep)."""
     from megatron_rl.planner.cli import plan_for_config
     from megatron_rl.train.config import load_train_config
 
     recipe = REPO / "configs/qwen2_7b_8gpu_colocated.yaml"
     awake = plan_for_config(load_train_config(recipe, []))
-    asked = plan_for_config(load_train_config(recipe, ["rollout.engine_options.enable_sleep_mode=true"]))
-    assert asked["sleep_mode_ignored"] and not awake["sleep_mode_ignored"]
-    assert [p["peak_gib_per_gpu"] for p in asked["placements"]] == [p["peak_gib_per_gpu"] for p in awake["placements"]]
+    sync = ["run.mode=sync", "coordinator.max_staleness=0"]
+    asleep = plan_for_config(load_train_config(recipe, sync))
+    off = plan_for_config(load_train_config(recipe, sync + ["rollout.sleep_mode=false"]))
+    assert not awake["colocated_sleep_mode"] and "one_step_off" in awake["sleep_mode_reason"]
+    assert asleep["colocated_sleep_mode"] and not off["colocated_sleep_mode"]
+    peak = {name: {p["placement"]: p["peak_gib_per_gpu"] for p in plan["placements"]}
+            for name, plan in (("awake", awake), ("asleep", asleep), ("off", off))}
+    assert peak["asleep"]["colocated"] < peak["awake"]["colocated"] == peak["off"]["colocated"]
+    assert peak["asleep"]["disaggregated"] == peak["awake"]["disaggregated"]
