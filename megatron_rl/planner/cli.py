@@ -31,7 +31,8 @@ def plan_for_config(cfg) -> dict:
         tp=lc.tensor_model_parallel_size, pp=lc.pipeline_model_parallel_size, dp=cfg.run.learner_data_parallel_size,
         dtype=dtype, use_distributed_optimizer=lc.use_distributed_optimizer, micro_batch_size=lc.micro_batch_size,
         seq_length=rc.max_model_len, activation_checkpointing=lc.recompute_activations,
-        reference_model=cfg.loss.kl_coef > 0, publish_dtype="fp32" if rc.dtype == "float32" else "bf16")
+        reference_model=cfg.loss.kl_coef > 0, publish_dtype="fp32" if rc.dtype == "float32" else "bf16",
+        publish_whole_model=cfg.run.placement == "colocated" and rc.weight_transfer in ("auto", "ipc"))
     max_seqs = int(rc.engine_options.get("max_num_seqs", cfg.samples_per_step // cfg.run.rollout_groups or 1))
     roll = RolloutLayout(tp=rc.tensor_parallel_size, groups=cfg.run.rollout_groups,
                          dtype="fp32" if rc.dtype == "float32" else "bf16",

@@ -72,6 +72,7 @@ class _Roles:
 
     publish = Roles.publish
     _raise_if_engine_down = Roles._raise_if_engine_down
+    sleep = None  # no sleep/wake cycle (CPU)
 
     def __init__(self, run_dir, fleet, learner, learn_error=None):
         self.run_dir, self.fleet, self.learner, self.learn_error = run_dir, fleet, learner, learn_error
