@@ -66,7 +66,7 @@ def choose_transport(placement: str, device: str, requested: str = AUTO) -> str:
         raise ValueError(f"device {device!r} is not one of {list(DEVICES)}")
     if requested == AUTO:
         chosen = "gloo" if device == "cpu" else ("ipc" if placement == "colocated" else "nccl")
-        log.info("publication transport: %s (%s placement on %s)", chosen, placement, device)
+        log.debug("publication transport: %s (%s placement on %s)", chosen, placement, device)
         return chosen
     problem = placement_problem(requested, placement)
     if problem is not None:

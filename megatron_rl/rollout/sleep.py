@@ -87,7 +87,7 @@ class SleepCycle:
         self.call = call or ray_call
         self.asleep = False
         self.sleeps = 0  # how many times the engines were put to sleep (metrics, tests)
-        log.info("vLLM sleep mode %s: %s", "on" if enabled else "off", reason)
+        log.debug("vLLM sleep mode %s: %s", "on" if enabled else "off", reason)
 
     def before_learn(self) -> None:
         """The learner is about to learn: free the engines' GPU memory (nothing generates now)."""

@@ -98,4 +98,8 @@ def gpu_path_choices(cfg, device: str) -> tuple[str, bool, str]:
     transport = choose_transport(cfg.run.placement, device, cfg.rollout.weight_transfer)
     sleep_on, why = choose_sleep(placement=cfg.run.placement, device=device, mode=cfg.run.mode,
                                  requested=cfg.rollout.sleep_mode)
+    # On GPUs the choice is news (console and driver log); on CPU it is always gloo and no sleep.
+    logger.log(logging.INFO if device == "cuda" else logging.DEBUG,
+               "%s placement on %s: publication over %s; vLLM sleep mode %s (%s)", cfg.run.placement, device,
+               transport, "on" if sleep_on else "off", why)
     return transport, sleep_on, why
