@@ -15,6 +15,7 @@ import json
 from megatron_rl.planner.ledger import (
     GIB, LearnerLayout, ModelDims, RolloutLayout, as_dict, compare_placements, learner_ledger, rollout_ledger,
 )
+from megatron_rl.rollout.sleep import choose_sleep
 
 
 def plan_for_config(cfg) -> dict:
@@ -30,7 +31,8 @@ def plan_for_config(cfg) -> dict:
         tp=lc.tensor_parallel_size, pp=lc.pipeline_parallel_size, dp=lc.data_parallel_size,
         dtype=dtype, use_distributed_optimizer=lc.use_distributed_optimizer, micro_batch_size=lc.micro_batch_size,
         seq_length=rc.max_model_len, activation_checkpointing=lc.recompute_activations,
-        reference_model=cfg.loss.kl_coef > 0, publish_dtype="fp32" if rc.dtype == "float32" else "bf16")
+        reference_model=cfg.loss.kl_coef > 0, publish_dtype="fp32" if rc.dtype == "float32" else "bf16",
+        publish_whole_model=cfg.run.placement == "colocated" and rc.weight_transfer in ("auto", "ipc"))
     max_seqs = int(rc.engine_options.get("max_num_seqs", cfg.samples_per_step // cfg.rollout.data_parallel_size or 1))
     roll = RolloutLayout(tp=rc.tensor_parallel_size, groups=cfg.rollout.data_parallel_size,
                          dtype="fp32" if rc.dtype == "float32" else "bf16",
@@ -40,10 +42,12 @@ def plan_for_config(cfg) -> dict:
     reserve = cfg.cluster.reserve_fraction
     led = learner_ledger(model, lay, reserve)
     rled = rollout_ledger(model, roll, reserve, cfg.cluster.gpu_memory_gib)
-    # vLLM's sleep mode would free the engine's memory while the learner learns, but the driver does
-    # not call sleep/wake_up yet: the engine is counted awake even when enable_sleep_mode is set.
-    sleep_requested = bool(rc.engine_options.get("enable_sleep_mode", False))
-    verdicts = compare_placements(led, rled, lay, roll, cfg.cluster.gpu_memory_gib, cfg.cluster.gpus, sleep_mode=False)
+    # The engines sleep while the learner learns exactly when the driver will sleep them: colocated
+    # on GPUs in sync mode, unless rollout.sleep_mode is false (rollout/sleep.py, the same rule).
+    sleeps, sleep_why = choose_sleep(placement="colocated", device="cuda", mode=cfg.run.mode,
+                                     requested=rc.sleep_mode)
+    verdicts = compare_placements(led, rled, lay, roll, cfg.cluster.gpu_memory_gib, cfg.cluster.gpus,
+                                  sleep_mode=sleeps)
     return {
         "model_params": model.num_params,
         "gpu_memory_gib": cfg.cluster.gpu_memory_gib,
@@ -55,7 +59,8 @@ def plan_for_config(cfg) -> dict:
                                      "margin": 1 - v.peak_bytes_per_gpu / (cfg.cluster.gpu_memory_gib * GIB)}
                        for v in verdicts],
         "configured_placement": cfg.run.placement,
-        "sleep_mode_ignored": sleep_requested,
+        "colocated_sleep_mode": sleeps,
+        "sleep_mode_reason": sleep_why,
     }
 
 
@@ -67,9 +72,8 @@ def render(plan: dict) -> str:
                  f"needs {plan['rollout_need_gib']:.2f})" if role == "rollout" and plan["rollout_budget_gib"] is not None else "")
         lines.append(f"{role} per GPU:{extra}")
         lines += [f"  {k:<18} {v:10.2f} GiB" for k, v in items.items()]
-    if plan.get("sleep_mode_ignored"):
-        lines.append("note: rollout.engine_options.enable_sleep_mode is set, but the driver does not put engines "
-                     "to sleep yet; they are counted awake")
+    lines.append(f"colocated: vLLM sleep mode {'on' if plan['colocated_sleep_mode'] else 'off'} "
+                 f"({plan['sleep_mode_reason']})")
     lines.append("placements:")
     for v in plan["placements"]:
         mark = "fits" if v["fits"] else "DOES NOT FIT"

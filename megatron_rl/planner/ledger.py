@@ -20,7 +20,9 @@ Every number is a closed-form estimate, documented next to its formula, in bytes
     comm buffers = 2 x bucket x bytes(grad)     (double-buffered DDP buckets)
     cuda context = a fixed allowance for the process's CUDA context and NCCL communicators
     publish      = 2 x V x h x bytes(publish dtype)  (one streamed group, the embedding, gathered
-                   over TP and its full tensor, in the engine's dtype: publish.source)
+                   over TP and its full tensor, in the engine's dtype: publish.source); with the
+                   ipc transport P x bytes(publish dtype): every exported tensor is held until
+                   every engine has answered (publish/vllm_ipc.py)
   rollout (per GPU of one vLLM group with tensor parallel TP_r):
     weights      = P / TP_r x bytes(dtype)
     kv cache     = M_KV = 2 x B x L x H_kv x d x T x bytes(dtype) / TP_r
@@ -32,7 +34,8 @@ Every number is a closed-form estimate, documented next to its formula, in bytes
 Placement: disaggregated learners and rollout groups each need their own GPUs to fit.
 Colocated roles share the GPUs and the learner keeps its weights, gradients and optimizer state
 resident while vLLM generates, so the peak is the larger of
-    rollout phase  learner resident (all but activations/logits) + the engine's budget
+    rollout phase  learner resident (all but activations/logits/publish) + the engine's budget
+    refit phase    learner resident + its publication + the engine's budget (awake to load)
     learn phase    learner total + the sleeping engine (its runtime allowance) with vLLM's sleep
                    mode, or + the engine's whole budget without it.
 An engine whose own need exceeds its budget does not fit either (vLLM refuses to start).
@@ -84,6 +87,8 @@ class LearnerLayout:
     micro_batch_size: int = 1
     cuda_context_gib: float = 1.0
     publish_dtype: str = "bf16"
+    publish_whole_model: bool = False
+    """ipc transport: the learner holds the whole published model until every engine answered."""
     seq_length: int = 1024
     activation_checkpointing: bool = False
     reference_model: bool = True
@@ -166,7 +171,8 @@ def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float
         "logits": b * s * model.vocab_size / lay.tp * 4 * 2,
         "comm_buffers": 2 * lay.ddp_bucket_params * grad_b,
         "cuda_context": lay.cuda_context_gib * GIB,
-        "publish": 2 * model.vocab_size * h * _bytes(lay.publish_dtype),
+        "publish": (model.num_params if lay.publish_whole_model else 2 * model.vocab_size * h)
+        * _bytes(lay.publish_dtype),
     }
     items["reserve"] = reserve_fraction * sum(items.values())
     total = sum(items.values())
@@ -229,7 +235,10 @@ def compare_placements(
     ))
     col_gpus = max(lay.gpus, roll.gpus)
     asleep = roll.runtime_gib * GIB if sleep_mode else rollout.total
-    phases = {"rollout phase": learner.resident() + rollout.total, "learn phase": learner.total + asleep}
+    publication = learner.total * (learner.items["publish"] / (learner.total - learner.items["reserve"]))
+    phases = {"rollout phase": learner.resident() + rollout.total,
+              "refit phase": learner.resident() + publication + rollout.total,
+              "learn phase": learner.total + asleep}
     phase = max(phases, key=phases.get)
     merged = {f"learner/{k}": v for k, v in learner.items.items()}
     merged.update({f"rollout/{k}": v for k, v in rollout.items.items()})

@@ -18,6 +18,9 @@ other ranks are every vLLM worker process of every rollout group:
                                    them on the way, and the manifest follows by RPC
                                    (commit_weights).  `tensors` must then say up front what it
                                    yields: a list, or a source with metadata() (MegatronWeightSource).
+  transport="ipc" (GPU, colocated) CUDA IPC handles to the tensors on the trainer's GPU, hashed
+                                   first; the engines read them in place, then the manifest
+                                   follows by RPC (commit_weights) as for nccl (vllm_ipc.py).
 Either way a rollout group commits a version only when all of it verified (vllm_engine.py).
 """
 
@@ -44,7 +47,7 @@ from megatron_rl.publish.manifest import (
 )
 from megatron_rl.publish.wire import open_group, send_publication
 
-TRANSPORTS = ("gloo", "nccl")
+TRANSPORTS = ("gloo", "nccl", "ipc")
 NCCL_BUFFERS = 2  # vLLM's packed broadcast: buffers in flight on each side
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,14 @@ class WeightPublisher:
         port = self.port or free_port(self.host)
         offsets = [1 + sum(sizes[:i]) for i in range(len(workers))]
         info = dict(master_address=self.host, master_port=port, world_size=world)
+        if self.transport == "ipc":  # no rendezvous: the handles name the memory
+            check_same_gpu(workers)
+            refs = [w.init_weight_transfer.remote({"packed": False, "rank_offset": off})
+                    for w, off in zip(workers, offsets)]
+            ray.get(refs)
+            self.workers, self.group = list(workers), "ipc"
+            log.info("publication over CUDA IPC to %d rollout groups on this GPU", len(workers))
+            return
         if self.transport == "nccl":  # vLLM's fields; the worker decodes chunks as we encode them
             info.update(packed=True, packed_buffer_size_bytes=self.bucket_bytes, packed_num_buffers=NCCL_BUFFERS)
         else:
@@ -122,6 +133,8 @@ class WeightPublisher:
         started = time.perf_counter()
         if self.transport == "nccl":
             manifest, results = self._publish_nccl(version, tensors, fault_hook)
+        elif self.transport == "ipc":
+            manifest, results = self._publish_ipc(version, tensors, fault_hook)
         else:
             refs = [w.receive_weights.remote(version) for w in self.workers]
             manifest = send_publication(self.group, version, tensors, bucket_bytes=self.bucket_bytes,
@@ -159,6 +172,51 @@ class WeightPublisher:
         ray.get(refs)
         manifest = recorder.manifest()
         return manifest, ray.get([w.commit_weights.remote(manifest.to_dict()) for w in self.workers])
+
+
+    def _publish_ipc(self, version: int, tensors, fault_hook,
+                     exporter=None) -> tuple[PublicationManifest, list[dict]]:
+        """Hash, export a CUDA IPC handle per tensor, let every group open and verify them, and
+        hold the tensors until every group has answered (a handle does not keep its memory)."""
+        import ray
+
+        from megatron_rl.publish.vllm_ipc import export_cuda_handle, export_ipc_handles, pickle_handles
+
+        recorder = ManifestRecorder(tensors, version, checksum_algo=self.checksum_algo,
+                                    bucket_bytes=self.bucket_bytes, fault_hook=fault_hook)
+        meta, handles, keep = export_ipc_handles(recorder, exporter or export_cuda_handle)
+        manifest = recorder.manifest()
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # every exported byte is written
+        try:
+            pickled = pickle_handles(handles)
+            ray.get([w.receive_weights.remote(version, meta, pickled) for w in self.workers])
+            results = ray.get([w.commit_weights.remote(manifest.to_dict()) for w in self.workers])
+        finally:
+            del keep
+            if torch.cuda.is_available():
+                torch.cuda.ipc_collect()  # release what the engines opened and closed
+        return manifest, results
+
+
+def _engine_gpu_uuid(worker) -> str:
+    """Runs inside a RolloutWorker actor (through __ray_call__): the UUID of its GPU."""
+    return str(torch.cuda.get_device_properties(0).uuid)
+
+
+def check_same_gpu(workers: list) -> None:
+    """CUDA IPC handles point at this process's GPU: every rollout group must sit on it."""
+    import ray
+
+    from megatron_rl.config import ConfigError
+    from megatron_rl.publish.vllm_ipc import gpu_uuid
+
+    mine = gpu_uuid()
+    theirs = ray.get([w.__ray_call__.remote(_engine_gpu_uuid) for w in workers])
+    others = [i for i, u in enumerate(theirs) if u != mine]
+    if others:
+        raise ConfigError(f"rollout.weight_transfer 'ipc': rollout groups {others} are not on the publishing learner "
+                          f"rank's GPU {mine}; CUDA IPC reaches only that GPU (use 'gloo' for several colocated GPUs)")
 
 
 def announced_metadata(tensors) -> list[tuple[str, str, list[int]]]:

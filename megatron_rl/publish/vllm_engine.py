@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 BACKEND = "megatron_rl_gloo"
 NCCL_BACKEND = "megatron_rl_nccl"  # vLLM's NCCL transfer + our manifest check (publish/vllm_nccl.py)
+IPC_BACKEND = "megatron_rl_ipc"  # vLLM's CUDA IPC handles + our manifest check (publish/vllm_ipc.py)
+BACKENDS = {"gloo": BACKEND, "nccl": NCCL_BACKEND, "ipc": IPC_BACKEND}  # rollout.weight_transfer -> backend
 
 
 def enable_cpu_amx() -> None:
@@ -57,8 +59,8 @@ def enable_cpu_amx() -> None:
 
 
 def register() -> None:
-    """Register both backends with vLLM's factory (idempotent: plugins load repeatedly).
-    The NCCL one is imported only when an engine asks for it."""
+    """Register our backends with vLLM's factory (idempotent: plugins load repeatedly).
+    The NCCL and IPC ones are imported only when an engine asks for them."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     enable_cpu_amx()
@@ -67,6 +69,9 @@ def register() -> None:
     if NCCL_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(NCCL_BACKEND, "megatron_rl.publish.vllm_nccl",
                                                     "CheckedNCCLWeightTransferEngine")
+    if IPC_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(IPC_BACKEND, "megatron_rl.publish.vllm_ipc",
+                                                    "CheckedIPCWeightTransferEngine")
 
 
 def expected_tensors(model_dir: str) -> dict[str, tuple[int, ...]] | None:
@@ -146,6 +151,26 @@ class VerifiedCommit:
         self.staged = got
         self.status = {"version": version, "ok": got.ok, "error": got.error, "bad_bucket": got.bad_bucket,
                        "rank": self.rank, "tensors": len(got.tensors)}
+
+    def verify(self, manifest: dict[str, Any]) -> None:
+        """Kept-tensor backends (NCCL, IPC): check what `self.received` holds against the
+        trainer's manifest, which travels separately; stage it only if all of it matches."""
+        from megatron_rl.publish.manifest import PublicationManifest, verify_tensors
+
+        received, self.received = getattr(self, "received", None), None
+        if received is None:
+            self.status = {"version": None, "ok": False, "error": "verify before any publication arrived",
+                           "bad_bucket": None, "rank": self.rank, "tensors": 0}
+            return
+        version, kept = received
+        try:
+            parsed = PublicationManifest.from_dict(manifest)
+        except ValueError as err:
+            self._stage(ReceivedPublication(None, error=str(err)), version)
+            return
+        problem, bad = verify_tensors(parsed, kept)
+        self._stage(ReceivedPublication(parsed, tensors=kept) if problem is None else
+                    ReceivedPublication(parsed, error=problem, bad_bucket=bad), version)
 
     def finish_weight_update(self) -> None:
         staged, self.staged = self.staged, None

@@ -27,15 +27,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
 
-from megatron_rl.publish.manifest import PublicationManifest, verify_tensors
 from megatron_rl.publish.vllm_engine import VerifiedCommit
-from megatron_rl.publish.wire import ReceivedPublication
 
 log = logging.getLogger(__name__)
 
@@ -88,24 +85,6 @@ class CheckedNCCLWeightTransferEngine(VerifiedCommit, NCCLWeightTransferEngine):
         self.received = (update_info.version, kept)
         self.status = {"version": update_info.version, "ok": None, "error": "received; waiting for the manifest",
                        "bad_bucket": None, "rank": self.rank, "tensors": len(kept)}
-
-    def verify(self, manifest: dict[str, Any]) -> None:
-        """Check the kept tensors against the trainer's manifest; stage them only if all match."""
-        if self.received is None:
-            self.status = {"version": None, "ok": False, "error": "verify before any publication arrived",
-                           "bad_bucket": None, "rank": self.rank, "tensors": 0}
-            return
-        version, kept = self.received
-        self.received = None
-        try:
-            parsed = PublicationManifest.from_dict(manifest)
-        except ValueError as err:
-            self._stage(ReceivedPublication(None, error=str(err)), version)
-            return
-        problem, bad = verify_tensors(parsed, kept)
-        got = ReceivedPublication(parsed, tensors=kept) if problem is None else \
-            ReceivedPublication(parsed, error=problem, bad_bucket=bad)
-        self._stage(got, version)
 
     def finish_weight_update(self) -> None:
         self.received = None  # never verified: nothing of it may stay alive

@@ -12,9 +12,9 @@ unchanged in `engine_options`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
-WEIGHT_TRANSFER = ("gloo", "nccl", "none")
+WEIGHT_TRANSFER = ("auto", "gloo", "nccl", "ipc", "none")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
 
@@ -53,9 +53,15 @@ class RolloutConfig:
     """Behaviour logprobs after temperature/top-k/top-p ("processed_logprobs", the
     distribution actually sampled) or of the raw model ("raw_logprobs": training refuses it
     unless temperature is 1 and top-k/top-p are off, where both are the same)."""
-    weight_transfer: str = "gloo"
-    """How new weights arrive: "gloo" (CPU, checked buckets), "nccl" (GPU: vLLM's NCCL transfer,
-    checked before commit; disaggregated placement only) or "none" (generation only, no publication)."""
+    weight_transfer: str = "auto"
+    """How new weights arrive, every one checked before commit: "auto" (chosen once at start-up from
+    placement and device, publish/transport.py: gloo on CPU, ipc colocated on GPUs, nccl
+    disaggregated on GPUs), "gloo" (our buckets over TCP; any placement), "ipc" (CUDA IPC from the
+    learner's GPU; colocated only), "nccl" (vLLM's NCCL transfer; disaggregated only) or "none"
+    (generation only, no publication).  A standalone engine treats "auto" as "gloo"."""
+    sleep_mode: Optional[bool] = None
+    """vLLM sleep mode around learning phases (rollout/sleep.py): unset (on when colocated on GPUs in
+    sync mode, off otherwise, with the reason logged), true (refused where it cannot work), false."""
     keep_rollback_copy: bool = True
     """Keep a host-memory copy of the serving weights, so that a publication whose load fails on
     one worker after others loaded it is rolled back on all of them (costs one copy of the model

@@ -38,7 +38,8 @@ def engine_env(cfg: RolloutConfig, on_gpu: bool) -> dict[str, str]:
     """Environment variables vLLM needs for this config (on GPU only the in-process switch)."""
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if cfg.engine_in_process else {}
     if on_gpu:
-        return in_process
+        # The ipc backend's handles travel pickled (vLLM refuses to unpickle them otherwise).
+        return {**in_process, **({"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if cfg.weight_transfer == "ipc" else {})}
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), **in_process}
     bind = cfg.cpu_threads_bind
     if bind is None and cfg.tensor_parallel_size > 1:
@@ -68,14 +69,12 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     # Importing the extension in each vLLM worker registers the gloo backend there and
     # requests AMX permission (spawned CPU workers die with SIGILL without it).
     kwargs["worker_extension_cls"] = "megatron_rl.publish.vllm_engine.PublicationWorkerExtension"
-    if cfg.weight_transfer == "gloo":
-        from megatron_rl.publish.vllm_engine import BACKEND
+    if cfg.weight_transfer != "none":  # "auto" reaches a standalone engine only: gloo
+        from megatron_rl.publish.vllm_engine import BACKENDS
 
-        kwargs["weight_transfer_config"] = {"backend": BACKEND}
-    elif cfg.weight_transfer == "nccl":
-        from megatron_rl.publish.vllm_engine import NCCL_BACKEND
-
-        kwargs["weight_transfer_config"] = {"backend": NCCL_BACKEND}
+        kwargs["weight_transfer_config"] = {"backend": BACKENDS.get(cfg.weight_transfer, BACKENDS["gloo"])}
+    if cfg.sleep_mode:  # resolved at start-up (rollout/sleep.py); unset here means off
+        kwargs["enable_sleep_mode"] = True
     kwargs.update(cfg.engine_options)
     return kwargs
 
@@ -222,31 +221,38 @@ class RolloutWorker:
         self._require_transfer()
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
-    def receive_weights(self, version: int, metadata: list | None = None) -> dict[str, Any] | None:
+    def receive_weights(self, version: int, metadata: list | None = None,
+                        ipc_handles: str | None = None) -> dict[str, Any] | None:
         """Receive one publication.
 
         gloo: the manifest comes on the wire; commits it on every worker of the group or on
         none and returns {"committed", "version" (now serving), "error", "bad_bucket", "workers"}.
-        nccl: `metadata` [(name, dtype name, shape)] says what arrives; the tensors are only
-        kept, and commit_weights(manifest) decides (returns None here).
+        nccl / ipc: `metadata` [(name, dtype name, shape)] says what arrives (ipc: and
+        `ipc_handles`, pickled, where it lies); the tensors are only kept, and
+        commit_weights(manifest) decides (returns None here).
         """
         self._require_transfer()
         info: dict[str, Any] = {"version": int(version)}
-        if self.config.weight_transfer == "nccl":
+        kept = self.config.weight_transfer in ("nccl", "ipc")
+        if kept:
             if metadata is None:
-                raise ValueError("an NCCL publication needs the tensors' (name, dtype, shape) up front")
+                raise ValueError(f"a {self.config.weight_transfer} publication needs the tensors' "
+                                 "(name, dtype, shape) up front")
             info.update(names=[m[0] for m in metadata], dtype_names=[m[1] for m in metadata],
                         shapes=[list(m[2]) for m in metadata])
+        if self.config.weight_transfer == "ipc":
+            info["ipc_handles_pickled"] = ipc_handles
         self.llm.start_weight_update()
         self.llm.update_weights({"update_info": info})
-        if self.config.weight_transfer == "nccl":
+        if kept:
             return None
         return self._commit(version, self.llm.collective_rpc("megatron_rl_publication_status"))
 
     def commit_weights(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """NCCL: check what every worker kept against the trainer's manifest; commit on all or none."""
-        if self.config.weight_transfer != "nccl":
-            raise ValueError("commit_weights is for rollout.weight_transfer 'nccl' (gloo commits in receive_weights)")
+        if self.config.weight_transfer not in ("nccl", "ipc"):
+            raise ValueError("commit_weights is for rollout.weight_transfer 'nccl' or 'ipc' "
+                             "(gloo commits in receive_weights)")
         try:
             statuses = self.llm.collective_rpc("megatron_rl_verify_publication", args=(manifest,))
         except Exception:
@@ -334,6 +340,14 @@ class RolloutWorker:
             raise RuntimeError("this rollout group holds no complete policy version (a failed load could not be "
                                "rolled back); it serves again after the next committed publication")
         return self.version
+
+    def sleep(self, level: int) -> None:
+        """vLLM sleep mode (rollout/sleep.py): free this engine's GPU memory while the learner learns."""
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo sleep(): weights back, KV cache re-allocated, scheduling resumed (tags None: all)."""
+        self.llm.wake_up(tags)
 
     def fail_next_load(self, after_tensors: int, worker_rank: int | None = None) -> None:
         """Drill hook: the next publication's load raises on engine worker `worker_rank` (all if None)."""

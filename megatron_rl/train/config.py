@@ -247,10 +247,10 @@ class TrainConfig:
                               f"of learner.micro_batch_size ({self.learner.micro_batch_size})")
         self.learner = dataclasses.replace(self.learner, global_batch_size=samples)
         self.coordinator = for_run(self.coordinator, mode=self.run.mode, batch_size=samples)
-        if self.rollout.weight_transfer == "nccl" and self.run.placement == "colocated":
-            raise ConfigError("rollout.weight_transfer 'nccl' needs run.placement 'disaggregated': with colocated "
-                              "roles the trainer and a rollout engine share a GPU, and NCCL refuses two ranks on "
-                              "one device (use 'gloo')")
+        from megatron_rl.publish.transport import placement_problem  # the device part: at start-up
+
+        if placement_problem(self.rollout.weight_transfer, self.run.placement):
+            raise ConfigError(placement_problem(self.rollout.weight_transfer, self.run.placement))
         if self.rollout.weight_transfer == "none":
             raise ConfigError("rollout.weight_transfer 'none' cannot train: the policy could never reach the "
                               "rollout engines (use 'gloo', or 'nccl' with run.placement 'disaggregated')")

@@ -37,13 +37,13 @@ class RankWeights:
 
     def connect_rollout(self, rollout_workers: list, bucket_bytes: int, transport: str = "gloo") -> None:
         """Rank 0 becomes rank 0 of the publication group formed with every rollout engine.
-        `transport`: "gloo" (CPU tensors) or "nccl" (tensors stay on this rank's GPU)."""
+        `transport`: "gloo" (CPU tensors), "nccl" or "ipc" (tensors stay on this rank's GPU)."""
         import ray
 
         from megatron_rl.publish import WeightPublisher
         from megatron_rl.publish.trainer import engine_dtype
 
-        self.publish_device = "cuda" if transport == "nccl" else "cpu"
+        self.publish_device = "cuda" if transport in ("nccl", "ipc") else "cpu"
         # Every rank casts (the gathers and pipeline sends run in it): once, in the engine's dtype.
         self.publish_dtype = engine_dtype(rollout_workers)
         if self.rank != 0:

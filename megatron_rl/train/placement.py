@@ -81,3 +81,25 @@ class Placement:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)
+
+    @property
+    def device(self) -> str:
+        """"cuda" when the roles were given GPUs, else "cpu"."""
+        return "cuda" if self.gpu else "cpu"
+
+
+def gpu_path_choices(cfg, device: str) -> tuple[str, bool, str]:
+    """(publication transport, vLLM sleep mode on?, why), decided once at start-up from
+    (run.placement, device) and the run mode; ConfigError naming the field for a setting that
+    contradicts them (publish/transport.py, rollout/sleep.py)."""
+    from megatron_rl.publish.transport import choose_transport
+    from megatron_rl.rollout.sleep import choose_sleep
+
+    transport = choose_transport(cfg.run.placement, device, cfg.rollout.weight_transfer)
+    sleep_on, why = choose_sleep(placement=cfg.run.placement, device=device, mode=cfg.run.mode,
+                                 requested=cfg.rollout.sleep_mode)
+    # On GPUs the choice is news (console and driver log); on CPU it is always gloo and no sleep.
+    logger.log(logging.INFO if device == "cuda" else logging.DEBUG,
+               "%s placement on %s: publication over %s; vLLM sleep mode %s (%s)", cfg.run.placement, device,
+               transport, "on" if sleep_on else "off", why)
+    return transport, sleep_on, why

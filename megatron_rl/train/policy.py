@@ -21,6 +21,7 @@ from typing import Callable
 
 from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import LearnerConfig, SamplingConfig
+from megatron_rl.rollout.sleep import SleepCycle
 from megatron_rl.train.config import RunConfig
 from megatron_rl.train.learner_group import LearnerGroup
 
@@ -49,15 +50,19 @@ class PolicySettings:
 class Policy:
     """Owns the learner group and the publication of its weights to the rollout engines."""
 
-    def __init__(self, learner: LearnerGroup, engines: list, settings: PolicySettings):
+    def __init__(self, learner: LearnerGroup, engines: list, settings: PolicySettings,
+                 sleep: SleepCycle | None = None):
         self.learner = learner
         self.engines = engines
         self.settings = settings
+        self.sleep = sleep
+        """vLLM sleep/wake around learner steps (rollout/sleep.py; None: never)."""
 
     @classmethod
     def create(cls, learner: LearnerConfig, loss: GRPOLossConfig, run: RunConfig, sampling: SamplingConfig, *,
                weight_transfer: str, model_dir: Path, engines: list, placement: Callable[[int], dict] | None,
-               vocab_size: int, pad_id: int, engines_ready: Callable[[], None] = lambda: None) -> "Policy":
+               vocab_size: int, pad_id: int, engines_ready: Callable[[], None] = lambda: None,
+               sleep: SleepCycle | None = None) -> "Policy":
         """The learner group (the learner and loss sections, the run's determinism, timeout and
         publication settings) started from `model_dir`, connected to the engines it publishes to
         once `engines_ready()` returns (engines may still be starting while the learner does)."""
@@ -69,7 +74,7 @@ class Policy:
         settings = PolicySettings(loss=loss, sampling=sampling, micro_batch_size=learner.micro_batch_size,
                                   probe_rows=learner.micro_batch_size * learner.data_parallel_size,
                                   refit_tolerance=run.refit_tolerance, vocab_size=vocab_size, pad_id=pad_id)
-        return cls(group, engines, settings)
+        return cls(group, engines, settings, sleep)
 
     def learn(self, taken: list, version: int, lr_scale: float = 1.0) -> tuple[dict, float]:
         """One GRPO step on the taken batch (learned at `version`); its metrics and seconds.
@@ -83,6 +88,8 @@ class Policy:
         batch, adv_stats = build_batch(taken, pad_id=self.settings.pad_id, loss_cfg=self.settings.loss,
                                        micro_batch_size=self.settings.micro_batch_size)
         out = {f"adv/{k}": v for k, v in adv_stats.items()}
+        if self.sleep is not None:
+            self.sleep.before_learn()                        # colocated GPUs: the engines free their memory
         out.update(self.learner.train_step(batch, lr_scale=lr_scale))
         out["dv"] = [version - t.oldest_version for t in taken]
         return out, time.perf_counter() - t0
@@ -90,6 +97,8 @@ class Policy:
     def publish(self, version: int) -> float:
         """Publish the learner's weights as `version` to every rollout group (all or none); seconds."""
         t0 = time.perf_counter()
+        if self.sleep is not None:
+            self.sleep.before_refit()                        # awake before the refit and its check
         self._expect_probe(version)
         for attempt in (1, 2):
             try:

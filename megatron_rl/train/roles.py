@@ -22,7 +22,8 @@ import os
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, restore_queue_snapshot
 from megatron_rl.train.config import TrainConfig
-from megatron_rl.train.placement import Placement
+from megatron_rl.rollout.sleep import SleepCycle
+from megatron_rl.train.placement import Placement, gpu_path_choices
 from megatron_rl.train.policy import Policy
 from megatron_rl.train.reporting import Reporter
 from megatron_rl.train.rollout_source import PromptStream, RolloutSource, RoundSpec, start_fleet
@@ -61,13 +62,16 @@ class Roles:
         train = inputs.splits["train"]
         scorer = Scorer.create(cfg.reward, inputs.tokenizer, tokenizer_hash=inputs.tokenizer_hash,
                                dataset_version=train.dataset_version)
-        fleet = start_fleet(cfg.rollout, inputs.model_dir, place.rollout, wait=place.gpu)  # CPU: starts with the learner
+        transport, sleep_on, sleep_why = gpu_path_choices(cfg, place.device)  # once, from (placement, device)
+        rollout = dataclasses.replace(cfg.rollout, weight_transfer=transport, sleep_mode=sleep_on)
+        fleet = start_fleet(rollout, inputs.model_dir, place.rollout, wait=place.gpu)  # CPU: starts with the learner
         source = RolloutSource(fleet, PromptStream(train, inputs.template, inputs.tokenizer, train_cursor(cfg, train)),
                                coordinator, scorer, spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling))
         policy = Policy.create(cfg.learner, cfg.loss, cfg.run, cfg.sampling,
-                               weight_transfer=cfg.rollout.weight_transfer, model_dir=inputs.model_dir,
+                               weight_transfer=transport, model_dir=inputs.model_dir,
                                engines=fleet.workers, engines_ready=fleet.wait_ready, placement=place.learner,
-                               vocab_size=inputs.vocab_size, pad_id=inputs.pad_id)
+                               vocab_size=inputs.vocab_size, pad_id=inputs.pad_id,
+                               sleep=SleepCycle(lambda: fleet.workers, enabled=sleep_on, reason=sleep_why))
         checkpointer = Checkpointer(inputs.run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from)
         reporter = Reporter.create(cfg.stop, steps=cfg.run.steps, eval_size=cfg.data.eval_size, run_dir=inputs.run_dir,
                                    fleet=fleet, verifier=scorer.verifier, splits=inputs.splits,

@@ -5,8 +5,9 @@
 #   1 TE vs local layer-spec parity (bf16)                 1 GPU + Transformer Engine
 #   2 NCCL init + bf16 learner step with float/0-dim/[b] loss statistics   1 GPU (TP = GPUs, up to 2)
 #   3 checkpoint save + resume with TE's FusedAdam         1 GPU + Transformer Engine
-#   4 NCCL disaggregated publication + engine logprobs after refit   2 GPUs
-#   5 tiny recipe colocated in bf16 with IPC refit and sleep/wake   not implemented yet (issue 18)
+#   4 colocated IPC publication (verify-before-commit) around vLLM sleep/wake, engine logprobs after refit   1 GPU
+#   5 tiny recipe trained colocated in bf16: transport ipc and sleep mode chosen at start-up, refit check each step   1 GPU
+#   6 NCCL disaggregated publication + engine logprobs after refit   2 GPUs
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 python=".venv/bin/python"
@@ -22,7 +23,7 @@ part() {  # part NAME NEED_GPUS NEED_TE TEST_PATH
   if [ "$gpus" -lt "$need" ]; then echo "== $name: skipped (needs $need GPU(s), found $gpus)"; return; fi
   if [ "$need_te" = yes ] && [ "$te" != yes ]; then echo "== $name: skipped (transformer_engine.pytorch does not import)"; return; fi
   local t0=$(date +%s)
-  if "$python" -m pytest "$path" -m gpu -q -rs -p no:warnings -p no:cacheprovider; then
+  if "$python" -m pytest "$path" -m gpu -q -rs -s -p no:warnings -p no:cacheprovider; then
     echo "== $name: ran, passed ($(( $(date +%s) - t0 )) s)"
   else
     echo "== $name: ran, FAILED ($(( $(date +%s) - t0 )) s)"; failed=1
@@ -31,7 +32,8 @@ part() {  # part NAME NEED_GPUS NEED_TE TEST_PATH
 part "TE vs local parity" 1 yes tests/gpu/test_gpu_te_parity.py
 part "NCCL learner step with metrics" 1 no tests/gpu/test_gpu_nccl.py
 part "checkpoint save + resume (TE FusedAdam)" 1 yes tests/gpu/test_gpu_checkpoint_te.py
+part "colocated IPC publication around sleep/wake + logprobs after refit" 1 no tests/gpu/test_gpu_colocated_ipc.py
+part "tiny recipe colocated bf16 with IPC refit and sleep/wake" 1 no tests/gpu/test_gpu_train_colocated.py
 part "NCCL disaggregated publication + logprobs after refit" 2 no tests/gpu/test_gpu_publish_nccl.py
-echo "== tiny recipe colocated bf16 with IPC refit and sleep/wake: skipped (not implemented: no ipc transport or sleep/wake in the driver yet)"
 echo "total $(( $(date +%s) - start )) s"
 exit $failed

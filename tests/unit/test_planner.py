@@ -109,7 +109,9 @@ def test_colocated_peak_counts_the_resident_learner_and_the_budget():
     awake = compare_placements(led, rled, lay, roll, 80, 8, sleep_mode=False)[1]
     assert awake.peak_bytes_per_gpu == pytest.approx(led.total + rled.total) and not awake.fits
     asleep = compare_placements(led, rled, lay, roll, 80, 8, sleep_mode=True)[1]
-    assert asleep.peak_bytes_per_gpu == pytest.approx(max(led.resident() + rled.total, led.total + 2 * GIB))
+    publication = led.total * led.items["publish"] / (led.total - led.items["reserve"])
+    assert asleep.peak_bytes_per_gpu == pytest.approx(max(led.resident() + publication + rled.total,
+                                                          led.total + 2 * GIB))
     assert asleep.peak_bytes_per_gpu > max(led.total, rled.total)  # the old max(learner, rollout) was optimistic
 
 
@@ -124,12 +126,36 @@ def test_7b_recipes_fit_with_ten_percent_margin(recipe):
     assert plan["rollout_need_gib"] <= plan["rollout_budget_gib"]
 
 
-def test_sleep_mode_is_not_counted_while_the_driver_never_sleeps():
+def test_sleep_mode_is_counted_exactly_when_the_driver_sleeps():
+    """The planner asks the driver's own rule (rollout/sleep.py): one_step_off generates while the
+    learner learns (engine counted awake); sync colocated on GPUs sleeps (counted asleep)."""
     from megatron_rl.planner.cli import plan_for_config
     from megatron_rl.train.config import load_train_config
 
     recipe = REPO / "configs/qwen2_7b_8gpu_colocated.yaml"
     awake = plan_for_config(load_train_config(recipe, []))
-    asked = plan_for_config(load_train_config(recipe, ["rollout.engine_options.enable_sleep_mode=true"]))
-    assert asked["sleep_mode_ignored"] and not awake["sleep_mode_ignored"]
-    assert [p["peak_gib_per_gpu"] for p in asked["placements"]] == [p["peak_gib_per_gpu"] for p in awake["placements"]]
+    sync = ["run.mode=sync", "coordinator.max_staleness=0"]
+    asleep = plan_for_config(load_train_config(recipe, sync))
+    off = plan_for_config(load_train_config(recipe, sync + ["rollout.sleep_mode=false"]))
+    assert not awake["colocated_sleep_mode"] and "one_step_off" in awake["sleep_mode_reason"]
+    assert asleep["colocated_sleep_mode"] and not off["colocated_sleep_mode"]
+    peak = {name: {p["placement"]: p["peak_gib_per_gpu"] for p in plan["placements"]}
+            for name, plan in (("awake", awake), ("asleep", asleep), ("off", off))}
+    assert peak["asleep"]["colocated"] < peak["awake"]["colocated"] == peak["off"]["colocated"]
+    assert peak["asleep"]["disaggregated"] == peak["awake"]["disaggregated"]
+
+
+def test_ipc_publication_is_counted_as_the_whole_model_at_refit():
+    """The ipc transport holds every exported tensor until every engine answered: the learner's
+    publish item is the whole model in the engine's dtype, and the colocated peak counts it next
+    to the awake engine (refit phase)."""
+    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.train.config import load_train_config
+
+    recipe = REPO / "configs/qwen2_1.5b_1gpu.yaml"
+    ipc = plan_for_config(load_train_config(recipe, []))  # weight_transfer auto, colocated: ipc
+    gloo = plan_for_config(load_train_config(recipe, ["rollout.weight_transfer=gloo"]))
+    assert ipc["learner_gib_per_gpu"]["publish"] == pytest.approx(ipc["model_params"] * 2 / GIB)
+    assert gloo["learner_gib_per_gpu"]["publish"] < ipc["learner_gib_per_gpu"]["publish"] / 2  # one group: 2 V h
+    col = {p["placement"]: p for p in ipc["placements"]}["colocated"]
+    assert "refit phase" in col["note"] and col["fits"] and col["margin"] >= 0.10, col
