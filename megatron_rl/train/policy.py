@@ -62,10 +62,11 @@ class Policy:
     def create(cls, learner: LearnerConfig, loss: GRPOLossConfig, run: RunConfig, sampling: SamplingConfig, *,
                weight_transfer: str, model_dir: Path, engines: list, placement: Callable[[int], dict] | None,
                vocab_size: int, pad_id: int, engines_ready: Callable[[], None] = lambda: None,
-               sleep: SleepCycle | None = None) -> "Policy":
+               sleep: tuple[bool, str] = (False, "off")) -> "Policy":
         """The learner group (the learner and loss sections, the run's determinism, timeout and
         publication settings) started from `model_dir`, connected to the engines it publishes to
-        once `engines_ready()` returns (engines may still be starting while the learner does)."""
+        once `engines_ready()` returns (engines may still be starting while the learner does).
+        `sleep`: (on, why) of vLLM sleep mode, chosen at start-up (train/placement.py)."""
         group = LearnerGroup(learner_cfg=learner, loss_cfg=loss, hf_dir=str(model_dir), seed=learner.seed,
                              deterministic=run.deterministic, threads=run.torch_threads, placement=placement,
                              sampling=sampling, call_timeout_s=run.learner_timeout_s)
@@ -74,7 +75,7 @@ class Policy:
         settings = PolicySettings(loss=loss, sampling=sampling, micro_batch_size=learner.micro_batch_size,
                                   probe_rows=learner.micro_batch_size * learner.data_parallel_size,
                                   refit_tolerance=run.refit_tolerance, vocab_size=vocab_size, pad_id=pad_id)
-        return cls(group, engines, settings, sleep)
+        return cls(group, engines, settings, SleepCycle(lambda: engines, enabled=sleep[0], reason=sleep[1]))
 
     def learn(self, taken: list, version: int, lr_scale: float = 1.0) -> tuple[dict, float]:
         """One GRPO step on the taken batch (learned at `version`); its metrics and seconds.

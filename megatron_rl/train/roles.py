@@ -22,7 +22,6 @@ import os
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, restore_queue_snapshot
 from megatron_rl.train.config import TrainConfig
-from megatron_rl.rollout.sleep import SleepCycle
 from megatron_rl.train.placement import Placement, gpu_path_choices
 from megatron_rl.train.policy import Policy
 from megatron_rl.train.reporting import Reporter
@@ -71,7 +70,7 @@ class Roles:
                                weight_transfer=transport, model_dir=inputs.model_dir,
                                engines=fleet.workers, engines_ready=fleet.wait_ready, placement=place.learner,
                                vocab_size=inputs.vocab_size, pad_id=inputs.pad_id,
-                               sleep=SleepCycle(lambda: fleet.workers, enabled=sleep_on, reason=sleep_why))
+                               sleep=(sleep_on, sleep_why))
         checkpointer = Checkpointer(inputs.run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from)
         reporter = Reporter.create(cfg.stop, steps=cfg.run.steps, eval_size=cfg.data.eval_size, run_dir=inputs.run_dir,
                                    fleet=fleet, verifier=scorer.verifier, splits=inputs.splits,

@@ -134,7 +134,7 @@ def test_sleep_mode_is_counted_exactly_when_the_driver_sleeps():
 
     recipe = REPO / "configs/qwen2_7b_8gpu_colocated.yaml"
     awake = plan_for_config(load_train_config(recipe, []))
-    sync = ["run.mode=sync", "coordinator.max_staleness=0"]
+    sync = ["run.mode=sync"]
     asleep = plan_for_config(load_train_config(recipe, sync))
     off = plan_for_config(load_train_config(recipe, sync + ["rollout.sleep_mode=false"]))
     assert not awake["colocated_sleep_mode"] and "one_step_off" in awake["sleep_mode_reason"]
