@@ -126,7 +126,7 @@ def mcore_logits(mcore_dir: str | Path, tokens: torch.Tensor, layouts=((1, 1),))
     return merged
 
 
-def verify_conversion(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 1,
+def verify_conversion(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
                       tokens: torch.Tensor | None = None, seed: int = 0, batch: int = 2, seq_len: int = 16,
                       tolerance: float | None = None) -> dict:
     """Max and mean absolute logit difference between transformers and Megatron.
@@ -141,11 +141,11 @@ def verify_conversion(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1,
     if tokens is None:
         tokens = sample_tokens(cfg.vocab_size, batch, seq_len, seed)
     ref = hf_logits(hf_dir, tokens)
-    got = mcore_logits(mcore_dir, tokens, [(tp, pp)])[(tp, pp)]
+    got = mcore_logits(mcore_dir, tokens, [(tp, pp, ep)])[(tp, pp, ep)]
     if got.shape != ref.shape:
         raise ValueError(f"logit shapes differ: transformers {tuple(ref.shape)}, Megatron {tuple(got.shape)}")
     diff = (got - ref).abs()
-    report = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "tp": tp, "pp": pp,
+    report = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "tp": tp, "pp": pp, "ep": ep,
               "batch": tokens.shape[0], "seq_len": tokens.shape[1],
               "argmax_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
     report.update(tolerance=tolerance, ok=bool(report["max_abs_diff"] <= tolerance))

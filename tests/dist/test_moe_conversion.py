@@ -107,3 +107,21 @@ def test_moe_writer_matches_megatron_save_at_ep2(converted, tmp_path):
     r_ours, r_theirs = DistCheckpointReader(ours), DistCheckpointReader(theirs)
     for e in mapping.name_table(load_hf_config(hf)):
         assert torch.equal(r_ours.tensor(e.mcore), r_theirs.tensor(e.mcore)), e.mcore
+
+
+def test_router_without_norm_topk_prob_matches_transformers(converted, tmp_path):
+    """Qwen3-MoE with norm_topk_prob false weights the top-k experts by their full-softmax probabilities
+    (unrenormalised); the builder switches Megatron's router to softmax-before-top-k for it."""
+    import shutil
+
+    hf, _, _ = converted
+    plain = tmp_path / "hf_plain"
+    shutil.copytree(hf, plain)
+    config = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps(config | {"norm_topk_prob": False}))
+    mc = convert_hf_to_mcore(plain, tmp_path / "mc_plain")
+    tokens = sample_tokens(100, batch=2, seq_len=12, seed=2)
+    ref = hf_logits(plain, tokens)
+    got = mcore_logits(mc, tokens, [(1, 1, 2)])[(1, 1, 2)]
+    assert (got - ref).abs().max().item() < 1e-4
+    assert (got - hf_logits(hf, tokens)).abs().max().item() > 1e-2  # the two router rules differ here
