@@ -19,6 +19,11 @@ class LearnerConfig:
     """TP: ranks sharing each layer's matrices."""
     pipeline_model_parallel_size: int = 1
     """PP: ranks holding consecutive blocks of layers."""
+    expert_model_parallel_size: int = 1
+    """EP (MoE models): data-parallel ranks splitting each layer's experts; must divide DP."""
+    moe_routing_replay: bool = False
+    """MoE models: build the routers with Megatron's routing replay, so a forward pass can be given the
+    experts the rollout engine routed each token to (megatron_rl.models.routing.replay_routing)."""
     micro_batch_size: int = 1
     """Sequences per forward/backward pass on one rank."""
     global_batch_size: int = 1
@@ -57,8 +62,8 @@ class LearnerConfig:
     """Full activation recomputation per layer (saves memory, costs a forward)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
-                     "global_batch_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                     "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"learner.{name} must be a positive integer, got {value!r}")

@@ -100,7 +100,7 @@ def test_moe_writer_matches_megatron_save_at_ep2(converted, tmp_path):
     run_distributed(_megatron_save_rank, 2, str(hf), str(theirs), 2)
     md_ours, md_theirs = (FileSystemReader(str(d)).read_metadata().state_dict_metadata for d in (ours, theirs))
     assert sorted(md_ours) == sorted(md_theirs)
-    assert md_theirs["decoder.layers.mlp.experts.experts.linear_fc1.weight"].size == (2, 8, 176, 128)
+    assert md_theirs["decoder.layers.mlp.experts.experts.linear_fc1.weight"].size == (2, 8, 256, 128)
     for key, entry in md_theirs.items():
         if isinstance(entry, TensorStorageMetadata):
             assert md_ours[key].size == entry.size and md_ours[key].properties.dtype == entry.properties.dtype, key
