@@ -60,7 +60,13 @@ def _replay_rank(rank: int, world: int, hf_dir: str) -> dict:
         maps.clear()
         with replay_routing(model, engine):
             replayed = model(tokens, pos, attention_mask=None)
-            replayed.float().sum().backward()  # the replayed path is differentiable (router gets gradients)
+            # The replayed path is differentiable (the router gets gradients).  Backward as Megatron's
+            # schedules run it (custom_backward): Tensor.backward would leave cpu_compat's device
+            # mode, which is off inside its own handler, for the dispatcher's backward all-gather.
+            from megatron.core.pipeline_parallel.schedules import custom_backward
+
+            loss = replayed.float().sum()
+            custom_backward(loss, torch.ones_like(loss))
         used = _observed_experts(maps, k)
         router_grad = float(sum(r.weight.grad.abs().sum() for r in moe_routers(model)))
         maps.clear()
