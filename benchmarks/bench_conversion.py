@@ -1,8 +1,9 @@
 """Benchmark HF <-> Megatron conversion against plain safetensors I/O of the same bytes.
 
-    python benchmarks/bench_conversion.py [--size medium] [--repeats 3] [--workdir DIR] [--keep]
+    python benchmarks/bench_conversion.py [--arch llama] [--size medium] [--repeats 3] [--workdir DIR] [--keep]
+    python benchmarks/bench_conversion.py --arch qwen3_moe     # per-expert tensors (8 experts x 24 layers x 3)
 
-Makes a random Llama of `--size` (medium: ~283M params), then, each in a fresh process so the
+Makes a random model of `--arch` and `--size` (llama medium: ~283M params; qwen3_moe medium: ~600M), then, each in a fresh process so the
 numbers include interpreter start and imports alike, `--repeats` rounds of:
   baseline     read every tensor with safetensors and write them all back (same bytes)
   hf-to-mcore  `megatron-rl convert hf-to-mcore` at TP1 PP1
@@ -53,6 +54,7 @@ def timed(cmd: list[str]) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="llama", help="make-tiny-model architecture (default llama)")
     parser.add_argument("--size", default="medium", help="make-tiny-model size preset (default medium, ~283M)")
     parser.add_argument("--workdir", default=None, help="where to write the models (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the written models")
@@ -64,7 +66,7 @@ def main() -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_conversion_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        hf = make_tiny_model(work / "hf", arch="llama", size=args.size, seed=0, force=True)
+        hf = make_tiny_model(work / "hf", arch=args.arch, size=args.size, seed=0, force=True)
         model_bytes = (hf / "model.safetensors").stat().st_size
         py = sys.executable
         (work / "baseline.py").write_text(BASELINE)
@@ -82,6 +84,7 @@ def main() -> int:
         (t_base, rss_base), (t_h2m, rss_h2m), (t_m2h, rss_m2h) = (
             (statistics.median(t for t, _ in r), max(m for _, m in r)) for r in runs.values())
         result = {
+            "arch": args.arch,
             "model_params_M": round(model_bytes / 4 / 1e6, 1),
             "model_bytes_GB": round(model_bytes / 1e9, 3),
             "repeats": args.repeats,

@@ -2,7 +2,7 @@
 
     megatron-rl convert hf-to-mcore --hf MODEL_DIR --out MCORE_DIR --tp 2 --pp 2 [--dtype bf16] [--force]
     megatron-rl convert mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--dtype fp32] [--force]
-    megatron-rl convert verify --hf MODEL_DIR --mcore MCORE_DIR [--tp N --pp N]   # one JSON line
+    megatron-rl convert verify --hf MODEL_DIR --mcore MCORE_DIR [--tp N --pp N --ep N]   # one JSON line
         exit 1 when max |Δlogit| > --tolerance (default by stored dtype: fp32 1e-3, bf16 1.0, fp16 0.25)
 
 The same parsers back tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py.
@@ -66,7 +66,7 @@ def _verify(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch and --seq-len must be positive, got {args.batch}, {args.seq_len}")
     if args.tolerance is not None and not args.tolerance >= 0:
         raise ConfigError(f"--tolerance must be >= 0, got {args.tolerance}")
-    report = verify_conversion(args.hf, args.mcore, tp=args.tp, pp=args.pp, seed=args.seed,
+    report = verify_conversion(args.hf, args.mcore, tp=args.tp, pp=args.pp, ep=args.ep, seed=args.seed,
                                batch=args.batch, seq_len=args.seq_len, tolerance=args.tolerance)
     print(json.dumps(report))
     if not report["ok"]:
@@ -87,6 +87,7 @@ def register(subparsers) -> None:
     v.add_argument("--mcore", required=True, help="Megatron directory written by hf-to-mcore")
     v.add_argument("--tp", type=int, default=1, help="load the Megatron model at this TP (default 1)")
     v.add_argument("--pp", type=int, default=1, help="load the Megatron model at this PP (default 1)")
+    v.add_argument("--ep", type=int, default=1, help="load a MoE model at this expert parallel size (default 1)")
     v.add_argument("--batch", type=int, default=2, help="sequences of random tokens (default 2)")
     v.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
     v.add_argument("--seed", type=int, default=0, help="token sampling seed")

@@ -1,6 +1,6 @@
 """A GPT model's Megatron-Core `torch_dist` checkpoint, written and read tensor by tensor.
 
-    writer = DistCheckpointWriter(weights_dir, num_layers=L)
+    writer = DistCheckpointWriter(weights_dir, num_layers=L)      # MoE: num_experts=E as well
     writer.add("decoder.layers.3.mlp.linear_fc1.weight", fc1)   # canonical name, full tensor
     writer.close()                                              # completeness check, metadata
     reader = DistCheckpointReader(weights_dir)
@@ -25,6 +25,11 @@ Transformer layers are stacked on a leading layer axis: canonical
 `_extra_state` object (`decoder.layers.{module}._extra_state/shard_{i}_{L}`, the bytes of
 torch.save([None])) that strict loading expects.  Chunks Megatron wrote at TP > 1 (one per TP
 shard) are reassembled by the reader.
+
+MoE experts (SequentialMLP) are stacked on a second, expert axis: canonical
+`decoder.layers.{i}.mlp.experts.local_experts.{e}.X` (e global) is the chunk at offset (i, e, 0, ...)
+of key `decoder.layers.mlp.experts.experts.X`, global shape (L, E, *S), and the extra state of
+expert linears is `..._extra_state/shard_{i}.{e}_{L}.{E}` -- as Megatron writes them at any EP.
 """
 
 from __future__ import annotations
@@ -50,15 +55,20 @@ DATA_FILE = "__0_0.distcp"
 DCP_METADATA = ".metadata"
 # The per-layer modules whose (empty) extra state Megatron's local and TE linear layers save.
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+EXPERT_EXTRA_STATE_MODULES = ("linear_fc1", "linear_fc2")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
-def stacked_key(name: str) -> tuple[str, int | None]:
-    """Canonical name -> (checkpoint key, layer index or None for tensors outside the layers)."""
+def stacked_key(name: str) -> tuple[str, tuple[int, ...]]:
+    """Canonical name -> (checkpoint key, its index on the stacked axes: (layer,), (layer, expert) or ())."""
+    m = _EXPERT.fullmatch(name)
+    if m:
+        return f"decoder.layers.mlp.experts.experts.{m.group(3)}", (int(m.group(1)), int(m.group(2)))
     m = _LAYER.fullmatch(name)
     if m:
-        return f"decoder.layers.{m.group(2)}", int(m.group(1))
-    return name, None
+        return f"decoder.layers.{m.group(2)}", (int(m.group(1)),)
+    return name, ()
 
 
 def _owning(t: torch.Tensor) -> torch.Tensor:
@@ -101,10 +111,11 @@ class _Entry:
 class DistCheckpointWriter:
     """Writes canonical GPT tensors one at a time into a torch_dist checkpoint directory."""
 
-    def __init__(self, root: str | Path, num_layers: int) -> None:
+    def __init__(self, root: str | Path, num_layers: int, num_experts: int | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.num_layers = num_layers
+        self.num_experts = num_experts
         # Unbuffered: torch.save writes large records itself; a BufferedWriter halves its speed.
         self._file = open(self.root / DATA_FILE, "wb", buffering=0)
         self._entries: dict[str, _Entry] = {}
@@ -123,20 +134,22 @@ class DistCheckpointWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Write the full tensor `name` (canonical name; layers by global index)."""
-        key, layer = stacked_key(name)
+        key, index = stacked_key(name)
         shape = tuple(tensor.shape)
-        if layer is None:
-            chunk, offsets, global_shape = tensor, (0,) * len(shape), shape
-        else:
-            if not 0 <= layer < self.num_layers:
-                raise ValueError(f"{name}: layer {layer} outside the model's {self.num_layers} layers")
-            chunk, offsets, global_shape = tensor.unsqueeze(0), (layer,) + (0,) * len(shape), (self.num_layers,) + shape
+        stack = (self.num_layers, self.num_experts)[:len(index)]
+        if len(index) == 2 and self.num_experts is None:
+            raise ValueError(f"{name}: an expert tensor, but the writer was opened without num_experts")
+        for what, i, n in zip(("layer", "expert"), index, stack):
+            if not 0 <= i < n:
+                raise ValueError(f"{name}: {what} {i} outside the model's {n} {what}s")
+        chunk = tensor.reshape((1,) * len(index) + shape)
+        offsets, global_shape = tuple(index) + (0,) * len(shape), tuple(stack) + shape
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry(tensor.dtype, global_shape)
         elif entry.size != global_shape or entry.dtype != tensor.dtype:
             raise ValueError(f"{name}: {tuple(shape)} {tensor.dtype} does not match the other layers' "
-                             f"{entry.size[1:]} {entry.dtype}")
+                             f"{entry.size[len(index):]} {entry.dtype}")
         if (key, offsets) in self._storage:
             raise ValueError(f"{name} was written twice")
         data = _owning(chunk.detach().cpu())
@@ -145,11 +158,13 @@ class DistCheckpointWriter:
         self._flush.kick(self._file.fileno())
         self.total_bytes += data.numel() * data.element_size()
         module, _, param = key.rpartition(".")
-        if layer is not None and param == "weight" and module.removeprefix("decoder.layers.") in EXTRA_STATE_MODULES:
-            self._add_extra_state(module, layer)
+        if len(index) == 1 and param == "weight" and module.removeprefix("decoder.layers.") in EXTRA_STATE_MODULES:
+            self._add_extra_state(module, f"{index[0]}_{self.num_layers}")
+        elif len(index) == 2 and param == "weight" and module.rpartition(".")[2] in EXPERT_EXTRA_STATE_MODULES:
+            self._add_extra_state(module, f"{index[0]}.{index[1]}_{self.num_layers}.{self.num_experts}")
 
-    def _add_extra_state(self, module_key: str, layer: int) -> None:
-        key = f"{module_key}._extra_state/shard_{layer}_{self.num_layers}"
+    def _add_extra_state(self, module_key: str, shard: str) -> None:
+        key = f"{module_key}._extra_state/shard_{shard}"
         buf = io.BytesIO()
         torch.save([None], buf)
         self._entries[key] = _Entry()
@@ -245,27 +260,27 @@ class DistCheckpointReader:
 
     def tensor(self, name: str) -> torch.Tensor:
         """The full tensor `name` (canonical name), assembled from its chunks."""
-        key, layer = stacked_key(name)
+        key, index = stacked_key(name)
         entry = self.metadata.state_dict_metadata.get(key)
         if not isinstance(entry, self._types[1].TensorStorageMetadata):
             raise KeyError(f"{name!r} (checkpoint key {key!r}) is not in {self.root}")
-        size = tuple(entry.size)
-        chunks = [c for c in entry.chunks if layer is None or (c.offsets[0] <= layer < c.offsets[0] + c.sizes[0])]
-        if layer is not None:
-            if not 0 <= layer < size[0]:
-                raise KeyError(f"{name!r}: layer {layer} outside the checkpoint's {size[0]} layers")
-            size = size[1:]
-        if len(chunks) == 1 and tuple(chunks[0].sizes)[-len(size):] == size and tuple(chunks[0].offsets[-len(size):]) == (0,) * len(size):
-            data = self._load_chunk(key, chunks[0].offsets)
-            return data[layer - chunks[0].offsets[0]] if layer is not None else data
+        size, k = tuple(entry.size), len(index)
+        for axis, i in enumerate(index):
+            if not 0 <= i < size[axis]:
+                raise KeyError(f"{name!r}: index {i} outside the checkpoint's {size[axis]} on stacked axis {axis}")
+        chunks = [c for c in entry.chunks
+                  if all(c.offsets[a] <= i < c.offsets[a] + c.sizes[a] for a, i in enumerate(index))]
+        size = size[k:]
+
+        def own_part(c, data):  # this tensor's slice of a chunk spanning the stacked axes
+            return data[tuple(i - c.offsets[a] for a, i in enumerate(index))] if k else data
+
+        if len(chunks) == 1 and tuple(chunks[0].sizes)[k:] == size and tuple(chunks[0].offsets[k:]) == (0,) * len(size):
+            return own_part(chunks[0], self._load_chunk(key, chunks[0].offsets))
         out = torch.empty(size, dtype=entry.properties.dtype)
         filled = 0
         for c in chunks:
-            data = self._load_chunk(key, c.offsets)
-            if layer is not None:
-                data, offsets = data[layer - c.offsets[0]], tuple(c.offsets[1:])
-            else:
-                offsets = tuple(c.offsets)
+            data, offsets = own_part(c, self._load_chunk(key, c.offsets)), tuple(c.offsets[k:])
             region = out[tuple(slice(o, o + n) for o, n in zip(offsets, data.shape))]
             region.copy_(data)
             filled += data.numel()

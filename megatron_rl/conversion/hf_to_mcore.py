@@ -55,7 +55,7 @@ class GroupProgress:
 def _write_weights(ckpt: HFCheckpoint, cfg, weights_dir: Path, padded_vocab: int, dtype: str) -> int:
     """Stream every layer group: HF tensors -> full Megatron tensors -> the checkpoint. Returns bytes."""
     torch_dtype = TORCH_DTYPES[dtype]
-    writer = DistCheckpointWriter(weights_dir, cfg.num_layers)
+    writer = DistCheckpointWriter(weights_dir, cfg.num_layers, cfg.moe.num_experts if cfg.moe else None)
     progress = GroupProgress("hf-to-mcore")
     all_groups = mapping.groups(cfg)
     for i, group in enumerate(all_groups):

@@ -1,4 +1,4 @@
-"""The one Megatron-Core <-> Hugging Face name and layout mapping (Llama, Qwen2 and Qwen3 families).
+"""The one Megatron-Core <-> Hugging Face name and layout mapping (Llama, Qwen2, Qwen3, Qwen3-MoE).
 
     from megatron_rl.conversion import mapping
     table = mapping.name_table(cfg)                    # every tensor, both names, one group each
@@ -9,7 +9,7 @@ Used by the checkpoint converter and by the weight publisher (which streams TP-g
 groups of a live Megatron model through `mcore_to_hf_group`).  Pure tensor code: no
 torch.distributed, no model objects.  `cfg` is anything with the `HFModelConfig` fields
 (num_layers, num_heads, num_kv_heads, head_dim, hidden_size, intermediate_size, vocab_size,
-tie_word_embeddings, qkv_bias, and optionally qk_layernorm).
+tie_word_embeddings, qkv_bias, and optionally qk_layernorm and moe).
 
 Megatron names here are *canonical*: global layer index and Transformer Engine naming, which
 is also what Megatron's distributed checkpoints use (the local layer spec renames
@@ -24,6 +24,15 @@ qpg = nq // ng query heads per group, V vocab, Vp padded vocab):
   q_layernorm / k_layernorm.weight  [hd]       Qwen3's q_norm / k_norm, replicated over TP
   linear_fc1.weight  [2F, H]                   [gate; up]; TP rank r holds [gate_r; up_r]
   word_embeddings / output_layer  [Vp, H]      rows >= V are padding (zeros on import)
+
+Qwen3-MoE layers (E experts of width Fe) replace the dense MLP tensors with:
+  mlp.router.weight  [E, H]                    HF mlp.gate.weight, replicated over TP
+  mlp.experts.local_experts.{e}.linear_fc1.weight  [2Fe, H]   HF mlp.experts.{e}.gate_proj / up_proj
+  mlp.experts.local_experts.{e}.linear_fc2.weight  [H, Fe]    HF mlp.experts.{e}.down_proj
+Canonical expert names carry the *global* expert index e; a model built at expert parallel EP holds
+experts [r * E/EP, (r+1) * E/EP) on EP rank r under local indices 0.. (`canonical_params` maps them).
+Expert weights are TP-split like the dense MLP (expert TP = TP).  The pre-MLP RMSNorm keeps the dense
+canonical name (`mlp.linear_fc1.layer_norm_weight`), which is what the local spec's MoE layer writes.
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ __all__ = [
     "to_local_spec_name",
 ]
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 EMBED = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -73,6 +82,14 @@ _LAYER_TABLE = (
 )
 
 _QK_NORM = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+_DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+# A MoE layer's MLP: router, then per expert (canonical suffix, HF suffixes, kind) with {e} the global index.
+ROUTER = ("mlp.router.weight", ("mlp.gate.weight",), "copy")
+_EXPERT_TABLE = (
+    ("mlp.experts.local_experts.{e}.linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "fc1"),
+    ("mlp.experts.local_experts.{e}.linear_fc2.weight", ("mlp.experts.{e}.down_proj.weight",), "copy"),
+)
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 
 # Local layer spec parameter names <-> canonical (TE / dist-checkpoint) names.
 _LOCAL_TO_CANON = (
@@ -108,16 +125,35 @@ def _qk_norm(cfg) -> bool:
     return bool(getattr(cfg, "qk_layernorm", False))
 
 
+def _moe(cfg):
+    return getattr(cfg, "moe", None)
+
+
+def _layer_entries(cfg) -> list[tuple[str, tuple[str, ...], str]]:
+    """(canonical suffix, HF suffixes, kind) of one transformer layer of `cfg`, in streaming order."""
+    rows = []
+    for mc, hf, kind in _LAYER_TABLE:
+        if mc.endswith(".bias") and not cfg.qkv_bias:
+            continue
+        if mc in _QK_NORM and not _qk_norm(cfg):
+            continue
+        if mc in _DENSE_MLP and _moe(cfg) is not None:
+            continue
+        rows.append((mc, hf, kind))
+    if _moe(cfg) is not None:
+        rows.append(ROUTER)
+        for e in range(cfg.moe.num_experts):
+            rows.extend((mc.format(e=e), tuple(h.format(e=e) for h in hf), kind) for mc, hf, kind in _EXPERT_TABLE)
+    return rows
+
+
 def name_table(cfg) -> list[NameEntry]:
     """Every tensor of the model: Megatron name, HF names, layout kind, streaming group."""
     _check_cfg(cfg)
     table = [NameEntry(EMBED, ("model.embed_tokens.weight",), "vocab", "embedding")]
+    layer = _layer_entries(cfg)
     for i in range(cfg.num_layers):
-        for mc, hf, kind in _LAYER_TABLE:
-            if mc.endswith(".bias") and not cfg.qkv_bias:
-                continue
-            if mc in _QK_NORM and not _qk_norm(cfg):
-                continue
+        for mc, hf, kind in layer:
             table.append(NameEntry(f"decoder.layers.{i}.{mc}", tuple(f"model.layers.{i}.{h}" for h in hf), kind, f"layer.{i}"))
     table.append(NameEntry(FINAL_NORM, ("model.norm.weight",), "copy", "final"))
     if not cfg.tie_word_embeddings:
@@ -154,6 +190,12 @@ def hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
         "self_attn.o_proj.weight": (H, q),
         "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
     }
+    if _moe(cfg) is not None:
+        E, Fe = cfg.moe.num_experts, cfg.moe.ffn_hidden_size
+        per_layer["mlp.gate.weight"] = (E, H)
+        for e in range(E):
+            per_layer.update({f"mlp.experts.{e}.gate_proj.weight": (Fe, H), f"mlp.experts.{e}.up_proj.weight": (Fe, H),
+                              f"mlp.experts.{e}.down_proj.weight": (H, Fe)})
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
     for i in range(cfg.num_layers):
         shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
@@ -310,19 +352,23 @@ def tp_gather(mcore_name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 # ---------------------------------------------------------------------------- naming
 
 
-def to_canonical_name(name: str, layer_offset: int = 0) -> str:
-    """A model parameter name (local or TE spec, stage-local layer index) -> canonical name."""
+def to_canonical_name(name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
+    """A model parameter name (local or TE spec, stage-local layer index, EP-local expert index) -> canonical name."""
     for local, canon in _LOCAL_TO_CANON:
         name = name.replace(local, canon)
+    if expert_offset:
+        name = _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + expert_offset}.", name)
     if layer_offset:
         name = re.sub(r"^(.*decoder\.layers\.)(\d+)\.", lambda m: f"{m.group(1)}{int(m.group(2)) + layer_offset}.", name)
     return name
 
 
-def to_local_spec_name(name: str, layer_offset: int = 0) -> str:
-    """A canonical name -> the parameter name in a local-spec model (stage-local layer index)."""
+def to_local_spec_name(name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
+    """A canonical name -> the parameter name in a local-spec model (stage-local layer index, EP-local expert)."""
     for local, canon in _LOCAL_TO_CANON:
         name = name.replace(canon, local)
+    if expert_offset:
+        name = _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) - expert_offset}.", name)
     if layer_offset:
         name = re.sub(r"^(.*decoder\.layers\.)(\d+)\.", lambda m: f"{m.group(1)}{int(m.group(2)) - layer_offset}.", name)
     return name

@@ -40,19 +40,26 @@ def _unwrap(model):
 def canonical_params(model) -> dict[str, torch.nn.Parameter]:
     """This stage's parameters under canonical names (global layer index, TE naming).
 
-    Works for local and TE layer specs and DDP/Float16 wrappers.  With tied embeddings on a
+    Works for local and TE layer specs and DDP/Float16 wrappers.  A MoE model's experts get their
+    global index (this rank's expert-parallel rank x experts per rank + local index).  With tied embeddings on a
     last stage that is not also the first, `output_layer.weight` is the tied copy and is
     returned under the embedding's name (it holds the same values).
     """
     model = _unwrap(model)
     local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
     tied = getattr(model, "share_embeddings_and_output_weights", False)
+    expert_offset = 0
+    experts = getattr(model.config, "num_moe_experts", None)
+    if experts:
+        from megatron.core import parallel_state as ps
+
+        expert_offset = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
     out: dict[str, torch.nn.Parameter] = {}
     for name, param in model.named_parameters():
         m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
         if m:
             name = f"decoder.layers.{local_to_global[int(m.group(1))]}.{m.group(2)}"
-        canon = mapping.to_canonical_name(name)
+        canon = mapping.to_canonical_name(name, expert_offset=expert_offset)
         if canon == mapping.OUTPUT and tied:
             if mapping.EMBED in out:
                 continue

@@ -61,10 +61,11 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _forward_rank(rank: int, world_size: int, mcore_dir: str, tokens: torch.Tensor, layouts: list) -> dict:
-    """Run `tokens` [B, T] through the checkpoint at each (tp, pp) layout, one after another.
+    """Run `tokens` [B, T] through the checkpoint at each (tp, pp[, ep]) layout, one after another.
 
-    Returns {(tp, pp): logits [B, T, V]} on the rank that is last stage, TP rank 0 and DP
-    rank 0 of a layout; nothing for that layout elsewhere.
+    Returns {layout: logits [B, T, V]} on the rank that is last stage, TP rank 0 and DP
+    rank 0 of a layout; nothing for that layout elsewhere.  Every DP rank runs the same tokens
+    (with EP > 1 the expert-parallel ranks exchange them in the MoE layers).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -80,8 +81,9 @@ def _forward_rank(rank: int, world_size: int, mcore_dir: str, tokens: torch.Tens
     platform = detect_platform("cpu", manifest["dtype"])
     B, T = tokens.shape
     out_by_layout = {}
-    for tp, pp in layouts:
-        with parallel_scope(tp=tp, pp=pp):
+    for layout in layouts:
+        tp, pp, ep = (tuple(layout) + (1,))[:3]
+        with parallel_scope(tp=tp, pp=pp, ep=ep):
             model = build_gpt_model(cfg, platform=platform, tp=tp, pp=pp, parallel_output=False,
                                     perform_initialization=False)
             load_model(model, root / WEIGHTS_DIR)
@@ -95,15 +97,16 @@ def _forward_rank(rank: int, world_size: int, mcore_dir: str, tokens: torch.Tens
             if not ps.is_pipeline_last_stage():
                 dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
             elif ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
-                out_by_layout[(tp, pp)] = out[..., : cfg.vocab_size].float()  # [B, T, V]
+                out_by_layout[tuple(layout)] = out[..., : cfg.vocab_size].float()  # [B, T, V]
             del model
     return out_by_layout
 
 
 def mcore_logits(mcore_dir: str | Path, tokens: torch.Tensor, layouts=((1, 1),)) -> dict:
-    """Megatron's logits {(tp, pp): [B, T, V]} for `tokens` [B, T], the checkpoint loaded at each layout.
+    """Megatron's logits {layout: [B, T, V]} for `tokens` [B, T], the checkpoint loaded at each layout.
 
-    All layouts run in one launch of max(tp * pp) ranks (smaller layouts run data-parallel).
+    A layout is (tp, pp) or (tp, pp, ep) (ep: MoE expert parallel, within data parallel).  All
+    layouts run in one launch of max(tp * pp * ep) ranks (smaller layouts run data-parallel).
     """
     from megatron_rl.models.hf_config import check_parallel_layout, load_hf_config
 
@@ -111,18 +114,19 @@ def mcore_logits(mcore_dir: str | Path, tokens: torch.Tensor, layouts=((1, 1),))
     read_manifest(root)
     cfg = load_hf_config(root / HF_DIR)
     layouts = [tuple(x) for x in layouts]
-    world = max(tp * pp for tp, pp in layouts)
-    for tp, pp in layouts:
-        check_parallel_layout(cfg, tp, pp)
-        if world % (tp * pp):
-            raise ValueError(f"layout TP{tp} PP{pp} does not divide the {world} ranks of this batch of layouts")
+    full = [(tuple(x) + (1,))[:3] for x in layouts]
+    world = max(tp * pp * ep for tp, pp, ep in full)
+    for tp, pp, ep in full:
+        if world % (tp * pp * ep):
+            raise ValueError(f"layout TP{tp} PP{pp} EP{ep} does not divide the {world} ranks of this batch of layouts")
+        check_parallel_layout(cfg, tp, pp, dp=world // (tp * pp), ep=ep)
     merged: dict = {}
     for result in run_on_ranks(_forward_rank, world, str(root), tokens, layouts):
         merged.update(result)
     return merged
 
 
-def verify_conversion(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 1,
+def verify_conversion(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
                       tokens: torch.Tensor | None = None, seed: int = 0, batch: int = 2, seq_len: int = 16,
                       tolerance: float | None = None) -> dict:
     """Max and mean absolute logit difference between transformers and Megatron.
@@ -137,11 +141,11 @@ def verify_conversion(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1,
     if tokens is None:
         tokens = sample_tokens(cfg.vocab_size, batch, seq_len, seed)
     ref = hf_logits(hf_dir, tokens)
-    got = mcore_logits(mcore_dir, tokens, [(tp, pp)])[(tp, pp)]
+    got = mcore_logits(mcore_dir, tokens, [(tp, pp, ep)])[(tp, pp, ep)]
     if got.shape != ref.shape:
         raise ValueError(f"logit shapes differ: transformers {tuple(ref.shape)}, Megatron {tuple(got.shape)}")
     diff = (got - ref).abs()
-    report = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "tp": tp, "pp": pp,
+    report = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "tp": tp, "pp": pp, "ep": ep,
               "batch": tokens.shape[0], "seq_len": tokens.shape[1],
               "argmax_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
     report.update(tolerance=tolerance, ok=bool(report["max_abs_diff"] <= tolerance))

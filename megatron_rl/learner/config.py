@@ -21,6 +21,12 @@ class LearnerConfig:
     """PP: ranks holding consecutive blocks of layers (Megatron's pipeline_model_parallel_size)."""
     data_parallel_size: int = 1
     """DP: learner replicas; learner ranks = TP x PP x DP."""
+    expert_parallel_size: int = 1
+    """EP (MoE models): data-parallel ranks splitting each layer's experts; must divide DP
+    (Megatron's expert_model_parallel_size)."""
+    moe_routing_replay: bool = False
+    """MoE models: build the routers with Megatron's routing replay, so a forward pass can be given the
+    experts the rollout engine routed each token to (megatron_rl.models.routing.replay_routing)."""
     micro_batch_size: int = 1
     """Sequences per forward/backward pass on one rank."""
     global_batch_size: Optional[int] = None
@@ -60,8 +66,8 @@ class LearnerConfig:
     """Full activation recomputation per layer (saves memory, costs a forward)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "micro_batch_size",
-                     "global_batch_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
+                     "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
             if name == "global_batch_size" and value is None:
                 continue

@@ -80,7 +80,12 @@ class Learner:
             raise ValueError(f"world size {world} is not divisible by tensor_parallel_size*"
                              f"pipeline_parallel_size = {tp}*{pp}")
         self.dp = world // (tp * pp)
-        check_parallel_layout(hf_cfg, tp, pp, self.dp)
+        ep = cfg.expert_parallel_size
+        check_parallel_layout(hf_cfg, tp, pp, self.dp, ep=ep)
+        if hf_cfg.moe is not None and tp > 1:
+            raise ValueError("learner.tensor_parallel_size > 1 with a MoE model: Megatron trains MoE at TP > 1 "
+                             "only with sequence parallelism, which this learner does not use; use "
+                             "learner.expert_parallel_size (EP) and TP 1")
         if cfg.global_batch_size is None:
             raise ValueError("learner.global_batch_size must be set (a training run derives it)")
         if cfg.global_batch_size % (cfg.micro_batch_size * self.dp):
@@ -88,14 +93,15 @@ class Learner:
                              f"micro_batch_size*dp = {cfg.micro_batch_size}*{self.dp}")
         self._owns_parallel = not ps.model_parallel_is_initialized()
         if self._owns_parallel:
-            initialize_parallel(tp=tp, pp=pp, seed=cfg.seed)
+            initialize_parallel(tp=tp, pp=pp, seed=cfg.seed, ep=ep)
         elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
             raise ValueError(f"parallel state is already up with a different layout than tp={tp}, pp={pp}")
 
         overrides = {}
         if cfg.recompute_activations:
             overrides = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        self.config = build_transformer_config(hf_cfg, tp=tp, pp=pp, platform=self.platform, **overrides)
+        self.config = build_transformer_config(hf_cfg, tp=tp, pp=pp, platform=self.platform, ep=ep,
+                                               routing_replay=cfg.moe_routing_replay, **overrides)
         module = build_gpt_model(hf_cfg, platform=self.platform, tp=tp, pp=pp, config=self.config)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,

@@ -19,6 +19,14 @@ The mapping of Llama / Qwen2 semantics onto Megatron switches:
                         RoPE, as in HF; the config flag makes Megatron sum its grads over TP);
                         head_dim is kv_channels, independent of hidden_size / num_heads
   tied embeddings     -> share_embeddings_and_output_weights=tie_word_embeddings
+  Qwen3-MoE experts   -> num_moe_experts, moe_router_topk, moe_ffn_hidden_size; router "softmax then
+                        top-k, renormalised when norm_topk_prob" = Megatron's top-k on the logits then a
+                        softmax over the k kept (moe_router_pre_softmax=False; softmax is monotonic, and
+                        a softmax over a subset is the renormalised full softmax); without
+                        norm_topk_prob, softmax over all experts first (pre_softmax=True).  Router in
+                        fp32, no aux/z loss, no capacity (every token reaches its k experts), allgather
+                        token dispatcher (gloo-safe), expert parallel ep, expert TP = tp.
+                        moe_enable_routing_replay lets the learner force recorded experts (routing.py).
 Dropout is off: RL post-training compares logprobs of the same policy across engines.
 """
 
@@ -35,19 +43,43 @@ from megatron_rl.platform import Platform, layer_spec
 logger = logging.getLogger(__name__)
 
 
-def build_transformer_config(cfg: HFModelConfig, *, tp: int, pp: int, platform: Platform, **overrides):
-    """Megatron TransformerConfig for `cfg` at TP=tp, PP=pp on `platform`.
+def moe_config_fields(cfg: HFModelConfig, *, ep: int = 1, routing_replay: bool = False) -> dict:
+    """TransformerConfig fields of Qwen3-MoE's MoE layers ({} for a dense model); see the module doc."""
+    if cfg.moe is None:
+        if routing_replay:
+            raise ValueError(f"routing replay needs a MoE model; {cfg.arch} is dense")
+        return {}
+    m = cfg.moe
+    return dict(
+        num_moe_experts=m.num_experts,
+        moe_router_topk=m.top_k,
+        moe_ffn_hidden_size=m.ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not m.norm_topk_prob,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=ep,
+        moe_enable_routing_replay=routing_replay,
+    )
+
+
+def build_transformer_config(cfg: HFModelConfig, *, tp: int, pp: int, platform: Platform, ep: int = 1,
+                             routing_replay: bool = False, **overrides):
+    """Megatron TransformerConfig for `cfg` at TP=tp, PP=pp (EP=ep for MoE) on `platform`.
 
     `overrides` set further TransformerConfig fields (e.g. recompute_granularity) verbatim.
     """
     from megatron.core.transformer import TransformerConfig
 
-    check_parallel_layout(cfg, tp, pp)
+    check_parallel_layout(cfg, tp, pp, dp=ep, ep=ep)
     dtype = platform.dtype
     kwargs = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.intermediate_size,
+        ffn_hidden_size=cfg.intermediate_size if cfg.moe is None else cfg.moe.ffn_hidden_size,
         num_attention_heads=cfg.num_heads,
         num_query_groups=cfg.num_kv_heads,
         kv_channels=cfg.head_dim,
@@ -82,6 +114,7 @@ def build_transformer_config(cfg: HFModelConfig, *, tp: int, pp: int, platform: 
         use_cpu_initialization=platform.is_cpu,
         init_method_std=float(cfg.raw.get("initializer_range", 0.02)),
     )
+    kwargs.update(moe_config_fields(cfg, ep=ep, routing_replay=routing_replay))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -97,12 +130,13 @@ def build_gpt_model(cfg: HFModelConfig, *, platform: Platform, tp: int, pp: int,
 
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("build_gpt_model needs Megatron parallel state: use parallel_scope(tp, pp)")
+    ep = ps.get_expert_model_parallel_world_size()
     if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
         raise ValueError(
             f"build_gpt_model(tp={tp}, pp={pp}) but parallel state is tp="
             f"{ps.get_tensor_model_parallel_world_size()}, pp={ps.get_pipeline_model_parallel_world_size()}"
         )
-    config = config or build_transformer_config(cfg, tp=tp, pp=pp, platform=platform, **config_overrides)
+    config = config or build_transformer_config(cfg, tp=tp, pp=pp, platform=platform, ep=ep, **config_overrides)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(platform, cfg),

@@ -1,15 +1,17 @@
-"""Read a HuggingFace config.json (Llama / Llama-3.x / Qwen2 / Qwen3) into the few numbers the learner needs.
+"""Read a HuggingFace config.json (Llama / Llama-3.x / Qwen2 / Qwen3 / Qwen3-MoE) into the few numbers the learner needs.
 
     cfg = load_hf_config("path/to/model_dir")        # or the config.json path, or a dict
     cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias      # GQA layout, Qwen2's q/k/v bias
     cfg.qk_layernorm, cfg.rope_scaling                # Qwen3's q/k RMSNorm, Llama-3.x rope scaling
+    cfg.moe                                           # Qwen3-MoE: experts, top-k, expert FFN, norm_topk_prob
     padded_vocab_size(cfg.vocab_size, tp=2)          # Megatron pads the embedding table
-    check_parallel_layout(cfg, tp=2, pp=2)           # ValueError naming what does not divide
+    check_parallel_layout(cfg, tp=2, pp=2, ep=2)     # ValueError naming what does not divide
 
 Anything the Megatron builder does not implement (rope types other than plain and `llama3`,
 sliding windows, biases other than Qwen2's q/k/v, activations other than SiLU) is refused here
 with the field named, rather than built into a model whose logits silently differ from the
-checkpoint's.
+checkpoint's.  Qwen3-MoE is accepted when every layer is sparse (`decoder_sparse_step` 1, no
+`mlp_only_layers`) and has no shared expert; anything else is refused by field.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Any
 
 from megatron_rl.config import ConfigError
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 ROPE_TYPES = ("default", "llama3")
 
 
@@ -39,6 +42,23 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Qwen3-MoE's sparse MLP: every layer routes each token to `top_k` of `num_experts` SwiGLU experts.
+
+    Router (HF `Qwen3MoeTopKRouter`): p = softmax(W_gate h) over all experts, keep the top_k; with
+    norm_topk_prob the kept probabilities are divided by their sum (= a softmax over the top_k logits).
+    """
+
+    num_experts: int
+    top_k: int
+    """num_experts_per_tok."""
+    ffn_hidden_size: int
+    """moe_intermediate_size: each expert's SwiGLU width."""
+    norm_topk_prob: bool
+    router_aux_loss_coef: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +87,8 @@ class HFModelConfig:
     """RMSNorm over head_dim on each query and key head before RoPE (Qwen3)."""
     rope_scaling: Llama3RopeScaling | None = None
     """Llama-3.x rope scaling; None for plain RoPE."""
+    moe: MoEConfig | None = None
+    """Qwen3-MoE's experts and router; None for a dense MLP."""
     raw: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """The config.json contents, untouched."""
 
@@ -128,6 +150,27 @@ def _rope(data: dict, where: str) -> tuple[float, Llama3RopeScaling | None]:
                                     original_max_position_embeddings=int(values["original_max_position_embeddings"]))
 
 
+def _moe(data: dict, where: str) -> MoEConfig:
+    """Qwen3-MoE's expert fields; refuses dense layers mixed in and shared experts (not built)."""
+    if "num_experts" not in data and "num_local_experts" in data:
+        data = dict(data, num_experts=data["num_local_experts"])
+    experts = _need(data, "num_experts", where)
+    top_k = _need(data, "num_experts_per_tok", where)
+    if top_k > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok {top_k} exceeds num_experts {experts}")
+    if data.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"{where}: decoder_sparse_step {data['decoder_sparse_step']!r} is not supported "
+                          "(only 1: every layer is a MoE layer)")
+    if data.get("mlp_only_layers"):
+        raise ConfigError(f"{where}: mlp_only_layers {data['mlp_only_layers']!r} is not supported (dense layers "
+                          "between MoE layers are not built)")
+    if data.get("shared_expert_intermediate_size"):
+        raise ConfigError(f"{where}: shared_expert_intermediate_size is not supported (no shared expert)")
+    return MoEConfig(num_experts=experts, top_k=top_k, ffn_hidden_size=_need(data, "moe_intermediate_size", where),
+                     norm_topk_prob=bool(data.get("norm_topk_prob", False)),
+                     router_aux_loss_coef=float(data.get("router_aux_loss_coef", 0.0)))
+
+
 def _need(data: dict, key: str, where: str) -> Any:
     if data.get(key) is None:
         raise ConfigError(f"{where}: missing field {key!r}")
@@ -146,7 +189,7 @@ def load_hf_config(source: str | Path | dict) -> HFModelConfig:
         raise ConfigError(f"{where}: hidden_act {act!r} is not supported (only 'silu' / SwiGLU)")
     if data.get("mlp_bias"):
         raise ConfigError(f"{where}: mlp_bias=true is not supported")
-    if arch in ("llama", "qwen3") and data.get("attention_bias"):
+    if arch in ("llama", "qwen3", "qwen3_moe") and data.get("attention_bias"):
         raise ConfigError(f"{where}: attention_bias=true is not supported for {arch} (o_proj bias)")
     if data.get("use_sliding_window"):
         raise ConfigError(f"{where}: use_sliding_window=true is not supported")
@@ -163,7 +206,8 @@ def load_hf_config(source: str | Path | dict) -> HFModelConfig:
         arch=arch,
         vocab_size=_need(data, "vocab_size", where),
         hidden_size=hidden,
-        intermediate_size=_need(data, "intermediate_size", where),
+        intermediate_size=(_need(data, "intermediate_size", where) if arch != "qwen3_moe"
+                           else int(data.get("intermediate_size") or 0)),
         num_layers=_need(data, "num_hidden_layers", where),
         num_heads=heads,
         num_kv_heads=int(kv_heads),
@@ -174,8 +218,9 @@ def load_hf_config(source: str | Path | dict) -> HFModelConfig:
         qkv_bias=arch == "qwen2",
         max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
         torch_dtype=str(data.get("torch_dtype") or data.get("dtype") or "float32"),
-        qk_layernorm=arch == "qwen3",
+        qk_layernorm=arch in ("qwen3", "qwen3_moe"),
         rope_scaling=rope_scaling,
+        moe=_moe(data, where) if arch == "qwen3_moe" else None,
         raw=data,
     )
 
@@ -188,16 +233,29 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return -(-vocab_size // step) * step
 
 
-def check_parallel_layout(cfg: HFModelConfig, tp: int, pp: int, dp: int = 1) -> None:
-    """Raise ValueError naming the number that a TP/PP/DP layout does not divide."""
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+def check_parallel_layout(cfg: HFModelConfig, tp: int, pp: int, dp: int = 1, ep: int = 1) -> None:
+    """Raise ValueError naming the number that a TP/PP/DP/EP layout does not divide.
+
+    EP (expert parallel) splits a MoE model's experts over `ep` ranks of the data-parallel dimension
+    (so dp must be a multiple of ep); a dense model accepts only ep 1.
+    """
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if cfg.num_heads % tp:
         raise ConfigError(f"num_heads {cfg.num_heads} is not divisible by tensor parallel size {tp}")
     if cfg.num_kv_heads % tp:
         raise ConfigError(f"num_kv_heads {cfg.num_kv_heads} is not divisible by tensor parallel size {tp}")
-    if cfg.intermediate_size % tp:
+    if cfg.moe is None and cfg.intermediate_size % tp:
         raise ConfigError(f"intermediate_size {cfg.intermediate_size} is not divisible by tensor parallel size {tp}")
+    if cfg.moe is None and ep != 1:
+        raise ConfigError(f"expert parallel size {ep} needs a MoE model; {cfg.arch} is dense (use ep 1)")
+    if cfg.moe is not None:
+        if cfg.moe.num_experts % ep:
+            raise ConfigError(f"num_experts {cfg.moe.num_experts} is not divisible by expert parallel size {ep}")
+        if cfg.moe.ffn_hidden_size % tp:
+            raise ConfigError(f"moe_intermediate_size {cfg.moe.ffn_hidden_size} is not divisible by tensor parallel size {tp}")
+        if dp % ep:
+            raise ConfigError(f"data parallel size {dp} is not a multiple of expert parallel size {ep}")
     if cfg.num_layers % pp:
         raise ConfigError(f"num_layers {cfg.num_layers} is not divisible by pipeline parallel size {pp}")

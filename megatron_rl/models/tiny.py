@@ -4,6 +4,7 @@
     megatron-rl make-tiny-model --arch qwen2 --size medium --out /tmp/medium --seed 3
     megatron-rl make-tiny-model --arch llama3 --out /tmp/l3     # Llama-3.x rope scaling
     megatron-rl make-tiny-model --arch qwen3 --out /tmp/q3      # QK-norm, head_dim 2x hidden/heads
+    megatron-rl make-tiny-model --arch qwen3_moe --out /tmp/qm  # Qwen3-MoE: 8 experts, top-2, norm_topk_prob
 
     from megatron_rl.models.tiny import make_tiny_model
     path = make_tiny_model(tmp_path / "m", arch="qwen2", size="tiny", seed=0)
@@ -12,7 +13,8 @@ The directory holds exactly what `AutoModelForCausalLM`, `AutoTokenizer` and vLL
 config.json (LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM; qwen2 has QKV bias; qwen3
 has q/k RMSNorm and a head_dim twice hidden/heads; llama3 is a Llama with `rope_type: llama3`
 whose original_max_position_embeddings is small (64) so that the scaling changes most rotary
-frequencies of a tiny model; GQA; rope_theta),
+frequencies of a tiny model; qwen3_moe is a Qwen3 whose MLPs are 8 experts of width ffn/4 (rounded up to 128) with
+a top-2 router (norm_topk_prob, as Qwen3-30B-A3B); tiny experts are 128 wide; GQA; rope_theta),
 model.safetensors (random init built by transformers' own classes, deterministic by seed),
 generation_config.json and a character-level tokenizer (see `megatron_rl.models.tokenizer`).
 
@@ -38,7 +40,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SIZES", "ARCHS", "make_tiny_model"]
 
-ARCHS = ("llama", "qwen2", "llama3", "qwen3")
+ARCHS = ("llama", "qwen2", "llama3", "qwen3", "qwen3_moe")
+# Qwen3-MoE tiny shape: experts per layer, experts per token; expert width is ffn // MOE_FFN_DIVISOR rounded
+# up to a multiple of MOE_FFN_ALIGN: vLLM's CPU MoE kernel pads narrower experts (88 -> 96), and its
+# layerwise weight reload (publication) then refuses the checkpoint-shaped tensors.
+MOE_EXPERTS, MOE_TOP_K, MOE_FFN_DIVISOR, MOE_FFN_ALIGN = 8, 2, 4, 128
 # Llama-3.1's rope scaling, except original_max_position_embeddings: 8192 would leave a tiny
 # model's short-wavelength frequencies untouched; 64 puts its rotary dims in all three bands.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -66,7 +72,7 @@ SIZES = {
 
 def build_config(arch: str, size: str, *, tie_embeddings: bool = False, vocab_size: int = DEFAULT_VOCAB_SIZE):
     """The transformers config object for (arch, size); ids match the char tokenizer."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if arch not in ARCHS:
         raise ConfigError(f"arch {arch!r} is not one of {list(ARCHS)}")
@@ -104,6 +110,13 @@ def build_config(arch: str, size: str, *, tie_embeddings: bool = False, vocab_si
         # head_dim independent of hidden/heads, as in Qwen3-0.6B (1024 hidden, 16 heads, head_dim 128).
         common["head_dim"] = 2 * p.hidden // p.heads
         return Qwen3Config(attention_bias=False, use_sliding_window=False, **common)
+    if arch == "qwen3_moe":
+        common["head_dim"] = 2 * p.hidden // p.heads
+        return Qwen3MoeConfig(attention_bias=False, use_sliding_window=False, num_experts=MOE_EXPERTS,
+                              num_experts_per_tok=MOE_TOP_K,
+                              moe_intermediate_size=-(-p.ffn // MOE_FFN_DIVISOR // MOE_FFN_ALIGN) * MOE_FFN_ALIGN,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                              router_aux_loss_coef=0.001, **common)
     # Qwen2 always has a bias on q/k/v projections (not on o_proj).
     return Qwen2Config(use_sliding_window=False, **common)
 

@@ -13,7 +13,7 @@ import argparse
 import json
 
 from megatron_rl.planner.ledger import (
-    GIB, LearnerLayout, ModelDims, RolloutLayout, as_dict, compare_placements, learner_ledger, rollout_ledger,
+    GIB, LearnerLayout, ModelDims, RolloutLayout, dims_from_hf, as_dict, compare_placements, learner_ledger, rollout_ledger,
 )
 from megatron_rl.rollout.sleep import choose_sleep
 
@@ -22,13 +22,12 @@ def plan_for_config(cfg) -> dict:
     from megatron_rl.train.plan import model_config
 
     hf = model_config(cfg)
-    model = ModelDims(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
-                      num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads,
-                      head_dim=hf.head_dim, tie_word_embeddings=hf.tie_word_embeddings)
+    model = dims_from_hf(hf)
     lc, rc = cfg.learner, cfg.rollout
     dtype = lc.dtype or "bf16"
     lay = LearnerLayout(
         tp=lc.tensor_parallel_size, pp=lc.pipeline_parallel_size, dp=lc.data_parallel_size,
+        ep=lc.expert_parallel_size,
         dtype=dtype, use_distributed_optimizer=lc.use_distributed_optimizer, micro_batch_size=lc.micro_batch_size,
         seq_length=rc.max_model_len, activation_checkpointing=lc.recompute_activations,
         reference_model=cfg.loss.kl_coef > 0, publish_dtype="fp32" if rc.dtype == "float32" else "bf16",
@@ -50,6 +49,7 @@ def plan_for_config(cfg) -> dict:
                                   sleep_mode=sleeps)
     return {
         "model_params": model.num_params,
+        "model_active_params": model.active_params,
         "gpu_memory_gib": cfg.cluster.gpu_memory_gib,
         "learner_gib_per_gpu": {k: v / GIB for k, v in led.items.items()} | {"total": led.total / GIB},
         "rollout_gib_per_gpu": {k: v / GIB for k, v in rled.items.items()} | {"total": rled.total / GIB},
@@ -65,13 +65,15 @@ def plan_for_config(cfg) -> dict:
 
 
 def render(plan: dict) -> str:
-    lines = [f"model: {plan['model_params'] / 1e9:.3f} B parameters; GPU memory {plan['gpu_memory_gib']:.0f} GiB"]
+    active = plan.get("model_active_params", plan["model_params"])
+    moe = f" ({active / 1e9:.2f} B active per token)" if active != plan["model_params"] else ""
+    lines = [f"model: {plan['model_params'] / 1e9:.3f} B parameters{moe}; GPU memory {plan['gpu_memory_gib']:.0f} GiB"]
     for role in ("learner", "rollout"):
         items = plan[f"{role}_gib_per_gpu"]
         extra = (f" (engine budget {plan['rollout_budget_gib']:.2f} GiB = gpu_memory_utilization x GPU memory; "
                  f"needs {plan['rollout_need_gib']:.2f})" if role == "rollout" and plan["rollout_budget_gib"] is not None else "")
         lines.append(f"{role} per GPU:{extra}")
-        lines += [f"  {k:<18} {v:10.2f} GiB" for k, v in items.items()]
+        lines += [f"  {k:<24} {v:10.2f} GiB" for k, v in items.items()]
     lines.append(f"colocated: vLLM sleep mode {'on' if plan['colocated_sleep_mode'] else 'off'} "
                  f"({plan['sleep_mode_reason']})")
     lines.append("placements:")

@@ -23,6 +23,16 @@ Every number is a closed-form estimate, documented next to its formula, in bytes
                    over TP and its full tensor, in the engine's dtype: publish.source); with the
                    ipc transport P x bytes(publish dtype): every exported tensor is held until
                    every engine has answered (publish/vllm_ipc.py)
+  MoE learners (Qwen3-MoE: E experts of width F_e, top-k, expert parallel EP, expert TP = TP):
+    P splits into P_exp = L x E x 3 h F_e (expert MLPs) and P_dense (attention, norms, embeddings and
+    the routers, L x E x h, replicated over TP and EP).  Experts are sharded over EP x TP x PP and their
+    optimizer state over the expert data-parallel group DP / EP, dense params as above:
+    expert_weights / expert_grads / expert_master_weights / expert_optimizer_states
+                 = P_exp / (EP x TP x PP) x (bytes(dtype), bytes(grad), 4 / (DP/EP), 8 / (DP/EP))
+    moe_dispatch = L_stage x n_inflight x s x b x k x (2 h + 3 F_e / TP) x bytes(dtype)
+                   (the k routed copies of each token and the experts' SwiGLU intermediates; the
+                   dense-MLP part of the activation formula is left in, a small overcount); with
+                   full activation checkpointing one layer's worth: s x b x k x (...)
   rollout (per GPU of one vLLM group with tensor parallel TP_r):
     weights      = P / TP_r x bytes(dtype)
     kv cache     = M_KV = 2 x B x L x H_kv x d x T x bytes(dtype) / TP_r
@@ -62,16 +72,47 @@ class ModelDims:
     num_kv_heads: int
     head_dim: int
     tie_word_embeddings: bool = False
+    num_experts: int = 0
+    """MoE experts per layer (0: dense MLP of intermediate_size)."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's SwiGLU width (moe_intermediate_size)."""
+    moe_top_k: int = 0
+    """Experts per token."""
+    qk_layernorm: bool = False
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of all experts' MLPs (0 for a dense model)."""
+        return self.num_layers * self.num_experts * 3 * self.hidden_size * self.moe_ffn_hidden_size
 
     @property
     def num_params(self) -> int:
-        """Exact parameter count of a Llama/Qwen2 decoder (biases ignored: < 0.01%)."""
+        """Exact parameter count of a Llama/Qwen2/Qwen3(-MoE) decoder (biases ignored: < 0.01%)."""
         h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
-        mlp = 3 * h * f
+        attn += 2 * d if self.qk_layernorm else 0
+        mlp = 3 * h * f if not self.num_experts else self.num_experts * h  # MoE: the router; experts below
         norms = 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + norms) + embed + h
+        return self.num_layers * (attn + mlp + norms) + embed + h + self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through (MoE: top_k of the experts)."""
+        if not self.num_experts:
+            return self.num_params
+        return self.num_params - self.expert_params * (self.num_experts - self.moe_top_k) // self.num_experts
+
+
+def dims_from_hf(hf) -> ModelDims:
+    """ModelDims of an HFModelConfig (megatron_rl.models.hf_config), experts included."""
+    moe = getattr(hf, "moe", None)
+    return ModelDims(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+                     num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads,
+                     head_dim=hf.head_dim, tie_word_embeddings=hf.tie_word_embeddings,
+                     qk_layernorm=bool(getattr(hf, "qk_layernorm", False)),
+                     num_experts=moe.num_experts if moe else 0, moe_ffn_hidden_size=moe.ffn_hidden_size if moe else 0,
+                     moe_top_k=moe.top_k if moe else 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +122,8 @@ class LearnerLayout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1
+    """Expert parallel size (MoE), within dp."""
     dtype: str = "bf16"
     grad_reduce_in_fp32: bool = True
     use_distributed_optimizer: bool = True
@@ -131,7 +174,7 @@ class Ledger:
     def total(self) -> float:
         return sum(self.items.values())
 
-    def resident(self, transient: tuple[str, ...] = ("activations", "logits", "publish")) -> float:
+    def resident(self, transient: tuple[str, ...] = ("activations", "logits", "publish", "moe_dispatch")) -> float:
         """Bytes kept between steps: everything but the transient items (reserve scaled alike)."""
         base = sum(v for k, v in self.items.items() if k != "reserve")
         kept = sum(v for k, v in self.items.items() if k != "reserve" and k not in transient)
@@ -149,7 +192,9 @@ def _bytes(dtype: str) -> int:
 
 def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float) -> Ledger:
     """Per-GPU memory of the most loaded learner rank (first pipeline stage, last for logits)."""
-    p_stage = model.num_params / (lay.tp * lay.pp)
+    if model.num_experts and (model.num_experts % lay.ep or lay.dp % lay.ep):
+        raise ValueError(f"expert parallel size {lay.ep} must divide num_experts {model.num_experts} and dp {lay.dp}")
+    p_stage = (model.num_params - model.expert_params) / (lay.tp * lay.pp)
     w = _bytes(lay.dtype)
     grad_b = 4 if (lay.grad_reduce_in_fp32 or lay.dtype == "fp32") else w
     dp_opt = lay.dp if lay.use_distributed_optimizer else 1
@@ -174,9 +219,28 @@ def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float
         "publish": (model.num_params if lay.publish_whole_model else 2 * model.vocab_size * h)
         * _bytes(lay.publish_dtype),
     }
+    if model.num_experts:
+        # With full recomputation one layer's dispatch is live at a time (as for the dense activations).
+        items.update(_expert_items(model, lay, grad_b, 1 if lay.activation_checkpointing else layers_stage * inflight))
     items["reserve"] = reserve_fraction * sum(items.values())
     total = sum(items.values())
     return Ledger(role="learner", items=items, need=total)
+
+
+def _expert_items(model: ModelDims, lay: LearnerLayout, grad_b: int, layer_passes: float) -> dict[str, float]:
+    """The MoE rows of the learner ledger (see the module doc); the reference model holds experts too."""
+    e_shard = model.expert_params / (lay.ep * lay.tp * lay.pp)
+    w = _bytes(lay.dtype)
+    expert_dp = (lay.dp // lay.ep) if lay.use_distributed_optimizer else 1
+    s, b, h = lay.seq_length, lay.micro_batch_size, model.hidden_size
+    return {
+        "expert_weights": e_shard * w,
+        "expert_grads": e_shard * grad_b,
+        "expert_master_weights": 0.0 if lay.dtype == "fp32" else e_shard * 4 / expert_dp,
+        "expert_optimizer_states": e_shard * 8 / expert_dp,
+        "expert_reference_model": e_shard * w if lay.reference_model else 0.0,
+        "moe_dispatch": layer_passes * s * b * model.moe_top_k * (2 * h + 3 * model.moe_ffn_hidden_size / lay.tp) * w,
+    }
 
 
 def kv_cache_bytes(model: ModelDims, roll: RolloutLayout) -> float:

@@ -105,7 +105,10 @@ def layer_spec(platform: Platform, hf_cfg=None):
     Llama and Qwen2 use RMSNorm before attention and MLP and no query/key norm; Qwen3 adds an
     RMSNorm on each query and key head (`hf_cfg.qk_layernorm`), which turns on qk_layernorm in
     either spec.  The local spec is told RMSNorm explicitly (the TE spec reads
-    `config.normalization` at build time).
+    `config.normalization` at build time).  A MoE model (`hf_cfg.moe`, Qwen3-MoE) gets Megatron's
+    MoE layer (router, token dispatcher, experts) in place of the dense MLP, with one MLP module per
+    expert (SequentialMLP, no grouped GEMM: per-expert weights keep the names the converter and the
+    publisher map; grouped GEMM needs CUDA kernels).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -113,6 +116,8 @@ def layer_spec(platform: Platform, hf_cfg=None):
     )
 
     qk_layernorm = bool(getattr(hf_cfg, "qk_layernorm", False))
+    moe = getattr(hf_cfg, "moe", None)
+    experts = dict(num_experts=moe.num_experts, moe_grouped_gemm=False) if moe is not None else {}
     if platform.use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **experts)
+    return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **experts)

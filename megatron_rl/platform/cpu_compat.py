@@ -24,6 +24,10 @@ optimizer and gradient clipping).  Each is redirected here, and nothing else:
    CPU default generator, which is the generator CPU kernels actually draw from, so the
    tracker's fork() really switches the stream used by dropout / init on this device.
    Plus `torch.cuda.synchronize()` -> no-op (CPU ops are synchronous).
+5. MoE router gating without Transformer Engine: `moe_utils.RouterGatingLinearFunction` tests
+   `te_general_gemm is not None`, but that name is only bound when TE imports, so without TE
+   (always, on CPU) every MoE forward raises NameError.  -> the name is bound to None, which
+   selects Megatron's own torch.mm path (the TE import failing is exactly that case).
 
 `enable_cpu_compat()` does nothing when CUDA is available, unless forced: init_distributed forces
 it for a CPU platform (CPU-forced work on a GPU machine: `convert verify`, the gloo process
@@ -129,6 +133,16 @@ def _patch_cuda_runtime() -> None:
 
     mrandom._get_cuda_rng_state = _cpu_get_rng_state
     mrandom._set_cuda_rng_state = _cpu_set_rng_state
+    _bind_missing_te_gemm()
+
+
+def _bind_missing_te_gemm() -> None:
+    """(5) Give moe_utils the `te_general_gemm = None` its TE-less import forgets to define."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _COUNTS["moe_te_general_gemm"] += 1
 
 
 def enable_cpu_compat(force: bool = False) -> bool:

@@ -71,10 +71,11 @@ def init_distributed(
     logger.info("torch.distributed up: rank %d/%d on %s", rank, world_size, platform.backend)
 
 
-def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
-    """Create Megatron's TP/PP/DP groups and seed the model-parallel RNG tracker.
+def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1) -> None:
+    """Create Megatron's TP/PP/DP (and MoE expert-parallel) groups and seed the model-parallel RNG tracker.
 
-    DP is world_size / (tp * pp).  Seeding matches Megatron's training scripts: python, torch
+    DP is world_size / (tp * pp); ep (expert parallel, MoE only) splits the experts over ep ranks of
+    the DP dimension (expert TP = tp).  Seeding matches Megatron's training scripts: python, torch
     and the tracker get `seed + 100 * pp_rank` so pipeline stages draw different initial weights.
     """
     from megatron.core import parallel_state as ps
@@ -87,7 +88,10 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
     if ps.model_parallel_is_initialized():
         raise RuntimeError("Megatron parallel state is already initialised; call destroy_parallel first")
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if ep < 1 or (world // (tp * pp)) % ep:
+        raise ValueError(f"data parallel size {world // (tp * pp)} is not a multiple of expert parallel size {ep}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
     stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)
     torch.manual_seed(stage_seed)
@@ -107,9 +111,9 @@ def destroy_parallel() -> None:
 
 
 @contextlib.contextmanager
-def parallel_scope(tp: int = 1, pp: int = 1, seed: int = 1234):
-    """initialize_parallel(tp, pp, seed) for the block; always destroy_parallel() afterwards."""
-    initialize_parallel(tp=tp, pp=pp, seed=seed)
+def parallel_scope(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1):
+    """initialize_parallel(tp, pp, seed, ep) for the block; always destroy_parallel() afterwards."""
+    initialize_parallel(tp=tp, pp=pp, seed=seed, ep=ep)
     try:
         yield
     finally:

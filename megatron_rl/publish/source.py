@@ -44,6 +44,9 @@ class MegatronWeightSource:
         self.dp_rank = ps.get_data_parallel_rank()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        if ps.get_expert_model_parallel_world_size() > 1:  # DP rank 0 would hold only its share of the experts
+            raise NotImplementedError("publication from an expert-parallel learner (learner.expert_parallel_size > 1) "
+                                      "is not implemented; publish from an EP 1 learner")
         self.is_sender = dist.get_rank() == 0
         self.full_shapes = mapping.mcore_shapes(hf_cfg, padded_vocab_size(hf_cfg.vocab_size, self.tp))
         self.group_names = {g: [e.mcore for e in mapping.name_table(hf_cfg) if e.group == g] for g in mapping.groups(hf_cfg)}

@@ -47,7 +47,7 @@ from megatron_rl.train.stop import StopConfig
 class TinyModelSpec:
     """A local random model made on first use (no network), for the built-in task."""
 
-    arch: Literal["llama", "qwen2", "llama3", "qwen3"] = "llama"
+    arch: Literal["llama", "qwen2", "llama3", "qwen3", "qwen3_moe"] = "llama"
     """Model family of the tiny model (llama3: Llama with rope_type llama3; qwen3: q/k norm)."""
     size: str = "tiny"
     """Size preset of `megatron-rl make-tiny-model`."""

@@ -177,8 +177,6 @@ def check_and_plan(cfg: TrainConfig) -> dict:
 
 
 def _param_count(hf) -> int:
-    from megatron_rl.planner.ledger import ModelDims
+    from megatron_rl.planner.ledger import dims_from_hf
 
-    return ModelDims(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
-                     num_layers=hf.num_layers, num_heads=hf.num_heads, num_kv_heads=hf.num_kv_heads,
-                     head_dim=hf.head_dim, tie_word_embeddings=hf.tie_word_embeddings).num_params
+    return dims_from_hf(hf).num_params

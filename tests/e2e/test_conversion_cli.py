@@ -3,8 +3,8 @@
     python -m pytest tests/e2e/test_conversion_cli.py -q
 
 Per architecture (Llama-3.x: a Llama with llama3 rope scaling, so plain Llama's path is covered
-too; Qwen3: q/k norm, own head_dim): hf-to-mcore (TP2) -> verify at
-PP2 -> mcore-to-hf -> vLLM (CPU, one engine in a `__main__`-guarded subprocess) generates
+too; Qwen3: q/k norm, own head_dim; Qwen3-MoE: experts and router, verified at EP2 x PP2):
+hf-to-mcore (TP2) -> verify at PP2 -> mcore-to-hf -> vLLM (CPU, one engine in a `__main__`-guarded subprocess) generates
 greedily, token for token like transformers.
 """
 
@@ -65,16 +65,17 @@ def transformers_greedy(model_dir, prompts, n):
     return outs
 
 
-@pytest.mark.parametrize("arch,architecture", [("llama3", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
-def test_cli_roundtrip_verify_and_vllm(tmp_path, arch, architecture):
+@pytest.mark.parametrize("arch,architecture,ep", [("llama3", "LlamaForCausalLM", 1), ("qwen3", "Qwen3ForCausalLM", 1),
+                                                  ("qwen3_moe", "Qwen3MoeForCausalLM", 2)])
+def test_cli_roundtrip_verify_and_vllm(tmp_path, arch, architecture, ep):
     hf = make_tiny_model(tmp_path / "hf", arch=arch, seed=5)
     mc, back = tmp_path / "mc", tmp_path / "back"
     cli("convert", "hf-to-mcore", "--hf", str(hf), "--out", str(mc), "--tp", "2")
     assert json.loads((mc / "manifest.json").read_text())["architecture"] == architecture
 
-    proc = cli("convert", "verify", "--hf", str(hf), "--mcore", str(mc), "--pp", "2")
+    proc = cli("convert", "verify", "--hf", str(hf), "--mcore", str(mc), "--pp", "2", "--ep", str(ep))
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["max_abs_diff"] < 1e-4 and report["pp"] == 2
+    assert report["max_abs_diff"] < 1e-4 and report["pp"] == 2 and report["ep"] == ep
 
     cli("convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(back))
     expected = transformers_greedy(hf, PROMPTS, NEW_TOKENS)

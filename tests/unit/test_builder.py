@@ -155,6 +155,30 @@ def test_load_hf_config_from_dir_and_file(tmp_path):
         assert (cfg.arch, cfg.head_dim, cfg.rope_theta, cfg.qkv_bias) == ("llama", 16, 1e6, False)
 
 
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+
+
+def test_load_hf_config_reads_qwen3_moe_and_checks_ep(tmp_path):
+    """Qwen3-MoE's expert fields (either experts spelling) and the EP layout checks."""
+    from megatron_rl.models.builder import moe_config_fields
+
+    cfg = load_hf_config(_write(tmp_path, LLAMA | {"architectures": ["Qwen3MoeForCausalLM"], "num_local_experts": 8,
+                                                  "num_experts_per_tok": 2, "moe_intermediate_size": 32}))
+    assert cfg.arch == "qwen3_moe" and cfg.qk_layernorm and cfg.moe.num_experts == 8 and cfg.moe.top_k == 2
+    assert not cfg.moe.norm_topk_prob  # HF's default
+    fields = moe_config_fields(cfg, ep=2)
+    assert fields["moe_router_pre_softmax"] is True and fields["expert_model_parallel_size"] == 2
+    assert moe_config_fields(load_hf_config(_write(tmp_path, LLAMA | {"architectures": ["Qwen3MoeForCausalLM"]} | MOE))
+                             )["moe_router_pre_softmax"] is False
+    check_parallel_layout(cfg, 1, 1, dp=2, ep=2)
+    with pytest.raises(ValueError, match="num_experts 8 is not divisible by expert parallel size 3"):
+        check_parallel_layout(cfg, 1, 1, dp=3, ep=3)
+    with pytest.raises(ValueError, match="data parallel size 1 is not a multiple of expert parallel size 2"):
+        check_parallel_layout(cfg, 1, 1, dp=1, ep=2)
+    with pytest.raises(ValueError, match="needs a MoE model"):
+        check_parallel_layout(load_hf_config(_write(tmp_path, LLAMA)), 1, 1, dp=2, ep=2)
+
+
 @pytest.mark.parametrize("change,match", [
     ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
@@ -164,7 +188,12 @@ def test_load_hf_config_from_dir_and_file(tmp_path):
     ({"rope_parameters": LLAMA3_ROPE | {"factor": 0}}, "rope_scaling.factor"),
     ({"rope_parameters": LLAMA3_ROPE | {"high_freq_factor": 0.5}}, "high_freq_factor 0.5"),
     ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias=true is not supported for qwen3"),
-    ({"architectures": ["Qwen3MoeForCausalLM"]}, "Qwen3MoeForCausalLM"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]}, "missing field 'num_experts'"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]} | MOE | {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]} | MOE | {"decoder_sparse_step": 2}, "decoder_sparse_step 2"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]} | MOE | {"num_experts_per_tok": 9}, "num_experts_per_tok 9 exceeds"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]} | MOE | {"shared_expert_intermediate_size": 64}, "shared_expert"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]} | MOE | {"moe_intermediate_size": None}, "moe_intermediate_size"),
     ({"hidden_act": "gelu"}, "gelu"),
     ({"attention_bias": True}, "attention_bias"),
     ({"num_key_value_heads": 3}, "num_key_value_heads 3"),
@@ -172,6 +201,7 @@ def test_load_hf_config_from_dir_and_file(tmp_path):
     ({"hidden_size": "64"}, "hidden_size"),
 ])
 def test_load_hf_config_refuses_what_we_do_not_implement(tmp_path, change, match):
+    """Bad or unimplemented fields are refused by name (MoE: dense layers mixed in, shared experts)."""
     with pytest.raises(ValueError, match=match):
         load_hf_config(_write(tmp_path, LLAMA | change))
 

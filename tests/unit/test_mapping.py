@@ -27,6 +27,7 @@ class Cfg:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_layernorm: bool = False
+    moe: object = None
 
 
 def random_hf(cfg, seed=0):
@@ -161,3 +162,39 @@ def test_local_and_canonical_names():
     assert mapping.group_of("decoder.layers.12.mlp.linear_fc2.weight") == "layer.12"
     with pytest.raises(KeyError):
         mapping.group_of("foo.bar")
+
+
+def _moe_cfg():
+    from megatron_rl.models.hf_config import MoEConfig
+
+    return Cfg(qk_layernorm=True, intermediate_size=0,
+               moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=6, norm_topk_prob=True, router_aux_loss_coef=0.0))
+
+
+def test_moe_table_maps_router_and_each_expert():
+    cfg = _moe_cfg()
+    table = mapping.name_table(cfg)
+    by_mc = {e.mcore: e for e in table}
+    assert set(h for e in table for h in e.hf) == set(mapping.hf_shapes(cfg))
+    assert by_mc["decoder.layers.1.mlp.router.weight"].hf == ("model.layers.1.mlp.gate.weight",)
+    fc1 = by_mc["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert fc1.kind == "fc1" and fc1.hf == ("model.layers.0.mlp.experts.3.gate_proj.weight",
+                                            "model.layers.0.mlp.experts.3.up_proj.weight")
+    assert not any(n.endswith(("mlp.gate_proj.weight", "mlp.linear_fc1.weight")) and "experts" not in n
+                   for e in table for n in (e.mcore,) + e.hf)  # no dense MLP in a MoE layer
+    assert mapping.mcore_shapes(cfg, 16)["decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight"] == (12, 6)
+    hf = random_hf(cfg)
+    for group in mapping.groups(cfg):
+        back = dict(mapping.mcore_to_hf_group(cfg, group, mapping.hf_to_mcore_group(cfg, group, hf, 16)))
+        assert all(torch.equal(back[k], hf[k]) for k in back) and back
+    assert mapping.tp_kind("decoder.layers.0.mlp.router.weight") == "replicated"
+    assert mapping.tp_kind("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight") == "fc1"
+    assert mapping.tp_kind("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight") == "row"
+
+
+def test_expert_names_carry_the_global_index():
+    local = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"
+    canon = mapping.to_canonical_name(local, layer_offset=2, expert_offset=4)
+    assert canon == "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"
+    assert mapping.to_local_spec_name(canon, layer_offset=2, expert_offset=4) == local
+    assert mapping.to_canonical_name("decoder.layers.0.mlp.router.weight", expert_offset=4) == "decoder.layers.0.mlp.router.weight"

@@ -159,3 +159,27 @@ def test_ipc_publication_is_counted_as_the_whole_model_at_refit():
     assert gloo["learner_gib_per_gpu"]["publish"] < ipc["learner_gib_per_gpu"]["publish"] / 2  # one group: 2 V h
     col = {p["placement"]: p for p in ipc["placements"]}["colocated"]
     assert "refit phase" in col["note"] and col["fits"] and col["margin"] >= 0.10, col
+
+
+MOE = ModelDims(vocab_size=1000, hidden_size=64, intermediate_size=0, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=16, num_experts=8, moe_ffn_hidden_size=32, moe_top_k=2)
+
+
+def test_moe_params_and_expert_rows_by_hand():
+    # experts: 2 layers * 8 * 3*64*32 = 98304; routers 2 * 8*64 = 1024; attention 2 * 12288, norms 2 * 128,
+    # embeddings 128000, final norm 64 -> 98304 + 1024 + 24576 + 256 + 128064 = 252224
+    assert MOE.expert_params == 98304 and MOE.num_params == 252224
+    assert MOE.active_params == 252224 - 98304 * 6 // 8  # top-2 of 8 experts
+    lay = LearnerLayout(tp=1, pp=2, dp=4, ep=4, dtype="bf16", micro_batch_size=1, seq_length=16,
+                        reference_model=False, ddp_bucket_params=0, cuda_context_gib=0)
+    items = learner_ledger(MOE, lay, 0.0).items
+    shard = 98304 / (4 * 1 * 2)  # experts over EP x TP x PP
+    assert items["expert_weights"] == shard * 2 and items["expert_grads"] == shard * 4
+    assert items["expert_optimizer_states"] == shard * 8 / (4 // 4)  # expert DP = DP / EP = 1: unsharded
+    assert items["weights"] == (252224 - 98304) / 2 * 2  # routers stay with the dense params, over TP x PP
+    assert items["optimizer_states"] == (252224 - 98304) / 2 * 8 / 4
+    assert items["moe_dispatch"] == 1 * 2 * 16 * 1 * 2 * (2 * 64 + 3 * 32) * 2  # layers x inflight(PP) x s b k ...
+    dense = learner_ledger(SMALL, LearnerLayout(), 0.0).items
+    assert "expert_weights" not in dense
+    with pytest.raises(ValueError, match="expert parallel size 3"):
+        learner_ledger(MOE, LearnerLayout(dp=3, ep=3), 0.0)

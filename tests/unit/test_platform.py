@@ -39,8 +39,15 @@ COVERED_PATH = textwrap.dedent('''
     from megatron_rl.platform import detect_platform
     ps.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(5)
-    cfg = load_hf_config({"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
-                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    cfg = {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    if len(sys.argv) > 3:  # Megatron's MoE layer (router, allgather dispatcher, SequentialMLP experts)
+        cfg.update(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                   norm_topk_prob=True)
+        if sys.argv[3] == "moe_unbound":  # undo compat item 5 only
+            import megatron.core.transformer.moe.moe_utils as moe_utils
+            del moe_utils.te_general_gemm
+    cfg = load_hf_config(cfg)
     model = build_gpt_model(cfg, platform=detect_platform("cpu"), tp=1, pp=1)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, clip_grad=1.0, use_distributed_optimizer=True), [ddp])
@@ -58,10 +65,10 @@ COVERED_PATH = textwrap.dedent('''
 ''')
 
 
-def _run_covered(mode: str) -> subprocess.CompletedProcess:
+def _run_covered(mode: str, *model: str) -> subprocess.CompletedProcess:
     from megatron_rl.platform.spawn import free_port
 
-    return subprocess.run([sys.executable, "-c", COVERED_PATH, mode, str(free_port())], capture_output=True,
+    return subprocess.run([sys.executable, "-c", COVERED_PATH, mode, str(free_port()), *model], capture_output=True,
                           text=True, timeout=240, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
                                                        "PYTHONPATH": ":".join(p for p in sys.path if p)})
 
@@ -81,6 +88,18 @@ def test_megatron_covered_path_runs_on_cpu_only_with_compat():
     without = _run_covered("plain")
     assert without.returncode != 0, "Megatron ran on CPU without the compat layer: the test no longer proves it"
     assert "not compiled with cuda" in without.stderr.lower(), without.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU compat layer is for CPU-only torch")
+def test_megatron_moe_layer_trains_on_cpu_with_compat():
+    """A MoE model steps with the compat layer; without its item 5 the router gating raises NameError."""
+    with_compat = _run_covered("compat", "moe")
+    assert with_compat.returncode == 0, with_compat.stderr[-3000:]
+    result = json.loads(next(l for l in with_compat.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
+    assert result["ok"] and result["norm"] > 0
+    unbound = _run_covered("compat", "moe_unbound")
+    assert unbound.returncode != 0 and "te_general_gemm" in unbound.stderr, unbound.stderr[-2000:]
 
 
 def test_detect_platform_cpu_defaults_and_overrides():

@@ -164,3 +164,16 @@ def test_jsonl_test_file_sharing_training_questions_is_refused(capsys, tmp_path)
                            f"data.test_file={test}")
     assert code == 2
     assert "1 question(s) appear in more than one split" in err and "'7+0'" in err and "test (id 2)" in err, err
+
+
+def test_qwen3_30b_a3b_recipe_is_planned_with_experts(capsys):
+    """The Qwen3-30B-A3B recipe: 30.5 B parameters (3.3 B active), experts EP-sharded; fits 24 x 80 GiB
+    disaggregated, and without expert parallelism the experts' optimizer state alone breaks it."""
+    recipe = str(REPO / "configs" / "qwen3_30b_a3b_24gpu_disaggregated.yaml")
+    assert main(["plan", "--config", recipe, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert abs(plan["model_params"] / 1e9 - 30.53) < 0.01 and abs(plan["model_active_params"] / 1e9 - 3.35) < 0.01
+    assert plan["learner_gib_per_gpu"]["expert_optimizer_states"] > plan["learner_gib_per_gpu"]["optimizer_states"]
+    assert next(p for p in plan["placements"] if p["placement"] == "disaggregated")["fits"]
+    assert main(["plan", "--config", recipe, "--json", "learner.expert_parallel_size=1"]) == 1
+    capsys.readouterr()
