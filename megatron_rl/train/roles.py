@@ -107,8 +107,7 @@ class Roles:
                                deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads,
                                placement=place.learner, sampling=cfg.sampling,
                                call_timeout_s=cfg.run.learner_timeout_s)
-        learner.connect_rollout(fleet.workers, bucket_bytes=cfg.run.publish_bucket_mib << 20,
-                                transport=cfg.rollout.weight_transfer)
+        fleet.attach(learner, bucket_bytes=cfg.run.publish_bucket_mib << 20, transport=cfg.rollout.weight_transfer)
         verifier = VerifierPool(cfg.reward)
         metrics = MetricsLogger(run_dir / "metrics")
         return cls(cfg=cfg, run_dir=run_dir, model_dir=model_dir, tokenizer=tokenizer, tokenizer_hash=tok_hash,
@@ -301,7 +300,7 @@ class Roles:
         self._expect_probe(version)
         for attempt in (1, 2):
             try:
-                report = self.learner.publish(version)
+                report = self.fleet.publish(version)  # restarted groups rejoin here (rollout/fleet.py)
             except Exception as err:
                 self._raise_if_engine_down(version, err)
                 raise
@@ -334,7 +333,7 @@ class Roles:
         tokens_bt = probe_tokens(rows, self._vocab_size(), seed=1)
         logprobs_bt = self.learner.forward_logprobs(tokens_bt)  # [B, T-1]
         seqs, lps = tokens_bt[:4].tolist(), logprobs_bt[:4].tolist()  # 4 rows are plenty for the engine
-        ray.get([w.expect_probe.remote(version, seqs, lps, self.cfg.run.refit_tolerance) for w in self.fleet.workers])
+        self.fleet.expect_probe(version, seqs, lps, self.cfg.run.refit_tolerance)
 
     def _raise_if_engine_down(self, version: int, cause, timeout_s: float = 10.0) -> None:
         """PublicationError naming the rollout groups whose engine does not answer (dead actor,
@@ -360,6 +359,7 @@ class Roles:
         queue = ray.get(self.coordinator.metrics.remote())
         metrics = self.telemetry.step_metrics(samples, trajs, taken, learn, phases, queue, self.verifier.counters(),
                                               sampling=self._producer.handed_stats if self._producer else None)
+        metrics.update(self.fleet.counters())  # engine restarts, retried requests (rollout/fleet.py)
         self.metrics.log(step, metrics)
         self.stop_rules.observe(step, metrics)
         self._step_seconds.append(phases["step"])

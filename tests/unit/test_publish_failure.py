@@ -65,6 +65,10 @@ class _Fleet:
         ray.get([w.policy_version.remote() for w in self.workers])
         if dead:
             ray.kill(self.workers[1])
+        self.learner = None  # set by _Roles
+
+    def publish(self, version):  # RolloutFleet.publish: the learner publishes to every group
+        return self.learner.publish(version)
 
 
 class _Roles:
@@ -75,6 +79,7 @@ class _Roles:
 
     def __init__(self, run_dir, fleet, learner, learn_error=None):
         self.run_dir, self.fleet, self.learner, self.learn_error = run_dir, fleet, learner, learn_error
+        fleet.learner = learner
         self.metrics = MetricsLogger()  # no sinks
         self.closed = False
 
