@@ -198,7 +198,7 @@ def engine_crash(drill: Drill) -> dict:
     detected = _first_line(log, r"vLLM engine died during generation")
     refitted = _first_line(log, r"refitted: serving policy version \d+")
     last = (_metric_rows(drill) or [{}])[-1]
-    restarts, retried = last.get("rollout/engine_restarts"), last.get("rollout/requests_retried")
+    restarts, retried = last.get("system/engine_restarts"), last.get("system/requests_retried")
     off_version = samples_off_version(drill.run_dir / "queue.db")
     in_flight = events[0].get("in_flight_requests") if events else None
     return {"injected_at": {"round": cfg.at_step, "signal": "SIGKILL", "process": "vLLM EngineCore",

@@ -21,7 +21,7 @@ the generate call that was running on it.  The fleet then:
      does it).  The group serves again only once that publication committed on it: every bucket's
      checksum verified and the refit check (engine vs learner logprobs on the probe) passed;
   3. retries the requests that were in flight on it, with the same seeds, on a serving group (the
-     restarted one once it serves), counted in `rollout/requests_retried`.  Their samples died with
+     restarted one once it serves), counted in `system/requests_retried`.  Their samples died with
      the engine, so nothing of them reaches the queue; a request that cannot be served after
      `max_retries` tries ends the round with RolloutFailed naming the group.
 
@@ -272,9 +272,9 @@ class RolloutFleet:
     def counters(self) -> dict[str, float]:
         """Restarts, retried requests and stale groups so far (logged with every step)."""
         with self._lock:
-            return {"rollout/engine_restarts": float(self.restarts),
-                    "rollout/requests_retried": float(self.requests_retried),
-                    "rollout/stale_groups": float(self.state.count(STALE))}
+            return {"system/engine_restarts": float(self.restarts),
+                    "system/requests_retried": float(self.requests_retried),
+                    "system/stale_rollout_groups": float(self.state.count(STALE))}
 
     def shutdown(self) -> None:
         for w in self.workers:
