@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 
 from megatron_rl.checkpoint import CheckpointError
+from megatron_rl.rollout.fleet import RolloutFailed
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.learner_group import LearnerDied, LearnerOutOfMemory
 from megatron_rl.train.restart import EXIT_CANARY, CanaryFailed, check_canary
@@ -119,6 +120,10 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
                 "final_test_format": last["format"], "run_dir": str(roles.run_dir)}
     except (PublicationError, LearnerDied) as err:                       # a dead engine or rank: resumable
         raise requeue_after(err, roles) from err
+    except RuntimeError as err:                                          # engines kept dying: resumable
+        if isinstance(err.__cause__, RolloutFailed):
+            raise requeue_after(err.__cause__, roles) from err
+        raise
     except LearnerOutOfMemory as err:                                    # even the half micro-batch failed
         raise oom_stop(err, roles) from err
     except CanaryFailed as err:                                          # nothing checkpointed after it

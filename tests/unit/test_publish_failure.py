@@ -49,10 +49,14 @@ class _Learner:
 
 
 class _Producer:
+    error = None  # what the producer thread failed with (surfaced by next, as producer.py does)
+
     def start(self, state):
         pass
 
     def next(self, step):
+        if self.error is not None:
+            raise RuntimeError(f"rollout producer failed: {self.error!r}") from self.error
         return [], [], 0.0
 
     def stop(self):
@@ -77,9 +81,10 @@ class _Roles:
     publish = Roles.publish
     _raise_if_engine_down = Roles._raise_if_engine_down
 
-    def __init__(self, run_dir, fleet, learner, learn_error=None):
+    def __init__(self, run_dir, fleet, learner, learn_error=None, producer_error=None):
         self.run_dir, self.fleet, self.learner, self.learn_error = run_dir, fleet, learner, learn_error
         fleet.learner = learner
+        self.producer_error = producer_error
         self.metrics = MetricsLogger()  # no sinks
         self.closed = False
 
@@ -87,7 +92,9 @@ class _Roles:
         return TrainState(step=2, version=2)
 
     def producer(self):
-        return _Producer()
+        producer = _Producer()
+        producer.error = self.producer_error
+        return producer
 
     def score(self, step, samples):
         return [], 0.0
@@ -151,3 +158,14 @@ def test_value_error_in_the_loop_is_a_bug_not_bad_input(ray_local, monkeypatch, 
                                                  learn_error=ValueError("shape mismatch")))
     with pytest.raises(RuntimeError, match="internal error while training: shape mismatch"):
         main(args)
+
+
+def test_engine_that_keeps_dying_exits_75(ray_local, monkeypatch, tmp_path, capsys):
+    from megatron_rl.rollout.fleet import RolloutFailed
+
+    failed = RolloutFailed("the vLLM engine of rollout group 0 died again after 3 restarts this run: EngineDeadError")
+    args, _ = _train(monkeypatch, tmp_path, dict(fleet=_Fleet(dead=False), learner=_Learner(RuntimeError()),
+                                                 producer_error=failed))
+    assert main(args) == driver.EXIT_REQUEUE
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("megatron-rl train: error:")]
+    assert len(line) == 1 and "rollout group 0 died again" in line[0] and "step_000002 is intact" in line[0]
