@@ -322,8 +322,6 @@ class Roles:
         """Give every rollout group the learner's logprobs of the fixed probe batch for `version`
         (its refit check, rollout/worker.py); skipped when the learner scores under a sampling
         transform (temperature, top-p/k) the engine's teacher-forced logprobs do not apply."""
-        import ray
-
         from megatron_rl.train.restart import probe_tokens
 
         s = self.cfg.sampling
