@@ -23,7 +23,8 @@ the generate call that was running on it.  The fleet then:
   3. retries the requests that were in flight on it, with the same seeds, on a serving group (the
      restarted one once it serves), counted in `system/requests_retried`.  Their samples died with
      the engine, so nothing of them reaches the queue; a request that cannot be served after
-     `max_retries` tries ends the round with RolloutFailed naming the group.
+     `max_retries` tries (or an engine past `max_restarts`) ends the round with RolloutFailed naming
+     the group, and the driver exits 75 (rerunning resumes).
 
 A refit publishes only the weights the learner published last: under the learner's lock, and only
 if no step or load changed its weights since (LearnerGroup.updates), so a refit never labels newer
