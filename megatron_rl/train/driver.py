@@ -120,16 +120,16 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
                 "final_test_format": last["format"], "run_dir": str(roles.run_dir)}
     except (PublicationError, LearnerDied) as err:                       # a dead engine or rank: resumable
         raise requeue_after(err, roles) from err
-    except RuntimeError as err:                                          # engines kept dying: resumable
-        if isinstance(err.__cause__, RolloutFailed):
-            raise requeue_after(err.__cause__, roles) from err
-        raise
     except LearnerOutOfMemory as err:                                    # even the half micro-batch failed
         raise oom_stop(err, roles) from err
     except CanaryFailed as err:                                          # nothing checkpointed after it
         from megatron_rl.cli import CommandError
 
         raise CommandError(str(err), exit_code=EXIT_CANARY) from err
+    except RuntimeError as err:                                          # engines kept dying: resumable
+        if isinstance(err.__cause__, RolloutFailed):
+            raise requeue_after(err.__cause__, roles) from err
+        raise
     except ValueError as err:  # past start-up only a checkpoint problem is the user's, others are bugs (not exit 2)
         if isinstance(err, CheckpointError):
             raise

@@ -169,3 +169,18 @@ def test_engine_that_keeps_dying_exits_75(ray_local, monkeypatch, tmp_path, caps
     assert main(args) == driver.EXIT_REQUEUE
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("megatron-rl train: error:")]
     assert len(line) == 1 and "rollout group 0 died again" in line[0] and "step_000002 is intact" in line[0]
+
+
+@pytest.mark.parametrize("error, code", [
+    ("oom", driver.EXIT_OOM),  # the learner's own RuntimeErrors keep their exit codes
+    ("canary", 88),
+])
+def test_learner_stops_keep_their_exit_codes(ray_local, monkeypatch, tmp_path, error, code):
+    from megatron_rl.train.learner_group import LearnerOutOfMemory
+    from megatron_rl.train.restart import CanaryFailed
+
+    exc = LearnerOutOfMemory("out of memory at micro_batch_size 64 and again at 32") if error == "oom" \
+        else CanaryFailed("canary step 3: loss is nan")
+    args, _ = _train(monkeypatch, tmp_path, dict(fleet=_Fleet(dead=False), learner=_Learner(RuntimeError()),
+                                                 learn_error=exc))
+    assert main(args) == code
