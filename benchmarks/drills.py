@@ -28,6 +28,7 @@ PLAN = {  # drill -> extra CLI arguments
     "oom_twice": ["--at-step", "2", "--steps", "3"],
     "verifier_timeout": ["--variant", "0.05", "--steps", "3"],
     "worker_crash": ["run.learner_timeout_s=60"],
+    "engine_crash": ["--at-step", "1", "--steps", "3"],
     "bad_refit": ["--at-step", "1", "--steps", "3"],
 }
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 DEFAULT_OVERRIDES = ["data.eval_size=8", "run.eval_every=0", "run.checkpoint_every=2", "run.keep_checkpoints=3"]
 EVENTS = "drill_events.jsonl"
-DRILLS = ("bad_checkpoint", "oom", "oom_twice", "verifier_timeout", "worker_crash", "bad_refit")
+DRILLS = ("bad_checkpoint", "oom", "oom_twice", "verifier_timeout", "worker_crash", "engine_crash", "bad_refit")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -186,7 +186,46 @@ def bad_refit(drill: Drill) -> dict:
             "recovered": _finished(drill, run) and again is not None}
 
 
+def engine_crash(drill: Drill) -> dict:
+    """SIGKILL of the vLLM engine-core process of the rollout group generating round at_step, with its
+    requests in flight: the fleet must restart the group, keep it stale until a publication of the
+    current version committed on it (checksums and refit check), retry the in-flight requests, and
+    the run go on in the same attempt; no sample stamped with another version than its round's."""
+    cfg = drill.cfg
+    run = drill.train(fault={"fault": "engine_kill", "at_step": cfg.at_step})
+    events = drill.injections()
+    log = drill.log()
+    detected = _first_line(log, r"vLLM engine died during generation")
+    refitted = _first_line(log, r"refitted: serving policy version \d+")
+    last = (_metric_rows(drill) or [{}])[-1]
+    restarts, retried = last.get("system/engine_restarts"), last.get("system/requests_retried")
+    off_version = samples_off_version(drill.run_dir / "queue.db")
+    in_flight = events[0].get("in_flight_requests") if events else None
+    return {"injected_at": {"round": cfg.at_step, "signal": "SIGKILL", "process": "vLLM EngineCore",
+                            "requests_in_flight": in_flight},
+            "detected_by": "RolloutFleet.collect (the generate call failed with EngineDeadError)" if detected else None,
+            "evidence": detected, "refit": refitted, "engine_restarts": restarts, "requests_retried": retried,
+            "samples_off_version": off_version,
+            "action": "group restarted stale, refitted with the current version before serving, in-flight "
+                      "requests retried" if refitted else "none",
+            "recovered": (_finished(drill, run) and bool(in_flight) and restarts == 1.0 and bool(retried)
+                          and refitted is not None and off_version == 0)}
+
+
+def samples_off_version(db: Path) -> int | None:
+    """Trajectories (queued or finished) whose oldest policy version is not their round's (sync mode:
+    round r is sampled with version r; an engine serving an unknown version would break it)."""
+    import sqlite3
+
+    if not db.is_file():
+        return None
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        rows = con.execute("SELECT id, min_version FROM traj UNION SELECT id, min_version FROM done").fetchall()
+    return sum(1 for tid, version in rows if int(tid.split("/", 1)[0].removeprefix("r")) != int(version))
+
+
 RUNNERS = {
+    "engine_crash": engine_crash,
     "bad_refit": bad_refit,
     "bad_checkpoint": bad_checkpoint,
     "oom": oom,

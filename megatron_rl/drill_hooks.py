@@ -19,6 +19,10 @@ injects the fault itself, so a drill exercises the real failure path, not a patc
     permute_load      publish.vllm_engine (engine processes) publication `at_version` is loaded with the
                                                              rows of its first matrix reversed, after its
                                                              bytes verified (`times` loads, default 1)
+    engine_kill       RolloutWorker.generate (rollout actor) the vLLM engine-core process of the group that
+                                                             generates round at_step is SIGKILLed while its
+                                                             requests are in flight (once per run: the
+                                                             restarted engine finds the event in `events`)
 
 `at_step` counts learner steps from 0 (the step about to be learned: learner step s produces policy
 version s+1).  Each injection appends {"fault", "at_step", "time", "pid"} to the JSON-lines file
@@ -30,13 +34,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import threading
 import time
 import zlib
 
 logger = logging.getLogger(__name__)
 
 ENV = "MEGATRON_RL_DRILL"
-FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load")
+FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load", "engine_kill")
 
 
 def drill_spec(fault: str) -> dict | None:
@@ -68,8 +74,46 @@ def record_injection(spec: dict, **extra) -> None:
         logger.warning("drill: cannot write %s: %s", path, err)
 
 
+def injected_before(spec: dict) -> bool:
+    """Whether this run already injected the spec's fault (an event in its `events` file): a fault
+    that kills a process must not fire again in the process that replaces it."""
+    path = spec.get("events")
+    if not path or not os.path.isfile(path):
+        return False
+    with open(path) as fh:
+        return any(json.loads(line).get("fault") == spec["fault"] for line in fh if line.strip())
+
+
 def hangs(spec: dict, response: str, reference: str) -> bool:
     """Whether this grading call is one of the `fraction` that hang (deterministic per input)."""
     share = float(spec.get("fraction", 0.1))
     h = zlib.crc32(f"{response}\x00{reference}".encode()) / 2**32
     return h < share
+
+
+def maybe_kill_engine(llm, extra: list[dict] | None) -> None:
+    """Drill hook (`megatron-rl drill engine_crash`), called by RolloutWorker.generate: in the call
+    of round at_step, SIGKILL this group's vLLM engine-core process once requests are in flight."""
+    spec = drill_spec("engine_kill")
+    if spec is None or not extra or extra[0].get("round") != spec.get("at_step") or injected_before(spec):
+        return
+    threading.Thread(target=_kill_engine_core, args=(llm, spec), name="drill-engine-kill", daemon=True).start()
+
+
+def _kill_engine_core(llm, spec: dict) -> None:
+    import psutil
+
+    children = psutil.Process().children()
+    cores = [p for p in children if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    if not cores:
+        logger.error("drill engine_kill: no vLLM EngineCore process among %s", [p.name() for p in children])
+        return
+    deadline = time.monotonic() + 5.0
+    in_flight = 0
+    while time.monotonic() < deadline:  # mid-generation: requests were added and are not finished
+        in_flight = llm.llm_engine.get_num_unfinished_requests()
+        if in_flight:
+            break
+        time.sleep(0.0005)
+    record_injection(spec, pid_killed=cores[0].pid, in_flight_requests=in_flight)
+    os.kill(cores[0].pid, signal.SIGKILL)

@@ -22,10 +22,12 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
 from megatron_rl.config import from_dict
+from megatron_rl.drill_hooks import maybe_kill_engine
 from megatron_rl.platform.priority import RAY_ACTOR_ENV, with_normal_priority
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.sample import RolloutSample
@@ -116,7 +118,9 @@ def eos_token_ids(model_dir: str) -> list[int]:
 class RolloutWorker:
     """One vLLM engine.  Methods are called through Ray (`.remote`) or directly."""
 
-    def __init__(self, config: RolloutConfig | dict):
+    def __init__(self, config: RolloutConfig | dict, stale: bool = False):
+        """`stale`: a restarted group (RolloutFleet): its engine loads the checkpoint on disk, which is
+        no version of this run, so it serves nothing (version None) until a publication commits."""
         import torch
 
         from megatron_rl.console import configure_worker_logging
@@ -135,7 +139,7 @@ class RolloutWorker:
             raise FileNotFoundError(f"rollout.model: no checkpoint directory {self.config.model}")
         started = time.perf_counter()
         self.llm = LLM(**llm_kwargs(self.config, on_gpu))
-        self.version = 0
+        self.version = None if stale else 0
         # Without a tokenizer vLLM does not know EOS: stop on the checkpoint's eos ids.
         self.eos_token_ids = eos_token_ids(self.config.model)
         log.info("vLLM engine for %s (TP=%d) up in %.1f s", self.config.model,
@@ -178,7 +182,9 @@ class RolloutWorker:
             per_prompt.append(SamplingParams(n=n, logprobs=0, detokenize=False, **{**params, "seed": seed}))
         version = self._serving_version()
         started = time.time()
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False)
+        maybe_kill_engine(self.llm, extra)  # drill hook (engine_kill); no-op without MEGATRON_RL_DRILL
+        outputs = self._watched(lambda: self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt,
+                                                          use_tqdm=False))
         finished = time.time()
         samples = []
         for i, out in enumerate(outputs):
@@ -199,9 +205,35 @@ class RolloutWorker:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
-        outs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        outs = self._watched(lambda: self.llm.generate([{"prompt_token_ids": s} for s in sequences], params,
+                                                       use_tqdm=False))
         return [[None] + [float(lp[t].logprob) for lp, t in zip(o.prompt_logprobs[1:], s[1:])]
                 for o, s in zip(outs, sequences)]
+
+    def _watched(self, call):
+        """`call()` (it waits for the engine's outputs), raising vLLM's EngineDeadError if the engine-core
+        process dies meanwhile.  vLLM's synchronous client marks the engine dead and stops its output
+        thread without waking a caller that waits for outputs, so the call would wait forever."""
+        client = self.llm.llm_engine.engine_core
+        resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+        if resources is None or outputs is None:  # an in-process engine: its errors raise directly
+            return call()
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.2):
+                if resources.engine_dead:
+                    from vllm.v1.engine.exceptions import EngineDeadError
+
+                    log.error("the vLLM engine-core process of this rollout group died")
+                    outputs.put_nowait(EngineDeadError())
+                    return
+
+        threading.Thread(target=watch, name="engine-watch", daemon=True).start()
+        try:
+            return call()
+        finally:
+            done.set()
 
     # ---- weight publication (receive side) ----------------------------------------------
     def policy_version(self) -> int:
@@ -367,9 +399,10 @@ class RolloutWorker:
             llm.llm_engine.engine_core.shutdown()
 
 
-def create_rollout_worker(config: RolloutConfig, **ray_options):
-    """Start a RolloutWorker Ray actor (ray.init must have run); returns its handle."""
+def create_rollout_worker(config: RolloutConfig, stale: bool = False, **ray_options):
+    """Start a RolloutWorker Ray actor (ray.init must have run); returns its handle.  A `stale` one
+    (a restart) serves nothing until a publication commits on it."""
     import ray
 
     options = with_normal_priority({"num_cpus": config.num_cpus, **ray_options})
-    return ray.remote(RolloutWorker).options(**options).remote(dataclasses.asdict(config))
+    return ray.remote(RolloutWorker).options(**options).remote(dataclasses.asdict(config), stale)

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
 from functools import partial
 
@@ -198,6 +199,10 @@ class LearnerGroup:
         world = learner_cfg.tensor_parallel_size * learner_cfg.pipeline_parallel_size
         self.world_size = world * learner_cfg.data_parallel_size
         self.call_timeout_s = call_timeout_s
+        # Calls may come from two threads (the driver, and the rollout fleet refitting a restarted
+        # engine): one call at a time on every rank, or ranks would enter collectives in other orders.
+        self.lock = threading.RLock()
+        self.updates = 0  # how often the weights changed (steps, loads): a refit must not publish newer ones
         cls = ray.remote(LearnerWorker)
         self.workers = [
             cls.options(**with_normal_priority(placement(rank) if placement else {"num_cpus": 0})).remote(
@@ -211,6 +216,10 @@ class LearnerGroup:
     def _all(self, method: str, *args) -> list:
         """Call `method` on every rank; fail fast when one rank dies (the others may be blocked in a
         collective with it and would never answer) or none answers within `call_timeout_s`."""
+        with self.lock:
+            return self._all_locked(method, *args)
+
+    def _all_locked(self, method: str, *args) -> list:
         import ray
 
         refs = [getattr(w, method).remote(*args) for w in self.workers]
@@ -232,10 +241,14 @@ class LearnerGroup:
         return ray.get(refs)
 
     def train_step(self, batch: dict, lr_scale: float = 1.0) -> dict[str, float]:
-        return self._all("train_step", batch, lr_scale)[0]
+        with self.lock:
+            self.updates += 1
+            return self._all("train_step", batch, lr_scale)[0]
 
     def sft_step(self, batch: dict) -> dict[str, float]:
-        return self._all("sft_step", batch)[0]
+        with self.lock:
+            self.updates += 1
+            return self._all("sft_step", batch)[0]
 
     def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T-1]; with `lengths_b` (and a token budget) positions past a row's end hold 0."""
@@ -257,7 +270,9 @@ class LearnerGroup:
         self._all("save", weights_dir)
 
     def load(self, weights_dir: str) -> int:
-        return self._all("load", weights_dir)[0]
+        with self.lock:
+            self.updates += 1
+            return self._all("load", weights_dir)[0]
 
     def rng_states(self) -> dict[int, dict]:
         return dict(enumerate(self._all("rng_state")))

@@ -1,14 +1,15 @@
 """The policy being trained: the learner group (Megatron ranks) and the publication of its weights.
 
     policy = Policy.create(cfg.learner, cfg.loss, cfg.run, cfg.sampling, weight_transfer=cfg.rollout.weight_transfer,
-                           model_dir=d, engines=fleet.workers, placement=place.learner, vocab_size=v, pad_id=0)
+                           model_dir=d, fleet=fleet, placement=place.learner, vocab_size=v, pad_id=0)
     learn, seconds = policy.learn(taken, version)     # one GRPO step on a taken batch -> version + 1
     seconds = policy.publish(version + 1)             # every rollout group loads it, or none does
 
 A publication is checked twice: bucket checksums (publish/), and a refit probe (rollout/worker.py)
 that compares the engine's logprobs on a fixed batch with the learner's; a group failing it rolls
 back and the version is published once more.  A dead or unreachable engine is a PublicationError
-(the driver exits 75: rerun to resume).
+(the driver exits 75: rerun to resume).  Publication goes through the fleet (rollout/fleet.py), so a
+rollout group whose engine was restarted rejoins the publication group and is refitted first.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Callable
 
 from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import LearnerConfig, SamplingConfig
+from megatron_rl.rollout.fleet import RolloutFleet
 from megatron_rl.rollout.sleep import SleepCycle
 from megatron_rl.train.config import RunConfig
 from megatron_rl.train.learner_group import LearnerGroup
@@ -50,32 +52,37 @@ class PolicySettings:
 class Policy:
     """Owns the learner group and the publication of its weights to the rollout engines."""
 
-    def __init__(self, learner: LearnerGroup, engines: list, settings: PolicySettings,
+    def __init__(self, learner: LearnerGroup, fleet: RolloutFleet, settings: PolicySettings,
                  sleep: SleepCycle | None = None):
         self.learner = learner
-        self.engines = engines
+        self.fleet = fleet
         self.settings = settings
         self.sleep = sleep
         """vLLM sleep/wake around learner steps (rollout/sleep.py; None: never)."""
 
     @classmethod
     def create(cls, learner: LearnerConfig, loss: GRPOLossConfig, run: RunConfig, sampling: SamplingConfig, *,
-               weight_transfer: str, model_dir: Path, engines: list, placement: Callable[[int], dict] | None,
-               vocab_size: int, pad_id: int, engines_ready: Callable[[], None] = lambda: None,
+               weight_transfer: str, model_dir: Path, fleet: RolloutFleet, placement: Callable[[int], dict] | None,
+               vocab_size: int, pad_id: int,
                sleep: tuple[bool, str] = (False, "off")) -> "Policy":
         """The learner group (the learner and loss sections, the run's determinism, timeout and
-        publication settings) started from `model_dir`, connected to the engines it publishes to
-        once `engines_ready()` returns (engines may still be starting while the learner does).
+        publication settings) started from `model_dir`, attached to the fleet it publishes to once
+        its engines are up (they may still be starting while the learner does).
         `sleep`: (on, why) of vLLM sleep mode, chosen at start-up (train/placement.py)."""
         group = LearnerGroup(learner_cfg=learner, loss_cfg=loss, hf_dir=str(model_dir), seed=learner.seed,
                              deterministic=run.deterministic, threads=run.torch_threads, placement=placement,
                              sampling=sampling, call_timeout_s=run.learner_timeout_s)
-        engines_ready()
-        group.connect_rollout(engines, bucket_bytes=run.publish_bucket_mib << 20, transport=weight_transfer)
+        fleet.wait_ready()
+        fleet.attach(group, bucket_bytes=run.publish_bucket_mib << 20, transport=weight_transfer)
         settings = PolicySettings(loss=loss, sampling=sampling, micro_batch_size=learner.micro_batch_size,
                                   probe_rows=learner.micro_batch_size * learner.data_parallel_size,
                                   refit_tolerance=run.refit_tolerance, vocab_size=vocab_size, pad_id=pad_id)
-        return cls(group, engines, settings, SleepCycle(lambda: engines, enabled=sleep[0], reason=sleep[1]))
+        return cls(group, fleet, settings, SleepCycle(lambda: fleet.workers, enabled=sleep[0], reason=sleep[1]))
+
+    @property
+    def engines(self) -> list:
+        """The rollout groups' workers now (a restarted engine replaces its group's)."""
+        return self.fleet.workers
 
     def learn(self, taken: list, version: int, lr_scale: float = 1.0) -> tuple[dict, float]:
         """One GRPO step on the taken batch (learned at `version`); its metrics and seconds.
@@ -103,7 +110,7 @@ class Policy:
         self._expect_probe(version)
         for attempt in (1, 2):
             try:
-                report = self.learner.publish(version)
+                report = self.fleet.publish(version)  # restarted groups rejoin here (rollout/fleet.py)
             except Exception as err:
                 self._raise_if_engine_down(version, err)
                 raise
@@ -124,8 +131,6 @@ class Policy:
         """Give every rollout group the learner's logprobs of the fixed probe batch for `version`
         (its refit check, rollout/worker.py); skipped when the learner scores under a sampling
         transform (temperature, top-p/k) the engine's teacher-forced logprobs do not apply."""
-        import ray
-
         from megatron_rl.train.restart import probe_tokens
 
         s, tol = self.settings.sampling, self.settings.refit_tolerance
@@ -134,7 +139,7 @@ class Policy:
         tokens_bt = probe_tokens(self.settings.probe_rows, self.settings.vocab_size, seed=1)
         logprobs_bt = self.learner.forward_logprobs(tokens_bt)  # [B, T-1]
         seqs, lps = tokens_bt[:4].tolist(), logprobs_bt[:4].tolist()  # 4 rows are plenty for the engine
-        ray.get([w.expect_probe.remote(version, seqs, lps, tol) for w in self.engines])
+        self.fleet.expect_probe(version, seqs, lps, tol)
 
     def _raise_if_engine_down(self, version: int, cause, timeout_s: float = 10.0) -> None:
         """PublicationError naming the rollout groups whose engine does not answer (dead actor,

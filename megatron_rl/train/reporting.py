@@ -97,6 +97,7 @@ class Reporter:
         """Log one learner step's metrics (panels of train/telemetry.py) and its console line."""
         metrics = self.telemetry.step_metrics(rnd.samples, trajs, taken, learn, phases, queue, verifier,
                                               sampling=rnd.stats or None)
+        metrics.update(self.evaluator.fleet.counters())  # engine restarts, retried requests (rollout/fleet.py)
         self.metrics.log(step, metrics)
         self.stop_rules.observe(step, metrics)
         self._step_seconds.append(phases["step"])

@@ -68,7 +68,7 @@ class Roles:
                                coordinator, scorer, spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling))
         policy = Policy.create(cfg.learner, cfg.loss, cfg.run, cfg.sampling,
                                weight_transfer=transport, model_dir=inputs.model_dir,
-                               engines=fleet.workers, engines_ready=fleet.wait_ready, placement=place.learner,
+                               fleet=fleet, placement=place.learner,
                                vocab_size=inputs.vocab_size, pad_id=inputs.pad_id,
                                sleep=(sleep_on, sleep_why))
         checkpointer = Checkpointer(inputs.run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from)

@@ -2,13 +2,12 @@
 
     python -m pytest tests/e2e/test_drills.py -q
 
-Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts), oom (1),
-oom_twice (2: the stop, then the rerun with a smaller micro-batch), verifier_timeout (1),
-bad_refit (1), and the shadow-forward check (1 attempt on a copy of the oom run, refused at
-resume): 8 start-ups of ~70 s.  The bad_checkpoint drill's fallback is the resume path that
-tests/e2e/test_bad_checkpoint.py drives for each kind of damage (`megatron-rl drill
-bad_checkpoint` wraps it).  Every record must
-show what the protocol promises: recovered (or the documented clean stop), 0 trajectories lost,
+Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts), engine_crash
+(1, plus one engine restart of ~30 s), oom (1), oom_twice (2: the stop, then the rerun with a
+smaller micro-batch), verifier_timeout (1), bad_refit (1), and the shadow-forward check (1 attempt
+on a copy of the oom run, refused at resume): 9 start-ups of ~70 s.  The bad_checkpoint drill's
+fallback is the resume path that tests/e2e/test_bad_checkpoint.py drives for each kind of
+damage (`megatron-rl drill bad_checkpoint` wraps it).  Every record must show what the protocol promises: recovered (or the documented clean stop), 0 trajectories lost,
 0 duplicated, continuous versions.  The oom run is also compared with the worker_crash run, whose
 steps 1-4 are those of an uninterrupted run (resume is exact): same losses before the fault, the
 same up to float summation order at and after it (no partial or doubled optimizer update).
@@ -148,4 +147,17 @@ def test_refit_check_catches_permuted_load(tmp_path_factory):
     assert code == 0 and rec["recovered"], rec
     assert rec["detected_by"] and "refit check: version 2 loaded" in rec["evidence"], rec
     assert rec["action"].startswith("group rolled back to version 1"), rec
+    _common(rec, redone=0)
+
+
+def test_engine_crash_restarts_refits_and_retries(tmp_path_factory):
+    code, rec = _drill(tmp_path_factory, "engine_crash", "--at-step", "1", "--steps", "3")
+    assert code == 0 and rec["recovered"], rec
+    assert [a["exit"] for a in rec["attempts"]] == [0], rec  # recovered inside the run, no rerun
+    assert rec["injected_at"]["requests_in_flight"] > 0, rec  # killed mid-generation
+    assert "vLLM engine died during generation" in rec["evidence"], rec
+    assert "rollout group 0 refitted: serving policy version 1" in rec["refit"], rec  # the version round 1 needs
+    assert "refit check passed" in rec["refit"], rec
+    assert rec["engine_restarts"] == 1.0 and rec["requests_retried"] == 8.0, rec  # 8 prompts of round 1
+    assert rec["samples_off_version"] == 0, rec  # no sample of the restarted engine's disk weights
     _common(rec, redone=0)

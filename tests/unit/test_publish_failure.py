@@ -53,13 +53,28 @@ class _Learner:
         pass
 
 
+class _Fleet:
+    """Two real engine actors (one killed when `dead`); publication is the learner's (RolloutFleet.publish)."""
+
+    def __init__(self, dead: bool):
+        self.workers = [Engine.remote(), Engine.remote()]
+        ray.get([w.policy_version.remote() for w in self.workers])
+        if dead:
+            ray.kill(self.workers[1])
+        self.learner = None  # set by _Roles
+
+    def publish(self, version):
+        return self.learner.publish(version)
+
+
 class _Policy(Policy):
     """The real Policy (publication, engine checks) on a learner whose publication fails."""
 
-    def __init__(self, learner, engines, learn_error=None):
+    def __init__(self, learner, fleet, learn_error=None):
         settings = PolicySettings(loss=GRPOLossConfig(), sampling=SamplingConfig(), micro_batch_size=1, probe_rows=1,
                                   refit_tolerance=None, vocab_size=8, pad_id=0)  # no refit probe in this double
-        super().__init__(learner, engines, settings)
+        super().__init__(learner, fleet, settings)
+        fleet.learner = learner
         self.learn_error = learn_error
 
     def learn(self, taken, version, lr_scale=1.0):
@@ -78,7 +93,11 @@ class _Anything:
 
 
 class _Source(_Anything):
+    error = None  # what the producer thread failed with (surfaced by next, as producer.py does)
+
     def next(self, step):
+        if self.error is not None:
+            raise RuntimeError(f"rollout producer failed: {self.error!r}") from self.error
         return Round(step, [], [], 0.0)
 
 
@@ -93,23 +112,16 @@ class _Checkpointer:
 
 
 class _Roles:
-    def __init__(self, run_dir, engines, learner, learn_error=None):
+    def __init__(self, run_dir, fleet, learner, learn_error=None, producer_error=None):
         self.run_dir = run_dir
-        self.policy = _Policy(learner, engines, learn_error)
+        self.policy = _Policy(learner, fleet, learn_error)
         self.source, self.scorer, self.coordinator, self.reporter = _Source(), _Scorer(), _Anything(), _Anything()
+        self.source.error = producer_error
         self.checkpointer = _Checkpointer()
         self.closed = False
 
     def close(self):
         self.closed = True
-
-
-def _engines(dead: bool) -> list:
-    workers = [Engine.remote(), Engine.remote()]
-    ray.get([w.policy_version.remote() for w in workers])
-    if dead:
-        ray.kill(workers[1])
-    return workers
 
 
 def _train(monkeypatch, tmp_path, roles_kw):
@@ -129,7 +141,7 @@ def _train(monkeypatch, tmp_path, roles_kw):
 
 def test_dead_engine_exits_75_with_one_line(ray_local, monkeypatch, tmp_path, capsys):
     fail = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
-    args, made = _train(monkeypatch, tmp_path, dict(engines=_engines(dead=True), learner=_Learner(fail)))
+    args, made = _train(monkeypatch, tmp_path, dict(fleet=_Fleet(dead=True), learner=_Learner(fail)))
     assert main(args) == driver.EXIT_REQUEUE
     err = capsys.readouterr().err.strip().splitlines()
     line = [x for x in err if x.startswith("megatron-rl train: error:")]
@@ -140,13 +152,39 @@ def test_dead_engine_exits_75_with_one_line(ray_local, monkeypatch, tmp_path, ca
 
 
 def test_publication_failure_with_live_engines_is_not_hidden(ray_local, monkeypatch, tmp_path):
-    args, _ = _train(monkeypatch, tmp_path, dict(engines=_engines(dead=False), learner=_Learner(RuntimeError("boom"))))
+    args, _ = _train(monkeypatch, tmp_path, dict(fleet=_Fleet(dead=False), learner=_Learner(RuntimeError("boom"))))
     with pytest.raises(RuntimeError, match="boom"):
         main(args)
 
 
 def test_value_error_in_the_loop_is_a_bug_not_bad_input(ray_local, monkeypatch, tmp_path):
-    args, _ = _train(monkeypatch, tmp_path, dict(engines=_engines(dead=False), learner=_Learner(RuntimeError()),
+    args, _ = _train(monkeypatch, tmp_path, dict(fleet=_Fleet(dead=False), learner=_Learner(RuntimeError()),
                                                  learn_error=ValueError("shape mismatch")))
     with pytest.raises(RuntimeError, match="internal error while training: shape mismatch"):
         main(args)
+
+
+def test_engine_that_keeps_dying_exits_75(ray_local, monkeypatch, tmp_path, capsys):
+    from megatron_rl.rollout.fleet import RolloutFailed
+
+    failed = RolloutFailed("the vLLM engine of rollout group 0 died again after 3 restarts this run: EngineDeadError")
+    args, _ = _train(monkeypatch, tmp_path, dict(fleet=_Fleet(dead=False), learner=_Learner(RuntimeError()),
+                                                 producer_error=failed))
+    assert main(args) == driver.EXIT_REQUEUE
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("megatron-rl train: error:")]
+    assert len(line) == 1 and "rollout group 0 died again" in line[0] and "step_000002 is intact" in line[0]
+
+
+@pytest.mark.parametrize("error, code", [
+    ("oom", driver.EXIT_OOM),  # the learner's own RuntimeErrors keep their exit codes
+    ("canary", 88),
+])
+def test_learner_stops_keep_their_exit_codes(ray_local, monkeypatch, tmp_path, error, code):
+    from megatron_rl.train.learner_group import LearnerOutOfMemory
+    from megatron_rl.train.restart import CanaryFailed
+
+    exc = LearnerOutOfMemory("out of memory at micro_batch_size 64 and again at 32") if error == "oom" \
+        else CanaryFailed("canary step 3: loss is nan")
+    args, _ = _train(monkeypatch, tmp_path, dict(fleet=_Fleet(dead=False), learner=_Learner(RuntimeError()),
+                                                 learn_error=exc))
+    assert main(args) == code

@@ -1,0 +1,293 @@
+"""The rollout side as the driver sees it: data-parallel vLLM groups behind one `generate`, and
+what happens when one of their engines dies.
+
+    fleet = RolloutFleet(cfg.rollout, num_groups=2)
+    fleet.attach(learner, bucket_bytes=64 << 20, transport="gloo")   # the learner publishes to it
+    ref = fleet.submit(prompts, n=8, sampling={"seed": s}, extra=[...])   # non-blocking (Ray futures)
+    samples = fleet.collect(ref)                                          # prompt-major RolloutSamples
+    fleet.publish(version)                                                # every group, or none
+
+Prompts are split round-robin across groups (each group is one `RolloutWorker` actor with its own
+vLLM engine and tensor-parallel size); the result keeps the caller's order.
+
+A group whose engine dies (its vLLM engine-core process killed, or the whole actor) is found by
+the generate call that was running on it.  The fleet then:
+
+  1. restarts it: the actor is killed and a new one started in the same placement; its engine
+     loads the checkpoint on disk, which is no version of this run, so it is **stale** and its
+     worker refuses to generate (version None: no sample of an unknown version can exist);
+  2. refits it: the publication group is formed anew with every group, and the learner publishes
+     the version it published last (or, if the learner already moved on, the next publication
+     does it).  The group serves again only once that publication committed on it: every bucket's
+     checksum verified and the refit check (engine vs learner logprobs on the probe) passed;
+  3. retries the requests that were in flight on it, with the same seeds, on a serving group (the
+     restarted one once it serves), counted in `system/requests_retried`.  Their samples died with
+     the engine, so nothing of them reaches the queue; a request that cannot be served after
+     `max_retries` tries (or an engine past `max_restarts`) ends the round with RolloutFailed naming
+     the group, and the driver exits 75 (rerunning resumes).
+
+A refit publishes only the weights the learner published last: under the learner's lock, and only
+if no step or load changed its weights since (LearnerGroup.updates), so a refit never labels newer
+weights with an older version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import ray
+
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.worker import create_rollout_worker
+
+logger = logging.getLogger(__name__)
+
+SERVING, STALE = "serving", "stale"
+
+
+class RolloutFailed(RuntimeError):
+    """Requests could not be served: an engine kept dying, or no group came back in time."""
+
+
+@dataclasses.dataclass
+class Chunk:
+    index: list[int]  # the prompts (indices into the round) of one generate call
+    seed_group: int  # the group whose seed offset its requests keep, wherever they run
+    worker: object = None  # the actor it was sent to
+    group: int | None = None
+    ref: object = None
+    tries: int = 0
+
+
+@dataclasses.dataclass
+class PendingRollout:
+    chunks: list[Chunk]
+    prompts: list[list[int]]
+    sampling: dict
+    extra: list[dict]
+    n: int
+
+
+def engine_died(err: BaseException) -> bool:
+    """Whether a generate call failed because its engine (or its whole actor) is gone."""
+    if isinstance(err, ray.exceptions.RayActorError):
+        return True
+    cause = getattr(err, "cause", None)
+    names = {type(e).__name__ for e in (err, cause) if e is not None}
+    return "EngineDeadError" in names or "EngineDeadError" in str(err)
+
+
+def refused_stale(err: BaseException) -> bool:
+    """A stale group refused to generate (it holds no complete version): send elsewhere or later."""
+    return "holds no complete policy version" in str(err)
+
+
+class RolloutFleet:
+    def __init__(self, cfg: RolloutConfig, num_groups: int, placement=None, *, max_retries: int = 3,
+                 max_restarts: int = 3, refit_timeout_s: float = 600.0, wait: bool = True):
+        """Start the groups' engines; with wait=False return at once (the engines start while the
+        caller starts other things, e.g. the learner) and call wait_ready() before using them."""
+        self.cfg, self.placement = cfg, placement
+        self.max_retries, self.max_restarts, self.refit_timeout_s = max_retries, max_restarts, refit_timeout_s
+        self.workers = [self._start(g, stale=False) for g in range(num_groups)]
+        if wait:
+            self.wait_ready()
+        self.state = [SERVING] * num_groups
+        self._lock = threading.RLock()  # membership: workers, state, regroup
+        self._regroup = False  # a group was replaced: form the publication group anew before publishing
+        self.learner = None
+        self._connect: dict = {}
+        self._published: tuple[int, int] | None = None  # (version, learner.updates when it was published)
+        self._probe: tuple | None = None  # the last expect_probe arguments (for a restarted group)
+        self.restarts = 0
+        self.requests_retried = 0
+
+    def wait_ready(self) -> None:
+        """Block until every engine is up (raises the actor's error if one failed to start)."""
+        ray.get([w.policy_version.remote() for w in self.workers])
+
+    def _start(self, g: int, stale: bool):
+        opts = self.placement(g) if self.placement is not None else {}
+        return create_rollout_worker(self.cfg, stale=stale, **opts)
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def submit(self, prompts: list[list[int]], *, n: int, sampling: dict, extra: list[dict]) -> PendingRollout:
+        k = len(self.workers)
+        chunks = [Chunk(list(range(g, len(prompts), k)), g) for g in range(k)]
+        pending = PendingRollout([c for c in chunks if c.index], prompts, dict(sampling), extra, n)
+        for c in pending.chunks:
+            self._send(pending, c)
+        return pending
+
+    def _send(self, p: PendingRollout, c: Chunk) -> bool:
+        """Send chunk `c` to its own group if that serves, else to another serving group; False if none serves."""
+        with self._lock:
+            serving = [g for g, s in enumerate(self.state) if s == SERVING]
+            if not serving:
+                c.ref = None
+                return False
+            g = c.seed_group if c.seed_group in serving else serving[c.tries % len(serving)]
+            c.group, c.worker = g, self.workers[g]
+        s = dict(p.sampling)
+        if s.get("seed") is not None:
+            s["seed"] = s["seed"] + 1_000_003 * c.seed_group  # groups never share request seeds
+        c.ref = c.worker.generate.remote([p.prompts[i] for i in c.index], s, p.n, [p.extra[i] for i in c.index])
+        return True
+
+    def collect(self, pending: PendingRollout) -> list[RolloutSample]:
+        out: list[list[RolloutSample] | None] = [None] * len(pending.prompts)
+        for c in pending.chunks:
+            samples = self._result(pending, c)
+            for j, i in enumerate(c.index):
+                out[i] = samples[j * pending.n:(j + 1) * pending.n]
+        return [s for group in out for s in group]
+
+    def _result(self, p: PendingRollout, c: Chunk) -> list[RolloutSample]:
+        """The chunk's samples; an engine that died under it is restarted and the chunk sent again."""
+        while True:
+            if c.ref is None:
+                self._wait_serving()
+                self._send(p, c)
+                continue
+            try:
+                return ray.get(c.ref)
+            except ray.exceptions.RayError as err:
+                if not (engine_died(err) or refused_stale(err)):
+                    raise
+                if engine_died(err):
+                    self._restart(c.group, c.worker, err)
+                c.tries += 1
+                if c.tries > self.max_retries:
+                    raise RolloutFailed(f"{len(c.index)} rollout requests failed {c.tries} times (last on rollout "
+                                        f"group {c.group}): {str(err).strip().splitlines()[-1]}") from err
+                self.requests_retried += len(c.index)
+                logger.warning("retrying %d rollout requests that were in flight on rollout group %d (try %d); "
+                               "their partial samples were discarded", len(c.index), c.group, c.tries + 1)
+                c.ref = None
+
+    def generate(self, prompts, *, n, sampling, extra) -> list[RolloutSample]:
+        return self.collect(self.submit(prompts, n=n, sampling=sampling, extra=extra))
+
+    # ---- restart and refit -----------------------------------------------------------------------
+
+    def _restart(self, g: int, dead, err: BaseException) -> None:
+        """Replace group g's actor (unless another call did already) by a stale one."""
+        with self._lock:
+            if self.workers[g] is not dead:
+                return
+            if self.restarts >= self.max_restarts:
+                raise RolloutFailed(f"the vLLM engine of rollout group {g} died again after {self.restarts} "
+                                    f"restarts this run: {str(err).strip().splitlines()[-1]}") from err
+            self.restarts += 1
+            logger.warning("rollout group %d: vLLM engine died during generation (%s); restarting it, it serves "
+                           "again once it holds the current policy version", g, type(getattr(err, "cause", err)
+                                                                                     or err).__name__)
+            try:
+                ray.kill(dead, no_restart=True)
+            except Exception as kill_err:  # already gone
+                logger.debug("kill of the dead rollout actor: %s", kill_err)
+            stale = self.learner is not None  # without a learner the checkpoint on disk is what it serves
+            t0 = time.perf_counter()
+            self.workers[g] = self._start(g, stale=stale)
+            ray.get(self.workers[g].policy_version.remote())  # its engine is up
+            self.state[g] = STALE if stale else SERVING
+            self._regroup = True
+            logger.warning("rollout group %d: engine restarted in %.1f s, %s", g, time.perf_counter() - t0,
+                           "stale until refitted" if stale else "serving the checkpoint on disk")
+
+    def _wait_serving(self) -> None:
+        """Return once some group serves; refit stale groups meanwhile (when the learner allows)."""
+        deadline = time.monotonic() + self.refit_timeout_s
+        while True:
+            with self._lock:
+                if SERVING in self.state:
+                    return
+            if self.refit():
+                continue
+            if time.monotonic() > deadline:
+                raise RolloutFailed(f"no rollout group serves a policy version {self.refit_timeout_s:g} s after "
+                                    f"restarts (groups: {self.state})")
+            time.sleep(0.5)
+
+    def refit(self) -> bool:
+        """Publish the last published version again, so restarted groups hold it; False when it cannot
+        happen now (no learner or no publication yet, the learner busy, or its weights moved on: the
+        next publication refits then)."""
+        with self._lock:
+            if STALE not in self.state or self.learner is None or self._published is None:
+                return False
+        if not self.learner.lock.acquire(timeout=1.0):
+            return False
+        try:
+            version, updates = self._published
+            if self.learner.updates != updates:
+                return False
+            logger.info("refitting rollout group(s) %s with policy version %d",
+                        [g for g, s in enumerate(self.state) if s == STALE], version)
+            self._publish_locked(version)
+            return True
+        finally:
+            self.learner.lock.release()
+
+    # ---- publication -----------------------------------------------------------------------------
+
+    def attach(self, learner, *, bucket_bytes: int, transport: str) -> None:
+        """Connect the learner's publisher to every group; it publishes through `publish` from now on."""
+        self.learner = learner
+        self._connect = {"bucket_bytes": bucket_bytes, "transport": transport}
+        learner.connect_rollout(list(self.workers), **self._connect)
+
+    def expect_probe(self, version: int, sequences, logprobs, tolerance: float) -> None:
+        """The refit check's reference for `version` (RolloutWorker.expect_probe), kept for restarts."""
+        self._probe = (version, sequences, logprobs, tolerance)
+        with self._lock:
+            workers = list(self.workers)
+        ray.get([w.expect_probe.remote(*self._probe) for w in workers])
+
+    def publish(self, version: int) -> dict:
+        """The learner publishes `version` to every group (the learner's report: committed, errors)."""
+        with self.learner.lock:
+            report = self._publish_locked(version)
+            if report["committed"]:
+                self._published = (version, self.learner.updates)
+            return report
+
+    def _publish_locked(self, version: int) -> dict:
+        with self._lock:
+            workers, regroup = list(self.workers), self._regroup
+            stale = [g for g, s in enumerate(self.state) if s == STALE]
+        if regroup:  # the old group had the dead engine's ranks in it
+            self.learner.connect_rollout(workers, **self._connect)
+            with self._lock:
+                self._regroup = self.workers != workers  # replaced again meanwhile: once more next time
+        if stale and self._probe is not None and self._probe[0] == version:
+            ray.get([workers[g].expect_probe.remote(*self._probe) for g in stale])
+        report = self.learner.publish(version)
+        versions = ray.get([workers[g].policy_version.remote() for g in stale])
+        with self._lock:
+            for g, v in zip(stale, versions):
+                if v == version and self.workers[g] is workers[g]:
+                    self.state[g] = SERVING
+                    logger.warning("rollout group %d refitted: serving policy version %d (bytes verified%s)", g, v,
+                                   ", refit check passed" if self._probe and self._probe[0] == version else "")
+        return report
+
+    def counters(self) -> dict[str, float]:
+        """Restarts, retried requests and stale groups so far (logged with every step)."""
+        with self._lock:
+            return {"system/engine_restarts": float(self.restarts),
+                    "system/requests_retried": float(self.requests_retried),
+                    "system/stale_rollout_groups": float(self.state.count(STALE))}
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.get(w.shutdown.remote(), timeout=60)
+            except (ray.exceptions.RayError, TimeoutError) as err:
+                logger.warning("rollout worker shutdown: %s", err)
+            ray.kill(w)
