@@ -126,7 +126,7 @@ def evaluate_model(model_dir, rollout_cfg, reward_cfg, examples: Sequence, templ
     from transformers import AutoTokenizer
 
     from megatron_rl.reward.pool import VerifierPool
-    from megatron_rl.train.rollout_fleet import RolloutFleet
+    from megatron_rl.rollout.fleet import RolloutFleet
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     verifier = VerifierPool(reward_cfg)

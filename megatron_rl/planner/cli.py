@@ -13,7 +13,7 @@ import argparse
 import json
 
 from megatron_rl.planner.ledger import (
-    GIB, LearnerLayout, ModelDims, RolloutLayout, dims_from_hf, as_dict, compare_placements, learner_ledger, rollout_ledger,
+    GIB, LearnerLayout, RolloutLayout, as_dict, compare_placements, dims_from_hf, learner_ledger, rollout_ledger,
 )
 from megatron_rl.rollout.sleep import choose_sleep
 

@@ -24,7 +24,7 @@ from megatron_rl.console import progress
 from megatron_rl.data.dataset import PromptTemplate
 from megatron_rl.metrics import MetricsLogger
 from megatron_rl.train.producer import Round
-from megatron_rl.train.rollout_fleet import RolloutFleet
+from megatron_rl.rollout.fleet import RolloutFleet
 from megatron_rl.train.stop import STOP_FILE, StopCondition, StopConfig, StopRules
 from megatron_rl.train.telemetry import Telemetry, progress_line
 

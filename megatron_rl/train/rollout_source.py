@@ -9,7 +9,7 @@ fleet, one round per learner step, as far ahead as the coordinator admits.
     rounds = source.pause(); ...; source.unpause()     # a checkpoint: nothing in flight
     source.stop(); source.close()
 
-Owns the producer thread (producer.py), the rollout fleet (rollout_fleet.py), the data cursor and
+Owns the producer thread (producer.py), the rollout fleet (rollout/fleet.py), the data cursor and
 the prompt encoding (`PromptStream`), and dynamic sampling (dynamic_sampling.py: oversample
 prompts, grade each group as it arrives, keep groups whose rewards vary).  Per-request sampling
 seeds derive from the run seed and the round, so a round is the same in every run of a seed.
@@ -29,7 +29,7 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.train.config import RunConfig
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
 from megatron_rl.train.producer import Producer, Round, TrainState
-from megatron_rl.train.rollout_fleet import RolloutFleet
+from megatron_rl.rollout.fleet import RolloutFleet
 from megatron_rl.train.scoring import Scorer
 
 if TYPE_CHECKING:
