@@ -45,7 +45,7 @@ from megatron_rl.publish.manifest import (
     flatten_groups,
     to_dtype,
 )
-from megatron_rl.publish.wire import open_group, send_publication
+from megatron_rl.publish.wire import host_store, open_group, send_publication
 
 TRANSPORTS = ("gloo", "nccl", "ipc")
 NCCL_BUFFERS = 2  # vLLM's packed broadcast: buffers in flight on each side
@@ -97,7 +97,12 @@ class WeightPublisher:
             raise ValueError("connect() needs at least one rollout worker")
         sizes = ray.get([w.engine_world_size.remote() for w in workers])
         world = 1 + sum(sizes)
-        port = self.port or free_port(self.host)
+        store = None
+        if self.transport == "gloo":  # listening before the workers are told the port: nothing can take it
+            store = host_store(self.host, world, self.timeout_s, port=self.port or 0)
+            port = store.port
+        else:
+            port = self.port or free_port(self.host)
         offsets = [1 + sum(sizes[:i]) for i in range(len(workers))]
         info = dict(master_address=self.host, master_port=port, world_size=world)
         if self.transport == "ipc":  # no rendezvous: the handles name the memory
@@ -118,7 +123,7 @@ class WeightPublisher:
 
             self.group = trainer_init(info)  # rank 0, on this process's current CUDA device
         else:
-            self.group = open_group(self.host, port, 0, world, self.timeout_s)
+            self.group = open_group(self.host, port, 0, world, self.timeout_s, store=store)
         ray.get(refs)
         self.workers = list(workers)
         log.info("publication group up: %d rollout groups, world size %d, port %d", len(workers), world, port)

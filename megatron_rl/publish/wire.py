@@ -84,14 +84,24 @@ def _yield_to_transfer() -> None:
         log.debug("hash thread keeps its priority: %s", err)
 
 
+def host_store(host: str, world_size: int, timeout_s: float = 600.0, port: int = 0) -> dist.TCPStore:
+    """Rank 0's TCPStore, listening before anyone is told its port (`store.port`).  Port 0 lets the
+    OS pick a free one while binding it, so no other process can take it in between (a port
+    probed free and bound later can be)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
 def open_group(
-    host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0
+    host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0, store: dist.TCPStore | None = None
 ) -> dist.ProcessGroupGloo:
-    """Join the publication group: rank 0 hosts the TCPStore, everyone builds a gloo group."""
+    """Join the publication group: rank 0 hosts the TCPStore (`store`, from host_store, or one
+    made here), everyone builds a gloo group."""
     if not 0 <= rank < world_size:
         raise ValueError(f"publication rank {rank} is outside world_size {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), wait_for_workers=False, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), wait_for_workers=False, timeout=timeout)
     return dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, world_size, timeout)
 
 
