@@ -87,7 +87,8 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
         if state.step == 0:
             report.log_eval(0, split="test")
         source.start(state)
-        for step in range(state.step, cfg.run.steps):
+        last = state.step if report.stop_rules.budget_spent() else cfg.run.steps  # a spent budget stays spent
+        for step in range(state.step, last):
             t0 = time.perf_counter()
             rnd = source.next(step)                                      # rollout (admitted, version <= v)
             trajs, t_score = scorer.score(rnd.samples)                   # verifier pool

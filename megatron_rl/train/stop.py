@@ -155,15 +155,27 @@ class StopRules:
         self.generated_tokens = 0.0  # summed over the run's steps (system/generated_tokens), resumes included
 
     def restore(self, metrics_jsonl: Path) -> float:
-        """Resume the generated-token count from the run's logged steps (after the metrics rewind)."""
-        self.generated_tokens = 0.0
+        """Resume the generated-token count from the run's logged steps (after the metrics rewind).
+        A run that had already spent its budget is still over it: `triggered` says so at once."""
+        self.generated_tokens, last_step = 0.0, 0
         if metrics_jsonl.is_file():
             for line in metrics_jsonl.read_text(encoding="utf-8").splitlines():
                 try:
-                    self.generated_tokens += float(json.loads(line).get("system/generated_tokens", 0.0))
-                except (ValueError, AttributeError):
+                    row = json.loads(line)
+                    if "system/generated_tokens" in row:
+                        self.generated_tokens += float(row["system/generated_tokens"])
+                        last_step = max(last_step, int(row.get("step", 0)))
+                except (ValueError, AttributeError, TypeError):
                     continue  # a torn line: the rewind drops those
+        budget = self.cfg.max_generated_tokens
+        if budget is not None and self.generated_tokens >= budget:
+            self.triggered = StopCondition("max_generated_tokens", last_step, "system/generated_tokens",
+                                           self.generated_tokens, f">= budget {budget}")
         return self.generated_tokens
+
+    def budget_spent(self) -> bool:
+        """A budget ended the run (it runs no more steps, resumed or not)."""
+        return self.triggered is not None and self.triggered.ends_run
 
     def summary(self) -> dict:
         """For the run's final JSON line: tokens generated, and the budget that ended it if one did."""

@@ -144,6 +144,13 @@ def test_generated_token_budget_counts_the_steps_before_a_resume(tmp_path):
     assert rules.observe(3, {**HEALTHY, "system/generated_tokens": 300.0}) is None
     assert rules.observe(4, {**HEALTHY, "system/generated_tokens": 300.0}).value == 1200
     assert StopRules(StopConfig()).restore(tmp_path / "absent.jsonl") == 0
+    spent = StopRules(StopConfig(max_generated_tokens=600))  # resumed after the budget ended the run
+    assert spent.restore(log) == 600 and spent.budget_spent()
+    assert spent.summary() == {"generated_tokens": 600, "stopped": "max_generated_tokens", "stopped_at_step": 2}
+    under = StopRules(StopConfig(max_generated_tokens=1000))
+    assert under.restore(log) == 600 and not under.budget_spent() and under.triggered is None
+    off = StopRules(StopConfig())
+    assert off.restore(log) == 600 and not off.budget_spent()
 
 
 @pytest.mark.parametrize("bad", [0, -5, 1.5, True, "many"])
