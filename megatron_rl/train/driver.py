@@ -87,7 +87,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
         if state.step == 0:
             report.log_eval(0, split="test")
         source.start(state)
-        last = state.step if report.stop_rules.budget_spent() else cfg.run.steps  # a spent budget stays spent
+        last = state.step if report.budget_spent() else cfg.run.steps       # a spent token budget stays spent
         for step in range(state.step, last):
             t0 = time.perf_counter()
             rnd = source.next(step)                                      # rollout (admitted, version <= v)

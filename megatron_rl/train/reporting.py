@@ -118,6 +118,10 @@ class Reporter:
                     s["correctness"])
         return s["reward"]
 
+    def budget_spent(self) -> bool:
+        """The run's token budget is spent (restored on resume): no more steps."""
+        return self.stop_rules.budget_spent()
+
     def stop_condition(self) -> StopCondition | None:
         """The stop condition (train/stop.py) the metrics logged so far meet, or None; one that
         holds is also written to RUN_DIR/stop_condition.json (for `megatron-rl doctor`)."""
