@@ -251,6 +251,12 @@ class TrainConfig:
 
         if placement_problem(self.rollout.weight_transfer, self.run.placement):
             raise ConfigError(placement_problem(self.rollout.weight_transfer, self.run.placement))
+        from megatron_rl.rollout.sleep import config_problem
+
+        sleep_problem = config_problem(placement=self.run.placement, mode=self.run.mode,
+                                       requested=self.rollout.sleep_mode)
+        if sleep_problem:
+            raise ConfigError(sleep_problem)
         if self.rollout.weight_transfer == "none":
             raise ConfigError("rollout.weight_transfer 'none' cannot train: the policy could never reach the "
                               "rollout engines (use 'gloo', or 'nccl' with run.placement 'disaggregated')")

@@ -62,6 +62,25 @@ def test_placement_contradiction_is_refused_with_the_config(overrides, says):
         load_train_config(REPO / "configs/tiny_cpu.yaml", overrides)
 
 
+@pytest.mark.parametrize("overrides, says", [
+    (["run.mode=one_step_off"], "run.mode 'one_step_off' generates while the learner learns"),
+    (["run.mode=async"], "run.mode 'async' generates while the learner learns"),
+    (["run.placement=disaggregated"], "run.placement 'disaggregated'"),
+])
+def test_sleep_mode_true_outside_colocated_sync_is_refused_with_the_config(overrides, says):
+    """rollout.sleep_mode true in one_step_off/async (or disaggregated) can work on no device: it is
+    refused when the config is loaded, naming the field and the reason, not at start-up on a GPU."""
+    from megatron_rl.train.config import load_train_config
+
+    with pytest.raises(ConfigError) as err:
+        load_train_config(REPO / "configs/tiny_cpu.yaml", ["rollout.sleep_mode=true", *overrides])
+    assert str(err.value).startswith("rollout.sleep_mode true cannot work here") and says in str(err.value)
+    # unset or false is fine there, and true in sync mode waits for the device check at start-up
+    load_train_config(REPO / "configs/tiny_cpu.yaml", ["rollout.sleep_mode=false", *overrides])
+    load_train_config(REPO / "configs/tiny_cpu.yaml", overrides)
+    assert load_train_config(REPO / "configs/tiny_cpu.yaml", ["rollout.sleep_mode=true"]).rollout.sleep_mode
+
+
 def test_start_up_choice_uses_the_run_config():
     from megatron_rl.train.config import load_train_config
     from megatron_rl.train.placement import gpu_path_choices

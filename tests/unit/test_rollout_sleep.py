@@ -5,7 +5,8 @@
 Sleep needs CUDA (vLLM 0.32's CPU platform has none), so the engines' side cannot run here.  What
 is tested is the order the driver asks for, recorded at the one place where it reaches the
 engines (SleepCycle's `call`): sleep before every learner step, wake before every refit, never
-twice in a row, nothing when disabled, and a wake that fails is not forgotten.
+twice in a row, nothing when disabled, a wake that fails is not forgotten, and the state is per
+engine (an engine the fleet restarted comes back awake).
 """
 
 import pytest
@@ -16,17 +17,26 @@ pytestmark = pytest.mark.unit
 
 
 class Engines:
-    """Records each call the cycle makes on the fleet (the real one goes through Ray)."""
+    """Records each call the cycle makes on the fleet (the real one goes through Ray, ray_call).
+    `fail_wake` whole calls raise; `fail` maps (method, worker) to how many of its calls fail (the
+    worker's result is then the exception, as ray_call returns it)."""
 
-    def __init__(self, fail_wake: int = 0):
-        self.calls, self.fail_wake = [], fail_wake
+    def __init__(self, fail_wake: int = 0, fail: dict | None = None):
+        self.calls, self.fail_wake, self.fail = [], fail_wake, dict(fail or {})
 
     def __call__(self, workers, method, *args):
         if method == "wake_up" and self.fail_wake:
             self.fail_wake -= 1
             raise RuntimeError("engine died while waking (injected)")
         self.calls.append((tuple(workers), method, args))
-        return [None for _ in workers]
+        out = []
+        for w in workers:
+            if self.fail.get((method, w)):
+                self.fail[(method, w)] -= 1
+                out.append(RuntimeError(f"{w} failed to {method} (injected)"))
+            else:
+                out.append(None)
+        return out
 
 
 def drive(cycle, steps, publish_attempts=1):
@@ -78,10 +88,45 @@ def test_failed_wake_is_retried_at_the_next_refit():
 
 
 def test_the_live_fleet_is_asked_each_time():
-    """A fleet whose engines were restarted between phases is called with its new workers."""
+    """A fleet whose engines were restarted between phases is called with its new workers: the
+    replaced engine is gone and the restarted one came back awake, so nothing is woken; the next
+    learner step puts the new one to sleep."""
     engines, fleet = Engines(), {"workers": ["old"]}
     cycle = SleepCycle(lambda: fleet["workers"], enabled=True, reason="test", call=engines)
     cycle.before_learn()
     fleet["workers"] = ["new"]
+    assert not cycle.asleep
     cycle.before_refit()
-    assert [w for w, _, _ in engines.calls] == [("old",), ("new",)]
+    cycle.before_learn()
+    assert [(w, m) for w, m, _ in engines.calls] == [(("old",), "sleep"), (("new",), "sleep")]
+
+
+def test_an_engine_restarted_while_the_others_sleep_is_not_woken_but_put_to_sleep():
+    """rollout/fleet.py restarts a dead group's engine; the new one is awake.  The refit wakes only
+    the engines that sleep (a wake_up on an awake engine is not asked for), and a learner step
+    retried after the restart sleeps the new engine instead of leaving it holding GPU memory."""
+    engines, fleet = Engines(), {"workers": ["g0", "g1"]}
+    cycle = SleepCycle(lambda: fleet["workers"], enabled=True, reason="test", call=engines)
+    cycle.before_learn()
+    fleet["workers"] = ["g0", "g1-restarted"]
+    cycle.before_learn()                  # the step is retried: the restarted engine must sleep too
+    cycle.before_refit()
+    assert [(w, m) for w, m, _ in engines.calls] == [
+        (("g0", "g1"), "sleep"), (("g1-restarted",), "sleep"), (("g0", "g1-restarted"), "wake_up")]
+    fleet["workers"] = ["g0", "g1-again"]   # restarted while awake (during generation)
+    cycle.before_refit()                  # nothing sleeps: no call
+    cycle.before_learn()
+    assert engines.calls[3:] == [(("g0", "g1-again"), "sleep", (LEVEL,))]
+
+
+def test_a_partly_failed_wake_retries_only_the_engine_that_failed():
+    engines = Engines(fail={("wake_up", "g1"): 1})
+    cycle = SleepCycle(lambda: ["g0", "g1"], enabled=True, reason="test", call=engines)
+    cycle.before_learn()
+    with pytest.raises(RuntimeError, match="g1 failed to wake_up"):
+        cycle.before_refit()
+    assert cycle.sleeping == ["g1"]
+    cycle.before_refit()
+    assert [(w, m) for w, m, _ in engines.calls] == [
+        (("g0", "g1"), "sleep"), (("g0", "g1"), "wake_up"), (("g1",), "wake_up")]
+    assert not cycle.asleep
