@@ -37,12 +37,14 @@ def _env_int(name: str) -> int:
 
 
 def init_distributed(
-    platform: Platform, rank: int | None = None, world_size: int | None = None, timeout_s: float = 600
+    platform: Platform, rank: int | None = None, world_size: int | None = None, timeout_s: float = 600,
+    store: dist.Store | None = None,
 ) -> None:
     """Initialise torch.distributed on `platform.backend` (no-op when already initialised).
 
-    rank / world_size default to env RANK / WORLD_SIZE; MASTER_ADDR / MASTER_PORT come from the
-    environment (env:// rendezvous).
+    rank / world_size default to env RANK / WORLD_SIZE.  The rendezvous is `store` when given (every
+    rank must then pass one: rank 0 the TCPStore it already listens on, the others a client of it;
+    train/learner_build.py), else MASTER_ADDR / MASTER_PORT from the environment (env://).
     """
     if platform.is_cpu:
         from megatron_rl.platform.cpu_compat import enable_cpu_compat
@@ -56,7 +58,7 @@ def init_distributed(
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
+    for name in ("MASTER_ADDR", "MASTER_PORT") if store is None else ():
         if name not in os.environ:
             raise ValueError(f"environment variable {name} is not set (needed for init_distributed)")
     if platform.device.type == "cuda":
@@ -67,6 +69,7 @@ def init_distributed(
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        store=store,
     )
     logger.info("torch.distributed up: rank %d/%d on %s", rank, world_size, platform.backend)
 

@@ -31,12 +31,35 @@ class RankBuild:
     """Mixin of LearnerWorker: needs self.rank, self.world_size and self._args (its __init__)."""
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """(this node's IP, a free port): rank 0 hosts the torch.distributed rendezvous."""
+        """(this node's IP, the port rank 0's rendezvous store listens on).  The store binds port 0
+        (the OS picks a free one and binds it at once) before any rank is told the port, so no other
+        process can take it in between, as a port probed free and bound later by
+        init_process_group could be (EADDRINUSE; the publication group had the same fix, wire.host_store)."""
         import ray
 
-        from megatron_rl.platform.spawn import free_port
+        from megatron_rl.publish.wire import host_store
 
-        return ray.util.get_node_ip_address(), free_port()
+        host = ray.util.get_node_ip_address()
+        self._rendezvous_store = host_store(host, self.world_size)
+        return host, self._rendezvous_store.port
+
+    def join(self, master_addr: str, master_port: int, platform) -> None:
+        """Join torch.distributed through rank 0's store (rendezvous_address): rank 0 passes the
+        store it already listens on, the other ranks connect to it as clients."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from megatron_rl.platform.parallel import init_distributed
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        store = getattr(self, "_rendezvous_store", None) if self.rank == 0 else None
+        if store is None:
+            if self.rank == 0:
+                raise RuntimeError("learner rank 0 joins before rendezvous_address() made its store")
+            store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=600))
+        init_distributed(platform, rank=self.rank, world_size=self.world_size, store=store)
 
     def setup(self, master_addr: str, master_port: int, sampling=None) -> int:
         """Join torch.distributed, build the learner (scoring under `sampling`) and load the initial policy."""
@@ -45,14 +68,12 @@ class RankBuild:
         from megatron_rl.learner import Learner
         from megatron_rl.models.hf_config import load_hf_config, padded_vocab_size
         from megatron_rl.platform import detect_platform
-        from megatron_rl.platform.parallel import init_distributed
 
         learner_cfg, loss_cfg, hf_dir, seed, deterministic, threads = self._args
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         seed_everything(seed, deterministic, threads)
         self.loss_cfg = loss_cfg
         self.platform = detect_platform(dtype=learner_cfg.dtype)
-        init_distributed(self.platform, rank=self.rank, world_size=self.world_size)
+        self.join(master_addr, master_port, self.platform)
         self.hf_cfg = load_hf_config(hf_dir)
         self.publish_device = "cpu"  # where published tensors are materialised (connect_rollout)
         self.publish_dtype = torch.float32  # the engines' dtype once connected (connect_rollout)
