@@ -123,7 +123,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
                 source.stop()
                 raise SystemExit(EXIT_REQUEUE)
         source.stop()
-        report.log_eval(state.step, split="test")                        # = run.steps unless a budget ended it
+        report.final_eval(state.step)                                    # = run.steps unless a budget ended it
         first, last = report.initial_eval or {}, report.last_eval
         return {"steps": state.step, "version": state.version,
                 "initial_test_correctness": first.get("correctness"), "final_test_correctness": last["correctness"],

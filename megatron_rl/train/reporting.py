@@ -4,6 +4,7 @@ and the log of what each learner step consumed.
     reporter = Reporter(run_dir, MetricsLogger(run_dir / "metrics"), StopRules(cfg.stop), evaluator, steps=100)
     reporter.log_step(step, rnd, trajs, taken, learn, phases, queue=coord.metrics(), verifier=scorer.counters())
     reporter.log_eval(step, split="dev")       # greedy pass@1 on a held-out split
+    reporter.final_eval(step)                  # the test split at the end, logged once across resumes
     condition = reporter.stop_condition()      # train/stop.py
 
 Metrics are grouped by TensorBoard panel (train/telemetry.py); every dict logged is also fed to the
@@ -64,6 +65,20 @@ class Evaluator:
         return summary
 
 
+def logged_test_evals(metrics_jsonl: Path) -> dict[int, dict]:
+    """{step: {"reward", "correctness", "format"}} of the test evals logged in metrics.jsonl."""
+    out: dict[int, dict] = {}
+    if not metrics_jsonl.is_file():
+        return out
+    for line in metrics_jsonl.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+            out[int(row["step"])] = {k: float(row[f"eval/test_{k}"]) for k in ("reward", "correctness", "format")}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # another kind of row, or a torn line
+    return out
+
+
 class Reporter:
     """Owns the metrics logger, the telemetry window, the stop rules and the evals' results."""
 
@@ -75,6 +90,7 @@ class Reporter:
         self.initial_eval: dict | None = None
         """The step-0 eval of the hidden test split: {"reward", "correctness", "format"}."""
         self.last_eval: dict | None = None
+        self._logged_test: dict[int, dict] = {}  # step -> the test eval an earlier attempt logged there
         self._step_seconds: list[float] = []
 
     @classmethod
@@ -91,6 +107,19 @@ class Reporter:
         then count the generated tokens of those kept (stop.max_generated_tokens across resumes)."""
         self.metrics.rewind(step if step else -1)
         self.stop_rules.restore(self.run_dir / "metrics" / "metrics.jsonl")
+        self._logged_test = logged_test_evals(self.run_dir / "metrics" / "metrics.jsonl")
+
+    def final_eval(self, step: int) -> dict:
+        """The hidden test eval at the run's last step.  A run resumed at the step where an earlier
+        attempt already ended (run.steps reached, or its token budget spent) and logged this eval
+        takes that result and logs nothing: metrics.jsonl and TensorBoard hold it once."""
+        if step in self._logged_test:
+            self.last_eval = dict(self._logged_test[step])
+            logger.info("the final test eval at step %d was logged by an earlier attempt: correctness %.3f",
+                        step, self.last_eval["correctness"])
+        else:
+            self.log_eval(step, split="test")
+        return self.last_eval
 
     def log_step(self, step: int, rnd: Round, trajs: list, taken: list, learn: dict, phases: dict, *,
                  queue: dict, verifier: dict) -> None:

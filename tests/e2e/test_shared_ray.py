@@ -8,6 +8,8 @@ The test process starts the cluster the way `megatron-rl experiment` does
 generated-token budget, B at 0.7 for 2 steps.  Each run's queue (its WAL in its own run dir)
 must hold only its own trajectories, both runs must be jobs of the one cluster, and A must stop
 on its budget: exit 0, checkpointed, its final test eval done, "stopped" in its final JSON line.
+A is then rerun: it resumes with its budget spent, runs no step, and its final test eval is in
+metrics.jsonl and TensorBoard once.
 """
 
 from __future__ import annotations
@@ -50,10 +52,15 @@ def two_runs(tmp_path_factory):
                  for name, extra in runs.items()}
         outs = {name: p.communicate(timeout=900) for name, p in procs.items()}
         jobs = [j for j in ray._private.state.jobs() if not j.get("IsDead") or j.get("DriverPid")]
-    for name, p in procs.items():
-        assert p.returncode == 0, f"run {name} exited {p.returncode}\n{outs[name][1][-6000:]}"
+        for name, p in procs.items():
+            assert p.returncode == 0, f"run {name} exited {p.returncode}\n{outs[name][1][-6000:]}"
+        # A spent budget stays spent: rerunning A resumes at its last step and runs none.
+        rerun = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(TINY),
+                                f"run.dir={d / 'a'}", *COMMON, *runs["a"]], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, f"resumed run a exited {rerun.returncode}\n{rerun.stderr[-6000:]}"
     return SimpleNamespace(dir=d, address=address, outs=outs, driver_pids={j.get("DriverPid") for j in jobs},
-                           pids={name: p.pid for name, p in procs.items()})
+                           pids={name: p.pid for name, p in procs.items()}, rerun=rerun)
 
 
 def test_runs_in_one_cluster_do_not_see_each_others_trajectories(two_runs):
@@ -79,3 +86,18 @@ def test_a_generated_token_budget_ends_the_run_checkpointed_with_its_final_eval(
     assert (ckpt / "COMMITTED").is_file()
     assert (d / "eval" / f"test_step_{final['steps']:06d}.jsonl").is_file()  # the final eval ran
     assert json.loads((d / "stop_condition.json").read_text())["stopped"] == "max_generated_tokens"
+
+
+def test_a_resumed_run_with_its_budget_spent_logs_its_final_eval_once(two_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    d = two_runs.dir / "a"
+    first, again = last_json(two_runs.outs["a"][0]), last_json(two_runs.rerun.stdout)
+    assert again["steps"] == first["steps"] and again["stopped"] == "max_generated_tokens"
+    assert again["final_test_correctness"] == first["final_test_correctness"]
+    rows = read_jsonl(d / "metrics" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "learn/loss" in r] == list(range(1, first["steps"] + 1))  # no step redone
+    assert [r["step"] for r in rows if "eval/test_correctness" in r] == [0, first["steps"]]
+    acc = EventAccumulator(str(d / "metrics" / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/test_correctness")] == [0, first["steps"]]
