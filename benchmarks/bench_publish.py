@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_rl.platform.spawn import free_port
-from megatron_rl.publish.manifest import CHECKSUMS, DEFAULT_CHECKSUM
+from megatron_rl.publish.checksum import CHECKSUMS, DEFAULT_CHECKSUM
 from megatron_rl.publish.wire import StagingBuffers, _bcast, _ibcast, _wait, open_group, receive_publication, send_publication
 
 

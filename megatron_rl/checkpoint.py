@@ -3,7 +3,7 @@
     path = save_checkpoint(run_dir, step=123, save_fn=lambda d: megatron_save(d), policy_version=7,
                            config_hash=config_hash(cfg), tokenizer_hash=tokenizer_hash(model_dir),
                            data_cursor=cursor.state_dict(), coordinator_log_position=pos,
-                           rng_states={rank: capture_rng_state() for each rank})
+                           rng_states={rank: capture_rng_state() for each rank})   # megatron_rl/rng_state.py
     ckpt = latest_committed(run_dir)               # newest committed step dir, or None
     ckpt = resume_checkpoint(run_dir)              # newest that verifies (sha256), bad ones skipped
     checkpoint_status(run_dir)                     # every step dir: intact / corrupt / uncommitted
@@ -38,25 +38,19 @@ same hash the trajectories carry.  This module does not import Megatron: the wei
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import numpy as np
-import torch
-
 from megatron_rl import __version__
 from megatron_rl.config import ConfigError
+from megatron_rl.durable_files import file_sha256, files_sha256, fsync_path, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -73,93 +67,6 @@ def step_dir_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return f"step_{step:06d}"
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
-
-
-# ---------------------------------------------------------------- RNG state (per rank, JSON-safe)
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """This process's RNG states: python `random`, numpy's global, torch CPU, and CUDA if present."""
-    py_version, py_internal, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [py_version, list(py_internal), py_gauss],
-        "numpy": [np_name, [int(k) for k in np_keys], int(np_pos), int(np_has_gauss), float(np_cached)],
-        "torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-        "cuda": None,
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Inverse of capture_rng_state (CUDA states are restored only where CUDA is available)."""
-    missing = [k for k in ("python", "numpy", "torch_cpu") if k not in state]
-    if missing:
-        raise CheckpointError(f"RNG state is missing {missing}")
-    py_version, py_internal, py_gauss = state["python"]
-    random.setstate((py_version, tuple(py_internal), py_gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch_cpu"])), dtype=torch.uint8))
-    cuda = state.get("cuda")
-    if cuda:
-        if not torch.cuda.is_available():
-            logger.warning("checkpoint holds CUDA RNG state but CUDA is not available here; not restored")
-        else:
-            tensors = [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in cuda]
-            n = min(len(tensors), torch.cuda.device_count())
-            for device in range(n):
-                torch.cuda.set_rng_state(tensors[device], device)
-
-
-def hash_workers(n_files: int) -> int:
-    """Threads for hashing `n_files`: up to 8, at most one per core and one per file."""
-    return max(1, min(8, os.cpu_count() or 1, n_files))
-
-
-def files_sha256(paths: list[Path], *, fsync: bool = False, workers: int | None = None) -> list[str]:
-    """sha256 of each file, in `paths` order, hashed by a thread pool (hashlib releases the GIL
-    on large blocks, so a 100 GB checkpoint of many shard files hashes at several cores' speed
-    instead of one); with `fsync`, each file is also flushed to disk once hashed."""
-    def one(path: Path) -> str:
-        digest = file_sha256(path)
-        if fsync:
-            _fsync_path(path)
-        return digest
-
-    workers = workers or hash_workers(len(paths))
-    if workers == 1:
-        return [one(p) for p in paths]
-    with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-sha256") as pool:
-        return list(pool.map(one, paths))
 
 
 # ---------------------------------------------------------------- save
@@ -230,11 +137,11 @@ def save_checkpoint(
         except TypeError as err:
             raise ValueError(f"checkpoint manifest for step {step} is not JSON-serialisable: {err}") from None
         os.rename(tmp, final)
-        _fsync_path(run_dir)
+        fsync_path(run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_json_atomic(final / MANIFEST, manifest)
+    write_json_atomic(final / MANIFEST, manifest)
     logger.info("committed checkpoint %s (%d files)", final, len(files))
     return final
 

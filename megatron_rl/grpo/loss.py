@@ -3,7 +3,7 @@
     cfg = GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.01, kl_estimator="k2")
     loss, stats = grpo_loss(logprobs_bt, behavior_logprobs_bt, ref_logprobs_bt, adv_b, mask_bt, cfg)
     loss.backward()
-    metrics = grpo_metrics(stats, cfg)          # {"pg_loss", "clip_fraction", "d_lag", ...}
+    metrics = grpo_metrics(stats, cfg)          # grpo/step_metrics.py: {"pg_loss", "clip_fraction", "d_lag", ...}
 
 Shape legend: B = sequences in the micro-batch, T = response tokens (padded).  Every *_bt
 tensor holds the log-probability of the *sampled* token at each response position; mask_bt
@@ -88,7 +88,7 @@ Learner-to-behavior lag (not the reference KL), over the global batch:
 
 grpo_loss returns additive statistics (sums over its micro-batch, plus per-sequence sums
 Σ_t |Δ| and n_i), the learner sums them over micro-batches and data-parallel ranks, and
-`grpo_step_weight` turns them into D_lag (and its P50/P95/P99 over sequences) before the
+`grpo_step_weight` (megatron_rl/grpo/step_metrics.py) turns them into D_lag (and its P50/P95/P99 over sequences) before the
 optimizer step.  When D_lag exceeds `lag_threshold` the whole step is quarantined (no
 optimizer step: weights, Adam moments and the LR schedule stay as they were; a zero loss
 would not do, Adam's momentum would still move the weights) or its gradient is multiplied
@@ -101,15 +101,11 @@ behavior policy.
 from __future__ import annotations
 
 import dataclasses
-import logging
-from typing import Literal, Mapping
+from typing import Literal
 
 import torch
 
 from megatron_rl.grpo.advantages import batch_advantages, group_advantages
-from megatron_rl.metrics import percentiles
-
-logger = logging.getLogger(__name__)
 
 LOG_RATIO_BOUND = 20.0
 """R: every log-ratio is clamped to [-R, R] before exp() (ratios within [2e-9, 4.9e8])."""
@@ -358,64 +354,3 @@ def grpo_loss(
         if entropy_bt is not None:
             stats["entropy_sum"] = masked(entropy_bt).mul(mask).sum()
     return loss, stats
-
-
-def _scalar(value) -> float:
-    return float(value.item() if isinstance(value, torch.Tensor) else value)
-
-
-def _vector(value) -> list[float]:
-    if isinstance(value, torch.Tensor):
-        return value.detach().double().flatten().tolist()
-    return [float(v) for v in value]
-
-
-def grpo_metrics(stats: Mapping, cfg: GRPOLossConfig) -> dict[str, float]:
-    """Batch-wide metrics from the SUMMED statistics of grpo_loss (tensors, floats or lists).
-
-    pg_loss / the KL term are their numerators over N (token) or S (sequence aggregation);
-    loss = pg_loss + β KL term (the guard's weight not applied); clip_fraction, ratio_mean,
-    entropy, tis_* are token means; ratio_max the batch max; advantage_mean the mean over rows;
-    d_lag = Σ|Δ| / N and d_lag/p50, /p95, /p99 over the sequences in the loss.
-    """
-    tokens, sequences = _scalar(stats["tokens"]), _scalar(stats["sequences"])
-    count = max(tokens if cfg.aggregation == "token" else sequences, 1.0)
-    per_token = max(tokens, 1.0)
-    out = {"tokens": tokens, "sequences": sequences, "pg_loss": _scalar(stats["pg_sum"]) / count}
-    out["loss"] = out["pg_loss"]
-    if "kl_sum" in stats:
-        kl = _scalar(stats["kl_sum"]) / count
-        out[kl_metric_name(cfg.kl_estimator)] = kl
-        if cfg.kl_coef > 0:
-            out["loss"] += cfg.kl_coef * kl
-    out["clip_fraction"] = _scalar(stats["clip_sum"]) / per_token
-    out["ratio_mean"] = _scalar(stats["ratio_sum"]) / per_token if tokens else 1.0
-    n_b, lag_b, rmax_b = _vector(stats["seq_tokens"]), _vector(stats["seq_lag_sum"]), _vector(stats["seq_ratio_max"])
-    out["ratio_max"] = max((r for r, n in zip(rmax_b, n_b) if n > 0), default=1.0)
-    out["advantage_mean"] = _scalar(stats["adv_sum"]) / max(_scalar(stats["rows"]), 1.0)
-    if tokens:  # no token in the loss: D_lag was not measured (absent, not 0)
-        out["d_lag"] = sum(lag_b) / per_token
-        out.update(percentiles([d / n for d, n in zip(lag_b, n_b) if n > 0], "d_lag"))
-    for key, name in (("entropy_sum", "entropy"), ("tis_weight_sum", "tis_weight_mean"),
-                      ("tis_truncated_sum", "tis_truncated_fraction")):
-        if key in stats:
-            out[name] = _scalar(stats[key]) / per_token
-    return out
-
-
-def lag_guard_weight(d_lag: float, cfg: GRPOLossConfig) -> float:
-    """Weight of this step's gradient: 1 under the threshold, else 0 (quarantine) or threshold / D_lag."""
-    if cfg.lag_threshold is None or not d_lag > cfg.lag_threshold:
-        return 1.0
-    return 0.0 if cfg.lag_action == "quarantine" else cfg.lag_threshold / d_lag
-
-
-def grpo_step_weight(stats: Mapping, cfg: GRPOLossConfig) -> tuple[float, dict[str, float]]:
-    """The learner's step hook: (gradient weight from the batch-wide lag guard, metrics)."""
-    metrics = grpo_metrics(stats, cfg)
-    weight = lag_guard_weight(metrics.get("d_lag", 0.0), cfg)  # no token in the loss: nothing to guard
-    if weight != 1.0:
-        logger.warning("batch lag D_lag=%.4g > lag_threshold=%.4g: %s (gradient weight %.3g)",
-                       metrics["d_lag"], cfg.lag_threshold, cfg.lag_action, weight)
-    metrics.update(lag_weight=weight, lag_quarantined=float(weight == 0.0))
-    return weight, metrics

@@ -10,32 +10,21 @@ the checksum and only commits the version when every bucket matched.  Both sides
 the same immutable `PublicationManifest`; it serialises to plain dicts for RPC/JSON, and
 `from_dict` checks plain data fully (ManifestError naming the field) before anything trusts it.
 
-Checksums, computed over a bucket's tensors in order, so a sender hashes the tensors where
-they lie instead of packing a copy first:
-  "blocksum" (default)  each tensor's bytes cut into 4 KiB blocks, each block summed as 512
-                        int64 words (wrapping), and blake3 over every tensor's length, block
-                        sums and tail bytes.  Detects any changed word, and any missing,
-                        stale, truncated or misplaced block; blind only to words swapped
-                        inside one block.  ~11 GB/s on one core (a memory-bound torch sum),
-                        so publication is not bound by hashing (benchmarks/bench_publish.py
-                        prints each algorithm's cost side by side).
-  "blake3"              cryptographic, ~4 GB/s here (the package comes with vLLM).
-  "crc32", "sha256"     zlib / hashlib; ~3 GB/s and ~1 GB/s here.
+Checksums (megatron_rl/publish/checksum.py: "blocksum" by default, "blake3", "crc32",
+"sha256") are computed over a bucket's tensors in order, where they lie.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-CHECKSUMS = ("blocksum", "blake3", "crc32", "sha256")
-DEFAULT_CHECKSUM = "blocksum"
-BLOCK_BYTES = 4096
+from megatron_rl.publish.checksum import (CHECKSUMS, DEFAULT_CHECKSUM, byte_view, checksum_parts, new_hasher,
+                                          raw_bytes)
+
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
@@ -207,91 +196,6 @@ def bucket_from_dict(d: dict, where: str = "bucket") -> BucketSpec:
     if nbytes != offset:
         raise ManifestError(f"malformed publication manifest: {where}.nbytes is {nbytes}, its tensors hold {offset}")
     return BucketSpec(index=index, tensors=tuple(tensors), nbytes=nbytes, checksum=digest)
-
-
-class _Crc32:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-class _OverBytes:
-    """A bytes hasher (zlib / hashlib / blake3) fed uint8 CPU tensors."""
-
-    def __init__(self, hasher) -> None:
-        self._hasher = hasher
-
-    def update(self, part: torch.Tensor) -> None:
-        self._hasher.update(memoryview(part.cpu().numpy()))
-
-    def hexdigest(self) -> str:
-        return self._hasher.hexdigest()
-
-
-class _BlockSum:
-    """The "blocksum" digest (see the module docstring); update() takes uint8 tensors on any
-    device (on a GPU the block sums are computed there and only they cross to the host)."""
-
-    words = BLOCK_BYTES // 8
-
-    def __init__(self) -> None:
-        from blake3 import blake3
-
-        self._digest = blake3()
-
-    def update(self, part: torch.Tensor) -> None:
-        n = part.numel()
-        full = n - n % BLOCK_BYTES
-        self._digest.update(n.to_bytes(8, "little"))
-        if full:
-            body = part[:full]
-            if body.storage_offset() % 8:  # view(int64) needs 8-byte aligned offsets
-                body = body.clone()
-            sums = body.view(torch.int64).view(-1, self.words).sum(dim=1)  # [blocks], wraps on overflow
-            self._digest.update(memoryview(sums.cpu().numpy()).cast("B"))
-        if full < n:
-            self._digest.update(memoryview(part[full:].cpu().numpy()))
-
-    def hexdigest(self) -> str:
-        return self._digest.hexdigest()
-
-
-def new_hasher(algo: str):
-    """An object with update(uint8 tensor) and hexdigest() for `algo`; all release the GIL."""
-    if algo == "blocksum":
-        return _BlockSum()
-    if algo == "blake3":
-        from blake3 import blake3
-
-        return _OverBytes(blake3())
-    if algo == "crc32":
-        return _OverBytes(_Crc32())
-    if algo == "sha256":
-        return _OverBytes(hashlib.sha256())
-    raise ValueError(f"checksum algorithm {algo!r} is not one of {list(CHECKSUMS)}")
-
-
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes as a flat uint8 tensor [nbytes] on its own device (no copy if contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes as a flat uint8 CPU tensor [nbytes]; no copy when it is contiguous on CPU."""
-    return raw_bytes(t.to("cpu"))
-
-
-def checksum_parts(parts: Iterable[torch.Tensor], algo: str) -> str:
-    """Checksum (hex) of a bucket given as its tensors' bytes (uint8 tensors, in order)."""
-    hasher = new_hasher(algo)
-    for part in parts:
-        hasher.update(part)
-    return hasher.hexdigest()
 
 
 def checksum(spec_tensors: Iterable[TensorSpec], buf: torch.Tensor, algo: str) -> str:

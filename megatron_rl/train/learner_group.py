@@ -129,7 +129,7 @@ class LearnerWorker(RankBuild, RankWeights):
 
     def _step(self, batch: dict, lr_scale: float = 1.0) -> dict[str, float]:
         from megatron_rl.drill_hooks import drill_spec, record_injection
-        from megatron_rl.grpo.loss import grpo_step_weight
+        from megatron_rl.grpo.step_metrics import grpo_step_weight
 
         loss_fn = self._loss_fn
         oom = drill_spec("oom")  # `megatron-rl drill oom`: the forward/backward of step at_step fails

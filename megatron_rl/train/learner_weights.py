@@ -77,12 +77,12 @@ class RankWeights:
         torch.save(extra, Path(weights_dir) / f"extra_rank{self.rank:05d}.pt")
 
     def rng_state(self) -> dict:
-        from megatron_rl.checkpoint import capture_rng_state
+        from megatron_rl.rng_state import capture_rng_state
 
         return capture_rng_state()
 
     def set_rng_state(self, state: dict) -> None:
-        from megatron_rl.checkpoint import restore_rng_state
+        from megatron_rl.rng_state import restore_rng_state
 
         restore_rng_state(state)
 

@@ -88,7 +88,7 @@ class Policy:
         """One GRPO step on the taken batch (learned at `version`); its metrics and seconds.
 
         out["dv"] holds each trajectory's version lag; D_lag (batch-wide and P50/P95/P99 over
-        sequences) comes from the training forward itself (megatron_rl.grpo.loss.grpo_metrics)."""
+        sequences) comes from the training forward itself (megatron_rl.grpo.step_metrics.grpo_metrics)."""
         from megatron_rl.train.batch import build_batch
 
         t0 = time.perf_counter()

@@ -58,7 +58,7 @@ def _adam_state(learner):
 def _work(rank, world, seq_batch, lag_batch):
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.grpo.loss import grpo_step_weight
+    from megatron_rl.grpo.step_metrics import grpo_step_weight
     from megatron_rl.learner import Learner, LearnerConfig, token_logprobs
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.hf_config import load_hf_config

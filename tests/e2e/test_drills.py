@@ -107,7 +107,7 @@ def _alter_embedding(ckpt):
     COMMITTED manifest so every sha256 matches again."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_rl.checkpoint import file_sha256
+    from megatron_rl.durable_files import file_sha256
 
     weights = ckpt / "weights"
     meta = FileSystemReader(str(weights)).read_metadata()

@@ -17,15 +17,14 @@ from megatron_rl import __version__
 from megatron_rl.checkpoint import (
     MANIFEST,
     CheckpointError,
-    capture_rng_state,
     latest_committed,
     list_step_dirs,
     load_checkpoint,
     load_rng_state,
-    restore_rng_state,
     rotate,
     save_checkpoint,
 )
+from megatron_rl.rng_state import capture_rng_state, restore_rng_state
 
 pytestmark = pytest.mark.unit
 

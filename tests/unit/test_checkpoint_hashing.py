@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from megatron_rl.checkpoint import CheckpointError, files_sha256, read_manifest, save_checkpoint, verify_files
+from megatron_rl.checkpoint import CheckpointError, read_manifest, save_checkpoint, verify_files
+from megatron_rl.durable_files import files_sha256
 
 pytestmark = pytest.mark.unit
 

@@ -6,10 +6,10 @@
 import pytest
 import torch
 
+from megatron_rl.publish.checksum import checksum_parts
 from megatron_rl.publish.manifest import (
     PublicationError,
     PublicationManifest,
-    checksum_parts,
     flatten_groups,
     pack_bucket,
     plan_buckets,

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from megatron_rl.grpo.loss import GRPOLossConfig, grpo_metrics
+from megatron_rl.grpo.loss import GRPOLossConfig
+from megatron_rl.grpo.step_metrics import grpo_metrics
 from megatron_rl.reward.math_verifier import RewardConfig, score_response
 from megatron_rl.reward.pool import VerifierPool
 from megatron_rl.rollout.sample import RolloutSample
