@@ -1,10 +1,11 @@
 """`megatron-rl plan`: the capacity planner's memory ledger for a training config.
 
-    megatron-rl plan --config configs/qwen2_7b_8gpu_colocated.yaml [--json]
+    megatron-rl plan --config configs/qwen2_7b_8gpu_colocated.yaml [--json] [--step-seconds S]
 
 Prints, per role and per GPU, every item of the ledger (see ledger.py for the formulas), then
 compares colocated and disaggregated placements with a fits / does-not-fit verdict naming the
-largest item.
+largest item, and the run's length: the steps its token budget allows (stop.max_generated_tokens,
+budget.py), and the wall time they take at S seconds per step when --step-seconds is given.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatron_rl.planner.budget import budget_plan, render_budget
 from megatron_rl.planner.ledger import (
     GIB, LearnerLayout, RolloutLayout, as_dict, compare_placements, dims_from_hf, learner_ledger, rollout_ledger,
 )
 from megatron_rl.rollout.sleep import choose_sleep
 
 
-def plan_for_config(cfg) -> dict:
+def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
     from megatron_rl.train.plan import model_config
 
     hf = model_config(cfg)
@@ -61,6 +63,7 @@ def plan_for_config(cfg) -> dict:
         "configured_placement": cfg.run.placement,
         "colocated_sleep_mode": sleeps,
         "sleep_mode_reason": sleep_why,
+        "length": budget_plan(cfg, step_seconds),
     }
 
 
@@ -82,13 +85,14 @@ def render(plan: dict) -> str:
         chosen = " (configured)" if v["placement"] == plan["configured_placement"] else ""
         lines.append(f"  {v['placement']:<14}{chosen} {v['gpus_needed']} GPUs, peak {v['peak_gib_per_gpu']:.2f} GiB/GPU "
                      f"({v['margin']:.0%} margin): {mark}; largest item {v['largest_item']} ({v['note']})")
+    lines.append(render_budget(plan["length"]))
     return "\n".join(lines)
 
 
 def _cmd(args: argparse.Namespace) -> int:
     from megatron_rl.train.config import load_train_config
 
-    plan = plan_for_config(load_train_config(args.config, args.overrides))
+    plan = plan_for_config(load_train_config(args.config, args.overrides), step_seconds=args.step_seconds)
     print(json.dumps(plan) if args.json else render(plan))
     chosen = next(v for v in plan["placements"] if v["placement"] == plan["configured_placement"])
     return 0 if chosen["fits"] else 1
@@ -98,5 +102,8 @@ def register(sub) -> None:
     p = sub.add_parser("plan", help="memory ledger per role and GPU; colocated vs disaggregated verdicts")
     p.add_argument("--config", required=True)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--step-seconds", type=float, default=None,
+                   help="seconds per training step measured on this hardware (a run's mean system/time_step_s): "
+                        "the plan then gives the wall time of the steps the token budget allows")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.set_defaults(func=_cmd)

@@ -183,3 +183,31 @@ def test_moe_params_and_expert_rows_by_hand():
     assert "expert_weights" not in dense
     with pytest.raises(ValueError, match="expert parallel size 3"):
         learner_ledger(MOE, LearnerLayout(dp=3, ep=3), 0.0)
+
+
+def test_the_plan_shows_the_steps_and_wall_time_the_token_budget_allows():
+    """tiny_cpu: 16 prompts x 16 samples x at most 2 tokens = 256-512 tokens per step, 100 steps.
+    A budget of 10 full steps allows 10-20 steps; one run.steps can never reach leaves run.steps;
+    the wall time is the steps at the measured step time; dynamic sampling's discarded groups count."""
+    from megatron_rl.planner.cli import plan_for_config, render
+    from megatron_rl.train.config import load_train_config
+
+    recipe = REPO / "configs/tiny_cpu.yaml"
+    cfg = load_train_config(recipe, ["stop.max_generated_tokens=5120"])
+    per_step = (cfg.samples_per_step, cfg.samples_per_step * cfg.rollout.max_tokens)
+    plan = plan_for_config(cfg, step_seconds=3.0)
+    length = plan["length"]
+    assert length["tokens_per_step"] == list(per_step) == [256, 512]
+    assert length["steps"] == [5120 // 512, 5120 // 256] and length["wall_s"] == [30.0, 60.0]
+    assert "token budget 5120: 10-20 steps" in render(plan) and "the budget ends the run" in render(plan)
+    unreachable = plan_for_config(load_train_config(recipe, ["stop.max_generated_tokens=10000000"]))["length"]
+    assert unreachable["steps"] == [100, 100] and unreachable["wall_s"] is None
+    assert "cannot end the run" in unreachable["note"]
+    none = plan_for_config(load_train_config(recipe, []), step_seconds=2.0)["length"]
+    assert none["steps"] == [100, 100] and none["wall_s"] == [200.0, 200.0]
+    ds = plan_for_config(load_train_config(recipe, ["stop.max_generated_tokens=5120", "dynamic_sampling.enabled=true",
+                                                    "dynamic_sampling.oversample=2", "dynamic_sampling.max_attempts=3"]))
+    assert ds["length"]["tokens_per_step"] == [512, 3 * 512 * 2]  # 32 prompts drawn per attempt, 3 attempts
+    assert ds["length"]["steps"] == [2, 10]
+    with pytest.raises(ValueError, match="--step-seconds"):
+        plan_for_config(cfg, step_seconds=0)
