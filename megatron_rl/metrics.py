@@ -18,6 +18,7 @@ megatron_rl/panels.py (grouped charts per panel, P50/P95/P99 on one chart).
 Resume: `log.rewind(S)` after resuming from the checkpoint of step S drops the JSONL records of
 steps > S (an abandoned attempt's, about to be redone) and starts a new TensorBoard event file
 with purge_step S+1, so readers discard the older files' events of those steps.
+`logged_test_evals(path)` reads back the test evals a metrics.jsonl holds.
 """
 
 from __future__ import annotations
@@ -206,6 +207,21 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def logged_test_evals(metrics_jsonl: str | Path) -> dict[int, dict]:
+    """{step: {"reward", "correctness", "format"}} of the hidden test evals already in a
+    metrics.jsonl (a run resumed where it had ended takes its final eval from here)."""
+    path, out = Path(metrics_jsonl), {}
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+            out[int(row["step"])] = {k: float(row[f"eval/test_{k}"]) for k in ("reward", "correctness", "format")}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # another kind of row, or a torn line
+    return out
 
 
 def percentiles(values: Sequence[float], prefix: str, qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from megatron_rl.console import progress
 from megatron_rl.data.dataset import PromptTemplate
-from megatron_rl.metrics import MetricsLogger
+from megatron_rl.metrics import MetricsLogger, logged_test_evals
 from megatron_rl.train.producer import Round
 from megatron_rl.rollout.fleet import RolloutFleet
 from megatron_rl.train.stop import STOP_FILE, StopCondition, StopConfig, StopRules
@@ -63,20 +63,6 @@ class Evaluator:
             logger.warning("eval step %d on %s: %d of %d responses could not be graded (excluded from the means)",
                            step, split, summary["verifier_errors"], len(examples))
         return summary
-
-
-def logged_test_evals(metrics_jsonl: Path) -> dict[int, dict]:
-    """{step: {"reward", "correctness", "format"}} of the test evals logged in metrics.jsonl."""
-    out: dict[int, dict] = {}
-    if not metrics_jsonl.is_file():
-        return out
-    for line in metrics_jsonl.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-            out[int(row["step"])] = {k: float(row[f"eval/test_{k}"]) for k in ("reward", "correctness", "format")}
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue  # another kind of row, or a torn line
-    return out
 
 
 class Reporter:

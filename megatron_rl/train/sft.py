@@ -75,7 +75,7 @@ def sft(cfg) -> dict:
     from megatron_rl.config import config_hash
     from megatron_rl.console import progress
     from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
-    from megatron_rl.metrics import MetricsLogger
+    from megatron_rl.metrics import MetricsLogger, logged_test_evals
     from megatron_rl.run_manifest import close_run
     from megatron_rl.train.learner_group import LearnerGroup
     from megatron_rl.train.run_setup import open_run_dir, train_cursor
@@ -108,6 +108,8 @@ def sft(cfg) -> dict:
             start = int(manifest["step"])
             logger.info("resumed SFT from %s at step %d", resume_from, start)
         metrics = MetricsLogger(run_dir / "metrics")
+        metrics.rewind(start if start else -1)  # steps after the checkpoint are redone: log them once
+        logged = logged_test_evals(run_dir / "metrics" / "metrics.jsonl").get(cfg.sft.steps)
         seconds: list[float] = []
         for step in range(start, cfg.sft.steps):
             t0 = time.perf_counter()
@@ -130,8 +132,13 @@ def sft(cfg) -> dict:
                 rotate(ckpts, cfg.run.keep_checkpoints)
         learner.shutdown()
         learner = None
-        result = _final_eval(cfg, export_run_checkpoint(run_dir), splits, template)
-        metrics.log(cfg.sft.steps, {f"eval/test_{k}": result[k] for k in ("reward", "correctness", "format")})
+        if logged is not None and start == cfg.sft.steps:  # an earlier attempt ended here and evaluated
+            result = logged
+            logger.info("SFT had ended at step %d; its final test eval was logged then: correctness %.3f",
+                        start, result["correctness"])
+        else:
+            result = _final_eval(cfg, export_run_checkpoint(run_dir), splits, template)
+            metrics.log(cfg.sft.steps, {f"eval/test_{k}": result[k] for k in ("reward", "correctness", "format")})
         return {"steps": cfg.sft.steps, "test_correctness": result["correctness"], "test_reward": result["reward"],
                 "test_format": result["format"], "run_dir": str(run_dir)}
     finally:

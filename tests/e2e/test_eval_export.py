@@ -66,9 +66,9 @@ def test_sft_baseline_then_grpo_starts_from_it(tmp_path):
     # sft.first: one `train` command runs the SFT baseline in RUN_DIR/sft, then GRPO from its result.
     run = tmp_path / "run"
     sft_dir = run / "sft"
-    grpo = last_json(run_cli("train", "--config", str(TINY), f"run.dir={run}", "sft.first=true", "sft.steps=6",
-                             "run.checkpoint_every=3", "data.eval_size=32", "run.steps=2", "run.eval_every=0",
-                             "dynamic_sampling.enabled=true", "dynamic_sampling.max_attempts=3").stdout)
+    sft_args = ["sft.steps=6", "run.checkpoint_every=3", "data.eval_size=32", "run.steps=2", "run.eval_every=0",
+                "dynamic_sampling.enabled=true", "dynamic_sampling.max_attempts=3"]
+    grpo = last_json(run_cli("train", "--config", str(TINY), f"run.dir={run}", "sft.first=true", *sft_args).stdout)
     nll = [r["sft/nll_per_token"] for r in read_jsonl(sft_dir / "metrics" / "metrics.jsonl") if "sft/nll_per_token" in r]
     assert len(nll) == 6 and nll[-1] < 0.5 * nll[0]  # supervised loss on the answers falls
     assert sorted(p.name for p in (sft_dir / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
@@ -78,6 +78,13 @@ def test_sft_baseline_then_grpo_starts_from_it(tmp_path):
     # GRPO's step-0 eval is the SFT baseline's own final eval: same weights, same decoding.
     assert grpo["baseline"] == "sft" and grpo["sft_steps"] == 6
     assert grpo["initial_test_correctness"] == pytest.approx(grpo["baseline_test_correctness"], abs=1e-12)
+    # `sft` rerun on the finished stage resumes at its last step: no step redone, and its final
+    # test eval is the one logged then (metrics.jsonl holds it once).
+    again = last_json(run_cli("sft", "--config", str(TINY), f"run.dir={sft_dir}", *sft_args).stdout)
+    assert again["steps"] == 6 and again["test_correctness"] == grpo["baseline_test_correctness"]
+    sft_rows = read_jsonl(sft_dir / "metrics" / "metrics.jsonl")
+    assert [r["step"] for r in sft_rows if "sft/loss" in r] == list(range(1, 7))
+    assert [r["step"] for r in sft_rows if "eval/test_correctness" in r] == [6]
     # Dynamic sampling: every group trained on has rewards that vary, except the ones it had to
     # fill in when its attempts ran out (counted); what it discarded counts against ESR.
     rows = [r for r in read_jsonl(run / "metrics" / "metrics.jsonl") if "learn/loss" in r]

@@ -58,3 +58,24 @@ def test_fresh_start_forgets_everything_and_a_torn_line(tmp_path):
         log.log(0, {"eval/test_reward": 0.2})
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows == [{"step": 0, "time": rows[0]["time"], "eval/test_reward": 0.2}]
+
+
+def test_test_evals_read_back_after_a_rewind(tmp_path):
+    """The final test eval an attempt logged at its last step is found again after a rewind to that
+    step (a resumed run that already ended takes it instead of evaluating and logging once more);
+    one logged after the rewind point is not."""
+    from megatron_rl.metrics import logged_test_evals
+
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        log.log(0, {"eval/test_reward": 0.5, "eval/test_correctness": 0.25, "eval/test_format": 1.0})
+        log.log(3, {"learn/loss": 1.0})
+        log.log(3, {"eval/test_reward": 1.5, "eval/test_correctness": 0.75, "eval/test_format": 1.0,
+                    "eval/test_verifier_errors": 0.0})
+        log.log(4, {"eval/test_reward": 2.0, "eval/test_correctness": 1.0, "eval/test_format": 1.0})
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 5, "eval/test_rew')  # torn line
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        log.rewind(3)
+    assert logged_test_evals(tmp_path / "metrics.jsonl") == {
+        0: {"reward": 0.5, "correctness": 0.25, "format": 1.0}, 3: {"reward": 1.5, "correctness": 0.75, "format": 1.0}}
+    assert logged_test_evals(tmp_path / "missing.jsonl") == {}
