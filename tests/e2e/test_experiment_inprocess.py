@@ -54,6 +54,9 @@ def test_both_runs_ran_in_the_runner_process(warm_and_cold):
     r = warm_and_cold
     assert _pid(r.sft) == _pid(r.warm) != _pid(r.cold)
     assert (r.warm / "result.json").is_file() and (r.warm / "checkpoints" / "step_000002" / "COMMITTED").is_file()
+    for actor in ("LearnerWorker", "RolloutWorker"):  # its actors' output in its own run dir, as a process's
+        log = r.warm / "logs" / f"ray_{actor}.log"
+        assert log.is_file() and log.stat().st_size > 0, f"{log} missing or empty"
 
 
 def test_a_run_in_process_equals_the_cold_run(warm_and_cold):
