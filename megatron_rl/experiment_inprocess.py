@@ -12,9 +12,10 @@ Each run is still its own run: the same command line (run dir, seeds, queue/WAL,
 metrics, run_manifest), its own console session (RUN_DIR/logs/, its output and final JSON line
 in the experiment's log for it), and its own actors (engines, learners, coordinator), which it
 closes before it returns, as it does when it runs as a process.  What it leaves in this process
-are imported modules and warm caches, nothing of the run's state.  A run whose
-actors did not all let go of their resources is logged; a failed run ends the experiment (its
-cluster goes down with the runner), so nothing of it reaches the next run.
+are imported modules and warm caches, nothing of the run's state.  Before each run the cluster
+must be free again (a run whose actors did not all let go of their resources is logged); a
+failed run ends the experiment (its cluster goes down with the runner), so nothing of it
+reaches the next run.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def launch_in_process(args: list[str], log: Path) -> int:
     (the code its process would have had: 0 done, 2 bad input, 75 requeue, 81-87 stop conditions, 1 a bug)."""
     from megatron_rl import cli
 
+    check_released()  # the previous run's actors have let go (counted in this run's start-up, not the last's work)
     log.parent.mkdir(parents=True, exist_ok=True)
     handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}  # the run's StopFlag installs its own
     t0 = time.time()
@@ -60,14 +62,12 @@ def launch_in_process(args: list[str], log: Path) -> int:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
     logger.info("in-process run %s: exit %d after %.1f s", args[0], rc, time.time() - t0)
-    if rc == 0:
-        check_released()
     return rc
 
 
 def check_released(timeout_s: float = 20.0) -> bool:
-    """True once every CPU/GPU of the cluster is free again (the run closed its actors); a warning
-    naming what is still held otherwise (the next run may not be placed)."""
+    """True once every CPU/GPU of the cluster is free (the previous run closed its actors); a warning
+    naming what is still held otherwise (this run may not be placed)."""
     import ray
 
     if not ray.is_initialized():

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_rl import cli
 from megatron_rl.experiment import choose_launch, launch_cli, load_experiment
-from megatron_rl.experiment_inprocess import launch_in_process
+from megatron_rl.experiment_inprocess import check_released, launch_in_process
 
 pytestmark = pytest.mark.unit
 
@@ -78,3 +78,18 @@ def test_in_process_needs_the_shared_cluster(tmp_path):
     assert choose_launch(_exp(tmp_path, in_process=False)) is launch_cli
     with pytest.raises(ValueError, match="in_process"):
         _exp(tmp_path, in_process="yes")
+
+
+def test_resources_a_previous_run_still_holds_are_named(monkeypatch, caplog):
+    import ray
+
+    held = {"CPU": 2.0, "GPU": 0.0}
+    free = {"CPU": 1.75}  # an actor of the last run (a CPU share of its bundle) did not end: injected
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: held)
+    monkeypatch.setattr(ray, "available_resources", lambda: free)
+    with caplog.at_level("WARNING"):
+        assert check_released(timeout_s=0.2) is False
+    assert "{'CPU': 0.25}" in caplog.text
+    free["CPU"] = 2.0
+    assert check_released(timeout_s=0.2) is True
