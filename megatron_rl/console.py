@@ -349,8 +349,8 @@ def _restore_root(state) -> None:
 
 
 def _install_ray_hook(session: ConsoleSession) -> bool:
-    """After every ray.init of this process: Ray's logger propagates to ours, and the output of
-    Ray workers comes to `session.worker_output` instead of being printed."""
+    """After every ray.init of this process (and now, when Ray is up already): Ray's logger propagates
+    to ours, and the output of Ray workers comes to `session.worker_output` instead of being printed."""
     try:
         from ray._private import worker as ray_worker
         from ray._private.ray_logging import global_worker_stdstream_dispatcher
@@ -371,6 +371,8 @@ def _install_ray_hook(session: ConsoleSession) -> bool:
     own_ray_logger()
     hook.megatron_rl_session = session
     ray_worker._post_init_hooks.append(hook)
+    if ray_worker.global_worker.connected:  # Ray is up already (a run inside the experiment runner)
+        hook()
     return True
 
 

@@ -7,8 +7,9 @@ An experiment file names a base training config, the arms (each a command -- `sf
 the seeds, and the pre-registration: hypothesis, primary metric (hidden-test correctness),
 baseline arm, minimal effect and alpha.  Before the first run the pre-registration is written
 to `DIR/preregistration.json`; a later invocation whose pre-registration differs is refused,
-so the claim cannot move after the data are in.  Then every (arm, seed) runs as its own process
-(`DIR/runs/<arm>/seed_<s>`), in dependency order, one after another; a run whose
+so the claim cannot move after the data are in.  Then every (arm, seed) runs (`DIR/runs/<arm>/seed_<s>`),
+in dependency order, one after another, inside the runner's process (`in_process`, default on;
+experiment_inprocess.py) or each as its own process; a run whose
 `result.json` exists is skipped, so an interrupted experiment resumes where it stopped.
 
 What the runs share, to cut each run's start-up (benchmarks/bench_experiment_overhead.py):
@@ -103,6 +104,10 @@ class ExperimentConfig:
     one per run.  Runs still own their actors, queues and run dirs: a run's actors end with it."""
     engine_in_process: bool = True
     """rollout.engine_in_process for every run whose rollout TP is 1 (vLLM without its two extra processes)."""
+    in_process: bool = True
+    """Run the runs inside the runner's process, one after another (experiment_inprocess.py), instead of one
+    process each: the driver's imports and Ray connect are paid once.  Needs shared_ray (otherwise each run
+    is its own process, logged)."""
 
     def __post_init__(self) -> None:
         if self.preregistration.baseline_arm not in self.arms:
@@ -118,7 +123,7 @@ class ExperimentConfig:
         budget = self.budget_generated_tokens
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ConfigError(f"budget_generated_tokens must be an int >= 1 (or null = off), got {budget!r}")
-        for name in ("shared_ray", "engine_in_process"):
+        for name in ("shared_ray", "engine_in_process", "in_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.order()  # no cycles
@@ -252,9 +257,23 @@ def validate_runs(cfg: ExperimentConfig) -> None:
                 raise ConfigError(f"arms.{arm} (seed {seed}): {err}") from None
 
 
-def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] = launch_cli) -> list[tuple[str, int]]:
+def choose_launch(cfg: ExperimentConfig) -> Callable[[list[str], Path], int]:
+    """In the runner's process (cfg.in_process, with the shared cluster) or one process per run."""
+    if not cfg.in_process:
+        return launch_cli
+    if not cfg.shared_ray:
+        logger.info("in_process needs shared_ray: each run starts as its own process")
+        return launch_cli
+    from megatron_rl.experiment_inprocess import launch_in_process
+
+    return launch_in_process
+
+
+def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] | None = None) -> list[tuple[str, int]]:
     """Run every (arm, seed) not finished yet; returns the ones run now.  Stops on a failed run."""
     from megatron_rl.console import progress
+
+    launch = launch or choose_launch(cfg)
 
     start = time.time()
     validate_runs(cfg)

@@ -102,7 +102,7 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
     if missing:
         raise ValueError(f"run manifest: identity fields {missing} missing")
     path = Path(run_dir) / name
-    attempt = {"started_at": _now(), "ended_at": None, "host": socket.gethostname(), "git": _git(),
+    attempt = {"started_at": _now(), "ended_at": None, "host": socket.gethostname(), "pid": os.getpid(), "git": _git(),
                "versions": _versions(), "hardware": _hardware(), "config_hash": config_hash}
     if resuming and path.is_file():
         manifest = json.loads(path.read_text())

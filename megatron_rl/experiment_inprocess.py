@@ -1,0 +1,84 @@
+"""An experiment's runs inside the runner's own process, one after another (experiment.in_process).
+
+    megatron-rl experiment --config experiments/grpo_vs_sft.yaml       # in_process: true (the default)
+
+A run launched as its own process (experiment.launch_cli) pays Python's start-up and the driver's
+imports (torch, transformers, Ray's client, the project) and a Ray connect before it does anything;
+here the runner, which already holds the experiment's shared Ray cluster (shared_ray), runs the
+same `megatron-rl` command line through `megatron_rl.cli.main` in its own process, so the runs
+after the first find all of that done.
+
+Each run is still its own run: the same command line (run dir, seeds, queue/WAL, checkpoints,
+metrics, run_manifest), its own console session (RUN_DIR/logs/, its output and final JSON line
+in the experiment's log for it), and its own actors (engines, learners, coordinator), which it
+closes before it returns, as it does when it runs as a process.  What it leaves in this process
+are imported modules and warm caches, nothing of the run's state.  Before each run the cluster
+must be free again (a run whose actors did not all let go of their resources is logged); a
+failed run ends the experiment (its cluster goes down with the runner), so nothing of it
+reaches the next run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+import traceback
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
+
+
+def exit_code(err: SystemExit) -> int:
+    """What the process would have exited with (sys.exit semantics)."""
+    if err.code is None:
+        return 0
+    return err.code if isinstance(err.code, int) else 1
+
+
+def launch_in_process(args: list[str], log: Path) -> int:
+    """Run one `megatron-rl` command line in this process, its output to `log`; returns its exit code
+    (the code its process would have had: 0 done, 2 bad input, 75 requeue, 81-87 stop conditions, 1 a bug)."""
+    from megatron_rl import cli
+
+    check_released()  # the previous run's actors have let go (counted in this run's start-up, not the last's work)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}  # the run's StopFlag installs its own
+    t0 = time.time()
+    with log.open("w", buffering=1) as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        try:
+            rc = int(cli.main(list(args)) or 0)
+        except SystemExit as err:  # StopConditionMet, requeue (75): their code, as the process's
+            rc = exit_code(err)
+        except KeyboardInterrupt:
+            raise
+        except Exception:  # a bug: its traceback where the process would have printed it
+            traceback.print_exc(file=f)
+            rc = 1
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+    logger.info("in-process run %s: exit %d after %.1f s", args[0], rc, time.time() - t0)
+    return rc
+
+
+def check_released(timeout_s: float = 20.0) -> bool:
+    """True once every CPU/GPU of the cluster is free (the previous run closed its actors); a warning
+    naming what is still held otherwise (this run may not be placed)."""
+    import ray
+
+    if not ray.is_initialized():
+        return True
+    deadline = time.monotonic() + timeout_s
+    held: dict = {}
+    while time.monotonic() < deadline:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        held = {k: total[k] - free.get(k, 0.0) for k in ("CPU", "GPU") if total.get(k, 0.0) - free.get(k, 0.0) > 1e-6}
+        if not held:
+            return True
+        time.sleep(0.5)
+    logger.warning("after an in-process run the cluster still holds %s: an actor of it did not end", held)
+    return False

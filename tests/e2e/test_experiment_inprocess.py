@@ -1,0 +1,82 @@
+"""A run inside the experiment runner's process gives what the same run gives as its own process.
+
+    python -m pytest tests/e2e/test_experiment_inprocess.py -q      # through /work/heavy (~3 min)
+
+One tiny experiment (SFT 2 steps, then GRPO 2 steps from it, one seed) runs with the defaults:
+both runs inside the runner (`in_process`) against its shared Ray cluster, so the GRPO run is the
+second run of that process and finds the first one's imports and caches.  Then the same GRPO
+command line runs again, cold: its own process, its own Ray.  Every learning, numerics, reward and
+eval value of every step, the per-example hidden-test outcomes and the final JSON line must be
+equal; only timing and queue gauges may differ.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.experiment import command_for, load_experiment
+from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+TIMING = ("system/", "latency/", "queue/", "time")  # clocks and snapshot gauges (differ run to run)
+
+
+@pytest.fixture(scope="module")
+def warm_and_cold(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inprocess")
+    path = d / "exp.yaml"
+    path.write_text(json.dumps({
+        "base": str(TINY), "dir": str(d / "exp"), "seeds": [0],
+        "overrides": ["data.eval_size=8", "run.eval_every=0", "run.checkpoint_every=0"],
+        "preregistration": {"hypothesis": "in-process runs equal cold runs", "baseline_arm": "sft"},
+        "arms": {"sft": {"command": "sft", "overrides": ["sft.steps=2"]},
+                 "grpo": {"command": "train", "init_from": "sft", "overrides": ["run.steps=2"]}}}))
+    run_cli("experiment", "--config", str(path))
+    cfg = load_experiment(path)
+    cold_dir = d / "cold"
+    args = [a for a in command_for(cfg, "grpo", 0) if not a.startswith(("run.dir=", "run.use_existing_ray="))]
+    cold = run_cli(*args, f"run.dir={cold_dir}")
+    warm_dir = d / "exp" / "runs" / "grpo" / "seed_0"
+    return SimpleNamespace(warm=warm_dir, cold=cold_dir, sft=d / "exp" / "runs" / "sft" / "seed_0",
+                           warm_final=last_json((d / "exp" / "logs" / "grpo_seed_0.log").read_text()),
+                           cold_final=last_json(cold.stdout))
+
+
+def _pid(run_dir) -> int:
+    return json.loads((run_dir / "run_manifest.json").read_text())["attempts"][-1]["pid"]
+
+
+def test_both_runs_ran_in_the_runner_process(warm_and_cold):
+    r = warm_and_cold
+    assert _pid(r.sft) == _pid(r.warm) != _pid(r.cold)
+    assert (r.warm / "result.json").is_file() and (r.warm / "checkpoints" / "step_000002" / "COMMITTED").is_file()
+    for actor in ("LearnerWorker", "RolloutWorker"):  # its actors' output in its own run dir, as a process's
+        log = r.warm / "logs" / f"ray_{actor}.log"
+        assert log.is_file() and log.stat().st_size > 0, f"{log} missing or empty"
+
+
+def test_a_run_in_process_equals_the_cold_run(warm_and_cold):
+    r = warm_and_cold
+
+    def values(run_dir) -> dict:
+        rows: dict = {}
+        for row in read_jsonl(run_dir / "metrics" / "metrics.jsonl"):
+            rows.setdefault(row["step"], {}).update({k: v for k, v in row.items() if not k.startswith(TIMING)})
+        return rows
+
+    warm, cold = values(r.warm), values(r.cold)
+    assert warm.keys() == cold.keys() and any("learn/loss" in v for v in warm.values())
+    diffs = {(s, k): (warm[s].get(k), cold[s].get(k)) for s in warm for k in warm[s].keys() | cold[s].keys()
+             if warm[s].get(k) != cold[s].get(k)}
+    assert not diffs, f"in-process vs cold: {diffs}"
+    outcomes = [read_jsonl(d / "eval" / "test_step_000002.jsonl") for d in (r.warm, r.cold)]
+    assert outcomes[0] == outcomes[1] and len(outcomes[0]) == 8
+    keep = {k: v for k, v in r.cold_final.items() if not k.endswith(("_s", "_seconds")) and k != "run_dir"}
+    assert {k: r.warm_final.get(k) for k in keep} == keep
+    result = json.loads((r.warm / "result.json").read_text())
+    assert result["steps"] == r.cold_final["steps"] == 2
+    assert result["generated_tokens"] == r.cold_final["generated_tokens"]
