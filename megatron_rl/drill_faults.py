@@ -212,17 +212,17 @@ def engine_crash(drill: Drill) -> dict:
                           and refitted is not None and off_version == 0)}
 
 
-PARTITION_TIMEOUT_S = 8.0  # rollout.publish_timeout_s of the partition drill; the stop lasts longer
+PARTITION_TIMEOUT_S = 6.0  # rollout.publish_timeout_s of the partition drill; the stop lasts longer
 
 
 def partition(drill: Drill) -> dict:
     """Two rollout groups; the first to receive publication at_step+1 stops answering (SIGSTOP of its
-    actor and vLLM processes) for `variant` seconds (default 20), longer than rollout.publish_timeout_s:
+    actor and vLLM processes) for `variant` seconds (default 15), longer than rollout.publish_timeout_s:
     the publication must give up on it after the timeout, leave it out (stale, unreachable), the other
     group go on training, and the stopped group -- once it answers again -- be refitted before it
     serves; no sample of another version than its round's, in the same attempt."""
     cfg = drill.cfg
-    version, seconds = cfg.at_step + 1, float(cfg.variant or 20.0)
+    version, seconds = cfg.at_step + 1, float(cfg.variant or 15.0)
     if seconds <= PARTITION_TIMEOUT_S:
         raise ValueError(f"drill partition: the stop ({seconds:g} s) must outlast rollout.publish_timeout_s "
                          f"({PARTITION_TIMEOUT_S:g} s)")

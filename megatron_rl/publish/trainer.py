@@ -162,8 +162,8 @@ class WeightPublisher:
             self.group = None  # a failed collective leaves the group unusable: connect() again
             log.warning("publication of version %d broke off: %s", version, str(err).strip().splitlines()[-1])
         results = group_answers(refs, version, self.timeout_s)
-        if failure is not None and not any(r.get("unresponsive") for r in results):
-            raise failure  # every group answered: the trainer's side failed (e.g. its source raised)
+        if failure is not None and not any(r.get("unresponsive") or r.get("broken_off") for r in results):
+            raise failure  # no link broke: the trainer's side failed (e.g. its source raised)
         return manifest, results
 
     def _publish_nccl(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest, list[dict]]:

@@ -317,7 +317,7 @@ class RolloutFleet:
                 self._published = (version, self.learner.updates)
             return report
 
-    def _publish_locked(self, version: int) -> dict:
+    def _publish_locked(self, version: int, again: bool = True) -> dict:
         self.check_returned()
         with self._lock:
             workers, regroup = list(self.workers), self._regroup
@@ -342,6 +342,12 @@ class RolloutFleet:
             if not all(r["committed"] for r in kept):  # the send broke off: once more without them
                 return self._publish_locked(version)
             report = dict(report, committed=bool(kept), groups=kept, errors=[])
+        elif report.get("broken") and again:  # broke off, yet every group answered (it came back meanwhile)
+            with self._lock:
+                self._regroup = True
+            logger.warning("publication of version %d broke off; forming the publication group anew and "
+                           "publishing it again", version)
+            return self._publish_locked(version, again=False)
         versions = ray.get([workers[g].policy_version.remote() for g in stale])
         with self._lock:
             for g, v in zip(stale, versions):

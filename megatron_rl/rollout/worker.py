@@ -287,16 +287,12 @@ class RolloutWorker:
         return self._commit(version, self.llm.collective_rpc("megatron_rl_publication_status"))
 
     def _broken_off(self, version: int, err: Exception) -> dict[str, Any]:
-        """A gloo publication that broke off mid-stream: close the update session (nothing was staged
-        complete, so nothing loads) and keep serving the version this group had."""
-        try:
-            self.llm.finish_weight_update()
-        except Exception as finish_err:  # noqa: BLE001 -- reported below with the first error
-            log.warning("closing the broken publication %d: %r", version, finish_err)
+        """A gloo publication that broke off mid-stream (vLLM closed the update session with the error;
+        nothing was staged, so nothing loads): keep serving the version this group had."""
         last = str(err).strip().splitlines()
         log.warning("publication %d broke off (%s); serving version %s", version, last[-1] if last else err,
                     self.version)
-        return {"committed": False, "version": self.version, "bad_bucket": None, "workers": [],
+        return {"committed": False, "version": self.version, "bad_bucket": None, "workers": [], "broken_off": True,
                 "error": f"publication {version} broke off: {last[-1] if last else err!r}"}
 
     def commit_weights(self, manifest: dict[str, Any]) -> dict[str, Any]:
