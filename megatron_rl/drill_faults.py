@@ -230,7 +230,7 @@ def partition(drill: Drill) -> dict:
                       extra=("rollout.data_parallel_size=2", f"rollout.publish_timeout_s={PARTITION_TIMEOUT_S:g}"))
     log = drill.log()
     detected = _first_line(log, r"rollout group \d+ did not answer")
-    back = _first_line(log, r"rollout group \d+ answers again after")
+    back = _first_line(log, r"rollout group \d+ answers again")
     refitted = _first_line(log, r"refitted: serving policy version \d+")
     rows = _metric_rows(drill)
     last = rows[-1] if rows else {}

@@ -288,7 +288,8 @@ class RolloutFleet:
                     except ray.exceptions.RayError as err:  # it died meanwhile: restarted (stale) instead
                         dead.append((g, self.workers[g], err))
         for g, seconds in back:
-            logger.warning("rollout group %d answers again after %.1f s; stale until refitted", g, seconds)
+            logger.warning("rollout group %d answers again (%.1f s after it was left out); stale until refitted",
+                           g, seconds)
         for g, worker, err in dead:
             self._restart(g, worker, err)
         return bool(back or dead)
