@@ -33,7 +33,7 @@ from pathlib import Path
 DEFAULT_OVERRIDES = ["data.eval_size=8", "run.eval_every=0", "run.checkpoint_every=2", "run.keep_checkpoints=3"]
 EVENTS = "drill_events.jsonl"
 DRILLS = ("bad_checkpoint", "oom", "oom_twice", "verifier_timeout", "worker_crash", "engine_crash", "bad_refit",
-          "partition")
+          "partition", "coordinator_stop")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -50,7 +50,7 @@ class DrillConfig:
     """Steps of the drill run (run.steps)."""
     variant: str | None = None
     """Drill-specific choice: bad_checkpoint flip|truncate|uncommit; verifier_timeout the share of calls;
-    partition the seconds the stopped group stays stopped."""
+    partition / coordinator_stop the seconds the stopped process stays stopped."""
     overrides: list = dataclasses.field(default_factory=list)
     """Extra dotted.key=value overrides, after DEFAULT_OVERRIDES."""
     from_run: str | None = None

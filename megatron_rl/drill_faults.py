@@ -252,6 +252,27 @@ def partition(drill: Drill) -> dict:
                           and last.get("system/stale_rollout_groups") == 0.0)}
 
 
+def coordinator_stop(drill: Drill) -> dict:
+    """SIGSTOP of the coordinator actor's process for `variant` seconds (default 10) at the first put of
+    round at_step, before it is applied: the producer's put and the learner's take wait on it (Ray calls,
+    no timeout below coordinator take_timeout_s); once it continues, the put lands exactly once (put_many
+    is idempotent by id, the WAL holds it) and the run finishes in the same attempt."""
+    from megatron_rl.drill import recovery_time
+
+    cfg = drill.cfg
+    seconds = float(cfg.variant or 10.0)
+    run = drill.train(fault={"fault": "coordinator_stop", "at_step": cfg.at_step, "seconds": seconds})
+    events = drill.injections()
+    waited = recovery_time(drill)
+    return {"injected_at": {"round": cfg.at_step, "signal": f"SIGSTOP, SIGCONT after {seconds:g} s",
+                            "process": "coordinator actor", "trajectories_in_the_put":
+                                events[0].get("trajectories") if events else None},
+            "detected_by": "nothing needed: the producer's put and the learner's take wait on the actor",
+            "waited_s": waited,
+            "action": "waited; the put applied once when the coordinator continued",
+            "recovered": _finished(drill, run) and bool(events) and waited is not None and waited >= seconds * 0.9}
+
+
 def samples_off_version(db: Path) -> int | None:
     """Trajectories (queued or finished) whose oldest policy version is not their round's (sync mode:
     round r is sampled with version r; an engine serving an unknown version would break it)."""
@@ -267,6 +288,7 @@ def samples_off_version(db: Path) -> int | None:
 RUNNERS = {
     "engine_crash": engine_crash,
     "partition": partition,
+    "coordinator_stop": coordinator_stop,
     "bad_refit": bad_refit,
     "bad_checkpoint": bad_checkpoint,
     "oom": oom,

@@ -27,6 +27,9 @@ injects the fault itself, so a drill exercises the real failure path, not a patc
                       actor)                                 `at_version` SIGSTOPs its actor and vLLM
                                                              processes; a detached shell SIGCONTs them
                                                              `seconds` later (once per run)
+    coordinator_stop  CoordinatorActor.put_many (coordinator) the first put of round at_step SIGSTOPs the
+                                                             coordinator's process for `seconds` before it
+                                                             is applied (once per run)
 
 `at_step` counts learner steps from 0 (the step about to be learned: learner step s produces policy
 version s+1).  Each injection appends {"fault", "at_step", "time", "pid"} to the JSON-lines file
@@ -47,7 +50,8 @@ import zlib
 logger = logging.getLogger(__name__)
 
 ENV = "MEGATRON_RL_DRILL"
-FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load", "engine_kill", "engine_stop")
+FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load", "engine_kill", "engine_stop",
+          "coordinator_stop")
 
 
 def drill_spec(fault: str) -> dict | None:
@@ -136,17 +140,35 @@ def maybe_stop_group(version: int) -> None:
         os.close(os.open(spec["events"] + ".stop-claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return  # another group (or an earlier call) was stopped already
+    _stop_this_process(spec, version=version)
+    logger.warning("drill engine_stop: this rollout group answers again after %g s", float(spec.get("seconds", 20.0)))
+
+
+def maybe_stop_coordinator(trajs: list) -> None:
+    """Drill hook (`megatron-rl drill coordinator_stop`), called by CoordinatorActor.put_many: the first
+    put of round at_step stops the coordinator's process (SIGSTOP) for `seconds`, with the put not yet
+    applied; producers and the learner wait on it meanwhile.  Once per run (an event in `events`)."""
+    spec = drill_spec("coordinator_stop")
+    if spec is None or not trajs or not str(getattr(trajs[0], "id", "")).startswith(f"r{spec.get('at_step')}/"):
+        return
+    if injected_before(spec):
+        return
+    _stop_this_process(spec, trajectories=len(trajs))
+
+
+def _stop_this_process(spec: dict, **extra) -> None:
+    """SIGSTOP this process and every process under it; a detached shell sends SIGCONT `seconds` later
+    (this call returns then)."""
     import psutil
 
     me = psutil.Process()
     below = me.children(recursive=True)
     pids = [me.pid] + [p.pid for p in below]
     seconds = float(spec.get("seconds", 20.0))
-    record_injection(spec, pids_stopped=pids, seconds=seconds, version=version)
+    record_injection(spec, pids_stopped=pids, seconds=seconds, **extra)
     subprocess.Popen(["sh", "-c", f"sleep {seconds:g}; kill -CONT {' '.join(map(str, reversed(pids)))}"],
                      start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL)
     for p in below:
         os.kill(p.pid, signal.SIGSTOP)
     os.kill(me.pid, signal.SIGSTOP)  # returns once the shell sent SIGCONT
-    logger.warning("drill engine_stop: this rollout group answers again after %g s", seconds)
