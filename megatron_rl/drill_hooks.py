@@ -149,9 +149,10 @@ def maybe_stop_coordinator(trajs: list) -> None:
     put of round at_step stops the coordinator's process (SIGSTOP) for `seconds`, with the put not yet
     applied; producers and the learner wait on it meanwhile.  Once per run (an event in `events`)."""
     spec = drill_spec("coordinator_stop")
-    if spec is None or not trajs or not str(getattr(trajs[0], "id", "")).startswith(f"r{spec.get('at_step')}/"):
+    if spec is None or not trajs:
         return
-    if injected_before(spec):
+    head = str(getattr(trajs[0], "id", "")).split("/", 1)[0]  # ids are "r<round>/<prompt>/<sample>"
+    if head != f"r{int(spec.get('at_step', -1)):06d}" or injected_before(spec):
         return
     _stop_this_process(spec, trajectories=len(trajs))
 
