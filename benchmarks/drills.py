@@ -30,6 +30,8 @@ PLAN = {  # drill -> extra CLI arguments
     "worker_crash": ["run.learner_timeout_s=60"],
     "engine_crash": ["--at-step", "1", "--steps", "3"],
     "bad_refit": ["--at-step", "1", "--steps", "3"],
+    "partition": ["--at-step", "1", "--steps", "12"],  # 2 rollout groups; one stopped 15 s (tiny steps ~1 s)
+    "coordinator_stop": ["--at-step", "1", "--steps", "3"],  # the coordinator stopped 10 s
 }
 
 

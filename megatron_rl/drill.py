@@ -32,7 +32,8 @@ from pathlib import Path
 
 DEFAULT_OVERRIDES = ["data.eval_size=8", "run.eval_every=0", "run.checkpoint_every=2", "run.keep_checkpoints=3"]
 EVENTS = "drill_events.jsonl"
-DRILLS = ("bad_checkpoint", "oom", "oom_twice", "verifier_timeout", "worker_crash", "engine_crash", "bad_refit")
+DRILLS = ("bad_checkpoint", "oom", "oom_twice", "verifier_timeout", "worker_crash", "engine_crash", "bad_refit",
+          "partition", "coordinator_stop")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -48,7 +49,8 @@ class DrillConfig:
     steps: int = 4
     """Steps of the drill run (run.steps)."""
     variant: str | None = None
-    """Drill-specific choice: bad_checkpoint flip|truncate|uncommit; verifier_timeout the share of calls."""
+    """Drill-specific choice: bad_checkpoint flip|truncate|uncommit; verifier_timeout the share of calls;
+    partition / coordinator_stop the seconds the stopped process stays stopped."""
     overrides: list = dataclasses.field(default_factory=list)
     """Extra dotted.key=value overrides, after DEFAULT_OVERRIDES."""
     from_run: str | None = None

@@ -212,6 +212,67 @@ def engine_crash(drill: Drill) -> dict:
                           and refitted is not None and off_version == 0)}
 
 
+PARTITION_TIMEOUT_S = 6.0  # rollout.publish_timeout_s of the partition drill; the stop lasts longer
+
+
+def partition(drill: Drill) -> dict:
+    """Two rollout groups; the first to receive publication at_step+1 stops answering (SIGSTOP of its
+    actor and vLLM processes) for `variant` seconds (default 15), longer than rollout.publish_timeout_s:
+    the publication must give up on it after the timeout, leave it out (stale, unreachable), the other
+    group go on training, and the stopped group -- once it answers again -- be refitted before it
+    serves; no sample of another version than its round's, in the same attempt."""
+    cfg = drill.cfg
+    version, seconds = cfg.at_step + 1, float(cfg.variant or 15.0)
+    if seconds <= PARTITION_TIMEOUT_S:
+        raise ValueError(f"drill partition: the stop ({seconds:g} s) must outlast rollout.publish_timeout_s "
+                         f"({PARTITION_TIMEOUT_S:g} s)")
+    run = drill.train(fault={"fault": "engine_stop", "at_version": version, "seconds": seconds},
+                      extra=("rollout.data_parallel_size=2", f"rollout.publish_timeout_s={PARTITION_TIMEOUT_S:g}"))
+    log = drill.log()
+    detected = _first_line(log, r"rollout group \d+ did not answer")
+    back = _first_line(log, r"rollout group \d+ answers again")
+    refitted = _first_line(log, r"refitted: serving policy version \d+")
+    rows = _metric_rows(drill)
+    last = rows[-1] if rows else {}
+    while_out = sum(1 for r in rows if r.get("system/unreachable_rollout_groups") == 1.0)
+    off_version = samples_off_version(drill.run_dir / "queue.db")
+    return {"injected_at": {"version": version, "signal": "SIGSTOP, SIGCONT after %g s" % seconds,
+                            "process": "rollout actor + vLLM engine processes",
+                            "publish_timeout_s": PARTITION_TIMEOUT_S},
+            "detected_by": "publication timeout (rollout.publish_timeout_s)" if detected else None,
+            "evidence": detected, "returned": back, "refit": refitted,
+            "steps_while_unreachable": while_out, "partitions": last.get("system/rollout_partitions"),
+            "samples_off_version": off_version,
+            "action": "group left out of publication and generation (stale), refitted once it answered"
+                      if refitted else "none",
+            "recovered": (_finished(drill, run) and detected is not None and back is not None
+                          and refitted is not None and while_out >= 1 and off_version == 0
+                          and last.get("system/rollout_partitions") == 1.0
+                          and last.get("system/unreachable_rollout_groups") == 0.0
+                          and last.get("system/stale_rollout_groups") == 0.0)}
+
+
+def coordinator_stop(drill: Drill) -> dict:
+    """SIGSTOP of the coordinator actor's process for `variant` seconds (default 10) at the first put of
+    round at_step, before it is applied: the producer's put and the learner's take wait on it (Ray calls,
+    no timeout below coordinator take_timeout_s); once it continues, the put lands exactly once (put_many
+    is idempotent by id, the WAL holds it) and the run finishes in the same attempt."""
+    from megatron_rl.drill import recovery_time
+
+    cfg = drill.cfg
+    seconds = float(cfg.variant or 10.0)
+    run = drill.train(fault={"fault": "coordinator_stop", "at_step": cfg.at_step, "seconds": seconds})
+    events = drill.injections()
+    waited = recovery_time(drill)
+    return {"injected_at": {"round": cfg.at_step, "signal": f"SIGSTOP, SIGCONT after {seconds:g} s",
+                            "process": "coordinator actor", "trajectories_in_the_put":
+                                events[0].get("trajectories") if events else None},
+            "detected_by": "nothing needed: the producer's put and the learner's take wait on the actor",
+            "waited_s": waited,
+            "action": "waited; the put applied once when the coordinator continued",
+            "recovered": _finished(drill, run) and bool(events) and waited is not None and waited >= seconds * 0.9}
+
+
 def samples_off_version(db: Path) -> int | None:
     """Trajectories (queued or finished) whose oldest policy version is not their round's (sync mode:
     round r is sampled with version r; an engine serving an unknown version would break it)."""
@@ -226,6 +287,8 @@ def samples_off_version(db: Path) -> int | None:
 
 RUNNERS = {
     "engine_crash": engine_crash,
+    "partition": partition,
+    "coordinator_stop": coordinator_stop,
     "bad_refit": bad_refit,
     "bad_checkpoint": bad_checkpoint,
     "oom": oom,

@@ -23,6 +23,13 @@ injects the fault itself, so a drill exercises the real failure path, not a patc
                                                              generates round at_step is SIGKILLed while its
                                                              requests are in flight (once per run: the
                                                              restarted engine finds the event in `events`)
+    engine_stop       RolloutWorker.receive_weights (rollout    the first group to receive publication
+                      actor)                                 `at_version` SIGSTOPs its actor and vLLM
+                                                             processes; a detached shell SIGCONTs them
+                                                             `seconds` later (once per run)
+    coordinator_stop  CoordinatorActor.put_many (coordinator) the first put of round at_step SIGSTOPs the
+                                                             coordinator's process for `seconds` before it
+                                                             is applied (once per run)
 
 `at_step` counts learner steps from 0 (the step about to be learned: learner step s produces policy
 version s+1).  Each injection appends {"fault", "at_step", "time", "pid"} to the JSON-lines file
@@ -35,6 +42,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 import zlib
@@ -42,7 +50,8 @@ import zlib
 logger = logging.getLogger(__name__)
 
 ENV = "MEGATRON_RL_DRILL"
-FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load", "engine_kill")
+FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load", "engine_kill", "engine_stop",
+          "coordinator_stop")
 
 
 def drill_spec(fault: str) -> dict | None:
@@ -117,3 +126,50 @@ def _kill_engine_core(llm, spec: dict) -> None:
         time.sleep(0.0005)
     record_injection(spec, pid_killed=cores[0].pid, in_flight_requests=in_flight)
     os.kill(cores[0].pid, signal.SIGKILL)
+
+
+def maybe_stop_group(version: int) -> None:
+    """Drill hook (`megatron-rl drill partition`), called by RolloutWorker.receive_weights: the first
+    rollout group to receive publication at_version stops answering -- its actor process and every
+    process under it (vLLM's engine core and workers) get SIGSTOP -- and a detached shell sends
+    SIGCONT `seconds` later.  One group per run: the first to create the claim file wins."""
+    spec = drill_spec("engine_stop")
+    if spec is None or version != spec.get("at_version") or not spec.get("events"):
+        return
+    try:
+        os.close(os.open(spec["events"] + ".stop-claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return  # another group (or an earlier call) was stopped already
+    _stop_this_process(spec, version=version)
+    logger.warning("drill engine_stop: this rollout group answers again after %g s", float(spec.get("seconds", 20.0)))
+
+
+def maybe_stop_coordinator(trajs: list) -> None:
+    """Drill hook (`megatron-rl drill coordinator_stop`), called by CoordinatorActor.put_many: the first
+    put of round at_step stops the coordinator's process (SIGSTOP) for `seconds`, with the put not yet
+    applied; producers and the learner wait on it meanwhile.  Once per run (an event in `events`)."""
+    spec = drill_spec("coordinator_stop")
+    if spec is None or not trajs:
+        return
+    head = str(getattr(trajs[0], "id", "")).split("/", 1)[0]  # ids are "r<round>/<prompt>/<sample>"
+    if head != f"r{int(spec.get('at_step', -1)):06d}" or injected_before(spec):
+        return
+    _stop_this_process(spec, trajectories=len(trajs))
+
+
+def _stop_this_process(spec: dict, **extra) -> None:
+    """SIGSTOP this process and every process under it; a detached shell sends SIGCONT `seconds` later
+    (this call returns then)."""
+    import psutil
+
+    me = psutil.Process()
+    below = me.children(recursive=True)
+    pids = [me.pid] + [p.pid for p in below]
+    seconds = float(spec.get("seconds", 20.0))
+    record_injection(spec, pids_stopped=pids, seconds=seconds, **extra)
+    subprocess.Popen(["sh", "-c", f"sleep {seconds:g}; kill -CONT {' '.join(map(str, reversed(pids)))}"],
+                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
+    for p in below:
+        os.kill(p.pid, signal.SIGSTOP)
+    os.kill(me.pid, signal.SIGSTOP)  # returns once the shell sent SIGCONT

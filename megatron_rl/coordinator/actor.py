@@ -25,6 +25,7 @@ from typing import Any
 
 from megatron_rl.coordinator.config import CoordinatorConfig
 from megatron_rl.coordinator.queue import TrajectoryQueue
+from megatron_rl.drill_hooks import maybe_stop_coordinator
 
 
 class CoordinatorActor:
@@ -52,6 +53,7 @@ class CoordinatorActor:
         self._queue.release(lease_ids)
 
     def put_many(self, trajs: list, lease_ids: list | None = None):
+        maybe_stop_coordinator(trajs)  # drill hook (coordinator_stop); no-op without MEGATRON_RL_DRILL
         return self._queue.put_many(trajs, lease_ids)
 
     def take(self, n: int, min_version: int | None = None, max_version: int | None = None,

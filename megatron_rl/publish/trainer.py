@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 class PublicationReport:
     """Outcome of one publish(): the manifest sent and each rollout group's answer."""
 
-    manifest: PublicationManifest
+    manifest: PublicationManifest | None  # None when the send broke off (a group stopped answering)
     results: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -95,7 +95,7 @@ class WeightPublisher:
 
         if not workers:
             raise ValueError("connect() needs at least one rollout worker")
-        sizes = ray.get([w.engine_world_size.remote() for w in workers])
+        sizes = ray.get([w.engine_world_size.remote() for w in workers], timeout=self.timeout_s)
         world = 1 + sum(sizes)
         store = None
         if self.transport == "gloo":  # listening before the workers are told the port: nothing can take it
@@ -124,7 +124,7 @@ class WeightPublisher:
             self.group = trainer_init(info)  # rank 0, on this process's current CUDA device
         else:
             self.group = open_group(self.host, port, 0, world, self.timeout_s, store=store)
-        ray.get(refs)
+        ray.get(refs, timeout=self.timeout_s)
         self.workers = list(workers)
         log.info("publication group up: %d rollout groups, world size %d, port %d", len(workers), world, port)
 
@@ -141,16 +141,30 @@ class WeightPublisher:
         elif self.transport == "ipc":
             manifest, results = self._publish_ipc(version, tensors, fault_hook)
         else:
-            refs = [w.receive_weights.remote(version) for w in self.workers]
-            manifest = send_publication(self.group, version, tensors, bucket_bytes=self.bucket_bytes,
-                                        checksum_algo=self.checksum_algo, fault_hook=fault_hook)
-            results = ray.get(refs)
+            manifest, results = self._publish_gloo(version, tensors, fault_hook)
         report = PublicationReport(manifest, results, time.perf_counter() - started)
-        if not report.committed:
+        if not report.committed and report.results:
             log.warning("version %d refused by %d of %d rollout groups: %s", version,
                         sum(not r["committed"] for r in results), len(results),
                         next(r["error"] for r in results if not r["committed"]))
         return report
+
+    def _publish_gloo(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest | None, list[dict]]:
+        """Our wire protocol; a group that stops answering (a stopped process, a severed link) costs at most
+        timeout_s on the send and timeout_s waiting for its answer, and is reported `unresponsive`."""
+        refs = [w.receive_weights.remote(version) for w in self.workers]
+        manifest = failure = None
+        try:
+            manifest = send_publication(self.group, version, tensors, bucket_bytes=self.bucket_bytes,
+                                        checksum_algo=self.checksum_algo, fault_hook=fault_hook)
+        except RuntimeError as err:  # gloo timed out or lost a peer; a source error also lands here
+            failure = err
+            self.group = None  # a failed collective leaves the group unusable: connect() again
+            log.warning("publication of version %d broke off: %s", version, str(err).strip().splitlines()[-1])
+        results = group_answers(refs, version, self.timeout_s)
+        if failure is not None and not any(r.get("unresponsive") or r.get("broken_off") for r in results):
+            raise failure  # no link broke: the trainer's side failed (e.g. its source raised)
+        return manifest, results
 
     def _publish_nccl(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest, list[dict]]:
         """Tensors through vLLM's packed NCCL broadcast, hashed on the way; then the manifest
@@ -202,6 +216,29 @@ class WeightPublisher:
             if torch.cuda.is_available():
                 torch.cuda.ipc_collect()  # release what the engines opened and closed
         return manifest, results
+
+
+def group_answers(refs: list, version: int, timeout_s: float) -> list[dict[str, Any]]:
+    """Each rollout group's answer to one publication (RolloutWorker.receive_weights), waiting at most
+    `timeout_s` for all of them; a group that did not answer is {"committed": False, "unresponsive": True}
+    with an error naming it and rollout.publish_timeout_s, one whose call raised has the error."""
+    import ray
+
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    done = set(ready)
+    out = []
+    for g, ref in enumerate(refs):
+        if ref not in done:
+            out.append({"committed": False, "unresponsive": True, "version": None,
+                        "error": f"rollout group {g} did not answer the publication of version {version} within "
+                                 f"rollout.publish_timeout_s={timeout_s:g} s (stopped or cut off?)"})
+            continue
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayError as err:
+            out.append({"committed": False, "version": None,
+                        "error": f"rollout group {g}: {str(err).strip().splitlines()[-1]}"})
+    return out
 
 
 def _engine_gpu_uuid(worker) -> str:

@@ -75,6 +75,13 @@ class RolloutConfig:
     the "uni" executor) instead of spawning two processes that import torch and vLLM again: ~15-20 s
     less start-up per engine on 2 CPU cores.  Needs tensor_parallel_size 1.  The experiment runner
     turns it on for its runs (experiment.py)."""
+    publish_timeout_s: float = 600.0
+    """How long a publication waits for a rollout group (both sides: the gloo group's timeout and the
+    learner's wait for each group's answer).  A group that does not answer in time is marked stale
+    and left out of the publication group until it answers again; then it is refitted (rollout/fleet.py)."""
+    generate_timeout_s: float = 1800.0
+    """How long the fleet waits for one generate call of a rollout group; past it the group is marked
+    stale and unreachable, and the call's requests are sent to a serving group."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Passed through to vllm.LLM as keyword arguments (they win over the fields above)."""
 
@@ -82,6 +89,9 @@ class RolloutConfig:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("publish_timeout_s", "generate_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rollout.{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_model_len < 2:
             raise ValueError(f"rollout.max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_gib < 1:

@@ -26,6 +26,14 @@ the generate call that was running on it.  The fleet then:
      `max_retries` tries (or an engine past `max_restarts`) ends the round with RolloutFailed naming
      the group, and the driver exits 75 (rerunning resumes).
 
+A group that stops answering (a stopped process, a severed link) is found by a timeout: a generate
+call past rollout.generate_timeout_s (its requests go to a serving group) or a publication past
+rollout.publish_timeout_s.  It is marked stale and **unreachable**: left out of generation and of the
+publication group (formed anew without it), so the learner and the other groups go on.  A ping
+(policy_version) stays queued on it; once that answers, the group is back, still stale: the
+publication group is formed with it again and it is refitted (as above) before it serves again.
+Counted in `system/rollout_partitions` and `system/unreachable_rollout_groups`.
+
 A refit publishes only the weights the learner published last: under the learner's lock, and only
 if no step or load changed its weights since (LearnerGroup.updates), so a refit never labels newer
 weights with an older version.
@@ -105,6 +113,8 @@ class RolloutFleet:
         self._probe: tuple | None = None  # the last expect_probe arguments (for a restarted group)
         self.restarts = 0
         self.requests_retried = 0
+        self.unreachable: dict[int, tuple[object, float]] = {}  # group -> (queued ping, since when)
+        self.partitions = 0
 
     def wait_ready(self) -> None:
         """Block until every engine is up (raises the actor's error if one failed to start)."""
@@ -117,6 +127,8 @@ class RolloutFleet:
     # ---- generation ------------------------------------------------------------------------------
 
     def submit(self, prompts: list[list[int]], *, n: int, sampling: dict, extra: list[dict]) -> PendingRollout:
+        self.check_returned()
+        self.refit(wait_s=0.0)  # a group that answers again (stale) serves only once refitted
         k = len(self.workers)
         chunks = [Chunk(list(range(g, len(prompts), k)), g) for g in range(k)]
         pending = PendingRollout([c for c in chunks if c.index], prompts, dict(sampling), extra, n)
@@ -155,7 +167,20 @@ class RolloutFleet:
                 self._send(p, c)
                 continue
             try:
-                return ray.get(c.ref)
+                return ray.get(c.ref, timeout=self.cfg.generate_timeout_s)
+            except ray.exceptions.GetTimeoutError as err:
+                self.mark_unreachable(c.group, c.worker, f"a generate call of {len(c.index)} prompts did not "
+                                      f"answer within rollout.generate_timeout_s={self.cfg.generate_timeout_s:g} s")
+                try:
+                    ray.cancel(c.ref)  # still queued or running there: its samples are never collected
+                except Exception as cancel_err:  # noqa: BLE001 -- best effort
+                    logger.debug("cancel of a timed-out generate call: %s", cancel_err)
+                c.tries += 1
+                if c.tries > self.max_retries:
+                    raise RolloutFailed(f"{len(c.index)} rollout requests timed out {c.tries} times (last on "
+                                        f"rollout group {c.group})") from err
+                self.requests_retried += len(c.index)
+                c.ref = None
             except ray.exceptions.RayError as err:
                 if not (engine_died(err) or refused_stale(err)):
                     raise
@@ -214,40 +239,76 @@ class RolloutFleet:
                                     f"restarts (groups: {self.state})")
             time.sleep(0.5)
 
-    def refit(self) -> bool:
+    def refit(self, wait_s: float = 1.0) -> bool:
         """Publish the last published version again, so restarted groups hold it; False when it cannot
         happen now (no learner or no publication yet, the learner busy, or its weights moved on: the
         next publication refits then)."""
         with self._lock:
-            if STALE not in self.state or self.learner is None or self._published is None:
+            stale = [g for g, s in enumerate(self.state) if s == STALE and g not in self.unreachable]
+            if not stale or self.learner is None or self._published is None:
                 return False
-        if not self.learner.lock.acquire(timeout=1.0):
+        if not self.learner.lock.acquire(timeout=wait_s):
             return False
         try:
             version, updates = self._published
             if self.learner.updates != updates:
                 return False
-            logger.info("refitting rollout group(s) %s with policy version %d",
-                        [g for g, s in enumerate(self.state) if s == STALE], version)
+            logger.info("refitting rollout group(s) %s with policy version %d", stale, version)
             self._publish_locked(version)
             return True
         finally:
             self.learner.lock.release()
+
+    # ---- unreachable groups ----------------------------------------------------------------------
+
+    def mark_unreachable(self, g: int, worker, why: str) -> None:
+        """Group g stopped answering: stale, left out of generation and publication until it answers."""
+        with self._lock:
+            if self.workers[g] is not worker or g in self.unreachable:
+                return
+            self.state[g] = STALE
+            self.unreachable[g] = (worker.policy_version.remote(), time.monotonic())
+            self._regroup = True
+            self.partitions += 1
+        logger.warning("rollout group %d did not answer: %s; marked stale and unreachable, the other groups go "
+                       "on (it is refitted before it serves again)", g, why)
+
+    def check_returned(self) -> bool:
+        """Whether an unreachable group answered its ping since the last check (it is then a stale member
+        again: the next publication or refit includes it)."""
+        back, dead = [], []
+        with self._lock:
+            for g, (ping, since) in list(self.unreachable.items()):
+                if ray.wait([ping], timeout=0)[0]:
+                    del self.unreachable[g]
+                    self._regroup = True
+                    try:
+                        ray.get(ping)
+                        back.append((g, time.monotonic() - since))
+                    except ray.exceptions.RayError as err:  # it died meanwhile: restarted (stale) instead
+                        dead.append((g, self.workers[g], err))
+        for g, seconds in back:
+            logger.warning("rollout group %d answers again (%.1f s after it was left out); stale until refitted",
+                           g, seconds)
+        for g, worker, err in dead:
+            self._restart(g, worker, err)
+        return bool(back or dead)
 
     # ---- publication -----------------------------------------------------------------------------
 
     def attach(self, learner, *, bucket_bytes: int, transport: str) -> None:
         """Connect the learner's publisher to every group; it publishes through `publish` from now on."""
         self.learner = learner
-        self._connect = {"bucket_bytes": bucket_bytes, "transport": transport}
+        self._connect = {"bucket_bytes": bucket_bytes, "transport": transport,
+                         "timeout_s": self.cfg.publish_timeout_s}
         learner.connect_rollout(list(self.workers), **self._connect)
 
     def expect_probe(self, version: int, sequences, logprobs, tolerance: float) -> None:
         """The refit check's reference for `version` (RolloutWorker.expect_probe), kept for restarts."""
         self._probe = (version, sequences, logprobs, tolerance)
         with self._lock:
-            workers = list(self.workers)
-        ray.get([w.expect_probe.remote(*self._probe) for w in workers])
+            workers = [w for g, w in enumerate(self.workers) if g not in self.unreachable]
+        ray.get([w.expect_probe.remote(*self._probe) for w in workers], timeout=self.cfg.publish_timeout_s)
 
     def publish(self, version: int) -> dict:
         """The learner publishes `version` to every group (the learner's report: committed, errors)."""
@@ -257,17 +318,37 @@ class RolloutFleet:
                 self._published = (version, self.learner.updates)
             return report
 
-    def _publish_locked(self, version: int) -> dict:
+    def _publish_locked(self, version: int, again: bool = True) -> dict:
+        self.check_returned()
         with self._lock:
             workers, regroup = list(self.workers), self._regroup
-            stale = [g for g, s in enumerate(self.state) if s == STALE]
-        if regroup:  # the old group had the dead engine's ranks in it
-            self.learner.connect_rollout(workers, **self._connect)
+            members = [g for g in range(len(workers)) if g not in self.unreachable]
+            stale = [g for g in members if self.state[g] == STALE]
+        if not members:
+            raise RolloutFailed(f"no rollout group answers: publication of version {version} has no receiver "
+                                f"(unreachable: {sorted(self.unreachable)})")
+        if regroup:  # the old group had a dead engine's ranks in it, or an unreachable group's, or lacks one
+            self.learner.connect_rollout([workers[g] for g in members], **self._connect)
             with self._lock:
                 self._regroup = self.workers != workers  # replaced again meanwhile: once more next time
         if stale and self._probe is not None and self._probe[0] == version:
             ray.get([workers[g].expect_probe.remote(*self._probe) for g in stale])
         report = self.learner.publish(version)
+        groups = report.get("groups") or []
+        lost = [members[i] for i, r in enumerate(groups) if r["unresponsive"]]
+        if lost:
+            for g in lost:
+                self.mark_unreachable(g, workers[g], groups[members.index(g)]["error"])
+            kept = [r for r in groups if not r["unresponsive"]]
+            if not all(r["committed"] for r in kept):  # the send broke off: once more without them
+                return self._publish_locked(version)
+            report = dict(report, committed=bool(kept), groups=kept, errors=[])
+        elif report.get("broken") and again:  # broke off, yet every group answered (it came back meanwhile)
+            with self._lock:
+                self._regroup = True
+            logger.warning("publication of version %d broke off; forming the publication group anew and "
+                           "publishing it again", version)
+            return self._publish_locked(version, again=False)
         versions = ray.get([workers[g].policy_version.remote() for g in stale])
         with self._lock:
             for g, v in zip(stale, versions):
@@ -282,7 +363,9 @@ class RolloutFleet:
         with self._lock:
             return {"system/engine_restarts": float(self.restarts),
                     "system/requests_retried": float(self.requests_retried),
-                    "system/stale_rollout_groups": float(self.state.count(STALE))}
+                    "system/stale_rollout_groups": float(self.state.count(STALE)),
+                    "system/rollout_partitions": float(self.partitions),
+                    "system/unreachable_rollout_groups": float(len(self.unreachable))}
 
     def shutdown(self) -> None:
         for w in self.workers:

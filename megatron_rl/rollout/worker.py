@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from megatron_rl.config import from_dict
-from megatron_rl.drill_hooks import maybe_kill_engine
+from megatron_rl.drill_hooks import maybe_kill_engine, maybe_stop_group
 from megatron_rl.platform.priority import RAY_ACTOR_ENV, with_normal_priority
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.sample import RolloutSample
@@ -274,11 +274,26 @@ class RolloutWorker:
                         shapes=[list(m[2]) for m in metadata])
         if self.config.weight_transfer == "ipc":
             info["ipc_handles_pickled"] = ipc_handles
+        maybe_stop_group(int(version))  # drill hook (engine_stop); no-op without MEGATRON_RL_DRILL
         self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": info})
+        try:
+            self.llm.update_weights({"update_info": info})
+        except Exception as err:  # noqa: BLE001 -- the link broke (trainer timed out on a stopped peer)
+            if kept:
+                raise
+            return self._broken_off(version, err)
         if kept:
             return None
         return self._commit(version, self.llm.collective_rpc("megatron_rl_publication_status"))
+
+    def _broken_off(self, version: int, err: Exception) -> dict[str, Any]:
+        """A gloo publication that broke off mid-stream (vLLM closed the update session with the error;
+        nothing was staged, so nothing loads): keep serving the version this group had."""
+        last = str(err).strip().splitlines()
+        log.warning("publication %d broke off (%s); serving version %s", version, last[-1] if last else err,
+                    self.version)
+        return {"committed": False, "version": self.version, "bad_bucket": None, "workers": [], "broken_off": True,
+                "error": f"publication {version} broke off: {last[-1] if last else err!r}"}
 
     def commit_weights(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """NCCL: check what every worker kept against the trainer's manifest; commit on all or none."""

@@ -260,8 +260,9 @@ class LearnerGroup:
     def hf_state(self) -> dict[str, torch.Tensor]:
         return self._all("hf_state")[0]
 
-    def connect_rollout(self, rollout_workers: list, bucket_bytes: int, transport: str = "gloo") -> None:
-        self._all("connect_rollout", rollout_workers, bucket_bytes, transport)
+    def connect_rollout(self, rollout_workers: list, bucket_bytes: int, transport: str = "gloo",
+                        timeout_s: float = 600.0) -> None:
+        self._all("connect_rollout", rollout_workers, bucket_bytes, transport, timeout_s)
 
     def publish(self, version: int) -> dict:
         return self._all("publish", version)[0]

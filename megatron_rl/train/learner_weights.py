@@ -35,9 +35,11 @@ class RankWeights:
         state = dict(self.weight_source())
         return state if self.rank == 0 else None
 
-    def connect_rollout(self, rollout_workers: list, bucket_bytes: int, transport: str = "gloo") -> None:
+    def connect_rollout(self, rollout_workers: list, bucket_bytes: int, transport: str = "gloo",
+                        timeout_s: float = 600.0) -> None:
         """Rank 0 becomes rank 0 of the publication group formed with every rollout engine.
-        `transport`: "gloo" (CPU tensors), "nccl" or "ipc" (tensors stay on this rank's GPU)."""
+        `transport`: "gloo" (CPU tensors), "nccl" or "ipc" (tensors stay on this rank's GPU);
+        `timeout_s`: rollout.publish_timeout_s (how long a publication waits for a group)."""
         import ray
 
         from megatron_rl.publish import WeightPublisher
@@ -50,7 +52,7 @@ class RankWeights:
             return
 
         self.publisher = WeightPublisher(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes,
-                                         transport=transport)
+                                         transport=transport, timeout_s=timeout_s)
         self.publisher.connect(rollout_workers)
 
     @torch.no_grad()
@@ -63,8 +65,12 @@ class RankWeights:
                 pass
             return None
         report = self.publisher.publish(version, source)
-        return {"committed": report.committed, "seconds": report.seconds, "bytes": report.manifest.nbytes,
-                "errors": [r["error"] for r in report.results if not r["committed"]]}
+        return {"committed": report.committed, "seconds": report.seconds,
+                "bytes": report.manifest.nbytes if report.manifest is not None else 0,
+                "broken": report.manifest is None,  # the send broke off: form the group anew, publish again
+                "errors": [r["error"] for r in report.results if not r["committed"]],
+                "groups": [{"committed": r["committed"], "unresponsive": bool(r.get("unresponsive")),
+                            "error": r.get("error")} for r in report.results]}
 
     def save(self, weights_dir: str) -> None:
         """Megatron distributed checkpoint of model + optimizer + scheduler (collective)."""

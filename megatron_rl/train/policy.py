@@ -148,6 +148,8 @@ class Policy:
 
         down = []
         for g, worker in enumerate(self.engines):
+            if g in self.fleet.unreachable:  # already left out of publication (rollout/fleet.py)
+                continue
             try:
                 ray.get(worker.policy_version.remote(), timeout=timeout_s)
             except Exception as err:  # RayActorError, GetTimeoutError, a crashed engine's error

@@ -5,7 +5,8 @@
 Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts), engine_crash
 (1, plus one engine restart of ~30 s), oom (1), oom_twice (2: the stop, then the rerun with a
 smaller micro-batch), verifier_timeout (1), bad_refit (1), and the shadow-forward check (1 attempt
-on a copy of the oom run, refused at resume): 9 start-ups of ~70 s.  The bad_checkpoint drill's
+on a copy of the oom run, refused at resume), partition (1, two rollout groups, 12 short steps), coordinator_stop
+(1, 3 steps): 11 start-ups of ~70 s.  The bad_checkpoint drill's
 fallback is the resume path that tests/e2e/test_bad_checkpoint.py drives for each kind of
 damage (`megatron-rl drill bad_checkpoint` wraps it).  Every record must show what the protocol promises: recovered (or the documented clean stop), 0 trajectories lost,
 0 duplicated, continuous versions.  The oom run is also compared with the worker_crash run, whose
@@ -160,4 +161,27 @@ def test_engine_crash_restarts_refits_and_retries(tmp_path_factory):
     assert "refit check passed" in rec["refit"], rec
     assert rec["engine_restarts"] == 1.0 and rec["requests_retried"] == 8.0, rec  # 8 prompts of round 1
     assert rec["samples_off_version"] == 0, rec  # no sample of the restarted engine's disk weights
+    _common(rec, redone=0)
+
+
+def test_partition_leaves_a_stopped_group_out_and_refits_it(tmp_path_factory):
+    # Two rollout groups; one SIGSTOPped for 15 s at publication 2 (rollout.publish_timeout_s 6 s).
+    code, rec = _drill(tmp_path_factory, "partition", "--at-step", "1", "--steps", "12")
+    assert code == 0 and rec["recovered"], rec
+    assert [a["exit"] for a in rec["attempts"]] == [0], rec  # recovered inside the run
+    assert "did not answer the publication of version 2 within rollout.publish_timeout_s=6 s" in rec["evidence"]
+    assert rec["steps_while_unreachable"] >= 1 and rec["partitions"] == 1.0, rec  # the other group went on
+    assert "answers again" in rec["returned"], rec
+    assert "refitted: serving policy version" in rec["refit"] and "refit check passed" in rec["refit"], rec
+    assert rec["samples_off_version"] == 0, rec  # nothing of the stopped group's old version reached the queue
+    _common(rec, redone=0)
+
+
+def test_coordinator_stop_waits_and_loses_nothing(tmp_path_factory):
+    # The coordinator actor SIGSTOPped 10 s at the first put of round 1, before that put is applied.
+    code, rec = _drill(tmp_path_factory, "coordinator_stop", "--at-step", "1", "--steps", "3")
+    assert code == 0 and rec["recovered"], rec
+    assert [a["exit"] for a in rec["attempts"]] == [0], rec
+    assert rec["injected_at"]["trajectories_in_the_put"] == 64, rec  # a whole round's put was held
+    assert rec["waited_s"] >= 9.0, rec  # the step really waited on the stopped coordinator
     _common(rec, redone=0)

@@ -69,7 +69,7 @@ class Learner:
         self.updates = 0
         self.connections = []
 
-    def connect_rollout(self, workers, bucket_bytes, transport):
+    def connect_rollout(self, workers, bucket_bytes, transport, timeout_s=600.0):
         self.connections.append(list(workers))
 
     def publish(self, version):
@@ -113,7 +113,8 @@ def test_single_group_is_refitted_before_its_requests_are_retried(ray_local):
     assert [s.extra["i"] for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]  # caller's order kept
     assert {v for s in samples for v in s.policy_versions} == {1}  # never the restarted engine's disk weights
     assert fleet.counters() == {"system/engine_restarts": 1.0, "system/requests_retried": 4.0,
-                                "system/stale_rollout_groups": 0.0}
+                                "system/stale_rollout_groups": 0.0, "system/rollout_partitions": 0.0,
+                                "system/unreachable_rollout_groups": 0.0}
     assert learner.connections[-1] == [fleet.workers[0]]  # publication group formed anew with it
     assert ray.get(fleet.workers[0].seen_probes.remote()) == [1]  # its refit check had the probe
     fleet.shutdown()

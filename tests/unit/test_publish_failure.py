@@ -62,6 +62,7 @@ class _Fleet:
         if dead:
             ray.kill(self.workers[1])
         self.learner = None  # set by _Roles
+        self.unreachable = {}  # groups left out after a publication timeout (none here)
 
     def publish(self, version):
         return self.learner.publish(version)
