@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from megatron_rl.platform.spawn import free_port
+from megatron_rl.publish.checksum import DEFAULT_CHECKSUM
 from megatron_rl.publish.manifest import (
     DEFAULT_BUCKET_BYTES,
-    DEFAULT_CHECKSUM,
     BucketSpec,
     ManifestRecorder,
     PublicationManifest,
@@ -131,8 +131,6 @@ class WeightPublisher:
     def publish(self, version: int, tensors: Iterable, *,
                 fault_hook: Callable[[BucketSpec, torch.Tensor], None] | None = None) -> PublicationReport:
         """Send one version to every connected group; returns once all have answered."""
-        import ray
-
         if self.group is None:
             raise RuntimeError("publish() before connect()")
         started = time.perf_counter()

@@ -41,16 +41,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_rl.publish.checksum import CHECKSUMS, DEFAULT_CHECKSUM, byte_view, checksum_parts, new_hasher
 from megatron_rl.publish.manifest import (
-    CHECKSUMS,
     DEFAULT_BUCKET_BYTES,
-    DEFAULT_CHECKSUM,
     BucketSpec,
     PublicationManifest,
-    byte_view,
-    checksum_parts,
     flatten_groups,
-    new_hasher,
     pack_bucket,
     plan_buckets,
     tensor_specs,
