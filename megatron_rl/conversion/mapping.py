@@ -363,6 +363,25 @@ def to_canonical_name(name: str, layer_offset: int = 0, expert_offset: int = 0) 
     return name
 
 
+def is_expert(mcore_name: str) -> bool:
+    """Whether a canonical name is one expert's weight (not the router)."""
+    return _LOCAL_EXPERT.search(mcore_name) is not None
+
+
+def expert_index(mcore_name: str) -> int:
+    """The expert index in an expert weight's name (ValueError for any other name)."""
+    m = _LOCAL_EXPERT.search(mcore_name)
+    if m is None:
+        raise ValueError(f"{mcore_name!r} is not an expert weight")
+    return int(m.group(2))
+
+
+def with_expert_index(mcore_name: str, index: int) -> str:
+    """An expert weight's name with its expert index replaced by `index`."""
+    expert_index(mcore_name)
+    return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{index}.", mcore_name, count=1)
+
+
 def to_local_spec_name(name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
     """A canonical name -> the parameter name in a local-spec model (stage-local layer index, EP-local expert)."""
     for local, canon in _LOCAL_TO_CANON:

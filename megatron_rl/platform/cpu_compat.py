@@ -28,6 +28,11 @@ optimizer and gradient clipping).  Each is redirected here, and nothing else:
    `te_general_gemm is not None`, but that name is only bound when TE imports, so without TE
    (always, on CPU) every MoE forward raises NameError.  -> the name is bound to None, which
    selects Megatron's own torch.mm path (the TE import failing is exactly that case).
+6. Backward passes: a TorchFunctionMode is disabled while its own handler runs, and
+   `torch.autograd.backward` reaches the mode, so every backward would run without (2).  The
+   MoE all-gather dispatcher's backward allocates on `torch.cuda.current_device()` (expert
+   parallel > 1).  -> `torch.autograd.backward` (what Megatron's schedules call without pipeline
+   parallelism) runs its body inside a fresh instance of the mode.
 
 `enable_cpu_compat()` does nothing when CUDA is available, unless forced: init_distributed forces
 it for a CPU platform (CPU-forced work on a GPU machine: `convert verify`, the gloo process
@@ -79,6 +84,9 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.autograd.backward:
+            _COUNTS["backward"] += 1
+            return _backward_in_mode(*args, **kwargs)
         if func is torch.Tensor.cuda:
             # tensor.cuda(device=None, non_blocking=False, memory_format=...) -> stays on CPU.
             _COUNTS["tensor.cuda"] += 1
@@ -98,6 +106,22 @@ class _CudaToCpuMode(TorchFunctionMode):
                 for i, a in enumerate(args)
             )
         return func(*args, **kwargs)
+
+
+def _backward_in_mode(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    """(6) torch.autograd.backward with the mode on: a mode is off while its own handler runs, and
+    calling backward again from the handler would dispatch to the mode again.  So this does what
+    backward's body does (torch 2.10: grads made, then the engine run; as Megatron's
+    custom_backward does) inside a fresh instance of the mode."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+    with _CudaToCpuMode():
+        grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False)
+        _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                             inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):

@@ -10,7 +10,9 @@ owns it all-gathers each tensor's TP shards in its TP groups; with PP > 1 the ow
 rank 0 of data-parallel replica 0 sends the full tensors to the first stage (point to
 point), where global rank 0 maps them to HF names (`mapping.mcore_to_hf_group`, the one
 mapping the converter uses) and yields them.  No rank holds more than one group's full
-tensors at a time; other data-parallel replicas take no part.
+tensors at a time; other data-parallel replicas take no part, except, for a MoE learner at
+expert parallel EP > 1, the EP peers of replica 0, which hold the other experts
+(`ExpertGather`: each local expert is all-gathered over the EP group).
 
 This has the shape of vLLM's `WeightSource` (metadata() agreeing element by element with
 iteration); `as_vllm_source()` wraps it for vLLM's NCCL trainer engine on GPUs without
@@ -44,9 +46,7 @@ class MegatronWeightSource:
         self.dp_rank = ps.get_data_parallel_rank()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
-        if ps.get_expert_model_parallel_world_size() > 1:  # DP rank 0 would hold only its share of the experts
-            raise NotImplementedError("publication from an expert-parallel learner (learner.expert_parallel_size > 1) "
-                                      "is not implemented; publish from an EP 1 learner")
+        self.experts = ExpertGather.for_model(hf_cfg)
         self.is_sender = dist.get_rank() == 0
         self.full_shapes = mapping.mcore_shapes(hf_cfg, padded_vocab_size(hf_cfg.vocab_size, self.tp))
         self.group_names = {g: [e.mcore for e in mapping.name_table(hf_cfg) if e.group == g] for g in mapping.groups(hf_cfg)}
@@ -71,7 +71,7 @@ class MegatronWeightSource:
                 for e in mapping.name_table(self.cfg) if e.group == g for h in e.hf]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.dp_rank != 0:
+        if self.dp_rank != 0 and not (self.experts and self.experts.takes_part):
             return
         for group, names in self.group_names.items():
             full = self._gather_group(group, names)
@@ -84,13 +84,19 @@ class MegatronWeightSource:
         owner = self.owner[group]
         full: dict[str, torch.Tensor] = {}
         if self.pp_rank == owner:
-            for name in names:
+            if self.experts:
+                full.update(self.experts.gather(self.params, names, self.dtype))
+            for name in names if self.dp_rank == 0 else ():
+                if name in full:
+                    continue
                 p = self.params[name].detach()
                 if self.tp > 1 and mapping.tp_kind(name) != "replicated":
                     shards = [torch.empty_like(p) for _ in range(self.tp)]
                     dist.all_gather(shards, p.contiguous(), group=self.tp_group)
                     p = mapping.tp_gather(name, shards)
                 full[name] = p.to(self.dtype)
+        if self.dp_rank != 0:  # an expert-parallel peer of DP replica 0: its experts only
+            return full
         if owner != 0 and self.tp_rank == 0 and self.pp_rank in (0, owner):
             for name in names:
                 if self.pp_rank == owner:
@@ -102,6 +108,55 @@ class MegatronWeightSource:
 
     def _device_of_params(self) -> torch.device:
         return next(iter(self.params.values())).device
+
+
+class ExpertGather:
+    """All of a MoE stage's experts from its expert-parallel group (EP ranks hold E/EP each).
+
+    The ranks of expert-data-parallel replica 0 take part: each all-gathers its experts'
+    expert-TP shards, then the EP group all-gathers every local expert's full tensor, so the
+    stage's DP replica 0 holds all E experts under their global canonical names."""
+
+    def __init__(self, num_experts: int) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.ep = ps.get_expert_model_parallel_world_size()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.ep_group = ps.get_expert_model_parallel_group()
+        self.etp = ps.get_expert_tensor_parallel_world_size()
+        self.etp_group = ps.get_expert_tensor_parallel_group()
+        self.takes_part = ps.get_expert_data_parallel_rank() == 0
+        self.per_rank = num_experts // self.ep
+
+    @classmethod
+    def for_model(cls, hf_cfg) -> "ExpertGather | None":
+        moe = getattr(hf_cfg, "moe", None)
+        return cls(moe.num_experts) if moe else None
+
+    def gather(self, params: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Full tensors of every expert among `names` (global names), from this EP group."""
+        if not self.takes_part:
+            return {}
+        full: dict[str, torch.Tensor] = {}
+        for name in (n for n in names if n in params and mapping.is_expert(n)):
+            p = params[name].detach()
+            if self.etp > 1 and mapping.tp_kind(name) != "replicated":
+                shards = [torch.empty_like(p) for _ in range(self.etp)]
+                dist.all_gather(shards, p.contiguous(), group=self.etp_group)
+                p = mapping.tp_gather(name, shards)
+            p = p.to(dtype).contiguous()
+            if self.ep == 1:
+                full[name] = p
+                continue
+            local = mapping.expert_index(name) - self.ep_rank * self.per_rank
+            copies = [torch.empty_like(p) for _ in range(self.ep)]
+            dist.all_gather(copies, p, group=self.ep_group)
+            for r, t in enumerate(copies):
+                full[mapping.with_expert_index(name, r * self.per_rank + local)] = t
+        missing = [n for n in names if mapping.is_expert(n) and n not in full]
+        if missing:
+            raise RuntimeError(f"expert {missing[0]!r} came from no rank of the expert-parallel group")
+        return full
 
 
 def as_vllm_source(source: MegatronWeightSource):

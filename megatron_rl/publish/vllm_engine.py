@@ -191,17 +191,7 @@ class VerifiedCommit:
         self.status["committed"] = True
 
     def _load(self, tensors) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-        with disable_mtp_completeness_check():
-            self.model.load_weights(self._feed(tensors))
-        finalize_layerwise_reload(self.model, self.model_config)
-        if torch.cuda.is_available():
-            # The staged tensors may live on other streams (NCCL path): finish every copy out of
-            # them before they are freed and their memory reused.
-            torch.cuda.synchronize()
+        reload_weights(self.model, self.model_config, self._feed(tensors))
 
     def _feed(self, tensors):
         for i, item in enumerate(tensors):
@@ -232,10 +222,14 @@ class VerifiedCommit:
         mixed values) and a full reload -- the rollback -- starts from a clean state."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        from megatron_rl.publish.vllm_moe import rearm_moe_kernels
+
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         except Exception as err:  # noqa: BLE001 -- the rollback will report the worker broken
             log.error("rank %s: could not close the failed reload: %r", self.rank, err)
+        finally:
+            rearm_moe_kernels(self.model)
 
     def accept(self, keep_copy: bool) -> None:
         """Every worker of the group loaded the publication: it is now the version a later
@@ -262,6 +256,26 @@ class VerifiedCommit:
         else:
             raise RuntimeError("no rollback copy is kept (rollout.keep_rollback_copy is false)")
         self._load(source)
+
+
+def reload_weights(model: torch.nn.Module, model_config, tensors) -> None:
+    """Load (HF name, tensor) pairs into a serving vLLM model through its layerwise reload,
+    with the MoE kernels re-prepared from the new weights (publish/vllm_moe.py)."""
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    from megatron_rl.publish.vllm_moe import disarm_moe_kernels, rearm_moe_kernels
+
+    disarm_moe_kernels(model)
+    initialize_layerwise_reload(model)
+    with disable_mtp_completeness_check():
+        model.load_weights(tensors)
+    finalize_layerwise_reload(model, model_config)
+    rearm_moe_kernels(model)
+    if torch.cuda.is_available():
+        # The staged tensors may live on other streams (NCCL path): finish every copy out of
+        # them before they are freed and their memory reused.
+        torch.cuda.synchronize()
 
 
 def checkpoint_tensors(model_dir: str):

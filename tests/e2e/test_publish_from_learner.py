@@ -2,7 +2,10 @@
 
 The TP=1 group is exercised with the newer architectures (Llama-3.x rope scaling, which is a Llama
 otherwise; Qwen3 q/k norm with its own head_dim): the same two-step GRPO run trains each tiny
-model end to end on CPU and publishes it.
+model end to end on CPU and publishes it.  Qwen3-MoE (8 experts, top-2) trains three steps on an
+expert-parallel learner (DP2, EP2: each rank holds 4 of each layer's experts, gathered over the EP
+group for publication) into vLLM's CPU MoE, whose refit must re-prepare the experts
+(publish/vllm_engine.disarm_moe_kernels): every version is accepted and served.
 
     python -m pytest tests/e2e/test_publish_from_learner.py -q
 
@@ -40,3 +43,21 @@ def test_tp2_learner_publishes_to_rollout_group(tmp_path, arch, rollout_tp):
     assert rows[1]["queue/taken_dv/p99"] == 0  # step 2 sampled with the published version 1
     for r in rows:
         assert r["learn/d_lag/p99"] < 1e-4, r["learn/d_lag/p99"]
+
+
+def test_ep2_moe_learner_trains_and_publishes(tmp_path):
+    proc = run_cli("train", "--config", str(TINY), f"run.dir={tmp_path}", "run.steps=3", "run.eval_every=0",
+                   "run.checkpoint_every=0", "model.tiny.arch=qwen3_moe", "learner.data_parallel_size=2",
+                   "learner.expert_parallel_size=2", "learner.micro_batch_size=32")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["version"] == 3  # every publication was accepted by the refit check
+    rows = [r for r in read_jsonl(tmp_path / "metrics" / "metrics.jsonl") if "learn/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["learn/loss"]) for r in rows)
+    assert all(r["queue/taken_dv/p99"] == 0 for r in rows)  # step k sampled with version k-1
+    for r in rows:  # vLLM's logprobs of the sampled tokens == the EP2 learner's
+        assert r["learn/d_lag/p99"] < 1e-4, r["learn/d_lag/p99"]
+    rewards = [r["learn/reward_mean"] for r in rows]
+    assert rewards[-1] > rewards[0], rewards

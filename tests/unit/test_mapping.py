@@ -198,3 +198,13 @@ def test_expert_names_carry_the_global_index():
     assert canon == "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"
     assert mapping.to_local_spec_name(canon, layer_offset=2, expert_offset=4) == local
     assert mapping.to_canonical_name("decoder.layers.0.mlp.router.weight", expert_offset=4) == "decoder.layers.0.mlp.router.weight"
+
+
+def test_expert_index_helpers():
+    name = "decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"
+    assert mapping.is_expert(name) and mapping.expert_index(name) == 5
+    assert mapping.with_expert_index(name, 12) == "decoder.layers.1.mlp.experts.local_experts.12.linear_fc1.weight"
+    router = "decoder.layers.1.mlp.router.weight"
+    assert not mapping.is_expert(router)
+    with pytest.raises(ValueError, match="router.weight"):
+        mapping.with_expert_index(router, 0)

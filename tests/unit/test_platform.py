@@ -186,3 +186,38 @@ def test_heavy_ray_actors_run_at_normal_priority_options():
     assert opts == {"num_cpus": 1, "runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}}}
     mine = with_normal_priority({"runtime_env": {"env_vars": {"RAY_worker_niceness": "5", "X": "1"}, "pip": []}})
     assert mine["runtime_env"] == {"env_vars": {"RAY_worker_niceness": "5", "X": "1"}, "pip": []}
+
+
+BACKWARD_ALLOCATES = textwrap.dedent('''
+    import json, torch
+    from megatron_rl.platform.cpu_compat import enable_cpu_compat, redirect_counts
+    assert enable_cpu_compat()
+
+    class GatherLike(torch.autograd.Function):  # as Megatron's EP all-gather: backward allocates
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            out = torch.empty(g.shape, dtype=g.dtype, device=torch.cuda.current_device())
+            return out.copy_(g) * 2
+
+    x = torch.ones(3, requires_grad=True)
+    torch.autograd.backward(GatherLike.apply(x).sum())
+    y = torch.ones(2, requires_grad=True)
+    torch.autograd.backward([GatherLike.apply(y)], grad_tensors=[torch.full((2,), 3.0)], retain_graph=False)
+    print("RESULT" + json.dumps({"x": x.grad.tolist(), "y": y.grad.tolist(), "counts": redirect_counts()}))
+''')
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU compat layer is for CPU-only torch")
+def test_cpu_compat_backward_runs_with_the_mode_on():
+    """Compat item 6: a backward pass that allocates on the current device (Megatron's EP dispatcher)."""
+    proc = subprocess.run([sys.executable, "-c", BACKWARD_ALLOCATES], capture_output=True, text=True, timeout=120,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+                               "PYTHONPATH": ":".join(p for p in sys.path if p)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
+    assert result["x"] == [2.0] * 3 and result["y"] == [6.0] * 2
+    assert result["counts"]["backward"] == 2
