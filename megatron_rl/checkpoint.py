@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping
 
 from megatron_rl import __version__
 from megatron_rl.config import ConfigError
-from megatron_rl.durable_files import file_sha256, files_sha256, fsync_path, write_json_atomic
+from megatron_rl.durable_files import files_sha256, fsync_path, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
