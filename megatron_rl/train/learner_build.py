@@ -45,7 +45,8 @@ class RankBuild:
 
     def join(self, master_addr: str, master_port: int, platform) -> None:
         """Join torch.distributed through rank 0's store (rendezvous_address): rank 0 passes the
-        store it already listens on, the other ranks connect to it as clients."""
+        store it already listens on, the other ranks connect to it as clients.  A process that is already
+        a rank (tests/dist: run_distributed set torch.distributed up) joins nothing."""
         import datetime
 
         import torch.distributed as dist
@@ -54,6 +55,9 @@ class RankBuild:
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         store = getattr(self, "_rendezvous_store", None) if self.rank == 0 else None
+        if dist.is_initialized():  # a process that is already a rank (tests/dist): nothing to join
+            init_distributed(platform, rank=self.rank, world_size=self.world_size)
+            return
         if store is None:
             if self.rank == 0:
                 raise RuntimeError("learner rank 0 joins before rendezvous_address() made its store")
