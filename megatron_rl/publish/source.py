@@ -89,12 +89,7 @@ class MegatronWeightSource:
             for name in names if self.dp_rank == 0 else ():
                 if name in full:
                     continue
-                p = self.params[name].detach()
-                if self.tp > 1 and mapping.tp_kind(name) != "replicated":
-                    shards = [torch.empty_like(p) for _ in range(self.tp)]
-                    dist.all_gather(shards, p.contiguous(), group=self.tp_group)
-                    p = mapping.tp_gather(name, shards)
-                full[name] = p.to(self.dtype)
+                full[name] = tp_full(name, self.params[name], self.tp, self.tp_group).to(self.dtype)
         if self.dp_rank != 0:  # an expert-parallel peer of DP replica 0: its experts only
             return full
         if owner != 0 and self.tp_rank == 0 and self.pp_rank in (0, owner):
@@ -108,6 +103,17 @@ class MegatronWeightSource:
 
     def _device_of_params(self) -> torch.device:
         return next(iter(self.params.values())).device
+
+
+def tp_full(name: str, param: torch.Tensor, world: int, group) -> torch.Tensor:
+    """The whole tensor of a parameter sharded over a tensor-parallel `group` of `world` ranks
+    (all-gathered and joined along its TP dimension); the parameter itself when not sharded."""
+    p = param.detach()
+    if world == 1 or mapping.tp_kind(name) == "replicated":
+        return p
+    shards = [torch.empty_like(p) for _ in range(world)]
+    dist.all_gather(shards, p.contiguous(), group=group)
+    return mapping.tp_gather(name, shards)
 
 
 class ExpertGather:
@@ -139,12 +145,7 @@ class ExpertGather:
             return {}
         full: dict[str, torch.Tensor] = {}
         for name in (n for n in names if n in params and mapping.is_expert(n)):
-            p = params[name].detach()
-            if self.etp > 1 and mapping.tp_kind(name) != "replicated":
-                shards = [torch.empty_like(p) for _ in range(self.etp)]
-                dist.all_gather(shards, p.contiguous(), group=self.etp_group)
-                p = mapping.tp_gather(name, shards)
-            p = p.to(dtype).contiguous()
+            p = tp_full(name, params[name], self.etp, self.etp_group).to(dtype).contiguous()
             if self.ep == 1:
                 full[name] = p
                 continue

@@ -335,10 +335,10 @@ class RolloutFleet:
             ray.get([workers[g].expect_probe.remote(*self._probe) for g in stale])
         report = self.learner.publish(version)
         groups = report.get("groups") or []
-        lost = [members[i] for i, r in enumerate(groups) if r["unresponsive"]]
+        lost = [(members[i], r["error"]) for i, r in enumerate(groups) if r["unresponsive"]]
         if lost:
-            for g in lost:
-                self.mark_unreachable(g, workers[g], groups[members.index(g)]["error"])
+            for g, why in lost:
+                self.mark_unreachable(g, workers[g], why)
             kept = [r for r in groups if not r["unresponsive"]]
             if not all(r["committed"] for r in kept):  # the send broke off: once more without them
                 return self._publish_locked(version)
