@@ -108,6 +108,9 @@ class ExperimentConfig:
     """Run the runs inside the runner's process, one after another (experiment_inprocess.py), instead of one
     process each: the driver's imports and Ray connect are paid once.  Needs shared_ray (otherwise each run
     is its own process, logged)."""
+    pool_engines: bool = True
+    """With in_process: a finished `train` run's rollout engines and placement group serve the next `train` run
+    of the same engine and placement shapes, refitted with its initial weights (train/engine_pool.py)."""
 
     def __post_init__(self) -> None:
         if self.preregistration.baseline_arm not in self.arms:
@@ -123,7 +126,7 @@ class ExperimentConfig:
         budget = self.budget_generated_tokens
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ConfigError(f"budget_generated_tokens must be an int >= 1 (or null = off), got {budget!r}")
-        for name in ("shared_ray", "engine_in_process", "in_process"):
+        for name in ("shared_ray", "engine_in_process", "in_process", "pool_engines"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.order()  # no cycles
@@ -283,11 +286,15 @@ def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] | No
     todo = [r for r in runs if not (run_dir(cfg, *r) / "result.json").is_file()]
     if len(todo) < len(runs):
         logger.info("%d of %d runs finished earlier: skipped", len(runs) - len(todo), len(runs))
-    with shared_ray_cluster(cfg) if todo else contextlib.nullcontext():
+    with shared_ray_cluster(cfg) if todo else contextlib.nullcontext(), run_pool(cfg, launch) as pool:
         for i, (arm, seed) in enumerate(todo):
             t0 = time.time()
+            if pool is not None and cfg.arms[arm].command != "train":
+                pool.drop()  # only `train` runs use it: the resources are this run's
             rc = execute_run(cfg, arm, seed, launch)
             if rc != 0:
+                if pool is not None:
+                    pool.drop()  # nothing of a failed run reaches a later one
                 raise RuntimeError(f"run {arm} seed {seed} failed (exit {rc}); see {log_path(cfg, arm, seed)} -- "
                                    f"rerun the experiment to resume")
             wall = time.time() - t0
@@ -295,6 +302,17 @@ def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] | No
             progress(run_progress_line(len(runs) - len(todo) + i + 1, len(runs), arm, seed, wall,
                                        eta_s=(len(todo) - i - 1) * (time.time() - start) / (i + 1)))
     return ran
+
+
+def run_pool(cfg: ExperimentConfig, launch: Callable) -> contextlib.AbstractContextManager:
+    """The engine pool (train/engine_pool.py) for runs inside this process with cfg.pool_engines; else none."""
+    from megatron_rl.experiment_inprocess import launch_in_process
+
+    if not cfg.pool_engines or launch is not launch_in_process:
+        return contextlib.nullcontext()
+    from megatron_rl.train.engine_pool import engine_pool
+
+    return engine_pool()
 
 
 def log_path(cfg: ExperimentConfig, arm: str, seed: int) -> Path:

@@ -1,18 +1,21 @@
-"""A run inside the experiment runner's process gives what the same run gives as its own process.
+"""A run inside the experiment runner's process, on an engine handed over by the run before it, gives
+what the same run gives as its own process.
 
     python -m pytest tests/e2e/test_experiment_inprocess.py -q      # through /work/heavy (~3 min)
 
-One tiny experiment (SFT 2 steps, then GRPO 2 steps from it, one seed) runs with the defaults:
-both runs inside the runner (`in_process`) against its shared Ray cluster, so the GRPO run is the
-second run of that process and finds the first one's imports and caches.  Then the same GRPO
-command line runs again, cold: its own process, its own Ray.  Every learning, numerics, reward and
-eval value of every step, the per-example hidden-test outcomes and the final JSON line must be
-equal; only timing and queue gauges may differ.
+One tiny experiment (SFT 2 steps, then two GRPO arms of 2 steps from it, one seed) runs with the
+defaults: all runs inside the runner (`in_process`) against its shared Ray cluster, and the second
+GRPO run (`again`, another rollout.max_tokens) takes the first one's rollout engine and placement
+group from the runner's engine pool (train/engine_pool.py), refitted with its initial weights.
+Then that run's command line runs again, cold: its own process, its own Ray, its own engine.  Every
+learning, numerics, reward and eval value of every step, the per-example hidden-test outcomes and
+the final JSON line must be equal; only timing and queue gauges may differ.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -34,15 +37,18 @@ def warm_and_cold(tmp_path_factory):
         "overrides": ["data.eval_size=8", "run.eval_every=0", "run.checkpoint_every=0"],
         "preregistration": {"hypothesis": "in-process runs equal cold runs", "baseline_arm": "sft"},
         "arms": {"sft": {"command": "sft", "overrides": ["sft.steps=2"]},
-                 "grpo": {"command": "train", "init_from": "sft", "overrides": ["run.steps=2"]}}}))
+                 "grpo": {"command": "train", "init_from": "sft", "overrides": ["run.steps=2"]},
+                 "again": {"command": "train", "init_from": "sft",
+                           "overrides": ["run.steps=2", "rollout.max_tokens=3"]}}}))
     run_cli("experiment", "--config", str(path))
     cfg = load_experiment(path)
     cold_dir = d / "cold"
-    args = [a for a in command_for(cfg, "grpo", 0) if not a.startswith(("run.dir=", "run.use_existing_ray="))]
+    args = [a for a in command_for(cfg, "again", 0) if not a.startswith(("run.dir=", "run.use_existing_ray="))]
     cold = run_cli(*args, f"run.dir={cold_dir}")
-    warm_dir = d / "exp" / "runs" / "grpo" / "seed_0"
-    return SimpleNamespace(warm=warm_dir, cold=cold_dir, sft=d / "exp" / "runs" / "sft" / "seed_0",
-                           warm_final=last_json((d / "exp" / "logs" / "grpo_seed_0.log").read_text()),
+    runs = d / "exp" / "runs"
+    return SimpleNamespace(warm=runs / "again" / "seed_0", first=runs / "grpo" / "seed_0", cold=cold_dir,
+                           sft=runs / "sft" / "seed_0",
+                           warm_final=last_json((d / "exp" / "logs" / "again_seed_0.log").read_text()),
                            cold_final=last_json(cold.stdout))
 
 
@@ -50,13 +56,28 @@ def _pid(run_dir) -> int:
     return json.loads((run_dir / "run_manifest.json").read_text())["attempts"][-1]["pid"]
 
 
-def test_both_runs_ran_in_the_runner_process(warm_and_cold):
+def _engine_pids(run_dir) -> set[str]:
+    """The rollout actors' process ids, from their output in the run's own logs."""
+    text = (run_dir / "logs" / "ray_RolloutWorker.log").read_text()
+    return set(re.findall(r"^\(pid=(\d+)", text, flags=re.M))
+
+
+def test_all_runs_ran_in_the_runner_process(warm_and_cold):
     r = warm_and_cold
-    assert _pid(r.sft) == _pid(r.warm) != _pid(r.cold)
+    assert _pid(r.sft) == _pid(r.first) == _pid(r.warm) != _pid(r.cold)
     assert (r.warm / "result.json").is_file() and (r.warm / "checkpoints" / "step_000002" / "COMMITTED").is_file()
     for actor in ("LearnerWorker", "RolloutWorker"):  # its actors' output in its own run dir, as a process's
         log = r.warm / "logs" / f"ray_{actor}.log"
         assert log.is_file() and log.stat().st_size > 0, f"{log} missing or empty"
+
+
+def test_the_second_grpo_run_served_from_the_first_runs_engine(warm_and_cold):
+    r = warm_and_cold
+    first, again, cold = _engine_pids(r.first), _engine_pids(r.warm), _engine_pids(r.cold)
+    assert len(first) == 1 and again == first and cold.isdisjoint(first)
+    driver = (r.warm / "logs" / "driver.log").read_text()
+    assert "handed to this one" in driver and "refit check of version 0" in \
+        (r.warm / "logs" / "ray_RolloutWorker.log").read_text()
 
 
 def test_a_run_in_process_equals_the_cold_run(warm_and_cold):
