@@ -1,4 +1,4 @@
-"""Rollout engines and their placement group, kept from one run of an experiment for the next.
+"""Rollout engines, learner actors and their placement group, kept from one run of an experiment for the next.
 
     with engine_pool() as pool:     # the experiment runner, around its in-process runs (experiment.py)
         launch_in_process(["train", ...], log)   # Roles.build takes what the pool holds, Roles.close parks it
@@ -17,10 +17,15 @@ Ray cluster, so a finished run's engines can serve the next run instead of endin
              run's first publication -- version 0, the run's initial weights -- committed on it
              through the normal path: checksummed buckets, then the refit probe (engine logprobs vs
              the learner's).  Its prefix cache is emptied and its version counter starts again at 0.
+  learners   the run's `LearnerWorker` actors (one per rank) are parked too; the next run of the same
+             placement rebuilds its learner in them (LearnerWorker.rebuild, train/learner_build.py:
+             the last run's model, reference, optimizer, publication group and Megatron parallel
+             state dropped, then everything built from that run's sections, initial policy and seed
+             as a new actor would; torch.distributed stays up), which saves their process start and
+             torch/Megatron imports.
   placement  the run's Ray placement group is kept under its key (placement kind, learner ranks,
-             rollout groups and TP), so parked engines keep their bundles; a run with another key
-             drops the pool and reserves its own.  The learner actors still end with their run; the
-             next run's learners are placed in the bundles they held.
+             rollout groups and TP), so parked actors keep their bundles; a run with another key
+             drops the pool and reserves its own.
 
 Everything else stays per run: run dir, coordinator and its WAL queue, seeds, learner, metrics,
 checkpoints.  Not parked: a fleet with a stale or unreachable group, or with vLLM sleep mode on.
@@ -75,6 +80,8 @@ class EnginePool:
     """Their engine identity (rollout/engine_setup.py: engine_identity)."""
     handed: int = 0
     """How often parked engines were taken by a later run."""
+    learners: list | None = None
+    """Parked LearnerWorker actors (one per rank, in the kept placement), or None."""
 
     def placement(self, cfg, learner_ranks: int):
         """The kept placement when its key is this run's; else the pool is dropped and a new one reserved."""
@@ -106,6 +113,24 @@ class EnginePool:
                     "weights before they serve)", len(workers))
         return workers
 
+    def take_learners(self, ranks: int) -> list | None:
+        """The parked learner actors when there are `ranks` of them (they sit in this run's placement: its
+        key holds the layout); None otherwise."""
+        learners, self.learners = self.learners, None
+        if learners is not None and len(learners) != ranks:
+            end_actors(learners)
+            return None
+        if learners is not None:
+            logger.info("%d learner actor(s) of the previous run handed to this one (rebuilt for it)", ranks)
+        return learners
+
+    def park_learners(self, group) -> bool:
+        """Keep a finished run's learner actors (LearnerGroup) for the next run."""
+        if self.place is None or self.learners is not None:
+            return False
+        self.learners = group.hand_over()
+        return True
+
     def park(self, fleet) -> bool:
         """Keep the fleet's workers for the next run (True) when all of them serve and sleep mode is off."""
         from megatron_rl.rollout.engine_setup import engine_identity
@@ -136,10 +161,12 @@ class EnginePool:
 
     def drop(self) -> None:
         """End the parked workers and remove the placement group (after a failed run, at the end)."""
-        workers, place = self.workers, self.place
-        self.workers = self.identity = self.place = self.place_key = None
+        workers, learners, place = self.workers, self.learners, self.place
+        self.workers = self.identity = self.place = self.place_key = self.learners = None
         if workers:
             end_workers(workers)
+        if learners:
+            end_actors(learners)
         if place is not None:
             try:
                 place.remove()
@@ -156,7 +183,14 @@ def end_workers(workers: list) -> None:
             ray.get(w.shutdown.remote(), timeout=60)
         except Exception as err:  # noqa: BLE001 -- dead already, or Ray going down
             logger.warning("rollout worker shutdown: %s", err)
+    end_actors(workers)
+
+
+def end_actors(actors: list) -> None:
+    import ray
+
+    for a in actors:
         try:
-            ray.kill(w)
-        except Exception as err:  # noqa: BLE001
-            logger.debug("kill of a rollout actor: %s", err)
+            ray.kill(a)
+        except Exception as err:  # noqa: BLE001 -- dead already
+            logger.debug("kill of an actor: %s", err)

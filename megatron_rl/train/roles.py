@@ -73,11 +73,12 @@ class Roles:
                             handed_over=handed)
         source = RolloutSource(fleet, PromptStream(train, inputs.template, inputs.tokenizer, train_cursor(cfg, train)),
                                coordinator, scorer, spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling))
+        learners = pool.take_learners(ranks) if pool is not None else None
         policy = Policy.create(cfg.learner, cfg.loss, cfg.run, cfg.sampling,
                                weight_transfer=transport, model_dir=inputs.model_dir,
                                fleet=fleet, placement=place.learner,
                                vocab_size=inputs.vocab_size, pad_id=inputs.pad_id,
-                               sleep=(sleep_on, sleep_why))
+                               sleep=(sleep_on, sleep_why), handed_over=learners)
         if fleet.handed_over:  # an earlier run's engines: they serve once this run's weights are on them
             policy.publish(0)
         checkpointer = Checkpointer(inputs.run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from)
@@ -92,7 +93,8 @@ class Roles:
         from megatron_rl.run_manifest import close_run
 
         pool = self.pool
-        park = (lambda: pool.park(self.source.fleet)) if pool is not None else (lambda: None)
+        park = (lambda: (pool.park(self.source.fleet), pool.park_learners(self.policy.learner))) \
+            if pool is not None else (lambda: None)
         remove = self.placement.remove if pool is None else (lambda: None)  # the pool keeps it
         for closer in (self.source.stop, self.reporter.close, self.scorer.close, park, self.source.close,
                        self.policy.close, remove):

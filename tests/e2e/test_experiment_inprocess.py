@@ -5,8 +5,9 @@ what the same run gives as its own process.
 
 One tiny experiment (SFT 2 steps, then two GRPO arms of 2 steps from it, one seed) runs with the
 defaults: all runs inside the runner (`in_process`) against its shared Ray cluster, and the second
-GRPO run (`again`, another rollout.max_tokens) takes the first one's rollout engine and placement
-group from the runner's engine pool (train/engine_pool.py), refitted with its initial weights.
+GRPO run (`again`, another rollout.max_tokens) takes the first one's rollout engine, learner actor
+and placement group from the runner's pool (train/engine_pool.py): the engine refitted with its
+initial weights, the learner rebuilt in its process.
 Then that run's command line runs again, cold: its own process, its own Ray, its own engine.  Every
 learning, numerics, reward and eval value of every step, the per-example hidden-test outcomes and
 the final JSON line must be equal; only timing and queue gauges may differ.
@@ -56,9 +57,9 @@ def _pid(run_dir) -> int:
     return json.loads((run_dir / "run_manifest.json").read_text())["attempts"][-1]["pid"]
 
 
-def _engine_pids(run_dir) -> set[str]:
-    """The rollout actors' process ids, from their output in the run's own logs."""
-    text = (run_dir / "logs" / "ray_RolloutWorker.log").read_text()
+def _actor_pids(run_dir, actor: str = "RolloutWorker") -> set[str]:
+    """The process ids of a run's actors of one kind, from their output in the run's own logs."""
+    text = (run_dir / "logs" / f"ray_{actor}.log").read_text()
     return set(re.findall(r"^\(pid=(\d+)", text, flags=re.M))
 
 
@@ -71,13 +72,16 @@ def test_all_runs_ran_in_the_runner_process(warm_and_cold):
         assert log.is_file() and log.stat().st_size > 0, f"{log} missing or empty"
 
 
-def test_the_second_grpo_run_served_from_the_first_runs_engine(warm_and_cold):
+@pytest.mark.parametrize("actor", ["RolloutWorker", "LearnerWorker"])
+def test_the_second_grpo_run_ran_in_the_first_runs_actors(warm_and_cold, actor):
     r = warm_and_cold
-    first, again, cold = _engine_pids(r.first), _engine_pids(r.warm), _engine_pids(r.cold)
+    first, again, cold = _actor_pids(r.first, actor), _actor_pids(r.warm, actor), _actor_pids(r.cold, actor)
     assert len(first) == 1 and again == first and cold.isdisjoint(first)
     driver = (r.warm / "logs" / "driver.log").read_text()
-    assert "handed to this one" in driver and "refit check of version 0" in \
-        (r.warm / "logs" / "ray_RolloutWorker.log").read_text()
+    assert f"{'rollout engine' if actor == 'RolloutWorker' else 'learner actor'}(s) of the previous run handed" \
+        in driver
+    if actor == "RolloutWorker":  # refitted with the run's initial weights, checked by the probe
+        assert "refit check of version 0" in (r.warm / "logs" / "ray_RolloutWorker.log").read_text()
 
 
 def test_a_run_in_process_equals_the_cold_run(warm_and_cold):
