@@ -289,8 +289,8 @@ def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] | No
     with shared_ray_cluster(cfg) if todo else contextlib.nullcontext(), run_pool(cfg, launch) as pool:
         for i, (arm, seed) in enumerate(todo):
             t0 = time.time()
-            if pool is not None and cfg.arms[arm].command != "train":
-                pool.drop()  # only `train` runs use it: the resources are this run's
+            if pool is not None:
+                pool.prepare_for(cfg.arms[arm].command)  # what it keeps for another kind of run ends
             rc = execute_run(cfg, arm, seed, launch)
             if rc != 0:
                 if pool is not None:

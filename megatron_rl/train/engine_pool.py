@@ -2,7 +2,8 @@
 
     with engine_pool() as pool:     # the experiment runner, around its in-process runs (experiment.py)
         launch_in_process(["train", ...], log)   # Roles.build takes what the pool holds, Roles.close parks it
-        pool.drop()                 # after a failed run, and before a run that does not use it
+        pool.prepare_for("sft")     # before each run: what only another kind of run uses ends
+        pool.drop()                 # after a failed run
 
 A training run's start-up is mostly its rollout actor: a process that imports torch and vLLM and
 loads an engine (~10 s of GRPO's ~14 s start-up on 2 cores, notes in benchmarks/).  Inside the
@@ -22,7 +23,8 @@ Ray cluster, so a finished run's engines can serve the next run instead of endin
              the last run's model, reference, optimizer, publication group and Megatron parallel
              state dropped, then everything built from that run's sections, initial policy and seed
              as a new actor would; torch.distributed stays up), which saves their process start and
-             torch/Megatron imports.
+             torch/Megatron imports.  An `sft` run's learner actors (outside any placement group) are
+             parked apart and rebuilt by the next `sft` run (train/sft.py).
   placement  the run's Ray placement group is kept under its key (placement kind, learner ranks,
              rollout groups and TP), so parked actors keep their bundles; a run with another key
              drops the pool and reserves its own.
@@ -82,6 +84,8 @@ class EnginePool:
     """How often parked engines were taken by a later run."""
     learners: list | None = None
     """Parked LearnerWorker actors (one per rank, in the kept placement), or None."""
+    free_learners: list | None = None
+    """Parked learner actors of an `sft` run (placed outside any placement group), or None."""
 
     def placement(self, cfg, learner_ranks: int):
         """The kept placement when its key is this run's; else the pool is dropped and a new one reserved."""
@@ -124,6 +128,34 @@ class EnginePool:
             logger.info("%d learner actor(s) of the previous run handed to this one (rebuilt for it)", ranks)
         return learners
 
+    def take_free_learners(self, ranks: int) -> list | None:
+        """An `sft` run's learner actors parked by the last `sft` run, when there are `ranks` of them."""
+        learners, self.free_learners = self.free_learners, None
+        if learners is not None and len(learners) != ranks:
+            end_actors(learners)
+            return None
+        if learners is not None:
+            logger.info("%d learner actor(s) of the previous run handed to this one (rebuilt for it)", ranks)
+        return learners
+
+    def park_free_learners(self, group) -> None:
+        """Keep a finished `sft` run's learner actors for the next `sft` run."""
+        if self.free_learners is not None:
+            end_actors(self.free_learners)
+        self.free_learners = group.hand_over()
+
+    def prepare_for(self, command: str) -> None:
+        """Before a run: end what the pool keeps that this command does not use (`sft` runs use parked free
+        learners, `train` runs the placement, engines and placed learners), so it holds no resources for it."""
+        if command == "train":
+            if self.free_learners:
+                end_actors(self.free_learners)
+            self.free_learners = None
+        else:
+            free, self.free_learners = self.free_learners, None
+            self.drop()
+            self.free_learners = free
+
     def park_learners(self, group) -> bool:
         """Keep a finished run's learner actors (LearnerGroup) for the next run."""
         if self.place is None or self.learners is not None:
@@ -161,8 +193,9 @@ class EnginePool:
 
     def drop(self) -> None:
         """End the parked workers and remove the placement group (after a failed run, at the end)."""
-        workers, learners, place = self.workers, self.learners, self.place
-        self.workers = self.identity = self.place = self.place_key = self.learners = None
+        workers, place = self.workers, self.place
+        learners = (self.learners or []) + (self.free_learners or [])
+        self.workers = self.identity = self.place = self.place_key = self.learners = self.free_learners = None
         if workers:
             end_workers(workers)
         if learners:

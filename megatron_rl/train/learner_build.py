@@ -9,12 +9,14 @@ Hugging Face checkpoint (through the shared conversion mapping) and the frozen r
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
 
 def seed_everything(seed: int, deterministic: bool | None, threads: int) -> None:
     """Seeds, threads and deterministic mode (None: on for CPU, off on GPU; platform.apply_determinism)."""
@@ -95,7 +97,9 @@ class RankBuild:
         learner_cfg, _, _, seed, deterministic, threads = args
         seed_everything(seed, deterministic, threads)
         self.platform = detect_platform(dtype=learner_cfg.dtype)
-        return self._build(sampling)
+        rank = self._build(sampling)
+        logger.info("learner rank %d rebuilt in its process for the next run (%s, seed %d)", self.rank, args[2], seed)
+        return rank
 
     def _build(self, sampling=None) -> int:
         """The learner, its initial policy from the HF checkpoint, and the reference (after the join)."""

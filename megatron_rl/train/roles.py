@@ -21,7 +21,6 @@ import os
 
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, restore_queue_snapshot
-from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.engine_pool import EnginePool, active_pool
 from megatron_rl.train.placement import Placement, gpu_path_choices
 from megatron_rl.train.policy import Policy
@@ -53,8 +52,9 @@ class Roles:
         return self.inputs.run_dir
 
     @classmethod
-    def build(cls, cfg: TrainConfig) -> "Roles":
-        """Each role from its own config section and the handles it uses."""
+    def build(cls, cfg) -> "Roles":
+        """Each role from its own config section (cfg: the run's TrainConfig, train/config.py) and the
+        handles it uses."""
         inputs = open_run_dir(cfg, kind="train")
         own_ray = start_ray(cfg.run)
         resume_from = restore_queue_snapshot(inputs.run_dir, cfg, inputs.tokenizer_hash)
