@@ -66,6 +66,25 @@ def engine_pool() -> Iterator["EnginePool"]:
         pool.drop()
 
 
+def sft_learner_group(**kwargs):
+    """An `sft` run's LearnerGroup (train/learner_group.py; kwargs as its own): the last `sft` run's actors,
+    rebuilt, when the experiment runner's pool holds them for this layout, else new actors."""
+    from megatron_rl.train.learner_group import LearnerGroup
+
+    lc, pool = kwargs["learner_cfg"], active_pool()
+    world = lc.tensor_parallel_size * lc.pipeline_parallel_size * lc.data_parallel_size
+    return LearnerGroup(**kwargs, handed_over=pool.take_free_learners(world) if pool is not None else None)
+
+
+def release_sft_learners(group) -> None:
+    """An `sft` run is done with its learner: parked for the next `sft` run inside the experiment runner,
+    else ended."""
+    pool = active_pool()
+    if pool is not None:
+        pool.park_free_learners(group)
+    group.shutdown()  # ends nothing once parked
+
+
 def placement_key(cfg, learner_ranks: int) -> tuple:
     """What a placement group is made of (train/placement.py: Placement.create)."""
     return (cfg.run.placement, learner_ranks, cfg.rollout.data_parallel_size, cfg.rollout.tensor_parallel_size)
