@@ -16,7 +16,10 @@ What the runs share, to cut each run's start-up (benchmarks/bench_experiment_ove
 `shared_ray` (default on) starts one Ray cluster in the runner and the runs connect to it
 (run.use_existing_ray, RAY_ADDRESS) instead of each starting its own; every run is still its
 own Ray job with its own actors (engine, learner, coordinator and its WAL queue in its run dir),
-which end with it.  `engine_in_process` (default on) runs each vLLM engine inside its rollout
+which end with it -- unless `pool_engines` (default on, with in_process) hands a finished run's rollout
+engines, learner actors and placement group to the next run of the same shapes (train/engine_pool.py:
+engines refitted with the run's initial weights through a checked publication, learners rebuilt in
+their processes; dropped after a failed run).  `engine_in_process` (default on) runs each vLLM engine inside its rollout
 actor (rollout.engine_in_process).  `budget_generated_tokens` gives every `train` run the same
 generated-token budget (stop.max_generated_tokens): arms are compared at equal generated tokens,
 and each run's result.json records the tokens it generated and the budget that stopped it.
@@ -109,8 +112,10 @@ class ExperimentConfig:
     process each: the driver's imports and Ray connect are paid once.  Needs shared_ray (otherwise each run
     is its own process, logged)."""
     pool_engines: bool = True
-    """With in_process: a finished `train` run's rollout engines and placement group serve the next `train` run
-    of the same engine and placement shapes, refitted with its initial weights (train/engine_pool.py)."""
+    """With in_process: a finished `train` run's rollout engines, learner actors and placement group serve the
+    next `train` run of the same engine and placement shapes (the engines refitted with its initial weights,
+    the learners rebuilt in their processes), and an `sft` run's learner actors the next `sft` run
+    (train/engine_pool.py)."""
 
     def __post_init__(self) -> None:
         if self.preregistration.baseline_arm not in self.arms:
