@@ -44,8 +44,8 @@ class Roles:
     placement: Placement
     own_ray: bool
     pool: EnginePool | None = None
-    """The experiment runner's engine pool (train/engine_pool.py): placement and engines come from it
-    and go back to it; None for a run on its own."""
+    """The experiment runner's pool (train/engine_pool.py): placement, engines and learner actors come
+    from it and go back to it when the run closes; None for a run on its own."""
 
     @property
     def run_dir(self):
