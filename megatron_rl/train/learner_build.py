@@ -94,6 +94,8 @@ class RankBuild:
         self.__dict__.clear()
         self.__dict__.update(kept, _args=args)
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the last run's model and optimizer states back to the device
         learner_cfg, _, _, seed, deterministic, threads = args
         seed_everything(seed, deterministic, threads)
         self.platform = detect_platform(dtype=learner_cfg.dtype)
