@@ -153,3 +153,23 @@ def test_the_runner_allows_what_the_pool_holds(ray_local):
             with engine_pool():
                 pass
     assert active_pool() is None and pool.place is None
+
+
+def test_before_a_run_the_pool_ends_what_only_another_kind_of_run_uses(ray_local, tmp_path):
+    pool = EnginePool()
+    place = pool.placement(_cfg(), learner_ranks=1)
+    fleet = Fleet(RolloutConfig(model=_model(tmp_path, "a")), num_groups=1, placement=place.rollout)
+    engine = fleet.workers[0]
+    assert pool.park(fleet)
+    sft_learner = Engine.remote()  # stands in for an sft run's learner actor (only its life matters here)
+    pool.free_learners = [sft_learner]
+    pool.prepare_for("sft")  # an sft run: the train run's placement and engine end, its learners stay
+    assert pool.place is None and pool.workers is None and pool.free_learners == [sft_learner]
+    assert ray.util.placement_group_table(place.group)["state"] == "REMOVED"
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(engine.policy_version.remote(), timeout=30)
+    assert ray.get(sft_learner.policy_version.remote(), timeout=30) == 0
+    pool.prepare_for("train")  # a train run: the sft learners end
+    assert pool.free_learners is None
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(sft_learner.policy_version.remote(), timeout=30)
