@@ -92,6 +92,9 @@ def placement_key(cfg, learner_ranks: int) -> tuple:
 
 @dataclasses.dataclass
 class EnginePool:
+    """What one finished run left for the next: at most one placement group, one fleet's engines, one
+    learner group placed in it, and one sft run's learner group.  Owned by the experiment runner."""
+
     place: object = None
     """The kept Placement (train/placement.py), or None."""
     place_key: tuple | None = None
