@@ -15,7 +15,8 @@ runs/bench_overhead_<time>; its `dir:` is replaced) and then measures it;
 benchmarks/overhead_experiment.yaml is one seed of experiments/grpo_vs_sft.yaml (SFT, then GRPO
 from it: ~2-3 minutes on 2 cores).  Any further `KEY=VALUE` arguments set top-level fields of the
 experiment (values read as YAML), e.g. `shared_ray=false engine_in_process=false in_process=false` to measure the
-runner without what it shares.
+runner without what it shares, `pool_engines=false` without the engine/learner pool, `'seeds=[0,1]'` for runs
+that a pool can serve (the second run of each arm).
 """
 
 from __future__ import annotations

@@ -16,7 +16,10 @@ What the runs share, to cut each run's start-up (benchmarks/bench_experiment_ove
 `shared_ray` (default on) starts one Ray cluster in the runner and the runs connect to it
 (run.use_existing_ray, RAY_ADDRESS) instead of each starting its own; every run is still its
 own Ray job with its own actors (engine, learner, coordinator and its WAL queue in its run dir),
-which end with it.  `engine_in_process` (default on) runs each vLLM engine inside its rollout
+which end with it -- unless `pool_engines` (default on, with in_process) hands a finished run's rollout
+engines, learner actors and placement group to the next run of the same shapes (train/engine_pool.py:
+engines refitted with the run's initial weights through a checked publication, learners rebuilt in
+their processes; dropped after a failed run).  `engine_in_process` (default on) runs each vLLM engine inside its rollout
 actor (rollout.engine_in_process).  `budget_generated_tokens` gives every `train` run the same
 generated-token budget (stop.max_generated_tokens): arms are compared at equal generated tokens,
 and each run's result.json records the tokens it generated and the budget that stopped it.
@@ -108,6 +111,11 @@ class ExperimentConfig:
     """Run the runs inside the runner's process, one after another (experiment_inprocess.py), instead of one
     process each: the driver's imports and Ray connect are paid once.  Needs shared_ray (otherwise each run
     is its own process, logged)."""
+    pool_engines: bool = True
+    """With in_process: a finished `train` run's rollout engines, learner actors and placement group serve the
+    next `train` run of the same engine and placement shapes (the engines refitted with its initial weights,
+    the learners rebuilt in their processes), and an `sft` run's learner actors the next `sft` run
+    (train/engine_pool.py)."""
 
     def __post_init__(self) -> None:
         if self.preregistration.baseline_arm not in self.arms:
@@ -123,7 +131,7 @@ class ExperimentConfig:
         budget = self.budget_generated_tokens
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ConfigError(f"budget_generated_tokens must be an int >= 1 (or null = off), got {budget!r}")
-        for name in ("shared_ray", "engine_in_process", "in_process"):
+        for name in ("shared_ray", "engine_in_process", "in_process", "pool_engines"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.order()  # no cycles
@@ -283,11 +291,15 @@ def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] | No
     todo = [r for r in runs if not (run_dir(cfg, *r) / "result.json").is_file()]
     if len(todo) < len(runs):
         logger.info("%d of %d runs finished earlier: skipped", len(runs) - len(todo), len(runs))
-    with shared_ray_cluster(cfg) if todo else contextlib.nullcontext():
+    with shared_ray_cluster(cfg) if todo else contextlib.nullcontext(), run_pool(cfg, launch) as pool:
         for i, (arm, seed) in enumerate(todo):
             t0 = time.time()
+            if pool is not None:
+                pool.prepare_for(cfg.arms[arm].command)  # what it keeps for another kind of run ends
             rc = execute_run(cfg, arm, seed, launch)
             if rc != 0:
+                if pool is not None:
+                    pool.drop()  # nothing of a failed run reaches a later one
                 raise RuntimeError(f"run {arm} seed {seed} failed (exit {rc}); see {log_path(cfg, arm, seed)} -- "
                                    f"rerun the experiment to resume")
             wall = time.time() - t0
@@ -295,6 +307,17 @@ def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] | No
             progress(run_progress_line(len(runs) - len(todo) + i + 1, len(runs), arm, seed, wall,
                                        eta_s=(len(todo) - i - 1) * (time.time() - start) / (i + 1)))
     return ran
+
+
+def run_pool(cfg: ExperimentConfig, launch: Callable) -> contextlib.AbstractContextManager:
+    """The engine pool (train/engine_pool.py) for runs inside this process with cfg.pool_engines; else none."""
+    from megatron_rl.experiment_inprocess import launch_in_process
+
+    if not cfg.pool_engines or launch is not launch_in_process:
+        return contextlib.nullcontext()
+    from megatron_rl.train.engine_pool import engine_pool
+
+    return engine_pool()
 
 
 def log_path(cfg: ExperimentConfig, arm: str, seed: int) -> Path:

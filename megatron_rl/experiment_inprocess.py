@@ -66,17 +66,23 @@ def launch_in_process(args: list[str], log: Path) -> int:
 
 
 def check_released(timeout_s: float = 20.0) -> bool:
-    """True once every CPU/GPU of the cluster is free (the previous run closed its actors); a warning
-    naming what is still held otherwise (this run may not be placed)."""
+    """True once every CPU/GPU of the cluster is free (the previous run closed its actors) but what the
+    experiment's engine pool keeps (train/engine_pool.py); a warning naming what is still held otherwise
+    (this run may not be placed)."""
     import ray
+
+    from megatron_rl.train.engine_pool import active_pool
 
     if not ray.is_initialized():
         return True
+    pool = active_pool()
+    kept = pool.reserved() if pool is not None else {}
     deadline = time.monotonic() + timeout_s
     held: dict = {}
     while time.monotonic() < deadline:
         total, free = ray.cluster_resources(), ray.available_resources()
-        held = {k: total[k] - free.get(k, 0.0) for k in ("CPU", "GPU") if total.get(k, 0.0) - free.get(k, 0.0) > 1e-6}
+        held = {k: total[k] - free.get(k, 0.0) - kept.get(k, 0.0) for k in ("CPU", "GPU")
+                if total.get(k, 0.0) - free.get(k, 0.0) - kept.get(k, 0.0) > 1e-6}
         if not held:
             return True
         time.sleep(0.5)

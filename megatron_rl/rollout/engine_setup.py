@@ -98,3 +98,20 @@ def eos_token_ids(model_dir: str) -> list[int]:
             if eos is not None:
                 return [eos] if isinstance(eos, int) else list(eos)
     return []
+
+
+MODEL_FIELDS_IGNORED = ("_name_or_path", "transformers_version")
+
+
+def engine_identity(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
+    """What an engine started for `cfg` is made of, besides the weights it serves: the LLM arguments
+    (the model path left out), its environment, and the model's shapes (config.json).  Two configs
+    with the same identity can share one engine, refitted with the other run's weights
+    (train/engine_pool.py); sampling defaults, EOS ids and timeouts are not part of it."""
+    model_json = os.path.join(cfg.model, "config.json")
+    shapes: dict[str, Any] = {}
+    if os.path.isfile(model_json):
+        with open(model_json) as f:
+            shapes = {k: v for k, v in json.load(f).items() if k not in MODEL_FIELDS_IGNORED}
+    args = {k: v for k, v in llm_kwargs(cfg, on_gpu).items() if k != "model"}
+    return {"llm": args, "env": engine_env(cfg, on_gpu), "model": shapes, "num_cpus": cfg.num_cpus}

@@ -96,15 +96,25 @@ def refused_stale(err: BaseException) -> bool:
 
 class RolloutFleet:
     def __init__(self, cfg: RolloutConfig, num_groups: int, placement=None, *, max_retries: int = 3,
-                 max_restarts: int = 3, refit_timeout_s: float = 600.0, wait: bool = True):
+                 max_restarts: int = 3, refit_timeout_s: float = 600.0, wait: bool = True,
+                 handed_over: list | None = None):
         """Start the groups' engines; with wait=False return at once (the engines start while the
-        caller starts other things, e.g. the learner) and call wait_ready() before using them."""
+        caller starts other things, e.g. the learner) and call wait_ready() before using them.
+        `handed_over`: running workers of an earlier run (train/engine_pool.py) used instead of new
+        ones; they are reset to this config and stale until the first publication refits them."""
         self.cfg, self.placement = cfg, placement
         self.max_retries, self.max_restarts, self.refit_timeout_s = max_retries, max_restarts, refit_timeout_s
-        self.workers = [self._start(g, stale=False) for g in range(num_groups)]
+        if handed_over is not None and len(handed_over) != num_groups:
+            raise ValueError(f"{len(handed_over)} rollout workers handed over for {num_groups} groups")
+        self.handed_over = handed_over is not None
+        if handed_over is not None:
+            self.workers = list(handed_over)
+            ray.get([w.reset.remote(dataclasses.asdict(cfg)) for w in self.workers])
+        else:
+            self.workers = [self._start(g, stale=False) for g in range(num_groups)]
         if wait:
             self.wait_ready()
-        self.state = [SERVING] * num_groups
+        self.state = [STALE if self.handed_over else SERVING] * num_groups
         self._lock = threading.RLock()  # membership: workers, state, regroup
         self._regroup = False  # a group was replaced: form the publication group anew before publishing
         self.learner = None
@@ -366,6 +376,15 @@ class RolloutFleet:
                     "system/stale_rollout_groups": float(self.state.count(STALE)),
                     "system/rollout_partitions": float(self.partitions),
                     "system/unreachable_rollout_groups": float(len(self.unreachable))}
+
+    def hand_over(self) -> list | None:
+        """The workers, for the next run (train/engine_pool.py), when every group serves and answers;
+        None otherwise (shutdown() then ends them).  The fleet holds no worker afterwards."""
+        with self._lock:
+            if self.state.count(SERVING) != len(self.workers) or self.unreachable:
+                return None
+            workers, self.workers = self.workers, []
+        return workers
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -29,7 +29,7 @@ from megatron_rl.config import from_dict
 from megatron_rl.drill_hooks import maybe_kill_engine, maybe_stop_group
 from megatron_rl.platform.priority import with_normal_priority
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.engine_setup import engine_env, eos_token_ids, llm_kwargs, undo_ray_niceness
+from megatron_rl.rollout.engine_setup import engine_env, engine_identity, eos_token_ids, llm_kwargs, undo_ray_niceness
 from megatron_rl.rollout.sample import RolloutSample
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,22 @@ class RolloutWorker:
         self.eos_token_ids = eos_token_ids(self.config.model)
         log.info("vLLM engine for %s (TP=%d) up in %.1f s", self.config.model,
                  self.config.tensor_parallel_size, time.perf_counter() - started)
+
+    def reset(self, config: RolloutConfig | dict) -> None:
+        """Hand this engine to the next run of an experiment (train/engine_pool.py): it takes that run's
+        rollout config and EOS ids, and serves nothing (version None) until that run's first publication
+        (its initial weights, version 0) committed on it, checksums and refit check included."""
+        import torch
+
+        new = config if isinstance(config, RolloutConfig) else from_dict(RolloutConfig, config)
+        on_gpu = torch.cuda.is_available()
+        if engine_identity(new, on_gpu) != engine_identity(self.config, on_gpu):
+            raise ValueError(f"rollout engine for {self.config.model} cannot serve {new.model}: the engine "
+                             "arguments or the model's shapes differ")
+        self.config, self.version, self._probe = new, None, None
+        self.eos_token_ids = eos_token_ids(new.model)
+        self.llm.reset_prefix_cache()
+        log.info("vLLM engine handed to the next run (%s): stale until its first publication", new.model)
 
     # ---- generation -------------------------------------------------------------------
     def sampling_defaults(self) -> dict[str, Any]:

@@ -9,12 +9,14 @@ Hugging Face checkpoint (through the shared conversion mapping) and the frozen r
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
 
 def seed_everything(seed: int, deterministic: bool | None, threads: int) -> None:
     """Seeds, threads and deterministic mode (None: on for CPU, off on GPU; platform.apply_determinism)."""
@@ -67,17 +69,53 @@ class RankBuild:
 
     def setup(self, master_addr: str, master_port: int, sampling=None) -> int:
         """Join torch.distributed, build the learner (scoring under `sampling`) and load the initial policy."""
+        from megatron_rl.platform import detect_platform
+
+        learner_cfg, _, _, seed, deterministic, threads = self._args
+        seed_everything(seed, deterministic, threads)
+        self.platform = detect_platform(dtype=learner_cfg.dtype)
+        self.join(master_addr, master_port, self.platform)
+        return self._build(sampling)
+
+    def rebuild(self, args: tuple, sampling=None) -> int:
+        """Serve the next run of an experiment in this process (train/engine_pool.py): the last run's
+        learner, reference, optimizer, publication group and Megatron parallel state are dropped, and
+        everything `setup` builds is built anew from `args` (that run's sections, initial policy and
+        seed) in the same order; torch.distributed (same world size) stays up."""
+        import gc
+
+        from megatron_rl.platform import detect_platform
+        from megatron_rl.platform.parallel import destroy_parallel
+
+        old = getattr(self, "learner", None)
+        if old is not None:
+            old.close()
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            destroy_parallel()
+        kept = {k: self.__dict__[k] for k in ("rank", "world_size", "_rendezvous_store") if k in self.__dict__}
+        self.__dict__.clear()
+        self.__dict__.update(kept, _args=args)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the last run's model and optimizer states back to the device
+        learner_cfg, _, _, seed, deterministic, threads = args
+        seed_everything(seed, deterministic, threads)
+        self.platform = detect_platform(dtype=learner_cfg.dtype)
+        rank = self._build(sampling)
+        logger.info("learner rank %d rebuilt in its process for the next run (%s, seed %d)", self.rank, args[2], seed)
+        return rank
+
+    def _build(self, sampling=None) -> int:
+        """The learner, its initial policy from the HF checkpoint, and the reference (after the join)."""
         from megatron_rl.conversion.hf_io import HFCheckpoint
         from megatron_rl.conversion.model_io import fill_from_hf
         from megatron_rl.learner import Learner
         from megatron_rl.models.hf_config import load_hf_config, padded_vocab_size
-        from megatron_rl.platform import detect_platform
 
-        learner_cfg, loss_cfg, hf_dir, seed, deterministic, threads = self._args
-        seed_everything(seed, deterministic, threads)
+        learner_cfg, loss_cfg, hf_dir, _, _, _ = self._args
         self.loss_cfg = loss_cfg
-        self.platform = detect_platform(dtype=learner_cfg.dtype)
-        self.join(master_addr, master_port, self.platform)
         self.hf_cfg = load_hf_config(hf_dir)
         self.publish_device = "cpu"  # where published tensors are materialised (connect_rollout)
         self.publish_dtype = torch.float32  # the engines' dtype once connected (connect_rollout)

@@ -191,7 +191,9 @@ class LearnerGroup:
 
     def __init__(self, *, learner_cfg, loss_cfg, hf_dir: str, seed: int,
                  deterministic: bool | None, threads: int, placement=None, sampling=None,
-                 call_timeout_s: float = 1800.0):
+                 call_timeout_s: float = 1800.0, handed_over: list | None = None):
+        """`handed_over`: the learner actors of an earlier run of the experiment (train/engine_pool.py),
+        rebuilt for this one in their processes instead of new actors being started."""
         import ray
 
         from megatron_rl.platform.priority import with_normal_priority
@@ -203,6 +205,12 @@ class LearnerGroup:
         # engine): one call at a time on every rank, or ranks would enter collectives in other orders.
         self.lock = threading.RLock()
         self.updates = 0  # how often the weights changed (steps, loads): a refit must not publish newer ones
+        if handed_over is not None:
+            if len(handed_over) != self.world_size:
+                raise ValueError(f"{len(handed_over)} learner actors handed over for {self.world_size} ranks")
+            self.workers = list(handed_over)
+            self._all("rebuild", (learner_cfg, loss_cfg, hf_dir, seed, deterministic, threads), sampling)
+            return
         cls = ray.remote(LearnerWorker)
         self.workers = [
             cls.options(**with_normal_priority(placement(rank) if placement else {"num_cpus": 0})).remote(
@@ -282,6 +290,12 @@ class LearnerGroup:
         import ray
 
         ray.get([w.set_rng_state.remote(states[r]) for r, w in enumerate(self.workers)])
+
+    def hand_over(self) -> list:
+        """The rank actors, for the next run (train/engine_pool.py); this group holds none afterwards."""
+        with self.lock:
+            workers, self.workers = self.workers, []
+        return workers
 
     def shutdown(self) -> None:
         import ray

@@ -64,14 +64,14 @@ class Policy:
     def create(cls, learner: LearnerConfig, loss: GRPOLossConfig, run: RunConfig, sampling: SamplingConfig, *,
                weight_transfer: str, model_dir: Path, fleet: RolloutFleet, placement: Callable[[int], dict] | None,
                vocab_size: int, pad_id: int,
-               sleep: tuple[bool, str] = (False, "off")) -> "Policy":
+               sleep: tuple[bool, str] = (False, "off"), handed_over: list | None = None) -> "Policy":
         """The learner group (the learner and loss sections, the run's determinism, timeout and
         publication settings) started from `model_dir`, attached to the fleet it publishes to once
         its engines are up (they may still be starting while the learner does).
         `sleep`: (on, why) of vLLM sleep mode, chosen at start-up (train/placement.py)."""
         group = LearnerGroup(learner_cfg=learner, loss_cfg=loss, hf_dir=str(model_dir), seed=learner.seed,
                              deterministic=run.deterministic, threads=run.torch_threads, placement=placement,
-                             sampling=sampling, call_timeout_s=run.learner_timeout_s)
+                             sampling=sampling, call_timeout_s=run.learner_timeout_s, handed_over=handed_over)
         fleet.wait_ready()
         fleet.attach(group, bucket_bytes=run.publish_bucket_mib << 20, transport=weight_transfer)
         settings = PolicySettings(loss=loss, sampling=sampling, micro_batch_size=learner.micro_batch_size,

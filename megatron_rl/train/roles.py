@@ -21,7 +21,7 @@ import os
 
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, restore_queue_snapshot
-from megatron_rl.train.config import TrainConfig
+from megatron_rl.train.engine_pool import EnginePool, active_pool
 from megatron_rl.train.placement import Placement, gpu_path_choices
 from megatron_rl.train.policy import Policy
 from megatron_rl.train.reporting import Reporter
@@ -43,47 +43,61 @@ class Roles:
     reporter: Reporter
     placement: Placement
     own_ray: bool
+    pool: EnginePool | None = None
+    """The experiment runner's pool (train/engine_pool.py): placement, engines and learner actors come
+    from it and go back to it when the run closes; None for a run on its own."""
 
     @property
     def run_dir(self):
         return self.inputs.run_dir
 
     @classmethod
-    def build(cls, cfg: TrainConfig) -> "Roles":
-        """Each role from its own config section and the handles it uses."""
+    def build(cls, cfg) -> "Roles":
+        """Each role from its own config section (cfg: the run's TrainConfig, train/config.py) and the
+        handles it uses."""
         inputs = open_run_dir(cfg, kind="train")
         own_ray = start_ray(cfg.run)
         resume_from = restore_queue_snapshot(inputs.run_dir, cfg, inputs.tokenizer_hash)
         coordinator = Coordinator.start(cfg.coordinator, wal_path=inputs.run_dir / QUEUE_DB,
                                         tokenizer_hash=inputs.tokenizer_hash, take_timeout_s=cfg.run.take_timeout_s)
-        lc = cfg.learner
-        place = Placement.create(cfg, lc.tensor_parallel_size * lc.pipeline_parallel_size * lc.data_parallel_size)
+        lc, pool = cfg.learner, active_pool()
+        ranks = lc.tensor_parallel_size * lc.pipeline_parallel_size * lc.data_parallel_size
+        place = pool.placement(cfg, ranks) if pool is not None else Placement.create(cfg, ranks)
         train = inputs.splits["train"]
         scorer = Scorer.create(cfg.reward, inputs.tokenizer, tokenizer_hash=inputs.tokenizer_hash,
                                dataset_version=train.dataset_version)
         transport, sleep_on, sleep_why = gpu_path_choices(cfg, place.device)  # once, from (placement, device)
         rollout = dataclasses.replace(cfg.rollout, weight_transfer=transport, sleep_mode=sleep_on)
-        fleet = start_fleet(rollout, inputs.model_dir, place.rollout, wait=place.gpu)  # CPU: starts with the learner
+        handed = pool.take_engines(dataclasses.replace(rollout, model=str(inputs.model_dir))) if pool else None
+        fleet = start_fleet(rollout, inputs.model_dir, place.rollout, wait=place.gpu,  # CPU: starts with the learner
+                            handed_over=handed)
         source = RolloutSource(fleet, PromptStream(train, inputs.template, inputs.tokenizer, train_cursor(cfg, train)),
                                coordinator, scorer, spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling))
+        learners = pool.take_learners(ranks) if pool is not None else None
         policy = Policy.create(cfg.learner, cfg.loss, cfg.run, cfg.sampling,
                                weight_transfer=transport, model_dir=inputs.model_dir,
                                fleet=fleet, placement=place.learner,
                                vocab_size=inputs.vocab_size, pad_id=inputs.pad_id,
-                               sleep=(sleep_on, sleep_why))
+                               sleep=(sleep_on, sleep_why), handed_over=learners)
+        if fleet.handed_over:  # an earlier run's engines: they serve once this run's weights are on them
+            policy.publish(0)
         checkpointer = Checkpointer(inputs.run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from)
         reporter = Reporter.create(cfg.stop, steps=cfg.run.steps, eval_size=cfg.data.eval_size, run_dir=inputs.run_dir,
                                    fleet=fleet, verifier=scorer.verifier, splits=inputs.splits,
                                    template=inputs.template, tokenizer=inputs.tokenizer)
-        return cls(inputs, coordinator, source, scorer, policy, checkpointer, reporter, place, own_ray)
+        return cls(inputs, coordinator, source, scorer, policy, checkpointer, reporter, place, own_ray, pool)
 
     def close(self) -> None:
         import ray
 
         from megatron_rl.run_manifest import close_run
 
-        for closer in (self.source.stop, self.reporter.close, self.scorer.close, self.source.close,
-                       self.policy.close, self.placement.remove):
+        pool = self.pool
+        park = (lambda: (pool.park(self.source.fleet), pool.park_learners(self.policy.learner))) \
+            if pool is not None else (lambda: None)
+        remove = self.placement.remove if pool is None else (lambda: None)  # the pool keeps it
+        for closer in (self.source.stop, self.reporter.close, self.scorer.close, park, self.source.close,
+                       self.policy.close, remove):
             try:
                 closer()
             except Exception as err:  # shutting down: report, keep closing the rest

@@ -72,11 +72,13 @@ class PromptStream:
 
 
 def start_fleet(rollout: RolloutConfig, model_dir: Path,
-                placement: Callable[[int], dict] | None = None, *, wait: bool = True) -> RolloutFleet:
+                placement: Callable[[int], dict] | None = None, *, wait: bool = True,
+                handed_over: list | None = None) -> RolloutFleet:
     """rollout.data_parallel_size vLLM groups (the `rollout:` section), serving the run's model as version 0.
-    wait=False returns while the engines start (call the fleet's wait_ready() before using them)."""
+    wait=False returns while the engines start (call the fleet's wait_ready() before using them).
+    `handed_over`: an earlier run's engines (train/engine_pool.py), refitted by the first publication."""
     return RolloutFleet(dataclasses.replace(rollout, model=str(model_dir)), num_groups=rollout.data_parallel_size,
-                        placement=placement, wait=wait)
+                        placement=placement, wait=wait, handed_over=handed_over)
 
 
 class RolloutSource:

@@ -77,7 +77,7 @@ def sft(cfg) -> dict:
     from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
     from megatron_rl.metrics import MetricsLogger, logged_test_evals
     from megatron_rl.run_manifest import close_run
-    from megatron_rl.train.learner_group import LearnerGroup
+    from megatron_rl.train.engine_pool import release_sft_learners, sft_learner_group
     from megatron_rl.train.run_setup import open_run_dir, train_cursor
     from megatron_rl.train.telemetry import sft_progress_line
 
@@ -96,9 +96,10 @@ def sft(cfg) -> dict:
     elif own_ray:
         ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     learner = metrics = None
-    try:
-        learner = LearnerGroup(learner_cfg=lc, loss_cfg=dataclasses.replace(cfg.loss, kl_coef=0.0),
-                               hf_dir=str(model_dir), seed=lc.seed, deterministic=cfg.run.deterministic, threads=cfg.run.torch_threads)
+    try:  # inside the experiment runner: the last sft run's learner actors, rebuilt (train/engine_pool.py)
+        learner = sft_learner_group(learner_cfg=lc, loss_cfg=dataclasses.replace(cfg.loss, kl_coef=0.0),
+                                    hf_dir=str(model_dir), seed=lc.seed, deterministic=cfg.run.deterministic,
+                                    threads=cfg.run.torch_threads)
         start = 0
         if resume_from is not None:
             manifest = load_checkpoint(resume_from, tokenizer_hash=tok_hash)
@@ -130,7 +131,7 @@ def sft(cfg) -> dict:
                                 data_cursor=cursor.state_dict(), rng_states=learner.rng_states(),
                                 extra={"kind": "sft"})
                 rotate(ckpts, cfg.run.keep_checkpoints)
-        learner.shutdown()
+        release_sft_learners(learner)  # inside the experiment runner: kept for the next sft run
         learner = None
         if logged is not None and start == cfg.sft.steps:  # an earlier attempt ended here and evaluated
             result = logged
