@@ -34,7 +34,6 @@ def _rebuilds(rank: int, world_size: int, dir_a: str, dir_b: str):
 
     worker = LearnerWorker(rank=rank, world_size=world_size, learner_cfg=cfg, loss_cfg=GRPOLossConfig(kl_coef=0.001),
                            hf_dir=dir_a, seed=0, deterministic=True, threads=1)
-    worker.join = lambda *_: None  # torch.distributed (and the CPU compat mode) is already up in this child
     worker.setup("127.0.0.1", 0)
     first = worker.forward_logprobs(tokens_bt)
     with torch.no_grad():  # what training would do to the weights
