@@ -12,11 +12,11 @@ share over all runs; the goal is <= 20%.
 
 `--run EXP.yaml` first runs that experiment in a fresh directory (`--out`, default
 runs/bench_overhead_<time>; its `dir:` is replaced) and then measures it;
-benchmarks/overhead_experiment.yaml is one seed of experiments/grpo_vs_sft.yaml (SFT, then GRPO
-from it: ~2-3 minutes on 2 cores).  Any further `KEY=VALUE` arguments set top-level fields of the
+benchmarks/overhead_experiment.yaml is experiments/grpo_vs_sft.yaml's three seeds (SFT, then GRPO
+from it: ~6 minutes on 2 cores).  Any further `KEY=VALUE` arguments set top-level fields of the
 experiment (values read as YAML), e.g. `shared_ray=false engine_in_process=false in_process=false` to measure the
-runner without what it shares, `pool_engines=false` without the engine/learner pool, `'seeds=[0,1]'` for runs
-that a pool can serve (the second run of each arm).
+runner without what it shares, `pool_engines=false` without the engine/learner pool, `'seeds=[0]'` for single cold runs
+(nothing for the pool to serve).
 """
 
 from __future__ import annotations
