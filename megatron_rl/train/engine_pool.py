@@ -142,17 +142,15 @@ class EnginePool:
     def take_learners(self, ranks: int) -> list | None:
         """The parked learner actors when there are `ranks` of them (they sit in this run's placement: its
         key holds the layout); None otherwise."""
-        learners, self.learners = self.learners, None
-        if learners is not None and len(learners) != ranks:
-            end_actors(learners)
-            return None
-        if learners is not None:
-            logger.info("%d learner actor(s) of the previous run handed to this one (rebuilt for it)", ranks)
-        return learners
+        return self._take_learners("learners", ranks)
 
     def take_free_learners(self, ranks: int) -> list | None:
         """An `sft` run's learner actors parked by the last `sft` run, when there are `ranks` of them."""
-        learners, self.free_learners = self.free_learners, None
+        return self._take_learners("free_learners", ranks)
+
+    def _take_learners(self, slot: str, ranks: int) -> list | None:
+        learners = getattr(self, slot)
+        setattr(self, slot, None)
         if learners is not None and len(learners) != ranks:
             end_actors(learners)
             return None
