@@ -92,12 +92,8 @@ class Roles:
 
         from megatron_rl.run_manifest import close_run
 
-        pool = self.pool
-        park = (lambda: (pool.park(self.source.fleet), pool.park_learners(self.policy.learner))) \
-            if pool is not None else (lambda: None)
-        remove = self.placement.remove if pool is None else (lambda: None)  # the pool keeps it
-        for closer in (self.source.stop, self.reporter.close, self.scorer.close, park, self.source.close,
-                       self.policy.close, remove):
+        for closer in (self.source.stop, self.reporter.close, self.scorer.close, self._park, self.source.close,
+                       self.policy.close, self._remove_placement):
             try:
                 closer()
             except Exception as err:  # shutting down: report, keep closing the rest
@@ -105,6 +101,16 @@ class Roles:
         if self.own_ray:
             ray.shutdown()
         close_run(self.inputs.run_dir)
+
+    def _park(self) -> None:
+        """Inside the experiment runner: engines and learner actors kept for the next run (before they close)."""
+        if self.pool is not None:
+            self.pool.park(self.source.fleet)
+            self.pool.park_learners(self.policy.learner)
+
+    def _remove_placement(self) -> None:
+        if self.pool is None:  # else the pool keeps it
+            self.placement.remove()
 
 
 def start_ray(run) -> bool:
