@@ -21,8 +21,9 @@ Every number is a closed-form estimate, documented next to its formula, in bytes
     cuda context = a fixed allowance for the process's CUDA context and NCCL communicators
     publish      = 2 x V x h x bytes(publish dtype)  (one streamed group, the embedding, gathered
                    over TP and its full tensor, in the engine's dtype: publish.source); with the
-                   ipc transport P x bytes(publish dtype): every exported tensor is held until
-                   every engine has answered (publish/vllm_ipc.py)
+                   ipc transport P x bytes(publish dtype) on every GPU that runs an engine: the
+                   publishing rank holds every exported tensor, and one learner rank on each other
+                   engine GPU a copy of them, until every engine has answered (publish/ipc_route.py)
   MoE learners (Qwen3-MoE: E experts of width F_e, top-k, expert parallel EP, expert TP = TP):
     P splits into P_exp = L x E x 3 h F_e (expert MLPs) and P_dense (attention, norms, embeddings and
     the routers, L x E x h, replicated over TP and EP).  Experts are sharded over EP x TP x PP and their
@@ -46,8 +47,9 @@ Colocated roles share the GPUs and the learner keeps its weights, gradients and 
 resident while vLLM generates, so the peak is the larger of
     rollout phase  learner resident (all but activations/logits/publish) + the engine's budget
     refit phase    learner resident + its publication + the engine's budget (awake to load)
-    learn phase    learner total + the sleeping engine (its runtime allowance) with vLLM's sleep
-                   mode, or + the engine's whole budget without it.
+    learn phase    learner total but its publication (freed once every engine answered) + the
+                   sleeping engine (its runtime allowance) with vLLM's sleep mode, or + the
+                   engine's whole budget without it.
 An engine whose own need exceeds its budget does not fit either (vLLM refuses to start).
 """
 
@@ -277,6 +279,8 @@ class PlacementVerdict:
     fits: bool
     largest_item: str
     note: str
+    phases: dict[str, float] = field(default_factory=dict)
+    """Colocated: bytes per GPU in each phase (rollout, refit, learn); the peak is the largest."""
 
 
 def compare_placements(
@@ -302,7 +306,7 @@ def compare_placements(
     publication = learner.total * (learner.items["publish"] / (learner.total - learner.items["reserve"]))
     phases = {"rollout phase": learner.resident() + rollout.total,
               "refit phase": learner.resident() + publication + rollout.total,
-              "learn phase": learner.total + asleep}
+              "learn phase": learner.total - publication + asleep}
     phase = max(phases, key=phases.get)
     merged = {f"learner/{k}": v for k, v in learner.items.items()}
     merged.update({f"rollout/{k}": v for k, v in rollout.items.items()})
@@ -312,7 +316,7 @@ def compare_placements(
         largest_item=max(merged, key=merged.get),
         note=(f"peak in the {phase}; vLLM sleeps while the learner learns" if sleep_mode
               else f"peak in the {phase}; no sleep mode: vLLM keeps its budget while the learner learns")
-        + engine_note,
+        + engine_note, phases=phases,
     ))
     return out
 

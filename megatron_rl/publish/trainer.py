@@ -19,8 +19,10 @@ other ranks are every vLLM worker process of every rollout group:
                                    (commit_weights).  `tensors` must then say up front what it
                                    yields: a list, or a source with metadata() (MegatronWeightSource).
   transport="ipc" (GPU, colocated) CUDA IPC handles to the tensors on the trainer's GPU, hashed
-                                   first; the engines read them in place, then the manifest
-                                   follows by RPC (commit_weights) as for nccl (vllm_ipc.py).
+                                   first, and to byte-for-byte copies held by a learner rank on
+                                   each other engine GPU (ipc_route.py); the engines read their
+                                   GPU's copy in place, then the manifest follows by RPC
+                                   (commit_weights) as for nccl (vllm_ipc.py).
 Either way a rollout group commits a version only when all of it verified (vllm_engine.py).
 """
 
@@ -88,9 +90,12 @@ class WeightPublisher:
         self.bucket_bytes, self.checksum_algo, self.timeout_s = bucket_bytes, checksum_algo, timeout_s
         self.workers: list = []
         self.group = None
+        self.replicas = None  # ipc: the learner ranks holding copies on other GPUs (ipc_route.py)
 
-    def connect(self, workers: list) -> None:
-        """Form the group with every worker process of every actor in `workers`."""
+    def connect(self, workers: list, replicas=None) -> None:
+        """Form the group with every worker process of every actor in `workers`.  ipc: `replicas`
+        (ipc_route.IPCReplicas, planned over the learner group) say which learner ranks hold copies
+        on the other engine GPUs; without it every engine must sit on this process's GPU."""
         import ray
 
         if not workers:
@@ -106,12 +111,17 @@ class WeightPublisher:
         offsets = [1 + sum(sizes[:i]) for i in range(len(workers))]
         info = dict(master_address=self.host, master_port=port, world_size=world)
         if self.transport == "ipc":  # no rendezvous: the handles name the memory
-            check_same_gpu(workers)
+            from megatron_rl.publish.ipc_route import IPCReplicas, engine_gpu_uuids, gpu_uuid
+
+            # The route (which learner rank holds a copy on each engine GPU) comes from the learner
+            # group (RankWeights.connect_rollout); a publisher on its own serves its GPU only.
+            self.replicas = replicas or IPCReplicas.local(engine_gpu_uuids(workers), gpu_uuid())
             refs = [w.init_weight_transfer.remote({"packed": False, "rank_offset": off})
                     for w, off in zip(workers, offsets)]
             ray.get(refs)
             self.workers, self.group = list(workers), "ipc"
-            log.info("publication over CUDA IPC to %d rollout groups on this GPU", len(workers))
+            log.info("publication over CUDA IPC to %d rollout groups on %d GPU(s)", len(workers),
+                     len(set(self.replicas.route.source_of)))
             return
         if self.transport == "nccl":  # vLLM's fields; the worker decodes chunks as we encode them
             info.update(packed=True, packed_buffer_size_bytes=self.bucket_bytes, packed_num_buffers=NCCL_BUFFERS)
@@ -193,27 +203,20 @@ class WeightPublisher:
 
     def _publish_ipc(self, version: int, tensors, fault_hook,
                      exporter=None) -> tuple[PublicationManifest, list[dict]]:
-        """Hash, export a CUDA IPC handle per tensor, let every group open and verify them, and
-        hold the tensors until every group has answered (a handle does not keep its memory)."""
+        """Hash, export a CUDA IPC handle per tensor (and have the learner ranks on the other engine
+        GPUs hold copies: publish/ipc_route.py), let every group open and verify them, and hold the
+        tensors until every group has answered (a handle does not keep its memory)."""
         import ray
 
-        from megatron_rl.publish.vllm_ipc import export_cuda_handle, export_ipc_handles, pickle_handles
+        from megatron_rl.publish.ipc_route import export_cuda_handle, ipc_round
+
+        def deliver(meta, pickled, manifest):
+            ray.get([w.receive_weights.remote(version, meta, pickled) for w in self.workers])
+            return ray.get([w.commit_weights.remote(manifest.to_dict()) for w in self.workers])
 
         recorder = ManifestRecorder(tensors, version, checksum_algo=self.checksum_algo,
                                     bucket_bytes=self.bucket_bytes, fault_hook=fault_hook)
-        meta, handles, keep = export_ipc_handles(recorder, exporter or export_cuda_handle)
-        manifest = recorder.manifest()
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # every exported byte is written
-        try:
-            pickled = pickle_handles(handles)
-            ray.get([w.receive_weights.remote(version, meta, pickled) for w in self.workers])
-            results = ray.get([w.commit_weights.remote(manifest.to_dict()) for w in self.workers])
-        finally:
-            del keep
-            if torch.cuda.is_available():
-                torch.cuda.ipc_collect()  # release what the engines opened and closed
-        return manifest, results
+        return ipc_round(recorder, deliver, exporter or export_cuda_handle, self.replicas)
 
 
 def group_answers(refs: list, version: int, timeout_s: float) -> list[dict[str, Any]]:
@@ -237,26 +240,6 @@ def group_answers(refs: list, version: int, timeout_s: float) -> list[dict[str, 
             out.append({"committed": False, "version": None,
                         "error": f"rollout group {g}: {str(err).strip().splitlines()[-1]}"})
     return out
-
-
-def _engine_gpu_uuid(worker) -> str:
-    """Runs inside a RolloutWorker actor (through __ray_call__): the UUID of its GPU."""
-    return str(torch.cuda.get_device_properties(0).uuid)
-
-
-def check_same_gpu(workers: list) -> None:
-    """CUDA IPC handles point at this process's GPU: every rollout group must sit on it."""
-    import ray
-
-    from megatron_rl.config import ConfigError
-    from megatron_rl.publish.vllm_ipc import gpu_uuid
-
-    mine = gpu_uuid()
-    theirs = ray.get([w.__ray_call__.remote(_engine_gpu_uuid) for w in workers])
-    others = [i for i, u in enumerate(theirs) if u != mine]
-    if others:
-        raise ConfigError(f"rollout.weight_transfer 'ipc': rollout groups {others} are not on the publishing learner "
-                          f"rank's GPU {mine}; CUDA IPC reaches only that GPU (use 'gloo' for several colocated GPUs)")
 
 
 def announced_metadata(tensors) -> list[tuple[str, str, list[int]]]:

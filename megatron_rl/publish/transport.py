@@ -11,7 +11,8 @@ The rule, and why:
   cpu                   gloo: the only transport without CUDA (our wire protocol over TCP).
   cuda + colocated      ipc: the engine reads the learner's tensors in place through CUDA IPC
                         handles (same GPU, no copy through host memory, no second NCCL rank on
-                        one device, which NCCL refuses).
+                        one device, which NCCL refuses); on several GPUs a learner rank on each
+                        engine GPU holds a copy for the engines there (ipc_route.py).
   cuda + disaggregated  nccl: the engines sit on other GPUs; vLLM's packed NCCL broadcast.
 Every one of them is checked before commit (vllm_engine.VerifiedCommit): a rollout group
 switches only when the whole publication arrived intact.

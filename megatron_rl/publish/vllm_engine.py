@@ -379,6 +379,12 @@ class PublicationWorkerExtension:
             raise RuntimeError("weight transfer backend is not one of megatron-rl's checked backends")
         return engine
 
+    def megatron_rl_gpu_uuid(self) -> str:
+        """UUID of this worker's GPU (the key of the IPC handle it opens; publish/ipc_route.py)."""
+        from megatron_rl.publish.ipc_route import gpu_uuid
+
+        return gpu_uuid()
+
     def megatron_rl_weight_checksum(self) -> float:
         """Sum of all parameters of this worker's shard (a cheap equality probe for tests)."""
         model = self.model_runner.get_model()

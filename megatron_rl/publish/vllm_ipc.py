@@ -22,20 +22,23 @@ memory it will load from, so a publication the engine switches to is byte for by
 trainer hashed.  The trainer holds every exported tensor (one copy of the model in the engine's
 dtype, on the learner's GPU) until every group answered; the engine holds only views.  vLLM's
 packed IPC mode is refused: it reuses one buffer per chunk, so nothing could be held for
-verification without a second copy on the engine side.  The handles are keyed by the publishing
-GPU's UUID, so the transport serves rollout groups on the publishing learner rank's GPU (the
-publisher checks that at connect).
+verification without a second copy on the engine side.
+
+Several GPUs (a colocated node): the handles are keyed by GPU UUID.  A learner rank on each
+other engine GPU holds a byte-for-byte copy of the publication and exports its own handles, the
+publisher sends the union ({UUID: handle} per tensor), and each engine worker opens its own
+GPU's handle and verifies the same digests over that copy (publish/ipc_route.py: the route,
+planned at connect, refuses an engine GPU with no learner rank, naming it).
 
 Not run in CI (no GPU there).  The verify/commit logic is tested on CPU with the CUDA handle step
-replaced (tests/unit/test_publish_ipc.py); tests/gpu/test_gpu_colocated_ipc.py runs it on a GPU.
+replaced (tests/unit/test_publish_ipc.py, and across gloo ranks tests/dist/test_ipc_route.py);
+tests/gpu/test_gpu_colocated_ipc.py runs it on a GPU, tests/gpu/test_gpu_colocated_ipc_multi.py on two.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
-import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,27 +49,18 @@ from vllm.distributed.weight_transfer.ipc_engine import (
     IPCWeightTransferUpdateInfo,
 )
 
+from megatron_rl.publish.ipc_route import (  # noqa: F401 -- the trainer's half, re-exported
+    Handle,
+    export_cuda_handle,
+    export_ipc_handles,
+    gpu_uuid,
+    pickle_handles,
+)
 from megatron_rl.publish.manifest import dtype_name
 from megatron_rl.publish.vllm_engine import VerifiedCommit
 from megatron_rl.publish.wire import ReceivedPublication
 
 log = logging.getLogger(__name__)
-
-Handle = dict[str, tuple]  # GPU UUID -> torch.multiprocessing.reductions.reduce_tensor args
-
-
-def gpu_uuid(device_index: int | None = None) -> str:
-    """UUID of a CUDA device (the current one by default): IPC handles are keyed by it."""
-    index = torch.cuda.current_device() if device_index is None else device_index
-    return str(torch.cuda.get_device_properties(index).uuid)
-
-
-def export_cuda_handle(tensor: torch.Tensor) -> Handle:
-    """The CUDA step on the trainer side: a handle other processes on this GPU can open."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _, args = reduce_tensor(tensor)
-    return {gpu_uuid(tensor.device.index): args}
 
 
 def open_cuda_handle(handle: Handle, device: torch.device) -> torch.Tensor:
@@ -75,30 +69,11 @@ def open_cuda_handle(handle: Handle, device: torch.device) -> torch.Tensor:
 
     uuid = gpu_uuid(device.index)
     if uuid not in handle:
-        raise ValueError(f"no IPC handle for this engine's GPU {uuid} (handles are for {sorted(handle)}): the ipc "
-                         "transport serves rollout groups on the publishing learner rank's GPU only")
+        raise ValueError(f"no IPC handle for this engine's GPU {uuid} (handles are for {sorted(handle)}): no learner "
+                         "rank on this GPU holds a copy of the publication (publish/ipc_route.py)")
     args = list(handle[uuid])
     args[6] = device.index  # reduce_tensor's storage device, as numbered in this process
     return rebuild_cuda_tensor(*args)
-
-
-def export_ipc_handles(pairs: Iterable[tuple[str, torch.Tensor]],
-                       exporter: Callable[[torch.Tensor], Handle] = export_cuda_handle):
-    """(metadata [(name, dtype name, shape)], handles [one per tensor], keep [the tensors]).
-
-    `keep` must stay alive until every engine has answered: a handle does not hold its memory."""
-    meta, handles, keep = [], [], []
-    for name, tensor in pairs:
-        held = tensor.detach().contiguous()
-        meta.append((name, dtype_name(held.dtype), list(held.shape)))
-        handles.append(exporter(held))
-        keep.append(held)
-    return meta, handles, keep
-
-
-def pickle_handles(handles: list[Handle]) -> str:
-    """The form vLLM's update info accepts over any RPC (`ipc_handles_pickled`)."""
-    return base64.b64encode(pickle.dumps(handles)).decode("ascii")
 
 
 @dataclass

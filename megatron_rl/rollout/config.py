@@ -57,7 +57,7 @@ class RolloutConfig:
     """How new weights arrive, every one checked before commit: "auto" (chosen once at start-up from
     placement and device, publish/transport.py: gloo on CPU, ipc colocated on GPUs, nccl
     disaggregated on GPUs), "gloo" (our buckets over TCP; any placement), "ipc" (CUDA IPC from the
-    learner's GPU; colocated only), "nccl" (vLLM's NCCL transfer; disaggregated only) or "none"
+    learner rank on each engine's GPU; colocated only), "nccl" (vLLM's NCCL transfer; disaggregated only) or "none"
     (generation only, no publication).  A standalone engine treats "auto" as "gloo"."""
     sleep_mode: Optional[bool] = None
     """vLLM sleep mode around learning phases (rollout/sleep.py): unset (on when colocated on GPUs in

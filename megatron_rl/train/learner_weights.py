@@ -48,21 +48,29 @@ class RankWeights:
         self.publish_device = "cuda" if transport in ("nccl", "ipc") else "cpu"
         # Every rank casts (the gathers and pipeline sends run in it): once, in the engine's dtype.
         self.publish_dtype = engine_dtype(rollout_workers)
+        self.ipc_replicas = None
+        if transport == "ipc":  # which rank holds a copy on each engine GPU (collective; publish/ipc_route.py)
+            from megatron_rl.publish.ipc_route import IPCReplicas, engine_gpu_uuids, gpu_uuid
+
+            self.ipc_replicas = IPCReplicas.connect(lambda: engine_gpu_uuids(rollout_workers), gpu_uuid())
         if self.rank != 0:
             return
 
         self.publisher = WeightPublisher(host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes,
                                          transport=transport, timeout_s=timeout_s)
-        self.publisher.connect(rollout_workers)
+        self.publisher.connect(rollout_workers, replicas=self.ipc_replicas)
 
     @torch.no_grad()
     def publish(self, version: int) -> dict | None:
         """Publish the policy from rank 0 as `version`, streamed: each group is gathered (every
-        rank takes part, in lockstep) only when the publisher pulls it into a bucket."""
+        rank takes part, in lockstep) only when the publisher pulls it into a bucket.  ipc on
+        several GPUs: a rank on another engine GPU then holds a copy until every group answered."""
         source = self.weight_source(self.publish_device, self.publish_dtype)
         if self.rank != 0:
             for _ in source:  # drive this rank's share of the gathers
                 pass
+            if getattr(self, "ipc_replicas", None) is not None:
+                self.ipc_replicas.hold()
             return None
         report = self.publisher.publish(version, source)
         return {"committed": report.committed, "seconds": report.seconds,

@@ -8,6 +8,8 @@
 #   4 colocated IPC publication (verify-before-commit) around vLLM sleep/wake, engine logprobs after refit   1 GPU
 #   5 tiny recipe trained colocated in bf16: transport ipc and sleep mode chosen at start-up, refit check each step   1 GPU
 #   6 NCCL disaggregated publication + engine logprobs after refit   2 GPUs
+#   7 tiny recipe colocated on two GPUs: IPC refit to both (a learner rank holds a copy on GPU 1), and an
+#     engine GPU without a learner rank refused at start-up   2 GPUs
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 python=".venv/bin/python"
@@ -35,5 +37,6 @@ part "checkpoint save + resume (TE FusedAdam)" 1 yes tests/gpu/test_gpu_checkpoi
 part "colocated IPC publication around sleep/wake + logprobs after refit" 1 no tests/gpu/test_gpu_colocated_ipc.py
 part "tiny recipe colocated bf16 with IPC refit and sleep/wake" 1 no tests/gpu/test_gpu_train_colocated.py
 part "NCCL disaggregated publication + logprobs after refit" 2 no tests/gpu/test_gpu_publish_nccl.py
+part "colocated IPC on two GPUs (a copy per engine GPU)" 2 no tests/gpu/test_gpu_colocated_ipc_multi.py
 echo "total $(( $(date +%s) - start )) s"
 exit $failed

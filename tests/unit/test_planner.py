@@ -106,12 +106,14 @@ def test_colocated_peak_counts_the_resident_learner_and_the_budget():
     lay = LearnerLayout(tp=2, pp=1, dp=4, activation_checkpointing=True)
     roll = RolloutLayout(tp=1, groups=8, max_num_seqs=64, max_model_len=2048, gpu_memory_utilization=0.4)
     led, rled = learner_ledger(QWEN7B, lay, 0.15), rollout_ledger(QWEN7B, roll, 0.15, 80)
-    awake = compare_placements(led, rled, lay, roll, 80, 8, sleep_mode=False)[1]
-    assert awake.peak_bytes_per_gpu == pytest.approx(led.total + rled.total) and not awake.fits
-    asleep = compare_placements(led, rled, lay, roll, 80, 8, sleep_mode=True)[1]
     publication = led.total * led.items["publish"] / (led.total - led.items["reserve"])
+    awake = compare_placements(led, rled, lay, roll, 80, 8, sleep_mode=False)[1]
+    assert awake.phases["learn phase"] == pytest.approx(led.total - publication + rled.total) and not awake.fits
+    assert awake.peak_bytes_per_gpu == pytest.approx(max(led.resident() + publication, led.total - publication)
+                                                     + rled.total)
+    asleep = compare_placements(led, rled, lay, roll, 80, 8, sleep_mode=True)[1]
     assert asleep.peak_bytes_per_gpu == pytest.approx(max(led.resident() + publication + rled.total,
-                                                          led.total + 2 * GIB))
+                                                          led.total - publication + 2 * GIB))
     assert asleep.peak_bytes_per_gpu > max(led.total, rled.total)  # the old max(learner, rollout) was optimistic
 
 
@@ -141,7 +143,10 @@ def test_sleep_mode_is_counted_exactly_when_the_driver_sleeps():
     assert asleep["colocated_sleep_mode"] and not off["colocated_sleep_mode"]
     peak = {name: {p["placement"]: p["peak_gib_per_gpu"] for p in plan["placements"]}
             for name, plan in (("awake", awake), ("asleep", asleep), ("off", off))}
-    assert peak["asleep"]["colocated"] < peak["awake"]["colocated"] == peak["off"]["colocated"]
+    learn = {name: next(p for p in plan["placements"] if p["placement"] == "colocated")["phases"]["learn phase"]
+             for name, plan in (("awake", awake), ("asleep", asleep), ("off", off))}
+    assert learn["asleep"] < learn["awake"] == learn["off"]
+    assert peak["asleep"]["colocated"] <= peak["awake"]["colocated"] == peak["off"]["colocated"]
     assert peak["asleep"]["disaggregated"] == peak["awake"]["disaggregated"]
 
 
@@ -159,6 +164,21 @@ def test_ipc_publication_is_counted_as_the_whole_model_at_refit():
     assert gloo["learner_gib_per_gpu"]["publish"] < ipc["learner_gib_per_gpu"]["publish"] / 2  # one group: 2 V h
     col = {p["placement"]: p for p in ipc["placements"]}["colocated"]
     assert "refit phase" in col["note"] and col["fits"] and col["margin"] >= 0.10, col
+
+
+def test_the_ipc_copy_is_counted_at_refit_and_not_while_the_learner_learns():
+    """With ipc every engine GPU holds a whole-model copy during the refit, freed before the next
+    step: the learn phase (engine awake, one_step_off) is the learner without it."""
+    lay = LearnerLayout(tp=4, pp=1, dp=2, activation_checkpointing=True, publish_whole_model=True)
+    roll = RolloutLayout(tp=1, groups=8, max_num_seqs=32, max_model_len=2048, gpu_memory_utilization=0.3)
+    led, rled = learner_ledger(QWEN7B, lay, 0.15), rollout_ledger(QWEN7B, roll, 0.15, 80)
+    publication = led.total * led.items["publish"] / (led.total - led.items["reserve"])
+    assert led.items["publish"] == QWEN7B.num_params * 2
+    col = compare_placements(led, rled, lay, roll, 80, 8, sleep_mode=False)[1]
+    refit = led.resident() + publication + rled.total
+    assert col.peak_bytes_per_gpu == pytest.approx(refit) and "refit phase" in col.note
+    assert col.phases["learn phase"] == pytest.approx(led.total - publication + rled.total)  # no copy while learning
+    assert col.peak_bytes_per_gpu < led.total + rled.total
 
 
 MOE = ModelDims(vocab_size=1000, hidden_size=64, intermediate_size=0, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -11,6 +11,8 @@ model is replaced by a recorder of what `finish_weight_update` loads (vLLM's lay
 needs a real vLLM model).
 """
 
+import base64
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -207,3 +209,47 @@ def test_handles_travel_pickled_as_vllm_reads_them(monkeypatch):
     info = CheckedIPCUpdateInfo(names=["a", "b"], dtype_names=["float32"] * 2, shapes=[[1], [2]],
                                 ipc_handles_pickled=pickle_handles(handles), version=3)
     assert info.ipc_handles == handles and info.version == 3
+
+
+def test_the_route_names_one_learner_rank_per_engine_gpu():
+    """8 learner ranks on 4 GPUs (two per GPU), engines on all 4, one of them TP2 over two GPUs:
+    the publisher serves its own GPU, the lowest rank on each other GPU holds that GPU's copy."""
+    from megatron_rl.publish.ipc_route import plan_route
+
+    learners = ["G0", "G0", "G1", "G1", "G2", "G2", "G3", "G3"]
+    route = plan_route(learners, [["G0"], ["G1"], ["G2", "G3"]])
+    assert route.source_of == {"G0": 0, "G1": 2, "G2": 4, "G3": 6}
+    assert route.holders == (2, 4, 6) and route.ranks == (0, 2, 4, 6)
+    alone = plan_route(["G0"], [["G0"], ["G0"]])
+    assert alone.holders == () and alone.source_of == {"G0": 0}
+
+
+def test_engine_gpus_without_a_learner_rank_are_refused_naming_groups_and_gpus():
+    from megatron_rl.config import ConfigError
+    from megatron_rl.publish.ipc_route import IPCReplicas, plan_route
+
+    with pytest.raises(ConfigError) as err:
+        plan_route(["G0", "G1"], [["G0"], ["G1", "G5"], ["G7"]])
+    msg = str(err.value)
+    assert "rollout.weight_transfer 'ipc'" in msg and "rollout group(s) [1, 2]" in msg
+    assert "group 1 on G5; group 2 on G7" in msg and "['G0', 'G1']" in msg
+    with pytest.raises(ConfigError, match="group 1 on G1"):  # a publisher alone serves its GPU only
+        IPCReplicas.local([["G0"], ["G1"]], "G0")
+
+
+def test_a_publisher_alone_shares_nothing_and_sends_its_own_handles(tmp_path):
+    """One GPU: ipc_round sends the publisher's handles unchanged and needs no process group."""
+    from megatron_rl.publish.ipc_route import IPCReplicas, ipc_round
+
+    handles = Handles()
+    replicas = IPCReplicas.local([[UUID]], UUID)
+    sent = []
+
+    def deliver(meta, pickled, manifest):
+        sent.append(pickled)
+        return [{"committed": True}]
+
+    recorder = ManifestRecorder(_weights(), 1, checksum_algo="blocksum", bucket_bytes=1024)
+    manifest, answers = ipc_round(recorder, deliver, handles.export, replicas)
+    assert answers == [{"committed": True}] and len(manifest.tensor_names) == 5 and not replicas.shared
+    assert pickle.loads(base64.b64decode(sent[0])) == [{UUID: (k,)} for k in range(5)]
