@@ -4,7 +4,7 @@
 
 Prints, per role and per GPU, every item of the ledger (see ledger.py for the formulas), then
 compares colocated and disaggregated placements with a fits / does-not-fit verdict naming the
-largest item, and the run's length: the steps its token budget allows (stop.max_generated_tokens,
+largest item (or cannot-start, naming the fields, for a layout Placement.create refuses on GPUs), and the run's length: the steps its token budget allows (stop.max_generated_tokens,
 budget.py), and the wall time they take at S seconds per step when --step-seconds is given.
 """
 
@@ -81,7 +81,7 @@ def render(plan: dict) -> str:
                  f"({plan['sleep_mode_reason']})")
     lines.append("placements:")
     for v in plan["placements"]:
-        mark = "fits" if v["fits"] else "DOES NOT FIT"
+        mark = ("fits" if v["fits"] else "DOES NOT FIT") if v["startable"] else f"CANNOT START ({v['blocker']})"
         chosen = " (configured)" if v["placement"] == plan["configured_placement"] else ""
         lines.append(f"  {v['placement']:<14}{chosen} {v['gpus_needed']} GPUs, peak {v['peak_gib_per_gpu']:.2f} GiB/GPU "
                      f"({v['margin']:.0%} margin): {mark}; largest item {v['largest_item']} ({v['note']})")

@@ -51,6 +51,8 @@ resident while vLLM generates, so the peak is the larger of
                    sleeping engine (its runtime allowance) with vLLM's sleep mode, or + the
                    engine's whole budget without it.
 An engine whose own need exceeds its budget does not fit either (vLLM refuses to start).
+A placement that cannot start on GPUs whatever its memory (colocated with rollout TP>1: the rule
+of train/placement.py, startability_problem) does not fit either: its verdict carries the reason.
 """
 
 from __future__ import annotations
@@ -281,6 +283,10 @@ class PlacementVerdict:
     note: str
     phases: dict[str, float] = field(default_factory=dict)
     """Colocated: bytes per GPU in each phase (rollout, refit, learn); the peak is the largest."""
+    startable: bool = True
+    """False when the placement cannot start on GPUs whatever its memory (then `fits` is False too)."""
+    blocker: str | None = None
+    """Why it cannot start, naming the fields (train/placement.py: startability_problem)."""
 
 
 def compare_placements(
@@ -292,15 +298,21 @@ def compare_placements(
     engine_ok = rollout.budget is None or rollout.need <= rollout.budget
     engine_note = "" if engine_ok else (f"; the engine needs {rollout.need / GIB:.1f} GiB, more than its "
                                         f"budget {rollout.budget / GIB:.1f} GiB (gpu_memory_utilization)")
+    from megatron_rl.train.placement import startability_problem  # the start-up rule, on GPUs
+
     out = []
     dis_gpus = lay.gpus + roll.gpus
+    dis_blocker = startability_problem("disaggregated", roll.tp, gpu=True)
     worst = learner if learner.total >= rollout.total else rollout
     out.append(PlacementVerdict(
         placement="disaggregated", gpus_needed=dis_gpus, peak_bytes_per_gpu=worst.total,
-        fits=learner.total <= cap and rollout.total <= cap and dis_gpus <= gpus_available and engine_ok,
+        fits=(learner.total <= cap and rollout.total <= cap and dis_gpus <= gpus_available and engine_ok
+              and dis_blocker is None),
         largest_item=f"{worst.role}/{worst.largest()}",
         note=f"{lay.gpus} learner + {roll.gpus} rollout GPUs{engine_note}",
+        startable=dis_blocker is None, blocker=dis_blocker,
     ))
+    col_blocker = startability_problem("colocated", roll.tp, gpu=True)
     col_gpus = max(lay.gpus, roll.gpus)
     asleep = roll.runtime_gib * GIB if sleep_mode else rollout.total
     publication = learner.total * (learner.items["publish"] / (learner.total - learner.items["reserve"]))
@@ -312,11 +324,11 @@ def compare_placements(
     merged.update({f"rollout/{k}": v for k, v in rollout.items.items()})
     out.append(PlacementVerdict(
         placement="colocated", gpus_needed=col_gpus, peak_bytes_per_gpu=phases[phase],
-        fits=phases[phase] <= cap and col_gpus <= gpus_available and engine_ok,
+        fits=phases[phase] <= cap and col_gpus <= gpus_available and engine_ok and col_blocker is None,
         largest_item=max(merged, key=merged.get),
         note=(f"peak in the {phase}; vLLM sleeps while the learner learns" if sleep_mode
               else f"peak in the {phase}; no sleep mode: vLLM keeps its budget while the learner learns")
-        + engine_note, phases=phases,
+        + engine_note, phases=phases, startable=col_blocker is None, blocker=col_blocker,
     ))
     return out
 

@@ -25,6 +25,20 @@ logger = logging.getLogger(__name__)
 CPU_SHARE = 0.25  # nominal CPU per bundle on CPU-only clusters (vLLM/torch threads are not Ray tasks)
 
 
+def startability_problem(placement: str, rollout_tp: int, gpu: bool) -> str | None:
+    """Why (run.placement, rollout.tensor_parallel_size) cannot start, naming both fields; None when
+    it can.  The one rule for Placement.create (at start, when the device is known) and the
+    capacity planner (which plans for GPUs): on GPUs a colocated rollout group lives in one bundle
+    of one GPU, and vLLM's TP>1 workers are processes of the rollout actor that cannot span Ray
+    bundles.  On CPU the bundles are nominal shares of the same cores, so any TP starts."""
+    if placement == "colocated" and gpu and rollout_tp != 1:
+        return (f"run.placement 'colocated' on GPUs needs rollout.tensor_parallel_size 1 (got {rollout_tp}): "
+                "vLLM's TP>1 workers are processes of the rollout actor and cannot span Ray bundles; "
+                "use rollout.tensor_parallel_size 1 with more rollout.data_parallel_size, or run.placement "
+                "'disaggregated' for TP>1 rollout groups")
+    return None
+
+
 @dataclasses.dataclass
 class Placement:
     kind: str
@@ -42,10 +56,10 @@ class Placement:
 
         gpu = torch.cuda.is_available() and ray.cluster_resources().get("GPU", 0) > 0
         kind, groups, tp = cfg.run.placement, cfg.rollout.data_parallel_size, cfg.rollout.tensor_parallel_size
+        problem = startability_problem(kind, tp, gpu)
+        if problem is not None:
+            raise ValueError(problem)
         if kind == "colocated":
-            if gpu and tp != 1:
-                raise ValueError("run.placement 'colocated' on GPUs needs rollout.tensor_parallel_size 1 "
-                                 f"(got {tp}); use 'disaggregated' for TP>1 rollout groups")
             n = max(learner_ranks, groups)
             bundles = [{"CPU": CPU_SHARE, **({"GPU": 1} if gpu else {})} for _ in range(n)]
             strategy = "STRICT_PACK"

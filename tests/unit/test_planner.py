@@ -78,7 +78,7 @@ def test_7b_does_not_fit_one_small_gpu_and_names_largest_item():
     assert verdicts["colocated"].largest_item == "learner/optimizer_states"
     # Sharding the optimizer over 8 ranks with TP=2 (4 DP) brings it within 80 GiB.
     lay8 = LearnerLayout(tp=2, pp=1, dp=4, use_distributed_optimizer=True, activation_checkpointing=True)
-    roll8 = RolloutLayout(tp=2, groups=4, max_num_seqs=64, max_model_len=2048)
+    roll8 = RolloutLayout(tp=1, groups=8, max_num_seqs=64, max_model_len=2048)  # colocated on GPUs: rollout TP1
     led8, rled8 = learner_ledger(qwen7b, lay8, 0.15), rollout_ledger(qwen7b, roll8, 0.15)
     col = compare_placements(led8, rled8, lay8, roll8, gpu_memory_gib=80, gpus_available=8)
     assert col[1].placement == "colocated" and col[1].fits and col[1].peak_bytes_per_gpu < 80 * GIB
@@ -117,15 +117,61 @@ def test_colocated_peak_counts_the_resident_learner_and_the_budget():
     assert asleep.peak_bytes_per_gpu > max(led.total, rled.total)  # the old max(learner, rollout) was optimistic
 
 
-@pytest.mark.parametrize("recipe", ["configs/qwen2_7b_8gpu_colocated.yaml", "configs/qwen2_7b_8gpu_disaggregated.yaml"])
-def test_7b_recipes_fit_with_ten_percent_margin(recipe):
+RECIPES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").glob("*.yaml"))
+
+
+def test_every_recipe_is_planned():
+    assert "configs/qwen3_8b_8gpu_colocated.yaml" in RECIPES and len(RECIPES) >= 7
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipes_start_and_fit_with_ten_percent_margin(recipe):
+    """Every shipped recipe, planned for GPUs: its configured placement can start there
+    (train/placement.py's rule) and fits with >= 10% margin, its engine within its budget."""
     from megatron_rl.planner.cli import plan_for_config
     from megatron_rl.train.config import load_train_config
+    from megatron_rl.train.placement import startability_problem
 
-    plan = plan_for_config(load_train_config(REPO / recipe, []))
+    cfg = load_train_config(REPO / recipe, [])
+    assert startability_problem(cfg.run.placement, cfg.rollout.tensor_parallel_size, gpu=True) is None
+    plan = plan_for_config(cfg)
     chosen = next(v for v in plan["placements"] if v["placement"] == plan["configured_placement"])
-    assert chosen["fits"] and chosen["margin"] >= 0.10, chosen
+    assert chosen["startable"] and chosen["fits"] and chosen["margin"] >= 0.10, chosen
     assert plan["rollout_need_gib"] <= plan["rollout_budget_gib"]
+
+
+def test_colocated_rollout_tp_above_one_cannot_start_on_gpus_whatever_the_memory():
+    """The planner asks Placement.create's rule (train/placement.py): a colocated group's vLLM TP
+    workers cannot span Ray bundles, so on GPUs colocated needs rollout TP 1. The same layout at
+    TP1 fits, so the refusal is the rule, not memory; on CPU the rule allows TP>1 (tests use it)."""
+    from megatron_rl.train.placement import startability_problem
+
+    lay = LearnerLayout(tp=4, pp=1, dp=2, activation_checkpointing=True)
+    verdicts = {}
+    for tp in (1, 2):
+        roll = RolloutLayout(tp=tp, groups=8 // tp, max_num_seqs=16, max_model_len=2048, gpu_memory_utilization=0.3)
+        led, rled = learner_ledger(QWEN7B, lay, 0.15), rollout_ledger(QWEN7B, roll, 0.15, 80)
+        verdicts[tp] = {v.placement: v for v in compare_placements(led, rled, lay, roll, 80, 16, sleep_mode=False)}
+    assert verdicts[1]["colocated"].fits and verdicts[1]["colocated"].startable
+    col2 = verdicts[2]["colocated"]
+    assert col2.peak_bytes_per_gpu < 80 * GIB  # memory alone would fit
+    assert not col2.startable and not col2.fits
+    assert col2.blocker == startability_problem("colocated", 2, gpu=True)
+    assert "run.placement 'colocated'" in col2.blocker and "rollout.tensor_parallel_size 1 (got 2)" in col2.blocker
+    assert verdicts[2]["disaggregated"].startable and verdicts[2]["disaggregated"].blocker is None
+    assert startability_problem("colocated", 2, gpu=False) is None  # CPU: nominal bundles, any TP
+    assert startability_problem("disaggregated", 4, gpu=True) is None
+
+
+def test_plan_command_refuses_a_colocated_recipe_at_rollout_tp_two(capsys):
+    """`megatron-rl plan` exits 1 for a configured layout that cannot start, naming both fields."""
+    from megatron_rl.cli import main
+
+    recipe = str(REPO / "configs/qwen3_8b_8gpu_colocated.yaml")
+    assert main(["plan", "--config", recipe, "rollout.tensor_parallel_size=2", "rollout.data_parallel_size=4"]) == 1
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("colocated ") and "GPUs, peak" in ln)
+    assert "CANNOT START" in line and "rollout.tensor_parallel_size 1 (got 2)" in line, line
 
 
 def test_sleep_mode_is_counted_exactly_when_the_driver_sleeps():

@@ -141,8 +141,12 @@ def test_qwen3_8b_recipe_is_planned_from_its_config(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert abs(plan["model_params"] / 1e9 - 8.19) < 0.01  # Qwen3-8B: 8.2B, 6.95B without embeddings
     assert next(p for p in plan["placements"] if p["placement"] == "colocated")["fits"]
-    assert main(["plan", "--config", recipe, "--json", "rollout.tensor_parallel_size=1", "rollout.data_parallel_size=8"]) == 1
-    capsys.readouterr()
+    # Its former layout (rollout TP2 x 4 groups, learner TP4 x DP2) cannot start colocated on GPUs.
+    old = ["rollout.tensor_parallel_size=2", "rollout.data_parallel_size=4",
+           "learner.tensor_parallel_size=4", "learner.data_parallel_size=2"]
+    assert main(["plan", "--config", recipe, "--json", *old]) == 1
+    col = next(p for p in json.loads(capsys.readouterr().out)["placements"] if p["placement"] == "colocated")
+    assert not col["startable"] and not col["fits"] and "rollout.tensor_parallel_size" in col["blocker"]
 
 
 def _write_jsonl(path, questions):
