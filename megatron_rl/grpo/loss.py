@@ -54,7 +54,10 @@ the default.  k3 descends the reverse divergence KL(π_ref‖π_θ) (mass-coveri
 π_θ up wherever π_ref has mass), and k1 adds no expected gradient at all on-policy (only
 variance).  The reported metric names the divergence whose gradient is followed:
 `kl_ref_k2_grad_theta_ref`, `kl_ref_k3_grad_ref_theta`, `kl_ref_k1_grad_none` (values: the
-estimator's mean, an estimate of KL(π_θ‖π_ref) for all three).
+estimator's mean, i.e. the penalty's value).  That value is not the KL for k2 once log-ratios are
+large: E[δ²/2] is KL's second-order term only (with |δ| ~ 5 it overstates KL ~3x; k1 and k3 are
+unbiased).  So, whatever the estimator, the step also reports `kl_ref_estimate`, the token mean of
+k3's value (≥ 0, unbiased; importance-weighted as below): the KL in nats per token.
 
 Off-policy the tokens come from μ, not π_θ.  With `kl_importance_correction` (default) each
 token's KL term is weighted by ρ_t = sg(exp(clamp(log π_θ - log μ, -R, R))) (truncated at C
@@ -322,17 +325,22 @@ def grpo_loss(
     loss = pg_sum / denom
     stats["pg_sum"] = pg_sum.detach()
     if ref is not None:
-        kl_bt = kl_estimate(logprobs_bt, ref, cfg.kl_estimator)
+        rho_bt = None
         if cfg.kl_importance_correction:
             with torch.no_grad():
                 rho_bt = _exp_log_ratio(logprobs_bt.detach() - behavior)
                 if cfg.tis_cap is not None:
                     rho_bt = rho_bt.clamp(max=cfg.tis_cap)
+        kl_bt = kl_estimate(logprobs_bt, ref, cfg.kl_estimator)
+        if rho_bt is not None:
             kl_bt = kl_bt * rho_bt
         kl_sum = _aggregate_sum(kl_bt, mask, cfg.aggregation)
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl_sum / denom
         stats["kl_sum"] = kl_sum.detach()
+        with torch.no_grad():  # the KL's value, whatever the penalty: k3, unbiased at any divergence
+            value_bt = kl_estimate(logprobs_bt.detach(), ref, "k3")
+            stats["kl_value_sum"] = ((value_bt if rho_bt is None else value_bt * rho_bt) * mask).sum()
 
     with torch.no_grad():
         clip_active_bt = ((adv_bt > 0) & (ratio_bt > 1.0 + cfg.clip_eps_high)) | (

@@ -39,7 +39,8 @@ def grpo_metrics(stats: Mapping, cfg: GRPOLossConfig) -> dict[str, float]:
     pg_loss / the KL term are their numerators over N (token) or S (sequence aggregation);
     loss = pg_loss + β KL term (the guard's weight not applied); clip_fraction, ratio_mean,
     entropy, tis_* are token means; ratio_max the batch max; advantage_mean the mean over rows;
-    d_lag = Σ|Δ| / N and d_lag/p50, /p95, /p99 over the sequences in the loss.
+    d_lag = Σ|Δ| / N and d_lag/p50, /p95, /p99 over the sequences in the loss; kl_ref_estimate the token
+    mean of k3's value (KL(π_θ‖π_ref) per token, unbiased; the penalty's own value need not be).
     """
     tokens, sequences = _scalar(stats["tokens"]), _scalar(stats["sequences"])
     count = max(tokens if cfg.aggregation == "token" else sequences, 1.0)
@@ -51,6 +52,8 @@ def grpo_metrics(stats: Mapping, cfg: GRPOLossConfig) -> dict[str, float]:
         out[kl_metric_name(cfg.kl_estimator)] = kl
         if cfg.kl_coef > 0:
             out["loss"] += cfg.kl_coef * kl
+    if "kl_value_sum" in stats:  # KL(π_θ‖π_ref) in nats per token, k3 (unbiased), whatever the penalty
+        out["kl_ref_estimate"] = _scalar(stats["kl_value_sum"]) / per_token
     out["clip_fraction"] = _scalar(stats["clip_sum"]) / per_token
     out["ratio_mean"] = _scalar(stats["ratio_sum"]) / per_token if tokens else 1.0
     n_b, lag_b, rmax_b = _vector(stats["seq_tokens"]), _vector(stats["seq_lag_sum"]), _vector(stats["seq_ratio_max"])

@@ -123,8 +123,9 @@ def progress_line(step: int, total: int, metrics: dict, seconds_per_step: float)
     """
     def fmt(key: str, spec: str) -> str:
         value = metrics.get(key)
-        if key == "learn/kl_ref":
-            value = next((v for k, v in metrics.items() if k.startswith("learn/kl_ref_")), None)
+        if key == "learn/kl_ref":  # the KL's unbiased value when logged, else the penalty's value
+            value = metrics.get("learn/kl_ref_estimate",
+                                next((v for k, v in metrics.items() if k.startswith("learn/kl_ref_")), None))
         return "-" if value is None or not math.isfinite(value) else format(value, spec)
 
     eta = max(total - step, 0) * seconds_per_step

@@ -72,6 +72,7 @@ def test_every_panel_reaches_tensorboard(run_a):
     tags = set(acc.Tags()["scalars"])
     expected = {
         "learn/reward_mean", "learn/reward_correctness", "learn/reward_format", "learn/kl_ref_k2_grad_theta_ref",
+        "learn/kl_ref_estimate",
         "learn/entropy_estimate", "learn/response_length", "learn/clip_fraction", "learn/grad_norm",
         "numerics/nonfinite_loss", "numerics/nonfinite_grad_norm", "numerics/min_behavior_logprob",
         "system/generated_tokens_per_s", "system/learned_tokens_per_s", "system/esr",
