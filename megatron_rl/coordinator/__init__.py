@@ -4,7 +4,8 @@
 
 `TrajectoryQueue` (queue.py) holds all the logic and is usable without Ray;
 `start_coordinator` (actor.py) runs it as a Ray actor; `WriteAheadLog` (wal.py) makes it
-durable; `Admission` (admission.py) bounds staleness before rollouts start.
+durable; `Admission` (admission.py) bounds staleness before rollouts start; queue.py's
+docstring lists the queue's other parts.
 """
 
 from megatron_rl.coordinator.actor import CoordinatorActor, start_coordinator

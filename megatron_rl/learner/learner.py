@@ -47,7 +47,9 @@ import torch.distributed as dist
 from megatron_rl.learner.config import LearnerConfig, SamplingConfig
 from megatron_rl.learner.logprobs import token_logprobs
 from megatron_rl.learner.micro_batches import MicroBatchPlan, plan_micro_batches
-from megatron_rl.learner.optimizer_state import materialize_optimizer_state
+from megatron_rl.learner.optimizer import build_optimizer, build_scheduler
+from megatron_rl.learner.optimizer_state import materialize_optimizer_state, unshare_adam_steps
+from megatron_rl.learner.step_stats import micro_batch_stats, reduce_step_stats
 from megatron_rl.models.builder import build_gpt_model, build_transformer_config
 from megatron_rl.models.hf_config import HFModelConfig, check_parallel_layout
 from megatron_rl.platform import Platform, detect_platform
@@ -67,30 +69,12 @@ class Learner:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg, self.hf_cfg = cfg, hf_cfg
         self.sampling = sampling or SamplingConfig()  # the distribution every logprob here is taken under
         self.platform = platform or detect_platform(dtype=cfg.dtype)
-        tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
-        if not dist.is_initialized():
-            raise RuntimeError("Learner needs torch.distributed: call platform.parallel.init_distributed first")
-        world = dist.get_world_size()
-        if world % (tp * pp):
-            raise ValueError(f"world size {world} is not divisible by tensor_parallel_size*"
-                             f"pipeline_parallel_size = {tp}*{pp}")
-        self.dp = world // (tp * pp)
-        ep = cfg.expert_parallel_size
-        check_parallel_layout(hf_cfg, tp, pp, self.dp, ep=ep)
-        if hf_cfg.moe is not None and tp > 1:
-            raise ValueError("learner.tensor_parallel_size > 1 with a MoE model: Megatron trains MoE at TP > 1 "
-                             "only with sequence parallelism, which this learner does not use; use "
-                             "learner.expert_parallel_size (EP) and TP 1")
-        if cfg.global_batch_size is None:
-            raise ValueError("learner.global_batch_size must be set (a training run derives it)")
-        if cfg.global_batch_size % (cfg.micro_batch_size * self.dp):
-            raise ValueError(f"learner.global_batch_size {cfg.global_batch_size} is not divisible by "
-                             f"micro_batch_size*dp = {cfg.micro_batch_size}*{self.dp}")
+        tp, pp, ep = cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.expert_parallel_size
+        self.dp = _data_parallel_size(cfg, hf_cfg)
         self._owns_parallel = not ps.model_parallel_is_initialized()
         if self._owns_parallel:
             initialize_parallel(tp=tp, pp=pp, seed=cfg.seed, ep=ep)
@@ -109,43 +93,13 @@ class Learner:
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
         self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=module)]
-        opt_config = OptimizerConfig(
-            optimizer="adam",
-            lr=cfg.lr,
-            min_lr=cfg.min_lr,
-            weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.adam_beta1,
-            adam_beta2=cfg.adam_beta2,
-            adam_eps=cfg.adam_eps,
-            clip_grad=cfg.clip_grad,
-            use_distributed_optimizer=cfg.use_distributed_optimizer,
-            params_dtype=self.platform.dtype,
-            bf16=self.platform.dtype == torch.bfloat16,
-            fp16=self.platform.dtype == torch.float16,
-        )
-        self.optimizer = get_megatron_optimizer(opt_config, self.model)
-        _patch_torch_adam_state_loading(self.optimizer)
-        self.scheduler = self._build_scheduler()
+        self.optimizer = build_optimizer(cfg, self.model, dtype=self.platform.dtype)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
         # What Megatron's schedules read from the model config during forward_backward.
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.no_sync_func = self.model[0].no_sync
         self.step = 0
-
-    def _build_scheduler(self):
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        cfg = self.cfg
-        # Megatron's scheduler counts samples (increment=global_batch_size per step).
-        gbs = cfg.global_batch_size
-        warmup = cfg.lr_warmup_steps * gbs
-        decay = (cfg.lr_decay_steps or 1) * gbs + warmup
-        return OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if warmup else cfg.lr, max_lr=cfg.lr,
-            min_lr=cfg.lr if cfg.lr_decay_style == "constant" else cfg.min_lr,
-            lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=cfg.lr_decay_style,
-            start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
-        )
 
     # ---- batches ---------------------------------------------------------------------------
 
@@ -212,12 +166,8 @@ class Learner:
             return logprobs_bt.detach()
         loss, metrics = loss_fn(logprobs_bt, mb)
         # Every statistic on the loss's device (Python floats included), as the loss interface says;
-        # _reduce_metrics concatenates them into one tensor for one all-reduce (NCCL: on the GPU).
-        reported = {k: (v.detach().float().clone() if isinstance(v, torch.Tensor)
-                        else torch.tensor(float(v), dtype=torch.float32, device=loss.device))
-                    for k, v in metrics.items()}
-        reported["loss"] = loss.detach().float().clone()  # the schedule divides `loss` in place
-        return loss, reported
+        # reduce_step_stats concatenates them into one tensor for one all-reduce (NCCL: on the GPU).
+        return loss, micro_batch_stats(loss, metrics)
 
     def _run(self, micro: list[dict], loss_fn: LossFn | None, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -241,7 +191,7 @@ class Learner:
     def forward_backward(self, batch: dict, loss_fn: LossFn) -> dict:
         """Gradients of the global `batch` in the DDP grad buffers (`param.main_grad`, reduced over
         data-parallel ranks), no optimizer step; returns the batch-wide statistics (see
-        _reduce_metrics)."""
+        learner.step_stats)."""
         from megatron.core import parallel_state as ps
 
         if batch["tokens"].shape[0] != self.cfg.global_batch_size:
@@ -254,8 +204,8 @@ class Learner:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(micro, loss_fn, forward_only=False)
-        stats = self._reduce_metrics(outputs if ps.is_pipeline_last_stage() else None,
-                                     batch["tokens"].shape[0], plan)
+        stats = reduce_step_stats(outputs if ps.is_pipeline_last_stage() else None,
+                                  batch_size=batch["tokens"].shape[0], plan=plan, device=self.platform.device)
         stats["padding_fraction"] = plan.padding_fraction
         return stats
 
@@ -293,49 +243,6 @@ class Learner:
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        lr=self.optimizer.param_groups[0]["lr"], update_successful=float(bool(ok)))
         return metrics
-
-    def _reduce_metrics(self, outputs: list[dict] | None, batch_size: int, plan: MicroBatchPlan) -> dict:
-        """Batch-wide statistics on every rank, with one all-reduce over DP and one host sync.
-
-        0-dim statistics are summed over micro-batches and data-parallel ranks; [b] ones are put at
-        their rows of the global batch ([B], zeros elsewhere) and summed the same way (so they come
-        back as lists of B floats); `loss` is the mean of the micro-batch losses of the batch (the
-        objective the gradients are of).  Computed on the last pipeline stage, shared with the others.
-        """
-        from megatron.core import parallel_state as ps
-
-        payload = [None]
-        if outputs is not None:
-            local = plan.ranks[ps.get_data_parallel_rank()]
-            device = self.platform.device
-            keys = sorted(outputs[0])
-            parts = []
-            for k in keys:
-                values = [torch.as_tensor(o[k], dtype=torch.float64, device=device) for o in outputs]
-                if values[0].dim() == 0:
-                    parts.append(torch.stack(values).sum().reshape(1))
-                else:
-                    if any(v.shape != (len(rows),) for v, (rows, _) in zip(values, local)):
-                        raise ValueError(f"statistic {k!r} must be 0-dim or [rows of the micro-batch], "
-                                         f"got {tuple(values[0].shape)}")
-                    placed = torch.zeros(batch_size, dtype=torch.float64, device=device)
-                    index = torch.tensor([i for rows, _ in local for i in rows], dtype=torch.long, device=device)
-                    placed[index] = torch.cat(values)
-                    parts.append(placed)
-            flat = torch.cat(parts)
-            dist.all_reduce(flat, group=ps.get_data_parallel_group())
-            chunks = flat.tolist()
-            reduced, i = {}, 0
-            for k, part in zip(keys, parts):
-                n = part.numel()
-                reduced[k] = chunks[i:i + n] if outputs[0][k].dim() else chunks[i]
-                i += n
-            reduced["loss"] = reduced["loss"] / plan.num_micro_batches
-            payload = [reduced]
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            src = ps.get_pipeline_model_parallel_last_rank()
-            dist.broadcast_object_list(payload, src=src, group=ps.get_pipeline_model_parallel_group())
-        return payload[0]
 
     @torch.no_grad()
     def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
@@ -403,19 +310,7 @@ class Learner:
         """Load what dist_checkpointing.load returned for `sharded_state_dict(is_loading=True)`."""
         self.model[0].module.load_state_dict(state["model"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
-        self._unshare_adam_steps()
-
-    def _unshare_adam_steps(self) -> None:
-        """Give each parameter its own Adam 'step' tensor after a load.
-
-        Megatron restores torch Adam's step by assigning ONE tensor to every parameter's state;
-        torch's Adam then increments it in place once per parameter, so bias correction would
-        run ahead after a resume.  A private copy per parameter restores torch's semantics.
-        """
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            for state in opt.optimizer.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()
+        unshare_adam_steps(self.optimizer)
 
     def load_state_dict(self, state: dict) -> None:
         self.model[0].module.load_state_dict(state["model"])
@@ -430,29 +325,24 @@ class Learner:
             self._owns_parallel = False
 
 
-def _patch_torch_adam_state_loading(optimizer) -> None:
-    """Let Megatron-Core 0.16's distributed optimizer load checkpoints into torch.optim.Adam.
-
-    Without Apex/TE the inner optimizer is torch's Adam, whose per-parameter state carries a
-    'step' tensor.  `load_parameter_state_from_fully_reshardable` leaves 'step' out of the
-    tensors it hands to `_set_main_param_and_optimizer_states` (step is restored from the
-    param groups instead), but that method copies every key of the *destination* state and
-    fails with KeyError('step').  Copy the keys that were loaded instead.  Only applied where
-    the inner optimizer is torch's Adam; Apex/TE optimizers keep Megatron's method.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, DistributedOptimizer) or not isinstance(opt.optimizer, torch.optim.Adam):
-            continue
-        if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            continue
-
-        def set_states(model_param, tensors, _opt=opt):
-            group_index, group_order = _opt.model_param_group_index_map[model_param]
-            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
-            dst = {"param": main_param, **_opt.optimizer.state[main_param]}
-            for key, value in tensors.items():
-                dst[key].copy_(value)
-
-        opt._set_main_param_and_optimizer_states = set_states
+def _data_parallel_size(cfg: LearnerConfig, hf_cfg: HFModelConfig) -> int:
+    """The data-parallel size the world leaves for cfg's TP x PP, once the layout and batch fit it."""
+    tp, pp, ep = cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.expert_parallel_size
+    if not dist.is_initialized():
+        raise RuntimeError("Learner needs torch.distributed: call platform.parallel.init_distributed first")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tensor_parallel_size*"
+                         f"pipeline_parallel_size = {tp}*{pp}")
+    dp = world // (tp * pp)
+    check_parallel_layout(hf_cfg, tp, pp, dp, ep=ep)
+    if hf_cfg.moe is not None and tp > 1:
+        raise ValueError("learner.tensor_parallel_size > 1 with a MoE model: Megatron trains MoE at TP > 1 "
+                         "only with sequence parallelism, which this learner does not use; use "
+                         "learner.expert_parallel_size (EP) and TP 1")
+    if cfg.global_batch_size is None:
+        raise ValueError("learner.global_batch_size must be set (a training run derives it)")
+    if cfg.global_batch_size % (cfg.micro_batch_size * dp):
+        raise ValueError(f"learner.global_batch_size {cfg.global_batch_size} is not divisible by "
+                         f"micro_batch_size*dp = {cfg.micro_batch_size}*{dp}")
+    return dp

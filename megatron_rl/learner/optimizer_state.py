@@ -1,7 +1,9 @@
-"""Optimizer state before a checkpoint load, chosen by the inner optimizer's class.
+"""Optimizer state around a checkpoint load, chosen by the inner optimizer's class.
 
     from megatron_rl.learner.optimizer_state import materialize_optimizer_state
     materialize_optimizer_state(megatron_optimizer)   # before sharded_state_dict(is_loading=True)
+    unshare_adam_steps(megatron_optimizer)            # after optimizer.load_state_dict(...)
+    patch_torch_adam_state_loading(megatron_optimizer)  # once, when the optimizer is built
 
     python -m pytest tests/unit/test_optimizer_state.py -q
 
@@ -56,3 +58,44 @@ def _materialize_torch_adam(inner: torch.optim.Optimizer) -> None:
                 state["exp_avg"] = torch.zeros_like(p.data)
                 state["exp_avg_sq"] = torch.zeros_like(p.data)
             state.setdefault("step", torch.tensor(0.0))
+
+
+def unshare_adam_steps(optimizer) -> None:
+    """Give each parameter its own Adam 'step' tensor after a load.
+
+    Megatron restores torch Adam's step by assigning ONE tensor to every parameter's state;
+    torch's Adam then increments it in place once per parameter, so bias correction would
+    run ahead after a resume.  A private copy per parameter restores torch's semantics.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def patch_torch_adam_state_loading(optimizer) -> None:
+    """Let Megatron-Core 0.16's distributed optimizer load checkpoints into torch.optim.Adam.
+
+    Without Apex/TE the inner optimizer is torch's Adam, whose per-parameter state carries a
+    'step' tensor.  `load_parameter_state_from_fully_reshardable` leaves 'step' out of the
+    tensors it hands to `_set_main_param_and_optimizer_states` (step is restored from the
+    param groups instead), but that method copies every key of the *destination* state and
+    fails with KeyError('step').  Copy the keys that were loaded instead.  Only applied where
+    the inner optimizer is torch's Adam; Apex/TE optimizers keep Megatron's method.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(opt.optimizer, torch.optim.Adam):
+            continue
+        if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue
+
+        def set_states(model_param, tensors, _opt=opt):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            dst = {"param": main_param, **_opt.optimizer.state[main_param]}
+            for key, value in tensors.items():
+                dst[key].copy_(value)
+
+        opt._set_main_param_and_optimizer_states = set_states

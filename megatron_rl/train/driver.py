@@ -31,6 +31,7 @@ generated ahead of the learner (producer.py), and a resumed run replays them fir
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -80,7 +81,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
     roles = Roles.build(cfg)
     source, scorer, coordinator = roles.source, roles.scorer, roles.coordinator
     policy, report = roles.policy, roles.reporter
-    try:
+    with contextlib.closing(roles), _errors_as_exits(roles.run_dir):
         state, report.initial_eval = roles.checkpointer.resume(policy, source, coordinator)  # shadow forward
         resumed_at = state.step if state.step else None
         report.rewind(state.step)                                        # steps after it are redone: log them once
@@ -124,14 +125,25 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
                 raise SystemExit(EXIT_REQUEUE)
         source.stop()
         report.final_eval(state.step)                                    # = run.steps unless a budget ended it
-        first, last = report.initial_eval or {}, report.last_eval
-        return {"steps": state.step, "version": state.version,
-                "initial_test_correctness": first.get("correctness"), "final_test_correctness": last["correctness"],
-                "initial_test_reward": first.get("reward"), "final_test_reward": last["reward"],
-                "final_test_format": last["format"], "run_dir": str(roles.run_dir),
-                **report.stop_rules.summary()}
+        return _summary(state, report, roles.run_dir)
+
+
+def _summary(state, report, run_dir: Path) -> dict:
+    """What `train` returns: steps, version, the first and last test evals, the stop rules' account."""
+    first, last = report.initial_eval or {}, report.last_eval
+    return {"steps": state.step, "version": state.version,
+            "initial_test_correctness": first.get("correctness"), "final_test_correctness": last["correctness"],
+            "initial_test_reward": first.get("reward"), "final_test_reward": last["reward"],
+            "final_test_format": last["format"], "run_dir": str(run_dir), **report.stop_rules.summary()}
+
+
+@contextlib.contextmanager
+def _errors_as_exits(run_dir: Path):
+    """A failure past start-up as the exit it means: resumable (75), out of memory, canary, or a bug."""
+    try:
+        yield
     except (PublicationError, LearnerDied) as err:                       # a dead engine or rank: resumable
-        raise requeue_after(err, roles.run_dir) from err
+        raise requeue_after(err, run_dir) from err
     except LearnerOutOfMemory as err:                                    # even the half micro-batch failed
         raise oom_stop(err) from err
     except CanaryFailed as err:                                          # nothing checkpointed after it
@@ -140,14 +152,12 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
         raise CommandError(str(err), exit_code=EXIT_CANARY) from err
     except RuntimeError as err:                                          # engines kept dying: resumable
         if isinstance(err.__cause__, RolloutFailed):
-            raise requeue_after(err.__cause__, roles.run_dir) from err
+            raise requeue_after(err.__cause__, run_dir) from err
         raise
     except ValueError as err:  # past start-up only a checkpoint problem is the user's, others are bugs (not exit 2)
         if isinstance(err, CheckpointError):
             raise
         raise RuntimeError(f"internal error while training: {err}") from err
-    finally:
-        roles.close()
 
 
 def requeue_after(err: Exception, run_dir: Path):

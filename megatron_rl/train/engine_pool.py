@@ -142,21 +142,13 @@ class EnginePool:
     def take_learners(self, ranks: int) -> list | None:
         """The parked learner actors when there are `ranks` of them (they sit in this run's placement: its
         key holds the layout); None otherwise."""
-        return self._take_learners("learners", ranks)
+        learners, self.learners = self.learners, None
+        return _hand_over(learners, ranks)
 
     def take_free_learners(self, ranks: int) -> list | None:
         """An `sft` run's learner actors parked by the last `sft` run, when there are `ranks` of them."""
-        return self._take_learners("free_learners", ranks)
-
-    def _take_learners(self, slot: str, ranks: int) -> list | None:
-        learners = getattr(self, slot)
-        setattr(self, slot, None)
-        if learners is not None and len(learners) != ranks:
-            end_actors(learners)
-            return None
-        if learners is not None:
-            logger.info("%d learner actor(s) of the previous run handed to this one (rebuilt for it)", ranks)
-        return learners
+        learners, self.free_learners = self.free_learners, None
+        return _hand_over(learners, ranks)
 
     def park_free_learners(self, group) -> None:
         """Keep a finished `sft` run's learner actors for the next `sft` run."""
@@ -247,3 +239,14 @@ def end_actors(actors: list) -> None:
             ray.kill(a)
         except Exception as err:  # noqa: BLE001 -- dead already
             logger.debug("kill of an actor: %s", err)
+
+
+def _hand_over(learners: list | None, ranks: int) -> list | None:
+    """Parked learner actors for a run of `ranks` learner ranks: all of them if there are that many, else
+    none (the parked ones are ended)."""
+    if learners is not None and len(learners) != ranks:
+        end_actors(learners)
+        return None
+    if learners is not None:
+        logger.info("%d learner actor(s) of the previous run handed to this one (rebuilt for it)", ranks)
+    return learners

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, restore_queue_snapshot
@@ -26,7 +25,7 @@ from megatron_rl.train.placement import Placement, gpu_path_choices
 from megatron_rl.train.policy import Policy
 from megatron_rl.train.reporting import Reporter
 from megatron_rl.train.rollout_source import PromptStream, RolloutSource, RoundSpec, start_fleet
-from megatron_rl.train.run_setup import RunInputs, open_run_dir, train_cursor
+from megatron_rl.train.run_setup import RunInputs, open_run_dir, start_ray, train_cursor
 from megatron_rl.train.scoring import Scorer
 
 logger = logging.getLogger(__name__)
@@ -112,15 +111,3 @@ class Roles:
         if self.pool is None:  # else the pool keeps it
             self.placement.remove()
 
-
-def start_ray(run) -> bool:
-    """Connect to (run.use_existing_ray) or start Ray unless it is up; True when this run started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if run.use_existing_ray:
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
-    else:
-        ray.init(num_cpus=run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
-    return True

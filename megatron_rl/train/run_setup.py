@@ -4,6 +4,7 @@ directory with its resolved config, seeds, the model to start from, its tokenize
 
     inputs = open_run_dir(cfg, kind="train")   # RunInputs: run_dir, model_dir, tokenizer, splits, template
     cursor = train_cursor(cfg, inputs.splits["train"])   # the order training visits its examples
+    own_ray = start_ray(cfg.run)                          # connect to or start Ray; True if this run started it
 
 A resume with other inputs (model, tokenizer, data, grader) is refused by run_manifest.json.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,3 +85,16 @@ def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
 def train_cursor(cfg: TrainConfig, train) -> DataCursor:
     """The data cursor over the training split: its order follows data.seed and run.seed."""
     return DataCursor(len(train), seed=data_order_seed(cfg), dataset_version=train.dataset_version)
+
+
+def start_ray(run) -> bool:
+    """Connect to (run.use_existing_ray) or start Ray unless it is up; True when this run started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if run.use_existing_ray:
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
+    else:
+        ray.init(num_cpus=run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    return True

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -71,66 +70,28 @@ def sft(cfg) -> dict:
     """Run (or resume) supervised fine-tuning; returns a summary with the test-split baseline."""
     import ray
 
-    from megatron_rl.checkpoint import load_checkpoint, load_rng_state, resume_checkpoint, rotate, save_checkpoint
-    from megatron_rl.config import config_hash
-    from megatron_rl.console import progress
-    from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
+    from megatron_rl.checkpoint import resume_checkpoint
     from megatron_rl.metrics import MetricsLogger, logged_test_evals
     from megatron_rl.run_manifest import close_run
     from megatron_rl.train.engine_pool import release_sft_learners, sft_learner_group
-    from megatron_rl.train.run_setup import open_run_dir, train_cursor
-    from megatron_rl.train.telemetry import sft_progress_line
+    from megatron_rl.train.run_setup import open_run_dir, start_ray, train_cursor
 
     inputs = open_run_dir(cfg, kind="sft")
-    run_dir, model_dir, tokenizer, tok_hash = inputs.run_dir, inputs.model_dir, inputs.tokenizer, inputs.tokenizer_hash
-    splits, template = inputs.splits, inputs.template
-    ckpts = run_dir / "checkpoints"
-    resume_from = resume_checkpoint(ckpts) if cfg.run.resume else None
-    train = splits["train"]
-    cursor = train_cursor(cfg, train)
-    lc = dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr,
-                             global_batch_size=cfg.sft.global_batch_size or cfg.learner.global_batch_size)
-    own_ray = not ray.is_initialized()
-    if own_ray and cfg.run.use_existing_ray:  # a cluster someone else started (Slurm, the experiment runner)
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
-    elif own_ray:
-        ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    run_dir = inputs.run_dir
+    resume_from = resume_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
+    cursor = train_cursor(cfg, inputs.splits["train"])
+    lc = _sft_learner_config(cfg)
+    own_ray = start_ray(cfg.run)
     learner = metrics = None
     try:  # inside the experiment runner: the last sft run's learner actors, rebuilt (train/engine_pool.py)
         learner = sft_learner_group(learner_cfg=lc, loss_cfg=dataclasses.replace(cfg.loss, kl_coef=0.0),
-                                    hf_dir=str(model_dir), seed=lc.seed, deterministic=cfg.run.deterministic,
+                                    hf_dir=str(inputs.model_dir), seed=lc.seed, deterministic=cfg.run.deterministic,
                                     threads=cfg.run.torch_threads)
-        start = 0
-        if resume_from is not None:
-            manifest = load_checkpoint(resume_from, tokenizer_hash=tok_hash)
-            learner.load(str(resume_from / "weights"))
-            learner.set_rng_states({r: load_rng_state(resume_from, r) for r in manifest["rng"]["ranks"]})
-            cursor.load_state_dict(manifest["data_cursor"])
-            start = int(manifest["step"])
-            logger.info("resumed SFT from %s at step %d", resume_from, start)
+        start = 0 if resume_from is None else _resume(resume_from, inputs, learner, cursor)
         metrics = MetricsLogger(run_dir / "metrics")
         metrics.rewind(start if start else -1)  # steps after the checkpoint are redone: log them once
         logged = logged_test_evals(run_dir / "metrics" / "metrics.jsonl").get(cfg.sft.steps)
-        seconds: list[float] = []
-        for step in range(start, cfg.sft.steps):
-            t0 = time.perf_counter()
-            examples = [train[i] for i in cursor.next_indices(lc.global_batch_size)]
-            batch = sft_batch(examples, template, tokenizer, micro_batch_size=lc.micro_batch_size)
-            out = learner.sft_step(batch)
-            step_s = time.perf_counter() - t0
-            metrics.log(step + 1, {"sft/loss": out["loss"], "sft/nll_per_token": out["nll_sum"] / max(out["tokens"], 1),
-                                   "sft/tokens": out["tokens"], "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"],
-                                   "latency/sft_step_s": step_s})
-            seconds.append(step_s)
-            progress(sft_progress_line(step + 1, cfg.sft.steps, out, sum(seconds) / len(seconds),
-                                       float(out["tokens"]) / max(step_s, 1e-9)), step=step + 1, total=cfg.sft.steps)
-            due = cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0
-            if due or step + 1 == cfg.sft.steps:
-                save_checkpoint(ckpts, step + 1, policy_version=step + 1, config_hash=config_hash(cfg),
-                                save_fn=lambda tmp: learner.save(str(tmp / "weights")), tokenizer_hash=tok_hash,
-                                data_cursor=cursor.state_dict(), rng_states=learner.rng_states(),
-                                extra={"kind": "sft"})
-                rotate(ckpts, cfg.run.keep_checkpoints)
+        _train(cfg, lc, inputs, learner, cursor, metrics, start)
         release_sft_learners(learner)  # inside the experiment runner: kept for the next sft run
         learner = None
         if logged is not None and start == cfg.sft.steps:  # an earlier attempt ended here and evaluated
@@ -138,8 +99,7 @@ def sft(cfg) -> dict:
             logger.info("SFT had ended at step %d; its final test eval was logged then: correctness %.3f",
                         start, result["correctness"])
         else:
-            result = _final_eval(cfg, export_run_checkpoint(run_dir), splits, template)
-            metrics.log(cfg.sft.steps, {f"eval/test_{k}": result[k] for k in ("reward", "correctness", "format")})
+            result = _export_and_evaluate(cfg, inputs, metrics)
         return {"steps": cfg.sft.steps, "test_correctness": result["correctness"], "test_reward": result["reward"],
                 "test_format": result["format"], "run_dir": str(run_dir)}
     finally:
@@ -150,6 +110,68 @@ def sft(cfg) -> dict:
         if own_ray:
             ray.shutdown()
         close_run(run_dir)
+
+
+def _sft_learner_config(cfg):
+    """The learner's config with sft.lr and sft.global_batch_size where they are set."""
+    return dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr,
+                               global_batch_size=cfg.sft.global_batch_size or cfg.learner.global_batch_size)
+
+
+def _resume(resume_from: Path, inputs, learner, cursor) -> int:
+    """Load checkpoint `resume_from` into the learner and the data cursor; the step to start at."""
+    from megatron_rl.checkpoint import load_checkpoint, load_rng_state
+
+    manifest = load_checkpoint(resume_from, tokenizer_hash=inputs.tokenizer_hash)
+    learner.load(str(resume_from / "weights"))
+    learner.set_rng_states({r: load_rng_state(resume_from, r) for r in manifest["rng"]["ranks"]})
+    cursor.load_state_dict(manifest["data_cursor"])
+    logger.info("resumed SFT from %s at step %d", resume_from, int(manifest["step"]))
+    return int(manifest["step"])
+
+
+def _train(cfg, lc, inputs, learner, cursor, metrics, start: int) -> None:
+    """Steps start+1 .. sft.steps: a batch from the cursor, one learner step, metrics, checkpoints."""
+    from megatron_rl.console import progress
+    from megatron_rl.train.telemetry import sft_progress_line
+
+    train, seconds = inputs.splits["train"], []
+    for step in range(start, cfg.sft.steps):
+        t0 = time.perf_counter()
+        examples = [train[i] for i in cursor.next_indices(lc.global_batch_size)]
+        batch = sft_batch(examples, inputs.template, inputs.tokenizer, micro_batch_size=lc.micro_batch_size)
+        out = learner.sft_step(batch)
+        step_s = time.perf_counter() - t0
+        metrics.log(step + 1, {"sft/loss": out["loss"], "sft/nll_per_token": out["nll_sum"] / max(out["tokens"], 1),
+                               "sft/tokens": out["tokens"], "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"],
+                               "latency/sft_step_s": step_s})
+        seconds.append(step_s)
+        progress(sft_progress_line(step + 1, cfg.sft.steps, out, sum(seconds) / len(seconds),
+                                   float(out["tokens"]) / max(step_s, 1e-9)), step=step + 1, total=cfg.sft.steps)
+        due = cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0
+        if due or step + 1 == cfg.sft.steps:
+            _save(cfg, inputs, learner, cursor, step + 1)
+
+
+def _save(cfg, inputs, learner, cursor, step: int) -> None:
+    """Checkpoint `step` (weights, data cursor, RNG states; COMMITTED last) and rotate old ones."""
+    from megatron_rl.checkpoint import rotate, save_checkpoint
+    from megatron_rl.config import config_hash
+
+    ckpts = inputs.run_dir / "checkpoints"
+    save_checkpoint(ckpts, step, policy_version=step, config_hash=config_hash(cfg),
+                    save_fn=lambda tmp: learner.save(str(tmp / "weights")), tokenizer_hash=inputs.tokenizer_hash,
+                    data_cursor=cursor.state_dict(), rng_states=learner.rng_states(), extra={"kind": "sft"})
+    rotate(ckpts, cfg.run.keep_checkpoints)
+
+
+def _export_and_evaluate(cfg, inputs, metrics) -> dict:
+    """Export the newest checkpoint to Hugging Face format, evaluate it on the test split, log the result."""
+    from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
+
+    result = _final_eval(cfg, export_run_checkpoint(inputs.run_dir), inputs.splits, inputs.template)
+    metrics.log(cfg.sft.steps, {f"eval/test_{k}": result[k] for k in ("reward", "correctness", "format")})
+    return result
 
 
 SFT_SUMMARY = "sft_summary.json"

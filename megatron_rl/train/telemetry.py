@@ -43,59 +43,11 @@ class Telemetry:
         """`sampling`: dynamic sampling's account of the round (train/dynamic_sampling.py), if on."""
         self.rollout_s.append(phases["rollout"])
         self.verify_s.append(phases["score"])
-        out: dict[str, float] = {}
-        # learn/
         valid = [t for t in trajs if t.in_loss]
-        out["learn/reward_mean"] = _mean([t.reward for t in valid])
-        for comp in sorted({k for t in valid for k in t.reward_components}):
-            out[f"learn/reward_{comp}"] = _mean([t.reward_components.get(comp, 0.0) for t in valid])
-        gen_tokens = sum(len(s.response_tokens) for s in samples)
-        out["learn/response_length"] = gen_tokens / max(len(samples), 1)
         logps = np.concatenate([np.asarray(s.behavior_logprobs, np.float64) for s in samples]) if samples else np.zeros(0)
-        out["learn/entropy_estimate"] = float(-logps.mean()) if logps.size else float("nan")
-        for key in ("loss", "pg_loss", "clip_fraction", "ratio_mean", "ratio_max", "grad_norm", "lr",
-                    "d_lag", "d_lag/p50", "d_lag/p95", "d_lag/p99", "lag_weight"):
-            if key in learn:
-                out[f"learn/{key}"] = float(learn[key])
-        for key in sorted(k for k in learn if k.startswith("kl_ref_")):  # named after its gradient's direction
-            out[f"learn/{key}"] = float(learn[key])
-        for key, name in (("adv/zero_variance_groups", "learn/zero_variance_groups"),
-                          ("adv/invalid_samples", "learn/invalid_samples")):
-            if key in learn:  # a metric the step did not measure is absent, never a made-up 0
-                out[name] = float(learn[key])
-        # numerics/
-        out["numerics/nonfinite_loss"] = float(not math.isfinite(learn.get("loss", float("nan"))))
-        out["numerics/nonfinite_grad_norm"] = float(not math.isfinite(learn.get("grad_norm", float("nan"))))
-        out["numerics/nonfinite_behavior_logprobs"] = float((~np.isfinite(logps)).sum())
-        if logps.size:
-            out["numerics/min_behavior_logprob"] = float(logps.min())
-        for key in ("lag_quarantined", "update_successful"):
-            if key in learn:
-                out[f"numerics/{key}"] = float(learn[key])
-        out["numerics/oom_retries"] = float(learn.get("oom_retries", 0.0))  # a count: no retry is a real 0
-        # system/
-        sampling = sampling or {}
-        if sampling:  # groups dynamic sampling threw away were generated too: ESR counts them
-            gen_tokens += sampling["discarded_tokens"]
-            out["system/dynamic_kept_fraction"] = sampling["informative_groups"] / max(sampling["sampled_groups"], 1)
-            out["system/dynamic_filled_groups"] = float(sampling["filled_groups"])
-            out["system/dynamic_discarded_tokens"] = float(sampling["discarded_tokens"])
-            out["system/dynamic_attempts"] = float(sampling["attempts"])
-        gen_tps = gen_tokens / max(phases["rollout"], 1e-9)
-        learned = sum(t.num_tokens for t in taken)
-        out.update({
-            "system/generated_tokens_per_s": gen_tps,
-            "system/generated_tokens": float(gen_tokens),  # this step's; stop.max_generated_tokens sums them
-            "system/learned_tokens_per_s": learned / max(phases["learn"], 1e-9),
-            "system/driver_max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        })
-        if gen_tokens and "adv/informative_tokens" in learn:  # ESR of nothing generated is undefined
-            esr = learn["adv/informative_tokens"] / gen_tokens
-            out.update({"system/esr": esr, "system/effective_tokens_per_s": gen_tps * esr})
-        if "padding_fraction" in learn:  # padded / computed token positions of the learner's grid
-            out["system/padding_fraction"] = float(learn["padding_fraction"])
-        for name, seconds in phases.items():
-            out[f"system/time_{name}_s"] = float(seconds)
+        out = _learn_metrics(samples, valid, learn, logps)
+        out.update(_numerics_metrics(learn, logps))
+        out.update(_system_metrics(samples, taken, learn, phases, sampling or {}))
         # latency/
         out.update(percentiles(list(self.rollout_s), "latency/rollout_round_s"))
         out.update(percentiles(list(self.verify_s), "latency/verifier_batch_s"))
@@ -107,6 +59,68 @@ class Telemetry:
         out.update({k: float(v) for k, v in queue.items()})
         out.update(percentiles(learn.get("dv", []), "queue/taken_dv"))  # {} when nothing was taken
         return out
+
+
+def _learn_metrics(samples: list, valid: list, learn: dict, logps: np.ndarray) -> dict[str, float]:
+    """learn/: rewards of the trajectories in the loss, response length, entropy estimate, the step's stats."""
+    out = {"learn/reward_mean": _mean([t.reward for t in valid])}
+    for comp in sorted({k for t in valid for k in t.reward_components}):
+        out[f"learn/reward_{comp}"] = _mean([t.reward_components.get(comp, 0.0) for t in valid])
+    out["learn/response_length"] = sum(len(s.response_tokens) for s in samples) / max(len(samples), 1)
+    out["learn/entropy_estimate"] = float(-logps.mean()) if logps.size else float("nan")
+    for key in ("loss", "pg_loss", "clip_fraction", "ratio_mean", "ratio_max", "grad_norm", "lr",
+                "d_lag", "d_lag/p50", "d_lag/p95", "d_lag/p99", "lag_weight"):
+        if key in learn:
+            out[f"learn/{key}"] = float(learn[key])
+    for key in sorted(k for k in learn if k.startswith("kl_ref_")):  # named after its gradient's direction
+        out[f"learn/{key}"] = float(learn[key])
+    for key, name in (("adv/zero_variance_groups", "learn/zero_variance_groups"),
+                      ("adv/invalid_samples", "learn/invalid_samples")):
+        if key in learn:  # a metric the step did not measure is absent, never a made-up 0
+            out[name] = float(learn[key])
+    return out
+
+
+def _numerics_metrics(learn: dict, logps: np.ndarray) -> dict[str, float]:
+    """numerics/: non-finite loss, gradient norm and behaviour logprobs; quarantines, skipped updates, OOM retries."""
+    out = {"numerics/nonfinite_loss": float(not math.isfinite(learn.get("loss", float("nan")))),
+           "numerics/nonfinite_grad_norm": float(not math.isfinite(learn.get("grad_norm", float("nan")))),
+           "numerics/nonfinite_behavior_logprobs": float((~np.isfinite(logps)).sum())}
+    if logps.size:
+        out["numerics/min_behavior_logprob"] = float(logps.min())
+    for key in ("lag_quarantined", "update_successful"):
+        if key in learn:
+            out[f"numerics/{key}"] = float(learn[key])
+    out["numerics/oom_retries"] = float(learn.get("oom_retries", 0.0))  # a count: no retry is a real 0
+    return out
+
+
+def _system_metrics(samples: list, taken: list, learn: dict, phases: dict, sampling: dict) -> dict[str, float]:
+    """system/: throughput (generated, learned, effective tokens per second), dynamic sampling, phase times."""
+    out: dict[str, float] = {}
+    gen_tokens = sum(len(s.response_tokens) for s in samples)
+    if sampling:  # groups dynamic sampling threw away were generated too: ESR counts them
+        gen_tokens += sampling["discarded_tokens"]
+        out["system/dynamic_kept_fraction"] = sampling["informative_groups"] / max(sampling["sampled_groups"], 1)
+        out["system/dynamic_filled_groups"] = float(sampling["filled_groups"])
+        out["system/dynamic_discarded_tokens"] = float(sampling["discarded_tokens"])
+        out["system/dynamic_attempts"] = float(sampling["attempts"])
+    gen_tps = gen_tokens / max(phases["rollout"], 1e-9)
+    learned = sum(t.num_tokens for t in taken)
+    out.update({
+        "system/generated_tokens_per_s": gen_tps,
+        "system/generated_tokens": float(gen_tokens),  # this step's; stop.max_generated_tokens sums them
+        "system/learned_tokens_per_s": learned / max(phases["learn"], 1e-9),
+        "system/driver_max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    })
+    if gen_tokens and "adv/informative_tokens" in learn:  # ESR of nothing generated is undefined
+        esr = learn["adv/informative_tokens"] / gen_tokens
+        out.update({"system/esr": esr, "system/effective_tokens_per_s": gen_tps * esr})
+    if "padding_fraction" in learn:  # padded / computed token positions of the learner's grid
+        out["system/padding_fraction"] = float(learn["padding_fraction"])
+    for name, seconds in phases.items():
+        out[f"system/time_{name}_s"] = float(seconds)
+    return out
 
 
 def _mean(values: list) -> float:

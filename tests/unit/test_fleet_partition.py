@@ -14,16 +14,14 @@ once it answers, when it is refitted (the last version, its probe) before it ser
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import ray
 
-from megatron_rl.publish.trainer import group_answers
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.fleet import SERVING, STALE, RolloutFleet
-from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.fleet import SERVING, STALE
+from tests.unit.fleet_doubles import EngineDouble, attached_fleet, fleet_of, ray_local  # noqa: F401
 
 pytestmark = pytest.mark.unit
 
@@ -32,89 +30,25 @@ STOP_S = 5.0  # how long the stopped group blocks: longer than the timeouts
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
-class Engine:
-    def __init__(self, g: int):
-        self.g, self.version, self.stop_in = g, 0, None
-        self.probes = []
+class Engine(EngineDouble):
+    def __init__(self, g: int, stale: bool = False):
+        super().__init__(g, stale)
+        self.stop_in = None
 
     def stop_in_next(self, method: str) -> None:
         self.stop_in = method
 
-    def _maybe_stop(self, method: str) -> None:
+    def _inject(self, method: str) -> None:
         if self.stop_in == method:
             self.stop_in = None
             time.sleep(STOP_S)  # the injected failure: nothing answers meanwhile
-
-    def generate(self, prompts, sampling, n, extra):
-        self._maybe_stop("generate")
-        if self.version is None:
-            raise RuntimeError("this rollout group holds no complete policy version")
-        return [RolloutSample(prompt_tokens=list(p), response_tokens=[1], behavior_logprobs=[0.0],
-                              policy_versions=[self.version], sampling=dict(sampling), finish_reason="stop",
-                              started_at=0.0, finished_at=0.0, extra=dict(e, group=self.g))
-                for p, e in zip(prompts, extra) for _ in range(n)]
-
-    def policy_version(self):
-        return self.version
-
-    def receive_weights(self, version: int) -> dict:
-        self._maybe_stop("receive_weights")
-        self.version = version
-        return {"committed": True, "version": version, "error": None}
-
-    def expect_probe(self, version, sequences, logprobs, tolerance) -> None:
-        self.probes.append(version)
-
-    def seen_probes(self) -> list:
-        return self.probes
-
-    def shutdown(self) -> None:
-        pass
-
-
-class Learner:
-    """Publishes to the connected groups and waits for their answers as WeightPublisher does."""
-
-    def __init__(self):
-        self.lock = threading.RLock()
-        self.updates = 0
-        self.connections = []
-        self.timeouts = []
-
-    def connect_rollout(self, workers, bucket_bytes, transport, timeout_s=600.0):
-        self.connections.append(list(workers))
-        self.timeouts.append(timeout_s)
-
-    def publish(self, version):
-        refs = [w.receive_weights.remote(version) for w in self.connections[-1]]
-        results = group_answers(refs, version, self.timeouts[-1])
-        return {"committed": all(r["committed"] for r in results),
-                "errors": [r["error"] for r in results if not r["committed"]],
-                "groups": [{"committed": r["committed"], "unresponsive": bool(r.get("unresponsive")),
-                            "error": r["error"]} for r in results]}
-
-
-class Fleet(RolloutFleet):
-    def _start(self, g, stale):
-        return Engine.remote(g)
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture
 def fleet(ray_local):
     cfg = RolloutConfig(model="unused", publish_timeout_s=TIMEOUT_S, generate_timeout_s=TIMEOUT_S)
-    fleet = Fleet(cfg, num_groups=2)
-    learner = Learner()
-    fleet.attach(learner, bucket_bytes=1 << 20, transport="gloo")
+    fleet, learner = attached_fleet(fleet_of(Engine), cfg, num_groups=2)
     assert learner.timeouts == [TIMEOUT_S]  # rollout.publish_timeout_s reaches the publisher
-    fleet.expect_probe(1, [[1, 2]], [[-0.5]], 0.05)
-    assert fleet.publish(1)["committed"]
     yield fleet, learner
     fleet.shutdown()
 

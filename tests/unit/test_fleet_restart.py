@@ -13,90 +13,33 @@ version it would publish.
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import ray
 
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.fleet import STALE, RolloutFleet
-from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.fleet import STALE
+from tests.unit.fleet_doubles import EngineDouble, attached_fleet, fleet_of, ray_local  # noqa: F401
 
 pytestmark = pytest.mark.unit
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
-class Engine:
-    def __init__(self, stale: bool):
-        self.version = None if stale else 0
+class Engine(EngineDouble):
+    def __init__(self, g: int, stale: bool = False):
+        super().__init__(g, stale)
         self.dies = False
-        self.probes = []
 
     def arm_death(self) -> None:
         self.dies = True
 
-    def generate(self, prompts, sampling, n, extra):
-        if self.dies:
+    def _inject(self, method: str) -> None:
+        if method == "generate" and self.dies:
             os._exit(1)  # the injected failure: the engine process is gone mid-call
-        if self.version is None:
-            raise RuntimeError("this rollout group holds no complete policy version (restarted)")
-        return [RolloutSample(prompt_tokens=list(p), response_tokens=[1], behavior_logprobs=[0.0],
-                              policy_versions=[self.version], sampling=dict(sampling), finish_reason="stop",
-                              started_at=0.0, finished_at=0.0, extra=dict(e))
-                for p, e in zip(prompts, extra) for _ in range(n)]
-
-    def policy_version(self):
-        return self.version
-
-    def receive(self, version: int) -> None:
-        self.version = version
-
-    def expect_probe(self, version, sequences, logprobs, tolerance) -> None:
-        self.probes.append(version)
-
-    def seen_probes(self) -> list:
-        return self.probes
-
-    def shutdown(self) -> None:
-        pass
-
-
-class Learner:
-    """Publishes by setting each connected group's version; counts connections."""
-
-    def __init__(self):
-        self.lock = threading.RLock()
-        self.updates = 0
-        self.connections = []
-
-    def connect_rollout(self, workers, bucket_bytes, transport, timeout_s=600.0):
-        self.connections.append(list(workers))
-
-    def publish(self, version):
-        with self.lock:
-            ray.get([w.receive.remote(version) for w in self.connections[-1]])
-            return {"committed": True, "errors": []}
-
-
-class Fleet(RolloutFleet):
-    def _start(self, g, stale):
-        return Engine.remote(stale)
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _fleet(groups: int):
-    fleet = Fleet(RolloutConfig(model="unused"), num_groups=groups)
-    learner = Learner()
-    fleet.attach(learner, bucket_bytes=1 << 20, transport="gloo")
-    fleet.expect_probe(1, [[1, 2]], [[-0.5]], 0.05)
-    assert fleet.publish(1)["committed"]
-    return fleet, learner
+    return attached_fleet(fleet_of(Engine), RolloutConfig(model="unused"), num_groups=groups)
 
 
 def _prompts(k):

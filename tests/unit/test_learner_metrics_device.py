@@ -4,7 +4,7 @@
 
 On a GPU the loss is a CUDA tensor; a statistic returned as a Python float used to become a CPU
 tensor next to it, against the loss interface's contract (statistics on the loss's device).
-_reduce_metrics itself already moved every value to the platform device, so the step did not
+reduce_step_stats itself already moved every value to the platform device, so the step did not
 crash; the defect as filed ("CPU tensors stacked with the CUDA loss") was not reproduced.  Here the loss lives on the 'meta' device, which
 any CPU machine has, so a statistic left on the CPU shows.  `token_logprobs` (which needs
 Megatron's parallel state) is replaced by a test double that hands the logits through.

@@ -1,0 +1,111 @@
+"""Test doubles for the real RolloutFleet: Ray actors standing in for vLLM engines, and a learner.
+
+    from tests.unit.fleet_doubles import EngineDouble, attached_fleet, fleet_of, ray_local  # noqa: F401
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class Engine(EngineDouble):
+        def _inject(self, method):   # the test's own failure, at the start of `generate` / `receive_weights`
+            ...
+
+An EngineDouble serves samples labelled with its group and the version it holds (None: a restarted,
+stale engine, which refuses to generate), records the refit probes it was given, and sets its
+version on `receive_weights`.  LearnerDouble publishes as WeightPublisher does: to the groups it
+was last connected to, waiting for each group's answer with the real `group_answers`.  Each test
+keeps its injected failure (`_inject`) to itself.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import ray
+
+from megatron_rl.publish.trainer import group_answers
+from megatron_rl.rollout.fleet import RolloutFleet
+from megatron_rl.rollout.sample import RolloutSample
+
+
+class EngineDouble:
+    """Subclass it under @ray.remote(num_cpus=0, max_restarts=0) with the test's `_inject`."""
+
+    def __init__(self, g: int, stale: bool = False):
+        self.g, self.version, self.probes = g, None if stale else 0, []
+
+    def _inject(self, method: str) -> None:
+        """The injected failure, called at the start of `generate` and `receive_weights`."""
+
+    def generate(self, prompts, sampling, n, extra):
+        self._inject("generate")
+        if self.version is None:
+            raise RuntimeError("this rollout group holds no complete policy version (restarted)")
+        return [RolloutSample(prompt_tokens=list(p), response_tokens=[1], behavior_logprobs=[0.0],
+                              policy_versions=[self.version], sampling=dict(sampling), finish_reason="stop",
+                              started_at=0.0, finished_at=0.0, extra=dict(e, group=self.g))
+                for p, e in zip(prompts, extra) for _ in range(n)]
+
+    def policy_version(self):
+        return self.version
+
+    def receive_weights(self, version: int) -> dict:
+        self._inject("receive_weights")
+        self.version = version
+        return {"committed": True, "version": version, "error": None}
+
+    def expect_probe(self, version, sequences, logprobs, tolerance) -> None:
+        self.probes.append(version)
+
+    def seen_probes(self) -> list:
+        return self.probes
+
+    def shutdown(self) -> None:
+        pass
+
+
+class LearnerDouble:
+    """Publishes to the connected groups and waits for their answers as WeightPublisher does."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.updates = 0
+        self.connections = []
+        self.timeouts = []
+
+    def connect_rollout(self, workers, bucket_bytes, transport, timeout_s=600.0):
+        self.connections.append(list(workers))
+        self.timeouts.append(timeout_s)
+
+    def publish(self, version):
+        refs = [w.receive_weights.remote(version) for w in self.connections[-1]]
+        results = group_answers(refs, version, self.timeouts[-1])
+        return {"committed": all(r["committed"] for r in results),
+                "errors": [r["error"] for r in results if not r["committed"]],
+                "groups": [{"committed": r["committed"], "unresponsive": bool(r.get("unresponsive")),
+                            "error": r["error"]} for r in results]}
+
+
+def fleet_of(engine_cls) -> type:
+    """A RolloutFleet whose groups are `engine_cls` actors (started with the group index and staleness)."""
+
+    class Fleet(RolloutFleet):
+        def _start(self, g, stale):
+            return engine_cls.remote(g, stale)
+
+    return Fleet
+
+
+def attached_fleet(fleet_cls, cfg, num_groups: int) -> tuple:
+    """(fleet, learner): `num_groups` groups attached to a LearnerDouble, version 1 published with a probe."""
+    fleet = fleet_cls(cfg, num_groups=num_groups)
+    learner = LearnerDouble()
+    fleet.attach(learner, bucket_bytes=1 << 20, transport="gloo")
+    fleet.expect_probe(1, [[1, 2]], [[-0.5]], 0.05)
+    assert fleet.publish(1)["committed"]
+    return fleet, learner
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
