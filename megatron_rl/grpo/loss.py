@@ -262,22 +262,9 @@ def grpo_loss(
     per-sequence [B] vectors (seq_tokens n_i, seq_lag_sum Σ_t |log π_θ - log μ|, seq_ratio_max).
     `grpo_metrics` turns their batch-wide sums into metrics; the lag guard is not applied here.
     """
-    _check_shapes(
-        mask_bt,
-        advantages_b,
-        logprobs_bt=logprobs_bt,
-        behavior_logprobs_bt=behavior_logprobs_bt,
-        ref_logprobs_bt=ref_logprobs_bt,
-        old_logprobs_bt=old_logprobs_bt,
-        entropy_bt=entropy_bt,
-    )
-    if cfg.tis_cap is not None and old_logprobs_bt is None:
-        raise ValueError(
-            "tis_cap is set but old_logprobs_bt is None: TIS weights min(π_old/μ, C) need the proximal "
-            "policy's logprobs (pass logprobs_bt.detach() for one optimiser step per batch)"
-        )
-    if cfg.kl_coef > 0 and ref_logprobs_bt is None:
-        raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs ref_logprobs_bt, got None")
+    _check_shapes(mask_bt, advantages_b, logprobs_bt=logprobs_bt, behavior_logprobs_bt=behavior_logprobs_bt,
+                  ref_logprobs_bt=ref_logprobs_bt, old_logprobs_bt=old_logprobs_bt, entropy_bt=entropy_bt)
+    _check_inputs(cfg, ref_logprobs_bt, old_logprobs_bt)
     mask = mask_bt.to(device=logprobs_bt.device, dtype=logprobs_bt.dtype)
     # Padding may hold anything (e.g. -inf): zero it before exp() so no NaN leaks into grads.
     keep_bt = mask > 0
@@ -290,20 +277,38 @@ def grpo_loss(
     behavior = masked(behavior_logprobs_bt)
     ref = masked(ref_logprobs_bt) if ref_logprobs_bt is not None else None
     old = masked(old_logprobs_bt) if old_logprobs_bt is not None else None
-    adv_bt = advantages_b.to(mask)[:, None].expand_as(logprobs_bt)
     anchor = behavior if old is None else old
+    stats: dict[str, torch.Tensor] = {}
+    pg_bt, ratio_bt, adv_bt = _clipped_surrogate(logprobs_bt, anchor, behavior, advantages_b, mask, cfg, stats)
+    denom = _denominator(mask, cfg.aggregation, token_denominator, sequence_denominator)
+    pg_sum = _aggregate_sum(pg_bt, mask, cfg.aggregation)
+    loss = pg_sum / denom
+    stats["pg_sum"] = pg_sum.detach()
+    if ref is not None:
+        kl_sum = _kl_to_reference(logprobs_bt, ref, behavior, mask, cfg, stats)
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * kl_sum / denom
+
+    with torch.no_grad():
+        stats.update(_batch_stats(logprobs_bt, behavior, ratio_bt, adv_bt, advantages_b, mask, cfg))
+        if entropy_bt is not None:
+            stats["entropy_sum"] = masked(entropy_bt).mul(mask).sum()
+    return loss, stats
+
+
+def _clipped_surrogate(logprobs_bt, anchor, behavior, advantages_b, mask, cfg: GRPOLossConfig, stats: dict):
+    """Per-token policy-gradient loss (clipped surrogate around `anchor`, TIS-weighted when cfg.tis_cap),
+    the ratio π_θ/anchor and the per-token advantages (entropy bonus included); TIS sums go to `stats`."""
+    keep_bt = mask > 0
+    adv_bt = advantages_b.to(mask)[:, None].expand_as(logprobs_bt)
     if cfg.entropy_coef:
         # Entropy bonus as a per-token advantage: E_a[-log π(a) ∇log π(a)] = ∇H(π) (score function;
         # E[∇log π] = 0), so adding β_H x surprisal of the sampled token ascends the entropy.
         # Capped at 20 nats: a token outside a truncated (top-k/top-p) set scores -87.3 (learner/logprobs.py).
-        adv_bt = adv_bt + cfg.entropy_coef * torch.where(keep_bt, -anchor, zeros).clamp(max=20.0)
-
-    # Clipped surrogate, per token.
+        adv_bt = adv_bt + cfg.entropy_coef * torch.where(keep_bt, -anchor, torch.zeros_like(mask)).clamp(max=20.0)
     ratio_bt = _exp_log_ratio(logprobs_bt - anchor)
     clipped_bt = ratio_bt.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
     pg_bt = -torch.minimum(ratio_bt * adv_bt, clipped_bt * adv_bt)
-
-    stats: dict[str, torch.Tensor] = {}
     if cfg.tis_cap is not None:
         with torch.no_grad():
             raw_w_bt = _exp_log_ratio(anchor - behavior)
@@ -311,54 +316,67 @@ def grpo_loss(
         pg_bt = pg_bt * tis_w_bt
         stats["tis_weight_sum"] = (tis_w_bt * mask).sum()
         stats["tis_truncated_sum"] = ((raw_w_bt > cfg.tis_cap).to(mask) * mask).sum()
+    return pg_bt, ratio_bt, adv_bt
 
+
+def _check_inputs(cfg: GRPOLossConfig, ref_logprobs_bt, old_logprobs_bt) -> None:
+    if cfg.tis_cap is not None and old_logprobs_bt is None:
+        raise ValueError(
+            "tis_cap is set but old_logprobs_bt is None: TIS weights min(π_old/μ, C) need the proximal "
+            "policy's logprobs (pass logprobs_bt.detach() for one optimiser step per batch)"
+        )
+    if cfg.kl_coef > 0 and ref_logprobs_bt is None:
+        raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs ref_logprobs_bt, got None")
+
+
+def _denominator(mask: torch.Tensor, aggregation: str, token_denominator, sequence_denominator) -> torch.Tensor:
+    """What the micro-batch's summed loss is divided by: the local token / sequence count, or the
+    global batch's share passed in (module docstring)."""
     if token_denominator is None and sequence_denominator is None:
         denominators = {"token": mask.sum().clamp(min=1), "sequence": (mask.sum(dim=1) > 0).to(mask).sum().clamp(min=1)}
     else:
         denominators = {"token": token_denominator, "sequence": sequence_denominator}
-    denom = denominators[cfg.aggregation]
+    denom = denominators[aggregation]
     if denom is None:
-        raise ValueError(f"aggregation={cfg.aggregation!r} needs {cfg.aggregation}_denominator")
-    denom = torch.as_tensor(denom, dtype=mask.dtype, device=mask.device).clamp(min=1e-12)
+        raise ValueError(f"aggregation={aggregation!r} needs {aggregation}_denominator")
+    return torch.as_tensor(denom, dtype=mask.dtype, device=mask.device).clamp(min=1e-12)
 
-    pg_sum = _aggregate_sum(pg_bt, mask, cfg.aggregation)
-    loss = pg_sum / denom
-    stats["pg_sum"] = pg_sum.detach()
-    if ref is not None:
-        rho_bt = None
-        if cfg.kl_importance_correction:
-            with torch.no_grad():
-                rho_bt = _exp_log_ratio(logprobs_bt.detach() - behavior)
-                if cfg.tis_cap is not None:
-                    rho_bt = rho_bt.clamp(max=cfg.tis_cap)
-        kl_bt = kl_estimate(logprobs_bt, ref, cfg.kl_estimator)
-        if rho_bt is not None:
-            kl_bt = kl_bt * rho_bt
-        kl_sum = _aggregate_sum(kl_bt, mask, cfg.aggregation)
-        if cfg.kl_coef > 0:
-            loss = loss + cfg.kl_coef * kl_sum / denom
-        stats["kl_sum"] = kl_sum.detach()
-        with torch.no_grad():  # the KL's value, whatever the penalty: k3, unbiased at any divergence
-            value_bt = kl_estimate(logprobs_bt.detach(), ref, "k3")
-            stats["kl_value_sum"] = ((value_bt if rho_bt is None else value_bt * rho_bt) * mask).sum()
 
-    with torch.no_grad():
-        clip_active_bt = ((adv_bt > 0) & (ratio_bt > 1.0 + cfg.clip_eps_high)) | (
-            (adv_bt < 0) & (ratio_bt < 1.0 - cfg.clip_eps_low)
-        )
-        seq_tokens_b = mask.sum(dim=1)
-        ratio_d = ratio_bt.detach()
-        stats.update(
-            tokens=seq_tokens_b.sum(),
-            sequences=(seq_tokens_b > 0).to(mask).sum(),
-            rows=torch.tensor(float(mask.shape[0]), dtype=mask.dtype, device=mask.device),
-            clip_sum=(clip_active_bt.to(mask) * mask).sum(),
-            ratio_sum=(ratio_d * mask).sum(),
-            adv_sum=advantages_b.detach().to(mask).sum(),
-            seq_tokens=seq_tokens_b,
-            seq_lag_sum=((logprobs_bt.detach() - behavior).abs() * mask).sum(dim=1),
-            seq_ratio_max=torch.where(keep_bt, ratio_d, zeros).amax(dim=1) if mask.shape[1] else seq_tokens_b * 0,
-        )
-        if entropy_bt is not None:
-            stats["entropy_sum"] = masked(entropy_bt).mul(mask).sum()
-    return loss, stats
+def _kl_to_reference(logprobs_bt, ref, behavior, mask, cfg: GRPOLossConfig, stats: dict) -> torch.Tensor:
+    """The penalty's aggregated KL estimate (differentiable); records it and the KL's value (k3) in `stats`."""
+    rho_bt = None
+    if cfg.kl_importance_correction:
+        with torch.no_grad():
+            rho_bt = _exp_log_ratio(logprobs_bt.detach() - behavior)
+            if cfg.tis_cap is not None:
+                rho_bt = rho_bt.clamp(max=cfg.tis_cap)
+    kl_bt = kl_estimate(logprobs_bt, ref, cfg.kl_estimator)
+    if rho_bt is not None:
+        kl_bt = kl_bt * rho_bt
+    kl_sum = _aggregate_sum(kl_bt, mask, cfg.aggregation)
+    stats["kl_sum"] = kl_sum.detach()
+    with torch.no_grad():  # the KL's value, whatever the penalty: k3, unbiased at any divergence
+        value_bt = kl_estimate(logprobs_bt.detach(), ref, "k3")
+        stats["kl_value_sum"] = ((value_bt if rho_bt is None else value_bt * rho_bt) * mask).sum()
+    return kl_sum
+
+
+def _batch_stats(logprobs_bt, behavior, ratio_bt, adv_bt, advantages_b, mask, cfg: GRPOLossConfig) -> dict:
+    """The additive statistics of a micro-batch (grpo_loss's docstring), without grad."""
+    keep_bt = mask > 0
+    clip_active_bt = ((adv_bt > 0) & (ratio_bt > 1.0 + cfg.clip_eps_high)) | (
+        (adv_bt < 0) & (ratio_bt < 1.0 - cfg.clip_eps_low)
+    )
+    seq_tokens_b = mask.sum(dim=1)
+    ratio_d = ratio_bt.detach()
+    return dict(
+        tokens=seq_tokens_b.sum(),
+        sequences=(seq_tokens_b > 0).to(mask).sum(),
+        rows=torch.tensor(float(mask.shape[0]), dtype=mask.dtype, device=mask.device),
+        clip_sum=(clip_active_bt.to(mask) * mask).sum(),
+        ratio_sum=(ratio_d * mask).sum(),
+        adv_sum=advantages_b.detach().to(mask).sum(),
+        seq_tokens=seq_tokens_b,
+        seq_lag_sum=((logprobs_bt.detach() - behavior).abs() * mask).sum(dim=1),
+        seq_ratio_max=torch.where(keep_bt, ratio_d, torch.zeros_like(mask)).amax(dim=1) if mask.shape[1] else seq_tokens_b * 0,
+    )
