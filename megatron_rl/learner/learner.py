@@ -16,7 +16,9 @@ the real tokens per row; without it every row counts as T long).  `batch["tokens
 [B, T-1], ...) is sliced the same way, its dim 1 cut to the micro-batch's width when it is T or
 T-1, and handed to the loss with `num_micro_batches` = K, the micro-batches of the whole step
 over all data-parallel ranks.  `padding_fraction` (padded / computed token positions) comes
-back with the step's metrics.
+back with the step's metrics.  A MoE model at TP > 1 runs sequence parallel (Megatron trains MoE
+at TP > 1 only so): each micro-batch is padded at its end to a multiple of TP for the forward pass
+and its logits cut back to the real width (causal attention keeps the padding out of them).
 
 The loss interface (GRPO and friends plug in here):
 
