@@ -51,6 +51,7 @@ __all__ = [
     "group_of",
     "hf_shapes",
     "mcore_shapes",
+    "LayerBuffers",
     "hf_to_mcore_group",
     "mcore_to_hf_group",
     "qkv_hf_to_mcore",
@@ -219,15 +220,19 @@ def mcore_shapes(cfg, padded_vocab: int) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------------- layouts
 
 
-def qkv_hf_to_mcore(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """HF q [nq*hd, *r], k/v [ng*hd, *r] -> Megatron linear_qkv [ng*(qpg+2)*hd, *r]."""
+def qkv_hf_to_mcore(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """HF q [nq*hd, *r], k/v [ng*hd, *r] -> Megatron linear_qkv [ng*(qpg+2)*hd, *r] (into `out` if given)."""
     ng, hd = cfg.num_kv_heads, cfg.head_dim
     qpg = cfg.num_heads // ng
     rest = q.shape[1:]
     q_g = q.reshape(ng, qpg * hd, *rest)  # [ng, qpg*hd, *r]
     k_g = k.reshape(ng, hd, *rest)  # [ng, hd, *r]
     v_g = v.reshape(ng, hd, *rest)
-    return torch.cat([q_g, k_g, v_g], dim=1).reshape(ng * (qpg + 2) * hd, *rest)
+    if out is None:
+        return torch.cat([q_g, k_g, v_g], dim=1).reshape(ng * (qpg + 2) * hd, *rest)
+    torch.cat([q_g, k_g, v_g], dim=1, out=out.view(ng, (qpg + 2) * hd, *rest))
+    return out
 
 
 def qkv_mcore_to_hf(cfg, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,9 +258,32 @@ def _pad_rows(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
     return torch.cat([t, pad], dim=0)
 
 
-def hf_to_mcore_group(cfg, group: str, hf: Mapping[str, torch.Tensor], padded_vocab: int) -> dict[str, torch.Tensor]:
+class LayerBuffers:
+    """Output tensors for `hf_to_mcore_group` that are reused from one layer group to the next.
+
+    A converter that writes each group's tensors out before asking for the next group's passes one
+    of these: the concatenated tensors (QKV, [gate; up] -- per expert in a MoE model) then land in
+    memory already touched by the previous layer instead of fresh allocations, whose first-touch
+    page faults cost about as much as the copy itself.  The tensors of the previous group are
+    overwritten: keep none of them.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, mcore_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        key = (re.sub(r"^decoder\.layers\.\d+\.", "", mcore_name), tuple(shape), dtype)
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = torch.empty(shape, dtype=dtype)
+        return buf
+
+
+def hf_to_mcore_group(cfg, group: str, hf: Mapping[str, torch.Tensor], padded_vocab: int,
+                      buffers: LayerBuffers | None = None) -> dict[str, torch.Tensor]:
     """One group's HF tensors (HF names) -> full Megatron tensors (canonical names).
 
+    With `buffers`, concatenated tensors are written into its reused tensors (see LayerBuffers).
     Raises KeyError naming a missing HF tensor and ValueError naming a wrong shape.
     """
     shapes = hf_shapes(cfg)
@@ -270,10 +298,13 @@ def hf_to_mcore_group(cfg, group: str, hf: Mapping[str, torch.Tensor], padded_vo
             if tuple(hf[h].shape) != shapes[h]:
                 raise ValueError(f"HF tensor {h!r} has shape {tuple(hf[h].shape)}, config says {shapes[h]}")
             parts.append(hf[h])
-        if e.kind == "qkv":
-            out[e.mcore] = qkv_hf_to_mcore(cfg, *parts)
-        elif e.kind == "fc1":
-            out[e.mcore] = torch.cat(parts, dim=0)  # [2F, H] = [gate; up]
+        if e.kind in ("qkv", "fc1"):
+            rows = sum(p.shape[0] for p in parts)
+            dst = None if buffers is None else buffers.get(e.mcore, (rows, *parts[0].shape[1:]), parts[0].dtype)
+            if e.kind == "qkv":
+                out[e.mcore] = qkv_hf_to_mcore(cfg, *parts, out=dst)
+            else:
+                out[e.mcore] = torch.cat(parts, dim=0, out=dst)  # [2F, H] = [gate; up]
         elif e.kind == "vocab":
             out[e.mcore] = _pad_rows(parts[0], padded_vocab, e.hf[0])
         else:
