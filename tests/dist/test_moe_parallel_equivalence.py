@@ -20,7 +20,7 @@ from megatron_rl.platform.spawn import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-LAYOUTS = [(1, 1, 2), (1, 1, 4), (1, 2, 2), (2, 1, 1), (2, 1, 2)]  # (tp, pp, ep) on 4 ranks
+LAYOUTS = [(1, 1, 2), (1, 1, 4), (1, 2, 2), (2, 1, 1), (2, 1, 2), (2, 2, 1)]  # (tp, pp, ep) on 4 ranks
 OPT = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, clip_grad=1.0)
 SEED = 7
 
