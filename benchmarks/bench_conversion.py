@@ -1,9 +1,10 @@
 """Benchmark HF <-> Megatron conversion against plain safetensors I/O of the same bytes.
 
     python benchmarks/bench_conversion.py [--arch llama] [--size medium] [--repeats 3] [--workdir DIR] [--keep]
-    python benchmarks/bench_conversion.py --arch qwen3_moe     # per-expert tensors (8 experts x 24 layers x 3)
+    python benchmarks/bench_conversion.py --arch qwen3_moe --size medium_half   # ~302M, 8 experts x 12 layers x 3
 
-Makes a random model of `--arch` and `--size` (llama medium: ~283M params; qwen3_moe medium: ~600M), then, each in a fresh process so the
+Makes a random model of `--arch` and `--size` (llama medium: ~283M params; qwen3_moe medium: ~604M,
+medium_half: ~302M), then, each in a fresh process so the
 numbers include interpreter start and imports alike, `--repeats` rounds of:
   baseline     read every tensor with safetensors and write them all back (same bytes)
   hf-to-mcore  `megatron-rl convert hf-to-mcore` at TP1 PP1

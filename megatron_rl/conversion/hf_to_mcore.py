@@ -58,8 +58,10 @@ def _write_weights(ckpt: HFCheckpoint, cfg, weights_dir: Path, padded_vocab: int
     writer = DistCheckpointWriter(weights_dir, cfg.num_layers, cfg.moe.num_experts if cfg.moe else None)
     progress = GroupProgress("hf-to-mcore")
     all_groups = mapping.groups(cfg)
+    buffers = mapping.LayerBuffers()  # each group is written before the next one reuses them
     for i, group in enumerate(all_groups):
-        for name, tensor in mapping.hf_to_mcore_group(cfg, group, ckpt.read_group(group), padded_vocab).items():
+        tensors = mapping.hf_to_mcore_group(cfg, group, ckpt.read_group(group), padded_vocab, buffers)
+        for name, tensor in tensors.items():
             writer.add(name, tensor.to(torch_dtype))
         progress(group, i + 1, len(all_groups))
     writer.close()

@@ -43,6 +43,8 @@ from typing import Iterator, Mapping
 
 import torch
 
+from megatron_rl.conversion.tp_layout import tp_gather, tp_kind, tp_shard
+
 __all__ = [
     "SUPPORTED_ARCHS",
     "NameEntry",
@@ -51,6 +53,7 @@ __all__ = [
     "group_of",
     "hf_shapes",
     "mcore_shapes",
+    "LayerBuffers",
     "hf_to_mcore_group",
     "mcore_to_hf_group",
     "qkv_hf_to_mcore",
@@ -97,9 +100,6 @@ _LOCAL_TO_CANON = (
     (".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"),
 )
 
-# TP layout by canonical-name suffix: column (dim 0), row (dim 1), fc1 (gate/up halves), replicated.
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
 @dataclass(frozen=True)
@@ -219,15 +219,19 @@ def mcore_shapes(cfg, padded_vocab: int) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------------- layouts
 
 
-def qkv_hf_to_mcore(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """HF q [nq*hd, *r], k/v [ng*hd, *r] -> Megatron linear_qkv [ng*(qpg+2)*hd, *r]."""
+def qkv_hf_to_mcore(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """HF q [nq*hd, *r], k/v [ng*hd, *r] -> Megatron linear_qkv [ng*(qpg+2)*hd, *r] (into `out` if given)."""
     ng, hd = cfg.num_kv_heads, cfg.head_dim
     qpg = cfg.num_heads // ng
     rest = q.shape[1:]
     q_g = q.reshape(ng, qpg * hd, *rest)  # [ng, qpg*hd, *r]
     k_g = k.reshape(ng, hd, *rest)  # [ng, hd, *r]
     v_g = v.reshape(ng, hd, *rest)
-    return torch.cat([q_g, k_g, v_g], dim=1).reshape(ng * (qpg + 2) * hd, *rest)
+    if out is None:
+        return torch.cat([q_g, k_g, v_g], dim=1).reshape(ng * (qpg + 2) * hd, *rest)
+    torch.cat([q_g, k_g, v_g], dim=1, out=out.view(ng, (qpg + 2) * hd, *rest))
+    return out
 
 
 def qkv_mcore_to_hf(cfg, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,9 +257,32 @@ def _pad_rows(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
     return torch.cat([t, pad], dim=0)
 
 
-def hf_to_mcore_group(cfg, group: str, hf: Mapping[str, torch.Tensor], padded_vocab: int) -> dict[str, torch.Tensor]:
+class LayerBuffers:
+    """Output tensors for `hf_to_mcore_group` that are reused from one layer group to the next.
+
+    A converter that writes each group's tensors out before asking for the next group's passes one
+    of these: the concatenated tensors (QKV, [gate; up] -- per expert in a MoE model) then land in
+    memory already touched by the previous layer instead of fresh allocations, whose first-touch
+    page faults cost about as much as the copy itself.  The tensors of the previous group are
+    overwritten: keep none of them.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, mcore_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        key = (re.sub(r"^decoder\.layers\.\d+\.", "", mcore_name), tuple(shape), dtype)
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = torch.empty(shape, dtype=dtype)
+        return buf
+
+
+def hf_to_mcore_group(cfg, group: str, hf: Mapping[str, torch.Tensor], padded_vocab: int,
+                      buffers: LayerBuffers | None = None) -> dict[str, torch.Tensor]:
     """One group's HF tensors (HF names) -> full Megatron tensors (canonical names).
 
+    With `buffers`, concatenated tensors are written into its reused tensors (see LayerBuffers).
     Raises KeyError naming a missing HF tensor and ValueError naming a wrong shape.
     """
     shapes = hf_shapes(cfg)
@@ -270,10 +297,13 @@ def hf_to_mcore_group(cfg, group: str, hf: Mapping[str, torch.Tensor], padded_vo
             if tuple(hf[h].shape) != shapes[h]:
                 raise ValueError(f"HF tensor {h!r} has shape {tuple(hf[h].shape)}, config says {shapes[h]}")
             parts.append(hf[h])
-        if e.kind == "qkv":
-            out[e.mcore] = qkv_hf_to_mcore(cfg, *parts)
-        elif e.kind == "fc1":
-            out[e.mcore] = torch.cat(parts, dim=0)  # [2F, H] = [gate; up]
+        if e.kind in ("qkv", "fc1"):
+            rows = sum(p.shape[0] for p in parts)
+            dst = None if buffers is None else buffers.get(e.mcore, (rows, *parts[0].shape[1:]), parts[0].dtype)
+            if e.kind == "qkv":
+                out[e.mcore] = qkv_hf_to_mcore(cfg, *parts, out=dst)
+            else:
+                out[e.mcore] = torch.cat(parts, dim=0, out=dst)  # [2F, H] = [gate; up]
         elif e.kind == "vocab":
             out[e.mcore] = _pad_rows(parts[0], padded_vocab, e.hf[0])
         else:
@@ -311,42 +341,6 @@ def mcore_to_hf_group(cfg, group: str, mc: Mapping[str, torch.Tensor]) -> Iterat
 
 
 # ---------------------------------------------------------------------------- tensor parallel
-
-
-def tp_kind(mcore_name: str) -> str:
-    """How a tensor is split across TP ranks: column | row | fc1 | replicated."""
-    if mcore_name.endswith("linear_fc1.weight") or mcore_name.endswith("linear_fc1.bias"):
-        return "fc1"
-    if mcore_name.endswith(_COLUMN):
-        return "column"
-    if mcore_name.endswith(_ROW):
-        return "row"
-    return "replicated"
-
-
-def tp_shard(mcore_name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """The slice of a full Megatron tensor that TP rank `rank` of `tp` holds."""
-    kind = tp_kind(mcore_name)
-    if kind == "replicated" or tp == 1:
-        return full
-    dim = 1 if kind == "row" else 0
-    if full.shape[dim] % (2 * tp if kind == "fc1" else tp):
-        raise ValueError(f"{mcore_name}: dim {dim} of size {full.shape[dim]} does not split over TP={tp}")
-    if kind == "fc1":
-        gate, up = torch.chunk(full, 2, dim=0)
-        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
-    return full.chunk(tp, dim=dim)[rank]
-
-
-def tp_gather(mcore_name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-    """Inverse of `tp_shard`: the full tensor from the shards of TP ranks 0..tp-1, in order."""
-    kind = tp_kind(mcore_name)
-    if kind == "replicated" or len(shards) == 1:
-        return shards[0]
-    if kind == "fc1":
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=1 if kind == "row" else 0)
 
 
 # ---------------------------------------------------------------------------- naming

@@ -16,7 +16,9 @@ the real tokens per row; without it every row counts as T long).  `batch["tokens
 [B, T-1], ...) is sliced the same way, its dim 1 cut to the micro-batch's width when it is T or
 T-1, and handed to the loss with `num_micro_batches` = K, the micro-batches of the whole step
 over all data-parallel ranks.  `padding_fraction` (padded / computed token positions) comes
-back with the step's metrics.
+back with the step's metrics.  A MoE model at TP > 1 runs sequence parallel (Megatron trains MoE
+at TP > 1 only so): each micro-batch is padded at its end to a multiple of TP for the forward pass
+and its logits cut back to the real width (causal attention keeps the padding out of them).
 
 The loss interface (GRPO and friends plug in here):
 
@@ -75,15 +77,17 @@ class Learner:
         self.platform = platform or detect_platform(dtype=cfg.dtype)
         tp, pp, ep = cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.expert_parallel_size
         self.dp = _data_parallel_size(cfg, hf_cfg)
+        # Megatron trains MoE layers at TP > 1 only with sequence parallelism (MoELayer refuses otherwise).
+        self.sequence_parallel = hf_cfg.moe is not None and tp > 1
         self._owns_parallel = not ps.model_parallel_is_initialized()
         if self._owns_parallel:
             initialize_parallel(tp=tp, pp=pp, seed=cfg.seed, ep=ep)
         elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
             raise ValueError(f"parallel state is already up with a different layout than tp={tp}, pp={pp}")
 
-        overrides = {}
+        overrides = {"sequence_parallel": True} if self.sequence_parallel else {}
         if cfg.recompute_activations:
-            overrides = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         self.config = build_transformer_config(hf_cfg, tp=tp, pp=pp, platform=self.platform, ep=ep,
                                                routing_replay=cfg.moe_routing_replay, **overrides)
         module = build_gpt_model(hf_cfg, platform=self.platform, tp=tp, pp=pp, config=self.config)
@@ -153,11 +157,24 @@ class Learner:
             micro.append(mb)
         return micro
 
+    def _padded_width(self, width: int) -> int:
+        """Sequence parallelism splits the sequence over TP ranks: widths round up to a multiple of TP."""
+        tp = self.cfg.tensor_parallel_size if self.sequence_parallel else 1
+        return -(-width // tp) * tp
+
     def _forward_step(self, loss_fn: LossFn | None, data_iterator, model):
+        from megatron.core import parallel_state as ps
+
         mb = next(data_iterator)
         tokens = mb["tokens"]  # [b, T]
-        position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        output = model(tokens, position_ids, attention_mask=None)  # last stage: [b, T, V/tp]; else hidden
+        width = tokens.shape[1]
+        padded = self._padded_width(width)
+        if padded != width:  # pad tokens at the end: causal attention keeps them out of positions < T
+            tokens = torch.nn.functional.pad(tokens, (0, padded - width))
+        position_ids = torch.arange(padded, device=tokens.device).unsqueeze(0).expand_as(tokens)
+        output = model(tokens, position_ids, attention_mask=None)  # last stage: [b, T', V/tp]; else hidden
+        if padded != width and ps.is_pipeline_last_stage():
+            output = output[:, :width]  # logits of the real positions (the SP gather ran before the output layer)
         return output, partial(self._loss_on_logits, loss_fn, mb)
 
     def _loss_on_logits(self, loss_fn: LossFn | None, mb: dict, logits_btv: torch.Tensor, non_loss_data=False):
@@ -180,7 +197,7 @@ class Learner:
             data_iterator=iter(micro),
             model=self.model,
             num_microbatches=len(micro),
-            seq_length=max(mb["tokens"].shape[1] for mb in micro),
+            seq_length=self._padded_width(max(mb["tokens"].shape[1] for mb in micro)),
             micro_batch_size=max(mb["tokens"].shape[0] for mb in micro),
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
@@ -336,10 +353,10 @@ def _data_parallel_size(cfg: LearnerConfig, hf_cfg: HFModelConfig) -> int:
                          f"pipeline_parallel_size = {tp}*{pp}")
     dp = world // (tp * pp)
     check_parallel_layout(hf_cfg, tp, pp, dp, ep=ep)
-    if hf_cfg.moe is not None and tp > 1:
-        raise ValueError("learner.tensor_parallel_size > 1 with a MoE model: Megatron trains MoE at TP > 1 "
-                         "only with sequence parallelism, which this learner does not use; use "
-                         "learner.expert_parallel_size (EP) and TP 1")
+    if hf_cfg.moe is not None and tp > 1 and cfg.moe_routing_replay:
+        raise ValueError("learner.moe_routing_replay with learner.tensor_parallel_size > 1: a MoE learner "
+                         "at TP > 1 runs sequence parallel, which routing replay does not support; "
+                         "use TP 1 (experts split by learner.expert_parallel_size) for routing replay")
     if cfg.global_batch_size is None:
         raise ValueError("learner.global_batch_size must be set (a training run derives it)")
     if cfg.global_batch_size % (cfg.micro_batch_size * dp):

@@ -33,6 +33,13 @@ optimizer and gradient clipping).  Each is redirected here, and nothing else:
    MoE all-gather dispatcher's backward allocates on `torch.cuda.current_device()` (expert
    parallel > 1).  -> `torch.autograd.backward` (what Megatron's schedules call without pipeline
    parallelism) runs its body inside a fresh instance of the mode.
+7. Sequence parallelism with torch norms: without Apex or TE (always, on CPU) every norm is a
+   `WrappedTorchNorm`, which asserts `not config.sequence_parallel`.  A norm over the hidden dim
+   is per token, so on a sequence shard it computes the same rows; what sequence parallelism
+   needs of it is its weight marked `sequence_parallel`, so that finalize_model_grads sums that
+   grad over the TP ranks (each saw only its shard of the sequence), as Apex's FusedLayerNorm
+   and TE's norms do.  Megatron trains MoE at TP > 1 only sequence parallel.  -> the norm is
+   built from a copy of the config with the flag cleared and its parameters are then marked.
 
 `enable_cpu_compat()` does nothing when CUDA is available, unless forced: init_distributed forces
 it for a CPU platform (CPU-forced work on a GPU machine: `convert verify`, the gloo process
@@ -158,6 +165,7 @@ def _patch_cuda_runtime() -> None:
     mrandom._get_cuda_rng_state = _cpu_get_rng_state
     mrandom._set_cuda_rng_state = _cpu_set_rng_state
     _bind_missing_te_gemm()
+    _allow_sequence_parallel_torch_norm()
 
 
 def _bind_missing_te_gemm() -> None:
@@ -167,6 +175,31 @@ def _bind_missing_te_gemm() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
         _COUNTS["moe_te_general_gemm"] += 1
+
+
+def _allow_sequence_parallel_torch_norm() -> None:
+    """(7) WrappedTorchNorm under sequence parallelism: build it without the flag, mark its weights."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if getattr(WrappedTorchNorm.__new__, "_megatron_rl_sp", False):
+        return
+    original = WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return original(cls, config, hidden_size, *args, **kwargs)
+        _COUNTS["sequence_parallel_norm"] += 1
+        plain = copy.copy(config)  # not dataclasses.replace: that would run the 1,900-line __post_init__
+        plain.sequence_parallel = False
+        norm = original(cls, plain, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    new._megatron_rl_sp = True
+    WrappedTorchNorm.__new__ = staticmethod(new)
 
 
 def enable_cpu_compat(force: bool = False) -> bool:

@@ -1,14 +1,16 @@
-"""Expert-parallel MoE learners take the step one TP1/EP1 process takes (Qwen3-MoE, fp32).
+"""Tensor- and expert-parallel MoE learners take the step one TP1/EP1 process takes (Qwen3-MoE, fp32).
 
     python -m pytest tests/dist/test_moe_parallel_equivalence.py -q
 
 One launch of 4 gloo processes builds the tiny random Qwen3-MoE (8 experts, top-2, renormalised)
 at EP1 with the same seed everywhere and takes one plain-torch step on the whole batch
 (clip_grad_norm_ + AdamW, Megatron's no-decay rule for 1-D weights).  Then for each layout
-(PP, EP) on 4 ranks (DP = 4 / PP, EP splitting it) a Learner loads the matching
+(TP, PP, EP) on 4 ranks (DP = 4 / (TP x PP), EP splitting it) a Learner loads the matching
 parameters by canonical name (experts by their global index) and takes one step
 (distributed optimizer): per-token logprobs, loss and grad norm, and every updated weight it holds,
-must equal the reference within 1e-5.  (MoE training at TP > 1 is refused by the learner.)
+must equal the reference within 1e-5.  At TP 2 the learner runs sequence parallel (Megatron's
+condition for training MoE at TP > 1; on CPU through platform.cpu_compat item 7), and the 13-token
+rows are padded to 14 to split over the two ranks.
 """
 
 import pytest
@@ -18,7 +20,7 @@ from megatron_rl.platform.spawn import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-LAYOUTS = [(1, 2), (1, 4), (2, 2)]  # (pp, ep) on 4 ranks
+LAYOUTS = [(1, 1, 2), (1, 1, 4), (1, 2, 2), (2, 1, 1), (2, 1, 2), (2, 2, 1)]  # (tp, pp, ep) on 4 ranks
 OPT = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, clip_grad=1.0)
 SEED = 7
 
@@ -31,7 +33,7 @@ def _config():
 
 
 def _tokens(vocab: int):
-    return torch.randint(3, vocab, (4, 12), generator=torch.Generator().manual_seed(3))
+    return torch.randint(3, vocab, (4, 13), generator=torch.Generator().manual_seed(3))
 
 
 def _nll(logprobs_bt, mb):
@@ -62,8 +64,21 @@ def _reference(cfg, platform, tokens):
                   "updated": updated}
 
 
+def _shard(name, full, vocab_rows):
+    """This TP rank's slice of a canonical full tensor (vocabulary rows zero-padded as Megatron pads)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.conversion import mapping
+
+    if name in (mapping.EMBED, mapping.OUTPUT) and full.shape[0] < vocab_rows:
+        full = torch.cat([full, full.new_zeros(vocab_rows - full.shape[0], *full.shape[1:])])
+    return mapping.tp_shard(name, full, ps.get_tensor_model_parallel_world_size(),
+                            ps.get_tensor_model_parallel_rank())
+
+
 def _equivalence(rank, world):
     from megatron_rl.conversion.model_io import canonical_params
+    from megatron_rl.models.hf_config import padded_vocab_size
     from megatron_rl.learner import Learner, LearnerConfig
     from megatron_rl.platform import detect_platform
     from megatron_rl.platform.parallel import parallel_scope
@@ -73,22 +88,25 @@ def _equivalence(rank, world):
     with parallel_scope(tp=1, pp=1, seed=SEED):
         full, ref = _reference(cfg, platform, tokens)
     out = {"ref": {k: v for k, v in ref.items() if k != "updated"}, "layouts": {}}
-    for pp, ep in LAYOUTS:
-        learner = Learner(LearnerConfig(pipeline_parallel_size=pp, expert_parallel_size=ep, micro_batch_size=1,
+    for tp, pp, ep in LAYOUTS:
+        learner = Learner(LearnerConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                        expert_parallel_size=ep, micro_batch_size=1,
                                         global_batch_size=4, seed=SEED, use_distributed_optimizer=True, **OPT),
                           cfg, platform)
         params = canonical_params(learner.model[0].module)
+        rows = padded_vocab_size(cfg.vocab_size, tp)
         with torch.no_grad():
             for name, p in params.items():
-                p.copy_(full[name])
+                p.copy_(_shard(name, full[name], rows))
         learner.optimizer.reload_model_params()  # the distributed optimizer keeps its own fp32 copy
         result = {"logprobs": learner.forward_logprobs(tokens)}
         metrics = learner.train_step({"tokens": tokens}, _nll)
         result.update(loss=metrics["loss"], grad_norm=metrics["grad_norm"], n_weights=len(params),
                       n_experts=sum(n.endswith("linear_fc2.weight") and "local_experts" in n for n in params),
-                      max_weight_diff=max((p - ref["updated"][n]).abs().max().item() for n, p in params.items()))
+                      max_weight_diff=max((p - _shard(n, ref["updated"][n], rows)).abs().max().item()
+                                            for n, p in params.items()))
         learner.close()
-        out["layouts"][(pp, ep)] = result
+        out["layouts"][(tp, pp, ep)] = result
     return out
 
 
@@ -97,11 +115,11 @@ def runs():
     return run_distributed(_equivalence, 4, timeout=600)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"pp{l[0]}ep{l[1]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l[0]}pp{l[1]}ep{l[2]}")
 def test_moe_optimizer_step_matches_ep1(runs, layout):
     ref = runs[0]["ref"]
     assert ref["grad_norm"] > OPT["clip_grad"], "the reference step must actually clip"
-    pp, ep = layout
+    tp, pp, ep = layout
     for rank, out in enumerate(runs):
         got = out["layouts"][layout]
         assert got["n_experts"] == 2 // pp * 8 // ep  # this rank holds only its experts of its layers

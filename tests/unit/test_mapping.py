@@ -208,3 +208,23 @@ def test_expert_index_helpers():
     assert not mapping.is_expert(router)
     with pytest.raises(ValueError, match="router.weight"):
         mapping.with_expert_index(router, 0)
+
+
+def test_layer_buffers_reuse_memory_across_layers_with_the_same_values():
+    """The converter's LayerBuffers: each layer's QKV and per-expert [gate; up] land in the previous layer's
+    memory (no fresh allocation per layer), with exactly the values the plain path computes."""
+    cfg = _moe_cfg()
+    hf = random_hf(cfg)
+    buffers = mapping.LayerBuffers()
+    pointers = []
+    for group in ("layer.0", "layer.1"):
+        plain = mapping.hf_to_mcore_group(cfg, group, hf, 16)
+        reused = mapping.hf_to_mcore_group(cfg, group, hf, 16, buffers)
+        assert sorted(plain) == sorted(reused)
+        for name in plain:
+            assert torch.equal(plain[name], reused[name]), name
+        pointers.append({name.split(".", 3)[3]: t.data_ptr() for name, t in reused.items()
+                         if name.endswith(("linear_qkv.weight", "linear_fc1.weight"))})
+    assert len(pointers[0]) == 1 + cfg.moe.num_experts  # QKV and every expert's fc1 get their own buffer
+    assert len(set(pointers[0].values())) == len(pointers[0])
+    assert pointers[0] == pointers[1]  # layer 1 reuses layer 0's memory

@@ -221,3 +221,26 @@ def test_cpu_compat_backward_runs_with_the_mode_on():
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
     assert result["x"] == [2.0] * 3 and result["y"] == [6.0] * 2
     assert result["counts"]["backward"] == 2
+
+
+def test_cpu_compat_torch_norm_under_sequence_parallelism():
+    """Compat item 7: WrappedTorchNorm (no Apex, no TE) builds under sequence_parallel and marks its weight
+    for finalize_model_grads' TP sum; without sequence parallelism it is built as before, unmarked."""
+    import types
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_rl.platform.cpu_compat import _allow_sequence_parallel_torch_norm
+
+    fields = dict(layernorm_zero_centered_gamma=False, persist_layer_norm=False, memory_efficient_layer_norm=False,
+                  normalization="RMSNorm")
+    sp, plain = (types.SimpleNamespace(sequence_parallel=flag, **fields) for flag in (True, False))
+    _allow_sequence_parallel_torch_norm()
+    _allow_sequence_parallel_torch_norm()  # idempotent: one wrapper
+    norm = WrappedTorchNorm(config=sp, hidden_size=8, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
+    assert sp.sequence_parallel is True  # the caller's config is left as it was
+    other = WrappedTorchNorm(config=plain, hidden_size=8, eps=1e-6)
+    assert not hasattr(other.weight, "sequence_parallel")
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(norm(x), other(x), rtol=0, atol=0)
