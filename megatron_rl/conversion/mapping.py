@@ -234,8 +234,8 @@ def qkv_hf_to_mcore(cfg, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def qkv_mcore_to_hf(cfg, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Megatron linear_qkv [ng*(qpg+2)*hd, *r] -> HF (q [nq*hd, *r], k [ng*hd, *r], v [ng*hd, *r])."""
+def qkv_mcore_to_hf(cfg, qkv: torch.Tensor, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron linear_qkv [ng*(qpg+2)*hd, *r] -> HF (q [nq*hd, *r], k [ng*hd, *r], v [ng*hd, *r]) (into `out`)."""
     ng, hd = cfg.num_kv_heads, cfg.head_dim
     qpg = cfg.num_heads // ng
     rest = qkv.shape[1:]
@@ -243,9 +243,12 @@ def qkv_mcore_to_hf(cfg, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     if qkv.shape[0] != expected:
         raise ValueError(f"linear_qkv has {qkv.shape[0]} rows, expected {expected} for {ng} groups x {qpg + 2} heads x {hd}")
     g = qkv.reshape(ng, (qpg + 2) * hd, *rest)
-    q, k, v = torch.split(g, [qpg * hd, hd, hd], dim=1)
-    return (q.reshape(ng * qpg * hd, *rest).contiguous(), k.reshape(ng * hd, *rest).contiguous(),
-            v.reshape(ng * hd, *rest).contiguous())
+    parts = torch.split(g, [qpg * hd, hd, hd], dim=1)  # [ng, rows per group, *r] views
+    if out is None:
+        return tuple(p.reshape(ng * p.shape[1], *rest).contiguous() for p in parts)
+    for p, o in zip(parts, out):
+        o.view(p.shape).copy_(p)
+    return tuple(out)
 
 
 def _pad_rows(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
@@ -271,7 +274,7 @@ class LayerBuffers:
         self._bufs: dict[tuple, torch.Tensor] = {}
 
     def get(self, mcore_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        key = (re.sub(r"^decoder\.layers\.\d+\.", "", mcore_name), tuple(shape), dtype)
+        key = (re.sub(r"^(decoder|model)\.layers\.\d+\.", "", mcore_name), tuple(shape), dtype)
         buf = self._bufs.get(key)
         if buf is None:
             buf = self._bufs[key] = torch.empty(shape, dtype=dtype)
@@ -313,9 +316,11 @@ def hf_to_mcore_group(cfg, group: str, hf: Mapping[str, torch.Tensor], padded_vo
     return out
 
 
-def mcore_to_hf_group(cfg, group: str, mc: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def mcore_to_hf_group(cfg, group: str, mc: Mapping[str, torch.Tensor],
+                      buffers: LayerBuffers | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """One group's full Megatron tensors (canonical names) -> (HF name, tensor) pairs.
 
+    With `buffers`, the split q/k/v land in its reused tensors: use each before the next group.
     Vocabulary padding is dropped.  Raises KeyError naming a missing Megatron tensor.
     """
     found = False
@@ -327,7 +332,9 @@ def mcore_to_hf_group(cfg, group: str, mc: Mapping[str, torch.Tensor]) -> Iterat
             raise KeyError(f"Megatron tensor {e.mcore!r} is missing (group {group})")
         t = mc[e.mcore]
         if e.kind == "qkv":
-            yield from zip(e.hf, qkv_mcore_to_hf(cfg, t))
+            rows = (cfg.num_heads * cfg.head_dim,) + (cfg.num_kv_heads * cfg.head_dim,) * 2
+            dst = None if buffers is None else [buffers.get(h, (n, *t.shape[1:]), t.dtype) for h, n in zip(e.hf, rows)]
+            yield from zip(e.hf, qkv_mcore_to_hf(cfg, t, out=dst))
         elif e.kind == "fc1":
             gate, up = torch.chunk(t, 2, dim=0)
             yield e.hf[0], gate.contiguous()

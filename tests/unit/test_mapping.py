@@ -228,3 +228,26 @@ def test_layer_buffers_reuse_memory_across_layers_with_the_same_values():
     assert len(pointers[0]) == 1 + cfg.moe.num_experts  # QKV and every expert's fc1 get their own buffer
     assert len(set(pointers[0].values())) == len(pointers[0])
     assert pointers[0] == pointers[1]  # layer 1 reuses layer 0's memory
+
+
+def test_layer_buffers_reused_by_mcore_to_hf_for_q_k_v_with_the_same_values():
+    """mcore -> HF with LayerBuffers: each layer's split q/k/v land in the previous layer's memory,
+    with exactly the values the plain path yields."""
+    cfg = _moe_cfg()
+    hf = random_hf(cfg)
+    buffers = mapping.LayerBuffers()
+    pointers = []
+    for group in ("layer.0", "layer.1"):
+        mc = mapping.hf_to_mcore_group(cfg, group, hf, 16)
+        plain = dict(mapping.mcore_to_hf_group(cfg, group, mc))
+        reused = {}
+        for name, t in mapping.mcore_to_hf_group(cfg, group, mc, buffers):
+            reused[name] = t.clone()  # the next layer overwrites the buffers
+            if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+                pointers.append((name.split(".", 3)[3], t.data_ptr()))
+        assert sorted(plain) == sorted(reused)
+        for name in plain:
+            assert torch.equal(plain[name], reused[name]), name
+            assert torch.equal(plain[name], hf[name]), name
+    assert len(pointers) == 6 and len({p for _, p in pointers[:3]}) == 3
+    assert pointers[:3] == pointers[3:]  # layer 1's q/k/v reuse layer 0's memory
