@@ -228,6 +228,44 @@ class _FileSlice(io.RawIOBase):
         return got
 
 
+# torch.save's pickled storage classes -> dtype (the legacy names its pickles still carry).
+_STORAGE_DTYPES = {"FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
+                   "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32}
+
+
+class _TensorLayout(pickle.Unpickler):
+    """Unpickles a torch.save'd tensor's data.pkl without its data: returns
+    ((dtype, storage key, storage numel), storage offset, size, stride); anything else raises."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *_: (storage, offset, tuple(size), tuple(stride))
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise pickle.UnpicklingError(f"unexpected {module}.{name}")
+
+    def persistent_load(self, pid):
+        return pid[1], str(pid[2]), int(pid[4])  # ('storage', dtype, key, location, numel)
+
+
+def _data_offset(chunk, dtype: torch.dtype, shape: tuple[int, ...]) -> int | None:
+    """Where a torch.save'd chunk keeps its data, if it is exactly one contiguous `dtype` tensor
+    of `shape` over all of its storage (as Megatron's and our writer save parameters); else None."""
+    reader = torch._C.PyTorchFileReader(chunk)
+    try:
+        storage, offset, size, stride = _TensorLayout(io.BytesIO(reader.get_record("data.pkl"))).load()
+    except (pickle.UnpicklingError, TypeError, ValueError, IndexError):
+        return None
+    contiguous = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    if storage[0] != dtype or storage[2] != math.prod(shape) or offset != 0 or size != shape:
+        return None
+    if any(n > 1 and st != c for n, st, c in zip(shape, stride, contiguous)):
+        return None
+    return reader.get_record_offset(f"data/{storage[1]}")
+
+
 class DistCheckpointReader:
     """Reads canonical GPT tensors from a torch_dist checkpoint, whatever TP/PP wrote it."""
 
@@ -250,16 +288,35 @@ class DistCheckpointReader:
             f.close()
         self._files.clear()
 
-    def _load_chunk(self, key: str, offsets) -> torch.Tensor:
+    def _load_chunk(self, key: str, offsets, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One stored chunk: read straight into `out` (the chunk's dtype and shape) when its layout
+        allows (no fresh allocation), else torch.load'ed into new memory."""
         info = self.metadata.storage_data[self._types[1].MetadataIndex(key, torch.Size(offsets))]
         f = self._files.get(info.relative_path)
         if f is None:
             f = self._files[info.relative_path] = open(self.root / info.relative_path, "rb", buffering=0)
-        return torch.load(io.BufferedReader(_FileSlice(f, info.offset, info.length), 1 << 20),
-                          map_location="cpu", weights_only=True)
+        chunk = io.BufferedReader(_FileSlice(f, info.offset, info.length), 1 << 20)
+        if out is not None:
+            where = _data_offset(chunk, out.dtype, tuple(out.shape))
+            data = out.reshape(-1).view(torch.uint8).numpy()
+            if where is not None and where + data.nbytes <= info.length:
+                f.seek(info.offset + where)
+                view, done = memoryview(data), 0
+                while done < data.nbytes:
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise ValueError(f"{self.root / info.relative_path}: {key} {tuple(offsets)} is truncated")
+                    done += got
+                return out
+            chunk.seek(0)
+        return torch.load(chunk, map_location="cpu", weights_only=True)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The full tensor `name` (canonical name), assembled from its chunks."""
+    def tensor(self, name: str, alloc=None) -> torch.Tensor:
+        """The full tensor `name` (canonical name), assembled from its chunks.
+
+        alloc(name, shape, dtype) -> tensor: where to put it (e.g. mapping.LayerBuffers.get) instead of
+        new memory; a tensor stored as one chunk is then read straight into it.
+        """
         key, index = stacked_key(name)
         entry = self.metadata.state_dict_metadata.get(key)
         if not isinstance(entry, self._types[1].TensorStorageMetadata):
@@ -275,9 +332,12 @@ class DistCheckpointReader:
         def own_part(c, data):  # this tensor's slice of a chunk spanning the stacked axes
             return data[tuple(i - c.offsets[a] for a, i in enumerate(index))] if k else data
 
+        dtype = entry.properties.dtype
         if len(chunks) == 1 and tuple(chunks[0].sizes)[k:] == size and tuple(chunks[0].offsets[k:]) == (0,) * len(size):
-            return own_part(chunks[0], self._load_chunk(key, chunks[0].offsets))
-        out = torch.empty(size, dtype=entry.properties.dtype)
+            c = chunks[0]
+            into = alloc(name, size, dtype).view(tuple(c.sizes)) if alloc and set(c.sizes[:k]) <= {1} else None
+            return own_part(c, self._load_chunk(key, c.offsets, into))
+        out = torch.empty(size, dtype=dtype) if alloc is None else alloc(name, size, dtype)
         filled = 0
         for c in chunks:
             data, offsets = own_part(c, self._load_chunk(key, c.offsets)), tuple(c.offsets[k:])

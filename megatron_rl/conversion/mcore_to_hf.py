@@ -50,10 +50,10 @@ def _export_weights(weights_dir: Path, cfg, out_dir: Path, dtype: torch.dtype, m
     writer = HFWriter(out_dir, {h: (shapes[h], dtype) for e in table for h in e.hf}, max_shard_bytes=max_shard_bytes)
     progress = GroupProgress("mcore-to-hf")
     all_groups = mapping.groups(cfg)
-    buffers = mapping.LayerBuffers()  # q/k/v reuse one layer's memory (the writer copies each out at once)
+    buffers = mapping.LayerBuffers()  # reads and q/k/v reuse one layer's memory (each is written out at once)
     try:
         for i, group in enumerate(all_groups):
-            mc = {e.mcore: reader.tensor(e.mcore) for e in table if e.group == group}
+            mc = {e.mcore: reader.tensor(e.mcore, buffers.get) for e in table if e.group == group}
             for name, tensor in mapping.mcore_to_hf_group(cfg, group, mc, buffers):
                 writer.add(name, tensor.to(dtype))
             progress(group, i + 1, len(all_groups))

@@ -85,3 +85,54 @@ def test_dist_writer_reader_roundtrip_and_checks(tmp_path):
         partial.close()
     with pytest.raises(FileNotFoundError, match="no metadata.json"):
         DistCheckpointReader(tmp_path / "partial")
+
+
+def test_dist_reader_reads_into_reused_buffers_with_the_same_values(tmp_path):
+    """With alloc (LayerBuffers.get), each chunk's bytes go straight into the buffer: layer 1 lands in
+    layer 0's memory, bf16 and expert tensors too, values identical to the plain read."""
+    from megatron_rl.conversion.mapping import LayerBuffers
+
+    w = DistCheckpointWriter(tmp_path / "ck", num_layers=2, num_experts=2)
+    names = ["decoder.layers.{i}.self_attention.linear_qkv.weight", "decoder.layers.{i}.mlp.router.weight",
+             "decoder.layers.{i}.mlp.experts.local_experts.1.linear_fc1.weight"]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32]
+    for i in (0, 1):
+        for e in (0, 1):
+            w.add(f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight", torch.randn(6, 4))
+        for n, dt in zip(names[:2], dtypes):
+            w.add(n.format(i=i), torch.randn(6, 4).to(dt))
+    w.add("embedding.word_embeddings.weight", torch.randn(8, 4))
+    w.close()
+    r = DistCheckpointReader(tmp_path / "ck")
+    buffers, pointers = LayerBuffers(), []
+    for i in (0, 1):
+        for n, dt in zip(names, dtypes):
+            got = r.tensor(n.format(i=i), buffers.get)
+            assert got.dtype == dt and torch.equal(got, r.tensor(n.format(i=i))), n
+            pointers.append(got.data_ptr())
+    assert pointers[:3] == pointers[3:] and len(set(pointers)) == 3
+    emb = r.tensor("embedding.word_embeddings.weight", buffers.get)
+    assert torch.equal(emb, r.tensor("embedding.word_embeddings.weight"))
+
+
+def test_dist_reader_data_offset_only_for_a_plain_contiguous_tensor():
+    """The raw read is used only where the pickle says: one contiguous tensor of the expected dtype and
+    shape over its whole storage; a transposed, offset or other-dtype tensor falls back to torch.load."""
+    import io
+
+    from megatron_rl.conversion.dist_ckpt import _data_offset
+
+    def saved(t):
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        buf.seek(0)
+        return buf
+
+    t = torch.randn(3, 5)
+    where = _data_offset(saved(t), torch.float32, (3, 5))
+    raw = saved(t).getvalue()[where:where + t.numel() * 4]
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).view(3, 5), t)
+    assert _data_offset(saved(torch.randn(5, 3).T), torch.float32, (3, 5)) is None  # transposed storage
+    assert _data_offset(saved(t), torch.float64, (3, 5)) is None
+    assert _data_offset(saved(t), torch.float32, (5, 3)) is None
+    assert _data_offset(saved(torch.randn(4, 5)[1:]), torch.float32, (3, 5)) is None  # storage larger, offset
