@@ -41,12 +41,12 @@ import os
 import pickle
 import re
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from megatron_rl.conversion import dcp_metadata as md
 from megatron_rl.conversion.hf_io import BackgroundFlush
 
 BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -91,14 +91,6 @@ def _save_without_crc(obj, f) -> None:
         set_crc32_options(previous)
 
 
-def _dcp():
-    """torch.distributed.checkpoint's metadata types (importing the package takes ~1 s: DTensor)."""
-    import torch.distributed.checkpoint.filesystem as filesystem
-    import torch.distributed.checkpoint.metadata as metadata
-
-    return filesystem, metadata
-
-
 @dataclass
 class _Entry:
     """One checkpoint key as written so far: a tensor (dtype, global size, chunks) or an object."""
@@ -122,10 +114,6 @@ class DistCheckpointWriter:
         self._storage: dict[tuple[str, tuple[int, ...] | None], tuple[int, int]] = {}  # -> (offset, length)
         self._flush = BackgroundFlush()
         self.total_bytes = 0
-        # Only close() needs torch's checkpoint types: import them while the tensors are written.
-        pool = ThreadPoolExecutor(1, thread_name_prefix="import-dcp")
-        self._types = pool.submit(_dcp)
-        pool.shutdown(wait=False)
 
     def _append(self, key: str, offsets: tuple[int, ...] | None, write) -> None:
         offset = self._file.tell()
@@ -180,20 +168,17 @@ class DistCheckpointWriter:
             if entry.dtype is not None and covered != math.prod(entry.size):
                 raise ValueError(f"{key}: chunks cover {covered} of {math.prod(entry.size)} elements "
                                  f"({len(entry.chunks)} of {self.num_layers} layers written?)")
-        fs, md = self._types.result()
         entries = {
             key: md.BytesStorageMetadata() if e.dtype is None else md.TensorStorageMetadata(
-                md.TensorProperties(dtype=e.dtype), torch.Size(e.size),
-                [md.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in e.chunks])
+                md.TensorProperties(e.dtype), torch.Size(e.size),
+                [md.ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in e.chunks])
             for key, e in self._entries.items()
         }
-        storage = {md.MetadataIndex(key, None if offsets is None else torch.Size(offsets)): fs._StorageInfo(DATA_FILE, *where)
+        storage = {md.MetadataIndex(key, offsets): md.StorageInfo(DATA_FILE, *where)
                    for (key, offsets), where in self._storage.items()}
-        metadata = md.Metadata(state_dict_metadata=entries, planner_data=None, storage_data=storage,
-                               storage_meta=md.StorageMeta(checkpoint_id=str(self.root), save_id=uuid.uuid4().hex))
-        metadata.version = fs.CURRENT_DCP_VERSION
+        metadata = md.Metadata(entries, storage, md.StorageMeta(checkpoint_id=str(self.root), save_id=uuid.uuid4().hex))
         with open(self.root / DCP_METADATA, "wb") as f:
-            pickle.dump(metadata, f)
+            md.dump(metadata, f)
         torch.save({}, self.root / "common.pt")
         (self.root / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
 
@@ -277,10 +262,7 @@ class DistCheckpointReader:
         backend = json.loads(marker.read_text()).get("sharded_backend")
         if backend != "torch_dist":
             raise ValueError(f"{marker}: sharded_backend {backend!r}, only 'torch_dist' is supported")
-        from torch.distributed.checkpoint import FileSystemReader
-
-        self.metadata = FileSystemReader(str(self.root)).read_metadata()
-        self._types = _dcp()
+        self.metadata = md.load(self.root / DCP_METADATA)
         self._files: dict[str, object] = {}
 
     def close(self) -> None:
@@ -291,7 +273,7 @@ class DistCheckpointReader:
     def _load_chunk(self, key: str, offsets, out: torch.Tensor | None = None) -> torch.Tensor:
         """One stored chunk: read straight into `out` (the chunk's dtype and shape) when its layout
         allows (no fresh allocation), else torch.load'ed into new memory."""
-        info = self.metadata.storage_data[self._types[1].MetadataIndex(key, torch.Size(offsets))]
+        info = self.metadata.storage_data[md.MetadataIndex(key, torch.Size(offsets))]
         f = self._files.get(info.relative_path)
         if f is None:
             f = self._files[info.relative_path] = open(self.root / info.relative_path, "rb", buffering=0)
@@ -319,7 +301,7 @@ class DistCheckpointReader:
         """
         key, index = stacked_key(name)
         entry = self.metadata.state_dict_metadata.get(key)
-        if not isinstance(entry, self._types[1].TensorStorageMetadata):
+        if not isinstance(entry, md.TensorStorageMetadata):
             raise KeyError(f"{name!r} (checkpoint key {key!r}) is not in {self.root}")
         size, k = tuple(entry.size), len(index)
         for axis, i in enumerate(index):
