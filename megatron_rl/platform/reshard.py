@@ -11,6 +11,7 @@ mapping lives in megatron_rl.conversion):
       contiguous blocks are whole KV groups), linear_fc1 (gate and up halves split separately)
   row-parallel, split on dim 1: linear_proj, linear_fc2
   replicated: norms
+(the split itself is conversion/tp_layout.py's, which also refuses a dimension TP does not divide)
 Pipeline stage s holds layers [s*L/pp, (s+1)*L/pp), renumbered from 0; the embedding lives on
 the first stage, the final norm and output layer on the last (a copy of the embedding when the
 embeddings are tied and pp > 1, as Megatron keeps it).
@@ -22,23 +23,9 @@ import re
 
 import torch
 
+from megatron_rl.conversion.tp_layout import tp_shard
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_qkv.layer_norm", "word_embeddings.weight",
-           "output_layer.weight")
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
-
-
-def _tp_slice(name: str, tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    if tp == 1 or "layer_norm" in name or "layernorm" in name:
-        return tensor
-    if name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias"):
-        gate, up = tensor.chunk(2, dim=0)  # SwiGLU: [2*F, H] = [gate; up]
-        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
-    if name.endswith(_COLUMN):
-        return tensor.chunk(tp, dim=0)[rank]
-    if name.endswith(_ROW):
-        return tensor.chunk(tp, dim=1)[rank]
-    return tensor
 
 
 def _repad_vocab(tensor: torch.Tensor, vocab_size: int, tp: int) -> torch.Tensor:
@@ -78,9 +65,9 @@ def shard_state_dict(full: dict, *, tp: int, tp_rank: int, pp: int, pp_rank: int
             continue
         elif (name.startswith("decoder.final_layernorm") or name.startswith("output_layer.")) and not last:
             continue
-        out[name] = _tp_slice(name, tensor, tp, tp_rank).clone()
+        out[name] = tp_shard(name, tensor, tp, tp_rank).clone()
     if tie_word_embeddings and last and pp > 1:
-        out["output_layer.weight"] = _tp_slice("output_layer.weight", full["embedding.word_embeddings.weight"],
+        out["output_layer.weight"] = tp_shard("output_layer.weight", full["embedding.word_embeddings.weight"],
                                                tp, tp_rank).clone()
     return out
 

@@ -177,6 +177,9 @@ def test_shard_state_dict_tp_pp_rules():
     assert repadded["embedding.word_embeddings.weight"][100:].abs().sum() == 0
     with pytest.raises(ValueError, match="num_layers 2"):
         shard_state_dict(full, tp_rank=0, pp_rank=0, tp=1, pp=3, num_layers=2, tie_word_embeddings=False)
+    uneven = dict(full, **{"decoder.layers.1.mlp.linear_fc2.weight": torch.randn(8, 5, generator=g)})
+    with pytest.raises(ValueError, match="linear_fc2.weight: dim 1 of size 5 does not split over TP=2"):
+        shard_state_dict(uneven, tp_rank=0, pp_rank=1, **kw)  # not a silently shorter shard on one rank
 
 
 def test_heavy_ray_actors_run_at_normal_priority_options():
