@@ -79,6 +79,52 @@ def _hash_tree(root: Path) -> dict[str, dict[str, Any]]:
             for path, digest in zip(paths, digests)}
 
 
+def _fresh_step_dir(run_dir: Path, step: int) -> Path:
+    """Where step `step` goes: never a committed directory; an uncommitted leftover is removed."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final = run_dir / step_dir_name(step)
+    if (final / MANIFEST).exists():
+        raise FileExistsError(f"checkpoint {final} is already committed; step directories are immutable")
+    if final.exists():
+        logger.warning("removing uncommitted leftover %s before saving step %d again", final, step)
+        shutil.rmtree(final)
+    return final
+
+
+def _write_rng_states(root: Path, rng_states: Mapping[int, Mapping[str, Any]]) -> None:
+    for rank, state in sorted(rng_states.items()):
+        rng_dir = root / "rng"
+        rng_dir.mkdir(exist_ok=True)
+        (rng_dir / f"rank_{int(rank):05d}.json").write_text(json.dumps(state))
+
+
+def _manifest(step: int, files: dict, *, policy_version: int, config_hash: str, tokenizer_hash: str | None,
+              data_cursor: Mapping[str, Any] | None, rng_states: Mapping[int, Any],
+              coordinator_log_position: int | None, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The COMMITTED manifest's content; ValueError (before anything is renamed) if it is not JSON."""
+    now = time.time()
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "policy_version": policy_version,
+        "config_hash": config_hash,
+        "package_version": __version__,
+        "tokenizer_hash": tokenizer_hash,
+        "files": files,
+        "coordinator_log_position": coordinator_log_position,
+        "data_cursor": dict(data_cursor) if data_cursor is not None else None,
+        "rng": {"ranks": sorted(int(r) for r in rng_states)},
+        "time": now,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "extra": dict(extra),
+    }
+    try:
+        json.dumps(manifest)
+    except TypeError as err:
+        raise ValueError(f"checkpoint manifest for step {step} is not JSON-serialisable: {err}") from None
+    return manifest
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -99,50 +145,23 @@ def save_checkpoint(
     directory is removed and the error propagates: earlier checkpoints are untouched.
     """
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    final = run_dir / step_dir_name(step)
-    if (final / MANIFEST).exists():
-        raise FileExistsError(f"checkpoint {final} is already committed; step directories are immutable")
-    if final.exists():
-        logger.warning("removing uncommitted leftover %s before saving step %d again", final, step)
-        shutil.rmtree(final)
+    final = _fresh_step_dir(run_dir, step)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp.{final.name}.", dir=run_dir))
     try:
         os.chmod(tmp, 0o755)
         if save_fn is not None:
             save_fn(tmp)
-        for rank, state in sorted((rng_states or {}).items()):
-            rng_dir = tmp / "rng"
-            rng_dir.mkdir(exist_ok=True)
-            (rng_dir / f"rank_{int(rank):05d}.json").write_text(json.dumps(state))
-        files = _hash_tree(tmp)
-        now = time.time()
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "policy_version": policy_version,
-            "config_hash": config_hash,
-            "package_version": __version__,
-            "tokenizer_hash": tokenizer_hash,
-            "files": files,
-            "coordinator_log_position": coordinator_log_position,
-            "data_cursor": dict(data_cursor) if data_cursor is not None else None,
-            "rng": {"ranks": sorted(int(r) for r in (rng_states or {}))},
-            "time": now,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-            "extra": dict(extra or {}),
-        }
-        try:
-            json.dumps(manifest)  # fail before the rename, not after
-        except TypeError as err:
-            raise ValueError(f"checkpoint manifest for step {step} is not JSON-serialisable: {err}") from None
+        _write_rng_states(tmp, rng_states or {})
+        manifest = _manifest(step, _hash_tree(tmp), policy_version=policy_version, config_hash=config_hash,
+                             tokenizer_hash=tokenizer_hash, data_cursor=data_cursor, rng_states=rng_states or {},
+                             coordinator_log_position=coordinator_log_position, extra=extra or {})
         os.rename(tmp, final)
         fsync_path(run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     write_json_atomic(final / MANIFEST, manifest)
-    logger.info("committed checkpoint %s (%d files)", final, len(files))
+    logger.info("committed checkpoint %s (%d files)", final, len(manifest["files"]))
     return final
 
 

@@ -259,15 +259,8 @@ def make_trajectory(
     return dataclasses.replace(traj, checksum=traj.compute_checksum())
 
 
-def validate(traj: Any, *, tokenizer_hash: str | None = None, current_version: int | None = None,
-             check_checksum: bool = True) -> tuple[int, int]:
-    """Check the contract; raise TrajectoryError(reason, message) on the first violation.
-
-    Returns (oldest, newest) policy version of the response tokens.
-
-    Checks, in order: schema, length, logprobs, status/reward, version, tokenizer, checksum.
-    With check_checksum=False the caller verifies it afterwards with `verify_checksum`.
-    """
+def _validate_schema(traj: Any) -> None:
+    """Types, dtypes and value ranges of every field (reason 'schema')."""
     if not isinstance(traj, Trajectory):
         raise TrajectoryError("schema", f"expected a Trajectory, got {type(traj).__name__}")
     tid = traj.id
@@ -295,6 +288,11 @@ def validate(traj: Any, *, tokenizer_hash: str | None = None, current_version: i
     if p is not None and not (_finite(p) and 0 <= p <= 1):
         raise TrajectoryError("schema", f"trajectory {tid!r}: sampling_probability must be None or in [0, 1], "
                                         f"got {p!r}")
+
+
+def _validate_lengths_and_logprobs(traj: Trajectory) -> None:
+    """Per-token arrays as long as the response; behavior logprobs finite and <= 0."""
+    tid = traj.id
     r = len(traj.response_tokens)
     if len(traj.prompt_tokens) == 0 or r == 0:
         raise TrajectoryError("length", f"trajectory {tid!r}: prompt has {len(traj.prompt_tokens)} tokens, "
@@ -310,6 +308,20 @@ def validate(traj: Any, *, tokenizer_hash: str | None = None, current_version: i
     if lps.max() > 1e-4:
         bad = int(np.argmax(lps))
         raise TrajectoryError("positive_logprobs", f"trajectory {tid!r}: behavior_logprobs[{bad}] = {lps[bad]} > 0")
+
+
+def validate(traj: Any, *, tokenizer_hash: str | None = None, current_version: int | None = None,
+             check_checksum: bool = True) -> tuple[int, int]:
+    """Check the contract; raise TrajectoryError(reason, message) on the first violation.
+
+    Returns (oldest, newest) policy version of the response tokens.
+
+    Checks, in order: schema, length, logprobs, status/reward, version, tokenizer, checksum.
+    With check_checksum=False the caller verifies it afterwards with `verify_checksum`.
+    """
+    _validate_schema(traj)
+    _validate_lengths_and_logprobs(traj)
+    tid = traj.id
     _validate_status(traj)
     oldest, newest = int(traj.policy_versions.min()), int(traj.policy_versions.max())
     if oldest < 0:

@@ -29,10 +29,8 @@ def group_key(traj: Trajectory) -> str:
     return traj.id.rsplit("/", 1)[0]
 
 
-def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_batch_size: int):
-    """Learner batch (global, every rank gets the same) and advantage statistics."""
-    if not trajs:
-        raise ValueError("cannot build a batch from zero trajectories")
+def _token_grid(trajs: Sequence[Trajectory], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens [B, T], and the action mask and behavior logprobs on the [B, T-1] prediction grid."""
     b = len(trajs)
     t = max(tr.num_tokens for tr in trajs)
     tokens = torch.full((b, t), pad_id, dtype=torch.long)  # [B, T]
@@ -44,10 +42,19 @@ def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_bat
         tokens[i, p:p + r] = torch.from_numpy(tr.response_tokens.astype(np.int64))
         mask[i, p - 1:p - 1 + r] = torch.from_numpy(tr.action_mask.astype(np.float32))
         behavior[i, p - 1:p - 1 + r] = torch.from_numpy(tr.behavior_logprobs.astype(np.float32))
+    return tokens, mask, behavior
 
+
+def _groups(trajs: Sequence[Trajectory]) -> OrderedDict[str, list[int]]:
+    """Group key -> the batch rows of its trajectories, in batch order."""
     groups: OrderedDict[str, list[int]] = OrderedDict()
     for i, tr in enumerate(trajs):
         groups.setdefault(group_key(tr), []).append(i)
+    return groups
+
+
+def _group_rewards(trajs: Sequence[Trajectory], groups: OrderedDict[str, list[int]]):
+    """rewards [N, G] (NaN where no valid sample) and which entries are valid samples."""
     g_max = max(len(v) for v in groups.values())
     rewards = torch.full((len(groups), g_max), float("nan"), dtype=torch.float64)  # [N, G]
     valid = torch.zeros(len(groups), g_max, dtype=torch.bool)  # [N, G]
@@ -56,6 +63,17 @@ def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_bat
             if trajs[i].in_loss:
                 rewards[n, g] = trajs[i].reward
                 valid[n, g] = True
+    return rewards, valid
+
+
+def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_batch_size: int):
+    """Learner batch (global, every rank gets the same) and advantage statistics."""
+    if not trajs:
+        raise ValueError("cannot build a batch from zero trajectories")
+    b = len(trajs)
+    tokens, mask, behavior = _token_grid(trajs, pad_id)
+    groups = _groups(trajs)
+    rewards, valid = _group_rewards(trajs, groups)
     adv_ng, keep_ng, stats = compute_advantages(rewards, valid, loss_cfg)
     advantages = torch.zeros(b)  # [B]
     for n, members in enumerate(groups.values()):
