@@ -11,6 +11,12 @@ import dataclasses
 from typing import Literal, Optional
 
 
+def uses_sequence_parallel(moe: bool, tp: int) -> bool:
+    """Megatron trains MoE layers at TP > 1 only with sequence parallelism (MoELayer refuses otherwise);
+    dense models keep plain TP.  The learner and the planner's ledger both follow this rule."""
+    return moe and tp > 1
+
+
 @dataclasses.dataclass(kw_only=True)
 class LearnerConfig:
     """Parallel layout, batch shape, optimizer and LR schedule of the Megatron learner."""

@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_rl.learner.config import LearnerConfig, SamplingConfig
+from megatron_rl.learner.config import LearnerConfig, SamplingConfig, uses_sequence_parallel
 from megatron_rl.learner.logprobs import token_logprobs
 from megatron_rl.learner.micro_batches import MicroBatchPlan, plan_micro_batches
 from megatron_rl.learner.optimizer import build_optimizer, build_scheduler
@@ -77,8 +77,7 @@ class Learner:
         self.platform = platform or detect_platform(dtype=cfg.dtype)
         tp, pp, ep = cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.expert_parallel_size
         self.dp = _data_parallel_size(cfg, hf_cfg)
-        # Megatron trains MoE layers at TP > 1 only with sequence parallelism (MoELayer refuses otherwise).
-        self.sequence_parallel = hf_cfg.moe is not None and tp > 1
+        self.sequence_parallel = uses_sequence_parallel(hf_cfg.moe is not None, tp)
         self._owns_parallel = not ps.model_parallel_is_initialized()
         if self._owns_parallel:
             initialize_parallel(tp=tp, pp=pp, seed=cfg.seed, ep=ep)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatron_rl.learner.config import uses_sequence_parallel
 from megatron_rl.planner.budget import budget_plan, render_budget
 from megatron_rl.planner.ledger import (
     GIB, LearnerLayout, RolloutLayout, as_dict, compare_placements, dims_from_hf, learner_ledger, rollout_ledger,
@@ -32,6 +33,7 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
         ep=lc.expert_parallel_size,
         dtype=dtype, use_distributed_optimizer=lc.use_distributed_optimizer, micro_batch_size=lc.micro_batch_size,
         seq_length=rc.max_model_len, activation_checkpointing=lc.recompute_activations,
+        sequence_parallel=uses_sequence_parallel(hf.moe is not None, lc.tensor_parallel_size),
         reference_model=cfg.loss.kl_coef > 0, publish_dtype="fp32" if rc.dtype == "float32" else "bf16",
         publish_whole_model=cfg.run.placement == "colocated" and rc.weight_transfer in ("auto", "ipc"))
     max_seqs = int(rc.engine_options.get("max_num_seqs", cfg.samples_per_step // cfg.rollout.data_parallel_size or 1))

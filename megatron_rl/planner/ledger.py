@@ -13,8 +13,11 @@ Every number is a closed-form estimate, documented next to its formula, in bytes
     reference    = P_stage x bytes(dtype)      (frozen reference model for the KL term, if used)
     activations  = L_stage x n_inflight x s x b x h x (10 + 24/TP) bytes, with flash attention
                    (Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 2 without the
-                   softmax term); with full activation checkpointing only the layer inputs are kept:
-                   L_stage x n_inflight x 2 s b h  +  one layer's full activations.
+                   softmax term); x 34/TP instead with sequence parallelism (their eq. 4; the learner
+                   runs it for MoE at TP > 1: learner/config.py uses_sequence_parallel); with full
+                   activation checkpointing only the layer inputs are kept:
+                   L_stage x n_inflight x 2 s b h (/ TP with sequence parallelism)  +  one layer's full
+                   activations.
                    n_inflight = PP for the first 1F1B stage (it holds PP micro-batches), 1 otherwise.
     logits       = b x s x V / TP x 4 x 2       (fp32 logits and their gradient on the last stage)
     comm buffers = 2 x bucket x bytes(grad)     (double-buffered DDP buckets)
@@ -138,6 +141,8 @@ class LearnerLayout:
     """ipc transport: the learner holds the whole published model until every engine answered."""
     seq_length: int = 1024
     activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    """Activations split over TP along the sequence too (the learner's rule: MoE at TP > 1)."""
     reference_model: bool = True
     ddp_bucket_params: int = 40_000_000
 
@@ -205,9 +210,9 @@ def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float
     layers_stage = model.num_layers / lay.pp
     s, b, h = lay.seq_length, lay.micro_batch_size, model.hidden_size
     inflight = lay.pp  # first stage of 1F1B holds pp micro-batches
-    full_layer = s * b * h * (10 + 24 / lay.tp)
+    full_layer = s * b * h * (34 / lay.tp if lay.sequence_parallel else 10 + 24 / lay.tp)
     if lay.activation_checkpointing:
-        act = layers_stage * inflight * 2 * s * b * h + full_layer
+        act = layers_stage * inflight * 2 * s * b * h / (lay.tp if lay.sequence_parallel else 1) + full_layer
     else:
         act = layers_stage * inflight * full_layer
     items = {

@@ -277,3 +277,28 @@ def test_the_plan_shows_the_steps_and_wall_time_the_token_budget_allows():
     assert ds["length"]["steps"] == [2, 10]
     with pytest.raises(ValueError, match="--step-seconds"):
         plan_for_config(cfg, step_seconds=0)
+
+
+def test_sequence_parallel_splits_the_activations_over_tp_as_the_learner_runs_moe():
+    """Korthikanti et al. eq. 4: with sequence parallelism a layer keeps s b h x 34/TP bytes (10 + 24/TP
+    without), and the checkpointed layer inputs 2 s b h / TP; the planner turns it on where the learner
+    does (MoE at TP > 1), and not for a dense model."""
+    from megatron_rl.learner.config import uses_sequence_parallel
+    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.train.config import load_train_config
+
+    kw = dict(tp=2, pp=1, dp=2, ep=2, micro_batch_size=1, seq_length=16, reference_model=False)
+    plain = learner_ledger(MOE, LearnerLayout(**kw), 0.0).items["activations"]
+    sp = learner_ledger(MOE, LearnerLayout(sequence_parallel=True, **kw), 0.0).items["activations"]
+    assert plain == 2 * 16 * 64 * (10 + 24 / 2) and sp == 2 * 16 * 64 * 34 / 2
+    ckpt = learner_ledger(MOE, LearnerLayout(sequence_parallel=True, activation_checkpointing=True, **kw), 0.0)
+    assert ckpt.items["activations"] == 2 * 2 * 16 * 64 / 2 + 16 * 64 * 34 / 2
+    assert uses_sequence_parallel(True, 2) and not uses_sequence_parallel(True, 1)
+    assert not uses_sequence_parallel(False, 4)
+    recipe = REPO / "configs/qwen3_30b_a3b_24gpu_disaggregated.yaml"
+    tp1, tp2 = (plan_for_config(load_train_config(recipe, [f"learner.tensor_parallel_size={tp}"]))
+                for tp in (1, 2))
+    # the recipe recomputes activations: with sequence parallelism at TP2 the kept layer inputs and the
+    # one recomputed layer are both halved (without it, the kept inputs would stay whole)
+    acts = [p["learner_gib_per_gpu"]["activations"] for p in (tp1, tp2)]
+    assert acts[1] == pytest.approx(acts[0] / 2)
