@@ -1,12 +1,15 @@
-"""The bad_checkpoint drill (issue #12): a damaged newest checkpoint is skipped, never loaded.
+"""The bad_checkpoint drill (issue #12): a damaged checkpoint is skipped, never loaded.
 
     python -m pytest tests/e2e/test_bad_checkpoint.py -q
 
-One real tiny run of 4 steps leaves checkpoints at steps 2 and 4.  Each case copies it and
-damages step 4: (a) bytes flipped in a weights file, (b) queue_snapshot.db truncated,
-(c) COMMITTED deleted.  `checkpoint verify` and `train --dry-run` report it; rerunning to step 5
-resumes from step 2, names the bad file, restores the queue of step 2 only, relearns steps 3-4
-exactly as the uninterrupted run did, and metrics.jsonl holds every step once.
+One real tiny run of 4 steps leaves a checkpoint at every step.  Three kinds of damage: (a) bytes
+flipped in a weights file, (b) queue_snapshot.db truncated, (c) COMMITTED deleted.  Per kind, on a
+copy whose newest checkpoint (step 4) is damaged, `checkpoint verify` and `train --dry-run` report
+it and point at step 3 (in-process, cheap).  Then one real resume covers all three kinds at once:
+step 4 flipped, step 3 truncated, step 2 uncommitted, so rerunning to step 5 must skip each of
+them (a warning naming its step and its bad file), resume from step 1, restore the queue of step 1
+only, relearn steps 2-4 exactly as the uninterrupted run did, and log every step once.  (One
+start-up instead of one per kind: had any kind gone unnoticed, the run would have resumed from it.)
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-COMMON = ["run.checkpoint_every=2", "run.keep_checkpoints=3", "data.eval_size=8", "run.eval_every=0"]
+COMMON = ["run.checkpoint_every=1", "run.keep_checkpoints=4", "data.eval_size=8", "run.eval_every=0"]
+STEPS = ["step_000001", "step_000002", "step_000003", "step_000004"]
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad_ckpt") / "run"
     run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=4", *COMMON)
-    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == STEPS
     return d
 
 
@@ -52,15 +56,16 @@ def _uncommit(ckpt):
     return "COMMITTED"
 
 
-@pytest.mark.parametrize("damage", [_flip, _truncate, _uncommit], ids=["flipped", "truncated", "uncommitted"])
-def test_resume_skips_damaged_newest_checkpoint(base, tmp_path, capsys, damage):
+DAMAGE = [_flip, _truncate, _uncommit]
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=["flipped", "truncated", "uncommitted"])
+def test_verify_and_dry_run_skip_a_damaged_newest_checkpoint(base, tmp_path, capsys, damage):
     run = tmp_path / "run"
     shutil.copytree(base, run)
-    bad = run / "checkpoints" / "step_000004"
-    good = run / "checkpoints" / "step_000002"
-    bad_file = damage(bad)
+    good = run / "checkpoints" / "step_000003"
+    bad_file = damage(run / "checkpoints" / "step_000004")
 
-    # In-process (cheap): `checkpoint verify` and the dry run's resume_from see the damage.
     assert main(["checkpoint", "verify", str(run), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["resume_from"] == str(good)
@@ -69,11 +74,23 @@ def test_resume_skips_damaged_newest_checkpoint(base, tmp_path, capsys, damage):
     assert main(["train", "--dry-run", "--config", str(TINY), f"run.dir={run}", "run.steps=5", *COMMON]) == 0
     assert json.loads(capsys.readouterr().out)["resume_from"] == str(good)
 
+
+def test_resume_skips_each_kind_of_damaged_checkpoint(base, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    ckpts = run / "checkpoints"
+    good = ckpts / "step_000001"
+    bad = {step: damage(ckpts / f"step_{step:06d}") for step, damage in zip((4, 3, 2), DAMAGE)}
+    assert main(["checkpoint", "verify", str(run), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["resume_from"] == str(good)
+
     proc = run_cli("train", "--config", str(TINY), f"run.dir={run}", "run.steps=5", *COMMON)
     log = proc.stderr
     assert last_json(proc.stdout)["steps"] == 5
     assert f"resumed from {good}" in log
-    assert bad_file in log and "step_000004" in log  # the warning names the bad file
+    for step, bad_file in bad.items():  # each skip is a warning naming the step and its bad file
+        assert any(f"skipping checkpoint step {step}:" in line and bad_file in line for line in log.splitlines()), \
+            (step, bad_file, log[-4000:])
     restored = [line for line in log.splitlines() if "restored queue.db from" in line]
     assert restored and all(str(good) in line for line in restored), restored
 
@@ -84,5 +101,6 @@ def test_resume_skips_damaged_newest_checkpoint(base, tmp_path, capsys, damage):
     for r in rows[:4]:
         for key in ("learn/loss", "learn/grad_norm", "learn/reward_mean"):
             assert r[key] == ref[r["step"]][key], (r["step"], key)
-    assert (run / "checkpoints" / "step_000004" / "COMMITTED").is_file()  # step 4 committed again
+    for step in (2, 3, 4):  # the damaged steps committed again
+        assert (ckpts / f"step_{step:06d}" / "COMMITTED").is_file(), step
     assert main(["checkpoint", "verify", str(run)]) == 0
