@@ -6,6 +6,14 @@
         model = build_gpt_model(...)
     # groups destroyed here; another layout may follow in the same processes
 
+Group lifetime: Megatron's destroy_model_parallel() only drops its references to most groups (it
+destroys a few gloo ones), while torch keeps every `dist.new_group` alive in its registry, so a
+process that re-initialises (the engine pool's learner rebuilds) would pile up NCCL communicators
+(GPU) or gloo sockets/threads (CPU).  initialize_parallel therefore snapshots the registry of live
+groups, and destroy_parallel destroys every group registered since that snapshot and still live:
+Megatron's groups and any made later for the learner's use.  The default (world) group and groups that
+existed before initialize_parallel are kept.  A module that caches such a group
+(publish/ipc_route.py's subgroups) registers a `register_teardown` callback that forgets it.
 The CPU path enables `cpu_compat` first (also on a machine with GPUs: a CPU-forced process keeps
 Megatron's CUDA calls on the CPU), so the same calls work on gloo without a GPU.
 """
@@ -24,6 +32,49 @@ import torch.distributed as dist
 from megatron_rl.platform import Platform
 
 logger = logging.getLogger(__name__)
+
+# The live groups before initialize_parallel (None: no parallel state set up by initialize_parallel).
+_GROUPS_BEFORE: set | None = None
+_TEARDOWN: list = []  # callbacks run by destroy_parallel after the groups are destroyed
+
+
+def register_teardown(callback) -> None:
+    """Have destroy_parallel call `callback()` (e.g. to forget a cached subgroup it destroyed)."""
+    if callback not in _TEARDOWN:
+        _TEARDOWN.append(callback)
+
+
+def _group_registry() -> dict:
+    """torch's registry of live process groups (private: `distributed_c10d._world.pg_map`).
+
+    Read rather than guessed: if a torch release moves it, fail loudly instead of leaking groups.
+    """
+    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    if not isinstance(registry, dict):
+        raise RuntimeError(
+            f"torch {torch.__version__} has no torch.distributed.distributed_c10d._world.pg_map; "
+            "megatron_rl.platform.parallel needs it to destroy the process groups it created "
+            "(update _group_registry for this torch version)")
+    return registry
+
+
+def group_is_live(group) -> bool:
+    """Whether `group` is still a registered (not destroyed) process group."""
+    return group is not None and group in _group_registry()
+
+
+def live_group_count() -> int:
+    """How many process groups torch holds (the default group included)."""
+    return len(_group_registry())
+
+
+def _destroy_groups_since(before: set) -> int:
+    """Destroy the live groups not in `before`, newest first (as torch tears down the world:
+    every rank creates them in the same order, so every rank destroys them in the same order)."""
+    added = [pg for pg in _group_registry() if pg not in before and pg is not dist.GroupMember.WORLD]
+    for pg in reversed(added):
+        dist.destroy_process_group(pg)
+    return len(added)
 
 
 def _env_int(name: str) -> int:
@@ -93,6 +144,8 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1)
         raise RuntimeError("Megatron parallel state is already initialised; call destroy_parallel first")
     if ep < 1 or (world // (tp * pp)) % ep:
         raise ValueError(f"data parallel size {world // (tp * pp)} is not a multiple of expert parallel size {ep}")
+    global _GROUPS_BEFORE
+    _GROUPS_BEFORE = set(_group_registry())
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep)
     stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
@@ -102,11 +155,23 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1)
 
 
 def destroy_parallel() -> None:
-    """Tear down Megatron's groups and global buffers (torch.distributed itself stays up)."""
+    """Tear down Megatron's groups and global buffers (torch.distributed itself stays up).
+
+    Every process group created since initialize_parallel is destroyed too (see the module
+    docstring); Megatron's destroy runs first, and the gloo groups it already destroyed are no
+    longer registered, so none is destroyed twice.  Every rank must call this (as it must create).
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
+    global _GROUPS_BEFORE
     ps.destroy_model_parallel()
+    if _GROUPS_BEFORE is not None and dist.is_initialized():
+        count = _destroy_groups_since(_GROUPS_BEFORE)
+        logger.debug("destroyed %d process groups made since initialize_parallel", count)
+    _GROUPS_BEFORE = None
+    for callback in _TEARDOWN:
+        callback()
     mrandom.get_cuda_rng_tracker().reset()
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 

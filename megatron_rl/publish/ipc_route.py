@@ -41,13 +41,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ConfigError
+from megatron_rl.platform.parallel import register_teardown
 from megatron_rl.publish.manifest import dtype_name, to_dtype
 
 log = logging.getLogger(__name__)
 
 Handle = dict[str, tuple]  # GPU UUID -> torch.multiprocessing.reductions.reduce_tensor args
 FIELD = "rollout.weight_transfer 'ipc'"
-_SUBGROUPS: dict[tuple[int, ...], object] = {}  # ranks -> process subgroup (made once per learner process)
+_SUBGROUPS: dict[tuple[int, ...], object] = {}  # ranks -> process subgroup (made once per parallel state)
+# destroy_parallel destroys these subgroups with Megatron's (they are made after initialize_parallel):
+# the cache empties with them on every rank alike, and the next publication makes them anew.
+register_teardown(_SUBGROUPS.clear)
 
 
 def gpu_uuid(device_index: int | None = None) -> str:

@@ -7,7 +7,9 @@ next run, which calls `LearnerWorker.rebuild` instead of starting new ones.  Two
 set up from checkpoint A, their weights are changed in place (as training would), then rebuilt from
 checkpoint B and again from A: each time the published state is the checkpoint's bit for bit, the
 optimizer starts over, and the probe logprobs equal those of the first set-up from A (the TP groups
-rebuilt by the rebuild carry the collectives).
+rebuilt by the rebuild carry the collectives).  Each rebuild also destroys the last run's process
+groups (platform/parallel.py destroy_parallel): torch holds as many live groups after the rebuilds as
+after the first set-up, not one more set of Megatron's groups per rebuild.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 def _rebuilds(rank: int, world_size: int, dir_a: str, dir_b: str):
     from megatron_rl.grpo.loss import GRPOLossConfig
     from megatron_rl.learner import LearnerConfig
+    from megatron_rl.platform.parallel import live_group_count
     from megatron_rl.train.learner_group import LearnerWorker
 
     cfg = LearnerConfig(tensor_parallel_size=2, global_batch_size=2)
@@ -36,16 +39,19 @@ def _rebuilds(rank: int, world_size: int, dir_a: str, dir_b: str):
                            hf_dir=dir_a, seed=0, deterministic=True, threads=1)
     worker.setup("127.0.0.1", 0)
     first = worker.forward_logprobs(tokens_bt)
+    groups = [live_group_count()]
     with torch.no_grad():  # what training would do to the weights
         for p in worker.learner.model[0].module.parameters():
             p.add_(0.5)
     worker.learner.step = 7
     worker.rebuild(args(dir_b, 1))
     state_b, step_b = worker.hf_state(), worker.learner.step
+    groups.append(live_group_count())
     worker.rebuild(args(dir_a, 0))
     again = worker.forward_logprobs(tokens_bt)
     reference = worker.reference_logprobs(tokens_bt)
-    return state_b, step_b, worker.hf_state(), first, again, reference
+    groups.append(live_group_count())
+    return state_b, step_b, worker.hf_state(), first, again, reference, groups
 
 
 def test_a_rebuilt_learner_holds_the_next_runs_policy(tmp_path):
@@ -54,7 +60,8 @@ def test_a_rebuilt_learner_holds_the_next_runs_policy(tmp_path):
     dir_a = make_tiny_model(tmp_path / "a", arch="llama", size="tiny", seed=1)
     dir_b = make_tiny_model(tmp_path / "b", arch="llama", size="tiny", seed=2)
     results = run_distributed(_rebuilds, 2, str(dir_a), str(dir_b), timeout=600)
-    state_b, step_b, state_a, first, again, reference = results[0]
+    state_b, step_b, state_a, first, again, reference, groups = results[0]
+    assert groups == [groups[0]] * 3 and results[1][6] == groups, (groups, results[1][6])  # no group leaked
     for state, hf_dir in ((state_b, dir_b), (state_a, dir_a)):
         original = load_file(str(hf_dir / "model.safetensors"))
         assert sorted(state) == sorted(original)
