@@ -149,6 +149,11 @@ class GRPOLossConfig:
     entropy_coef: float = 0.0
     """β_H of the entropy bonus: each token's advantage gains β_H x (-log μ(a_t)), its surprisal under the
     policy that sampled it, whose expected gradient ascends the policy's entropy (see grpo_loss)."""
+    entropy_coef_final: float | None = None
+    """With entropy_decay_steps: β_H falls linearly from entropy_coef at learner step 0 to this at step
+    entropy_decay_steps, then stays there (exploration early, less pull on reward-free tokens late)."""
+    entropy_decay_steps: int = 0
+    """Learner steps of the entropy bonus's linear decay; 0: β_H is entropy_coef throughout."""
     advantage_baseline: Literal["group", "batch"] = "group"
     """"group": GRPO, (R - group mean) / group std; "batch": REINFORCE++, (R - batch mean) / batch std,
     so groups whose rewards are all equal still carry signal (see grpo/advantages.py)."""
@@ -178,6 +183,14 @@ class GRPOLossConfig:
             raise ValueError(f"lag_threshold must be > 0 or None, got {self.lag_threshold}")
         if not self.entropy_coef >= 0:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+        if self.entropy_decay_steps < 0:
+            raise ValueError(f"entropy_decay_steps must be >= 0, got {self.entropy_decay_steps}")
+        if (self.entropy_decay_steps > 0) != (self.entropy_coef_final is not None):
+            raise ValueError("entropy_coef_final and entropy_decay_steps go together: set both for a decaying "
+                             f"entropy bonus, neither for a constant one (got entropy_coef_final="
+                             f"{self.entropy_coef_final}, entropy_decay_steps={self.entropy_decay_steps})")
+        if self.entropy_coef_final is not None and not self.entropy_coef_final >= 0:
+            raise ValueError(f"entropy_coef_final must be >= 0, got {self.entropy_coef_final}")
         if self.advantage_baseline not in ("group", "batch"):
             raise ValueError(f"advantage_baseline must be 'group' or 'batch', got {self.advantage_baseline!r}")
         if self.advantage_baseline == "batch" and self.filter_zero_variance:
@@ -185,6 +198,15 @@ class GRPOLossConfig:
                              "exists to learn from; use one or the other")
         if self.lag_action not in ("quarantine", "downweight"):
             raise ValueError(f"lag_action must be 'quarantine' or 'downweight', got {self.lag_action!r}")
+
+    def at_step(self, step: int) -> "GRPOLossConfig":
+        """This config as learner step `step` uses it: β_H on its schedule, as a constant (itself when
+        constant already).  The learner's step counter is checkpointed, so a resumed run continues it."""
+        if not self.entropy_decay_steps:
+            return self
+        frac = min(max(step, 0) / self.entropy_decay_steps, 1.0)
+        coef = self.entropy_coef + frac * (self.entropy_coef_final - self.entropy_coef)
+        return dataclasses.replace(self, entropy_coef=coef, entropy_coef_final=None, entropy_decay_steps=0)
 
 
 def compute_advantages(
