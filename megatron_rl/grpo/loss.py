@@ -103,88 +103,13 @@ behavior policy.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal
-
 import torch
 
 from megatron_rl.grpo.advantages import batch_advantages, group_advantages
+from megatron_rl.grpo.loss_config import KL_GRADIENT, GRPOLossConfig, kl_metric_name  # noqa: F401 - re-exported
 
 LOG_RATIO_BOUND = 20.0
 """R: every log-ratio is clamped to [-R, R] before exp() (ratios within [2e-9, 4.9e8])."""
-
-KL_GRADIENT = {"k1": "none", "k2": "theta_ref", "k3": "ref_theta"}
-"""Divergence whose gradient each estimator's penalty follows in expectation (see the module
-docstring): "theta_ref" = ∇KL(π_θ‖π_ref), "ref_theta" = ∇KL(π_ref‖π_θ), "none" = 0."""
-
-
-def kl_metric_name(estimator: str) -> str:
-    """Metric key of the KL penalty, naming the divergence its gradient follows."""
-    return f"kl_ref_{estimator}_grad_{KL_GRADIENT[estimator]}"
-
-
-@dataclasses.dataclass(kw_only=True)
-class GRPOLossConfig:
-    clip_eps_low: float = 0.2
-    """ε_low: the ratio is clipped below at 1 - ε_low (acts when Â < 0)."""
-    clip_eps_high: float = 0.2
-    """ε_high: the ratio is clipped above at 1 + ε_high (acts when Â > 0); DAPO uses 0.28."""
-    aggregation: Literal["token", "sequence"] = "token"
-    """"token": mean over all unmasked tokens of the batch; "sequence": mean per sequence, then over
-    the batch's sequences in the loss."""
-    tis_cap: float | None = None
-    """C for truncated importance weights min(π_old/μ, C); None disables TIS.  Needs old_logprobs_bt."""
-    kl_coef: float = 0.0
-    """β, weight of the KL penalty to the reference model; 0 disables it (ref logprobs unused)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k2"
-    """Schulman's estimator used as the penalty.  Expected gradient: k2 ∇KL(π_θ‖π_ref) (default),
-    k3 ∇KL(π_ref‖π_θ), k1 zero on-policy."""
-    kl_importance_correction: bool = True
-    """Weight each token's KL term by sg(π_θ/μ) (truncated at tis_cap) so off-policy tokens give
-    the on-policy expected gradient; 1 on-policy."""
-    adv_eps: float = 1e-6
-    """ε floor of the group std in the advantage normalisation (used by compute_advantages)."""
-    filter_zero_variance: bool = False
-    """Drop samples of zero-variance groups from the loss (used by compute_advantages)."""
-    entropy_coef: float = 0.0
-    """β_H of the entropy bonus: each token's advantage gains β_H x (-log μ(a_t)), its surprisal under the
-    policy that sampled it, whose expected gradient ascends the policy's entropy (see grpo_loss)."""
-    advantage_baseline: Literal["group", "batch"] = "group"
-    """"group": GRPO, (R - group mean) / group std; "batch": REINFORCE++, (R - batch mean) / batch std,
-    so groups whose rewards are all equal still carry signal (see grpo/advantages.py)."""
-    lag_threshold: float | None = None
-    """Batch-wide D_lag above which the step is quarantined or down-weighted; None disables the guard."""
-    lag_action: Literal["quarantine", "downweight"] = "quarantine"
-    """"quarantine": no optimizer step for this batch; "downweight": gradient x lag_threshold / D_lag."""
-
-    def __post_init__(self) -> None:
-        for name in ("clip_eps_low", "clip_eps_high"):
-            value = getattr(self, name)
-            if not 0.0 <= value:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if self.clip_eps_low >= 1.0:
-            raise ValueError(f"clip_eps_low must be < 1 (the lower clip bound 1 - ε must stay > 0), got {self.clip_eps_low}")
-        if self.aggregation not in ("token", "sequence"):
-            raise ValueError(f"aggregation must be 'token' or 'sequence', got {self.aggregation!r}")
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"tis_cap must be > 0 or None, got {self.tis_cap}")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.kl_estimator not in KL_GRADIENT:
-            raise ValueError(f"kl_estimator must be one of 'k1', 'k2', 'k3', got {self.kl_estimator!r}")
-        if not self.adv_eps > 0:
-            raise ValueError(f"adv_eps must be > 0, got {self.adv_eps}")
-        if self.lag_threshold is not None and not self.lag_threshold > 0:
-            raise ValueError(f"lag_threshold must be > 0 or None, got {self.lag_threshold}")
-        if not self.entropy_coef >= 0:
-            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
-        if self.advantage_baseline not in ("group", "batch"):
-            raise ValueError(f"advantage_baseline must be 'group' or 'batch', got {self.advantage_baseline!r}")
-        if self.advantage_baseline == "batch" and self.filter_zero_variance:
-            raise ValueError("filter_zero_variance drops equal-reward groups, which the 'batch' advantage_baseline "
-                             "exists to learn from; use one or the other")
-        if self.lag_action not in ("quarantine", "downweight"):
-            raise ValueError(f"lag_action must be 'quarantine' or 'downweight', got {self.lag_action!r}")
 
 
 def compute_advantages(

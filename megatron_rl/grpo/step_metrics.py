@@ -40,7 +40,8 @@ def grpo_metrics(stats: Mapping, cfg: GRPOLossConfig) -> dict[str, float]:
     loss = pg_loss + β KL term (the guard's weight not applied); clip_fraction, ratio_mean,
     entropy, tis_* are token means; ratio_max the batch max; advantage_mean the mean over rows;
     d_lag = Σ|Δ| / N and d_lag/p50, /p95, /p99 over the sequences in the loss; kl_ref_estimate the token
-    mean of k3's value (KL(π_θ‖π_ref) per token, unbiased; the penalty's own value need not be).
+    mean of k3's value (KL(π_θ‖π_ref) per token, unbiased; the penalty's own value need not be);
+    entropy_coef the entropy bonus's β_H in `cfg` (the step's, when it decays).
     """
     tokens, sequences = _scalar(stats["tokens"]), _scalar(stats["sequences"])
     count = max(tokens if cfg.aggregation == "token" else sequences, 1.0)
@@ -62,6 +63,8 @@ def grpo_metrics(stats: Mapping, cfg: GRPOLossConfig) -> dict[str, float]:
     if tokens:  # no token in the loss: D_lag was not measured (absent, not 0)
         out["d_lag"] = sum(lag_b) / per_token
         out.update(percentiles([d / n for d, n in zip(lag_b, n_b) if n > 0], "d_lag"))
+    if cfg.entropy_coef > 0:  # β_H this step used (on its schedule: GRPOLossConfig.at_step)
+        out["entropy_coef"] = cfg.entropy_coef
     for key, name in (("entropy_sum", "entropy"), ("tis_weight_sum", "tis_weight_mean"),
                       ("tis_truncated_sum", "tis_truncated_fraction")):
         if key in stats:

@@ -86,7 +86,7 @@ class LearnerWorker(RankBuild, RankWeights):
     # ---- training ------------------------------------------------------------------------------
 
     def _loss_fn(self, logprobs_bt: torch.Tensor, mb: dict):
-        return grpo_micro_batch_loss(logprobs_bt, mb, self.loss_cfg)
+        return grpo_micro_batch_loss(logprobs_bt, mb, self.loss_cfg.at_step(self.learner.step))
 
     def train_step(self, batch: dict, lr_scale: float = 1.0) -> dict[str, float]:
         """One GRPO step (at `lr_scale` times the scheduled learning rate: the restart canary).  An out-of-memory error inside it abandons the step (grad buffers cleared,
@@ -144,7 +144,8 @@ class LearnerWorker(RankBuild, RankWeights):
         for g in groups:  # the scheduler sets the next step's rate after a successful update
             g["lr"] *= lr_scale
         try:
-            out = self.learner.train_step(batch, loss_fn, partial(grpo_step_weight, cfg=self.loss_cfg))
+            step_cfg = self.loss_cfg.at_step(self.learner.step)
+            out = self.learner.train_step(batch, loss_fn, partial(grpo_step_weight, cfg=step_cfg))
         finally:
             if lr_scale != 1.0 and [g["lr"] for g in groups] == [lr * lr_scale for lr in scheduled]:
                 for g, lr in zip(groups, scheduled):  # no update: the schedule did not move

@@ -37,7 +37,7 @@ def reconcile(cfg, max_rows: int = 8) -> dict:
         reference = roles.policy.learner.reference_logprobs(batch["tokens"])  # [B, T-1]
         lp = current.clone().requires_grad_(True)
         loss, _ = grpo_loss(lp, batch["behavior_logprobs"], reference, batch["advantages"], batch["loss_mask"],
-                            cfg.loss)  # the whole batch in one call: its own token / sequence counts
+                            cfg.loss.at_step(state.step))  # the whole batch in one call: its own counts
         loss.backward()
         mask = batch["loss_mask"].bool()
         diff = (current - batch["behavior_logprobs"]).abs()[mask]

@@ -419,3 +419,27 @@ def test_entropy_bonus_expected_gradient_ascends_entropy():
     assert torch.allclose(grad_loss, -beta * grad_h, atol=1e-10), (grad_loss, grad_h)
     with pytest.raises(ValueError, match="entropy_coef"):
         GRPOLossConfig(entropy_coef=-0.1)
+
+
+def test_entropy_bonus_decays_linearly_by_learner_step_then_stays():
+    from megatron_rl.grpo.step_metrics import grpo_step_weight
+
+    cfg = GRPOLossConfig(entropy_coef=0.1, entropy_coef_final=0.02, entropy_decay_steps=40)
+    coefs = [cfg.at_step(s).entropy_coef for s in (0, 10, 20, 40, 41, 1000)]
+    assert coefs == pytest.approx([0.1, 0.08, 0.06, 0.02, 0.02, 0.02])
+    constant = GRPOLossConfig(entropy_coef=0.1)
+    assert constant.at_step(500) is constant
+    # The loss at a step is the constant-β_H loss with that step's β_H (the same tensors, the same value).
+    lp = torch.tensor([[-0.7, -2.3]], requires_grad=True)
+    args = (lp, lp.detach(), None, torch.tensor([0.5]), torch.ones(1, 2))
+    at_20, stats = grpo_loss(*args, cfg.at_step(20))
+    assert at_20.item() == pytest.approx(grpo_loss(*args, GRPOLossConfig(entropy_coef=0.06))[0].item())
+    assert at_20.item() != pytest.approx(grpo_loss(*args, constant)[0].item())
+    # and the step's β_H is a metric a person can watch fall
+    assert grpo_step_weight(stats, cfg.at_step(20))[1]["entropy_coef"] == pytest.approx(0.06)
+    for bad, field in ((dict(entropy_coef_final=0.0), "entropy_decay_steps"),
+                       (dict(entropy_decay_steps=10), "entropy_coef_final"),
+                       (dict(entropy_coef_final=-1.0, entropy_decay_steps=10), "entropy_coef_final must be >= 0"),
+                       (dict(entropy_decay_steps=-1), "entropy_decay_steps must be >= 0")):
+        with pytest.raises(ValueError, match=field):
+            GRPOLossConfig(entropy_coef=0.1, **bad)
