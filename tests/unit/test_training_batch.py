@@ -100,12 +100,14 @@ def test_learner_metrics_reach_the_learn_panel():
     trajs = to_trajectories(samples, [score_response(t, "5", REWARD) for t in ("5", "1")],
                             tokenizer_hash="h", dataset_version="d")
     learn = {"loss": 0.1, "grad_norm": 1.0, "d_lag": 0.25, "d_lag/p50": 0.2, "d_lag/p95": 0.4, "d_lag/p99": 0.45,
-             "kl_ref_k2_grad_theta_ref": 0.01, "lag_weight": 0.0, "lag_quarantined": 1.0, "update_successful": 0.0}
+             "kl_ref_k2_grad_theta_ref": 0.01, "lag_weight": 0.0, "lag_quarantined": 1.0, "update_successful": 0.0,
+             "entropy_coef": 0.06}
     metrics = Telemetry().step_metrics(samples, trajs, trajs, learn, {"rollout": 1.0, "score": 1.0, "learn": 1.0},
                                        {}, {})
     assert metrics["learn/d_lag"] == 0.25 and metrics["learn/d_lag/p50"] == 0.2
     assert metrics["learn/d_lag/p95"] == 0.4 and metrics["learn/d_lag/p99"] == 0.45
     assert metrics["learn/kl_ref_k2_grad_theta_ref"] == 0.01
+    assert metrics["learn/entropy_coef"] == 0.06  # the entropy bonus's β_H this step (it may decay)
     assert metrics["numerics/lag_quarantined"] == 1.0 and metrics["numerics/update_successful"] == 0.0
     assert not any(k.startswith("queue/d_lag") for k in metrics)
 
