@@ -85,9 +85,6 @@ class LearnerWorker(RankBuild, RankWeights):
 
     # ---- training ------------------------------------------------------------------------------
 
-    def _loss_fn(self, logprobs_bt: torch.Tensor, mb: dict):
-        return grpo_micro_batch_loss(logprobs_bt, mb, self.loss_cfg.at_step(self.learner.step))
-
     def train_step(self, batch: dict, lr_scale: float = 1.0) -> dict[str, float]:
         """One GRPO step (at `lr_scale` times the scheduled learning rate: the restart canary).  An out-of-memory error inside it abandons the step (grad buffers cleared,
         no optimizer step, the step counter unchanged) and retries it once at half the micro-batch
@@ -131,7 +128,8 @@ class LearnerWorker(RankBuild, RankWeights):
         from megatron_rl.drill_hooks import drill_spec, record_injection
         from megatron_rl.grpo.step_metrics import grpo_step_weight
 
-        loss_fn = self._loss_fn
+        step_cfg = self.loss_cfg.at_step(self.learner.step)  # this step's loss settings, for every micro-batch
+        loss_fn = partial(grpo_micro_batch_loss, cfg=step_cfg)
         oom = drill_spec("oom")  # `megatron-rl drill oom`: the forward/backward of step at_step fails
         if oom and self.learner.step == int(oom["at_step"]) and self._ooms < int(oom.get("times", 1)):
             self._ooms += 1
@@ -144,7 +142,6 @@ class LearnerWorker(RankBuild, RankWeights):
         for g in groups:  # the scheduler sets the next step's rate after a successful update
             g["lr"] *= lr_scale
         try:
-            step_cfg = self.loss_cfg.at_step(self.learner.step)
             out = self.learner.train_step(batch, loss_fn, partial(grpo_step_weight, cfg=step_cfg))
         finally:
             if lr_scale != 1.0 and [g["lr"] for g in groups] == [lr * lr_scale for lr in scheduled]:
