@@ -54,7 +54,7 @@ def _bench(rank, world, args):
     from megatron_rl.grpo.loss import GRPOLossConfig
     from megatron_rl.learner import Learner, LearnerConfig
     from megatron_rl.models.hf_config import load_hf_config
-    from megatron_rl.train.learner_group import grpo_micro_batch_loss
+    from megatron_rl.grpo.micro_loss import grpo_micro_batch_loss
 
     torch.set_num_threads(args.threads)
     cfg = load_hf_config({"model_type": "llama", "vocab_size": 1000, "hidden_size": args.hidden,

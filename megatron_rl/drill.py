@@ -218,22 +218,6 @@ def last_json(text: str) -> dict | None:
     return None
 
 
-def run_drill(cfg: DrillConfig) -> dict:
-    """Run one drill and return its record."""
-    from megatron_rl.drill_faults import RUNNERS
-
-    drill = Drill(cfg)
-    t0 = time.time()
-    record = {"fault": cfg.name, "injected_at": {"step": cfg.at_step}}
-    record.update(RUNNERS[cfg.name](drill))
-    record.update(account(drill))
-    record["time_to_recover_s"] = recovery_time(drill) if record.get("recovered") else None
-    record["attempts"] = [{"exit": a.returncode, "seconds": round(a.ended - a.started, 1)} for a in drill.attempts]
-    record["wall_s"] = round(time.time() - t0, 1)
-    record["run_dir"] = str(drill.run_dir)
-    return record
-
-
 def clear_run_dir(path: Path) -> None:
     """Remove a previous drill's run directory (only one holding a drill's own files)."""
     if path.exists():

@@ -18,7 +18,8 @@ from pathlib import Path
 
 
 def _cmd_drill(args: argparse.Namespace) -> int:
-    from megatron_rl.drill import DrillConfig, clear_run_dir, run_drill
+    from megatron_rl.drill import DrillConfig, clear_run_dir
+    from megatron_rl.drill_faults import run_drill
 
     at_step = args.at_step if args.at_step is not None else (4 if args.name == "bad_checkpoint" else 2)
     steps = args.steps if args.steps is not None else max(4, at_step + 1)

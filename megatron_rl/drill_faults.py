@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
-from megatron_rl.drill import Drill, last_json
+from megatron_rl.drill import Drill, account, last_json, recovery_time
 
 EXIT_REQUEUE, EXIT_OOM = 75, 87
 
@@ -257,7 +258,6 @@ def coordinator_stop(drill: Drill) -> dict:
     round at_step, before it is applied: the producer's put and the learner's take wait on it (Ray calls,
     no timeout below coordinator take_timeout_s); once it continues, the put lands exactly once (put_many
     is idempotent by id, the WAL holds it) and the run finishes in the same attempt."""
-    from megatron_rl.drill import recovery_time
 
     cfg = drill.cfg
     seconds = float(cfg.variant or 10.0)
@@ -296,3 +296,17 @@ RUNNERS = {
     "verifier_timeout": verifier_timeout,
     "worker_crash": worker_crash,
 }
+
+
+def run_drill(cfg: DrillConfig) -> dict:
+    """Run one drill and return its record."""
+    drill = Drill(cfg)
+    t0 = time.time()
+    record = {"fault": cfg.name, "injected_at": {"step": cfg.at_step}}
+    record.update(RUNNERS[cfg.name](drill))
+    record.update(account(drill))
+    record["time_to_recover_s"] = recovery_time(drill) if record.get("recovered") else None
+    record["attempts"] = [{"exit": a.returncode, "seconds": round(a.ended - a.started, 1)} for a in drill.attempts]
+    record["wall_s"] = round(time.time() - t0, 1)
+    record["run_dir"] = str(drill.run_dir)
+    return record

@@ -82,7 +82,7 @@ so the mean of the K micro-batch losses is exactly L, wherever the micro-batch b
 fall.  K is the step's actual count: with a token budget it varies from step to step, so the
 learner hands it to every micro-batch (`num_micro_batches`) and the loss function divides the
 batch's N and S (`tokens_in_loss`, `sequences_in_loss` from megatron_rl.train.batch) by it
-(megatron_rl.train.learner_group.grpo_micro_batch_loss).  Masked rows
+(megatron_rl.grpo.micro_loss.grpo_micro_batch_loss).  Masked rows
 (verifier errors, filtered groups) are in neither N nor S.
 
 Learner-to-behavior lag (not the reference KL), over the global batch:

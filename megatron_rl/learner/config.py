@@ -71,6 +71,11 @@ class LearnerConfig:
     recompute_activations: bool = False
     """Full activation recomputation per layer (saves memory, costs a forward)."""
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of the learner: tensor x pipeline x data parallel (expert parallelism lies within them)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
                      "micro_batch_size", "global_batch_size"):

@@ -185,7 +185,7 @@ class Learner:
         # reduce_step_stats concatenates them into one tensor for one all-reduce (NCCL: on the GPU).
         return loss, micro_batch_stats(loss, metrics)
 
-    def _run(self, micro: list[dict], loss_fn: LossFn | None, forward_only: bool):
+    def _run(self, micro: list[dict], loss_fn: LossFn | None, forward_only: bool, model: list | None = None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         # Pipeline stages receive activations of the shape they are told; with micro-batches of
@@ -194,7 +194,7 @@ class Learner:
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, loss_fn),
             data_iterator=iter(micro),
-            model=self.model,
+            model=model or self.model,
             num_microbatches=len(micro),
             seq_length=self._padded_width(max(mb["tokens"].shape[1] for mb in micro)),
             micro_batch_size=max(mb["tokens"].shape[0] for mb in micro),
@@ -261,18 +261,20 @@ class Learner:
         return metrics
 
     @torch.no_grad()
-    def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None,
+                         model: list | None = None) -> torch.Tensor:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) under `self.sampling`, global [B, T] -> [B, T-1] on
-        every rank, in the rows' order.  With `lengths_b` [B] (real tokens per row), positions at or
+        every rank, in the rows' order; of the policy, or of `model` (chunks in the policy's layout:
+        the frozen reference, train/learner_build.py).  With `lengths_b` [B] (real tokens per row), positions at or
         beyond a row's length - 1 (predictions of padding) hold 0; a token budget never computes them."""
         from megatron.core import parallel_state as ps
 
         batch = {"tokens": tokens_bt} if lengths_b is None else {"tokens": tokens_bt, "lengths": lengths_b}
         plan = self._plan(batch)
         micro = self._local_micro_batches(batch, plan)
-        for chunk in self.model:
+        for chunk in model or self.model:
             chunk.eval()
-        outputs = self._run(micro, None, forward_only=True)
+        outputs = self._run(micro, None, forward_only=True, model=model)
         b, t = tokens_bt.shape
         # Each row is filled on exactly one data-parallel rank: a sum over DP puts every row in place.
         full = torch.zeros(b, t - 1, dtype=torch.float32, device=self.platform.device)

@@ -18,6 +18,7 @@ from megatron_rl.planner.budget import budget_plan, render_budget
 from megatron_rl.planner.ledger import (
     GIB, LearnerLayout, RolloutLayout, as_dict, compare_placements, dims_from_hf, learner_ledger, rollout_ledger,
 )
+from megatron_rl.publish.transport import whole_model_per_gpu
 from megatron_rl.rollout.sleep import choose_sleep
 
 
@@ -35,7 +36,7 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
         seq_length=rc.max_model_len, activation_checkpointing=lc.recompute_activations,
         sequence_parallel=uses_sequence_parallel(hf.moe is not None, lc.tensor_parallel_size),
         reference_model=cfg.loss.kl_coef > 0, publish_dtype="fp32" if rc.dtype == "float32" else "bf16",
-        publish_whole_model=cfg.run.placement == "colocated" and rc.weight_transfer in ("auto", "ipc"))
+        publish_whole_model=whole_model_per_gpu(cfg.run.placement, rc.weight_transfer))
     max_seqs = int(rc.engine_options.get("max_num_seqs", cfg.samples_per_step // cfg.rollout.data_parallel_size or 1))
     roll = RolloutLayout(tp=rc.tensor_parallel_size, groups=cfg.rollout.data_parallel_size,
                          dtype="fp32" if rc.dtype == "float32" else "bf16",

@@ -13,36 +13,23 @@ flat buffer it received, cut at the manifest's offsets (publish/manifest.py `che
                         inside one block.  ~11 GB/s on one core (a memory-bound torch sum),
                         so publication is not bound by hashing (benchmarks/bench_publish.py
                         prints each algorithm's cost side by side).
-  "blake3"              cryptographic, ~4 GB/s here (the package comes with vLLM).
-  "crc32", "sha256"     zlib / hashlib; ~3 GB/s and ~1 GB/s here.
+  "blake3"              cryptographic over every byte, ~4 GB/s here (the package comes with vLLM).
+Both can be chosen: run.publish_checksum.
 """
 
 from __future__ import annotations
 
-import hashlib
-import zlib
 from collections.abc import Iterable
 
 import torch
 
-CHECKSUMS = ("blocksum", "blake3", "crc32", "sha256")
+CHECKSUMS = ("blocksum", "blake3")
 DEFAULT_CHECKSUM = "blocksum"
 BLOCK_BYTES = 4096
 
 
-class _Crc32:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
 class _OverBytes:
-    """A bytes hasher (zlib / hashlib / blake3) fed uint8 CPU tensors."""
+    """A bytes hasher (blake3) fed uint8 CPU tensors."""
 
     def __init__(self, hasher) -> None:
         self._hasher = hasher
@@ -90,10 +77,6 @@ def new_hasher(algo: str):
         from blake3 import blake3
 
         return _OverBytes(blake3())
-    if algo == "crc32":
-        return _OverBytes(_Crc32())
-    if algo == "sha256":
-        return _OverBytes(hashlib.sha256())
     raise ValueError(f"checksum algorithm {algo!r} is not one of {list(CHECKSUMS)}")
 
 

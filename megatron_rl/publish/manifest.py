@@ -10,8 +10,7 @@ the checksum and only commits the version when every bucket matched.  Both sides
 the same immutable `PublicationManifest`; it serialises to plain dicts for RPC/JSON, and
 `from_dict` checks plain data fully (ManifestError naming the field) before anything trusts it.
 
-Checksums (megatron_rl/publish/checksum.py: "blocksum" by default, "blake3", "crc32",
-"sha256") are computed over a bucket's tensors in order, where they lie.
+Checksums (megatron_rl/publish/checksum.py: "blocksum" by default, or "blake3") are computed over a bucket's tensors in order, where they lie.
 """
 
 from __future__ import annotations

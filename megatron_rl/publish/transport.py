@@ -1,6 +1,8 @@
-"""Which publication transport a run uses, chosen once at start-up from (placement, device).
+"""Which publication transport a run uses, chosen once at start-up from (placement, device), and
+the one object per path that carries it (publish/transports.py); the only module that tells the
+paths apart by name.
 
-    from megatron_rl.publish.transport import choose_transport, placement_problem
+    from megatron_rl.publish.transport import choose_transport, placement_problem, make_transport
     choose_transport("colocated", "cuda")            # -> "ipc"
     choose_transport("disaggregated", "cuda")        # -> "nccl"
     choose_transport("colocated", "cpu")             # -> "gloo"
@@ -23,6 +25,9 @@ contradicts the placement or the device is a ConfigError naming the field: the p
 is checked with the rest of the config (placement_problem, before anything starts), the device
 part once the device is known (choose_transport, at start-up).  "none" (generation only) is
 passed through; training refuses it in its own config check.
+
+    transport_class("ipc").device                    # -> "cuda": what other layers ask of a path
+    make_transport("gloo", host=ip, bucket_bytes=b, checksum_algo="blocksum", timeout_s=600)
 """
 
 from __future__ import annotations
@@ -78,3 +83,34 @@ def choose_transport(placement: str, device: str, requested: str = AUTO) -> str:
         log.info("publication transport: gloo as asked (through host memory; '%s' would pick %s)", AUTO,
                  "ipc" if placement == "colocated" else "nccl")
     return requested
+
+
+TRANSPORTS = ("gloo", "nccl", "ipc")
+
+
+def transport_class(name: str):
+    """The path named `name` (publish/transports.py); a standalone engine, outside a run's start-up,
+    takes "auto" as "gloo".  Imported here, not at the top: the config check needs no torch."""
+    from megatron_rl.publish import transports
+
+    classes = {c.name: c for c in (transports.GlooTransport, transports.NcclTransport, transports.IpcTransport)}
+    assert tuple(classes) == TRANSPORTS
+    if name == AUTO:
+        return classes["gloo"]
+    if name not in classes:
+        raise ValueError(f"publication transport {name!r} is not one of {list(TRANSPORTS)}")
+    return classes[name]
+
+
+def make_transport(name: str, **kw):
+    """The transport object for `name` (choose_transport's answer), with its settings."""
+    return transport_class(name)(**kw)
+
+
+def whole_model_per_gpu(placement: str, requested: str) -> bool:
+    """Whether a GPU run with this placement and rollout.weight_transfer holds a whole copy of the
+    model on each GPU during a publication (the planner asks; an impossible pairing answers False)."""
+    try:
+        return transport_class(choose_transport(placement, "cuda", requested)).whole_model_per_gpu
+    except (ConfigError, ValueError):
+        return False

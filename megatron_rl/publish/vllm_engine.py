@@ -1,7 +1,8 @@
 """vLLM weight-transfer backend "megatron_rl_gloo": receive checked publications on CPU.
 
-(Its GPU sibling "megatron_rl_nccl", publish/vllm_nccl.py, shares the staging and
-all-or-nothing commit below, VerifiedCommit, and differs only in how bytes arrive.)
+(Its GPU siblings "megatron_rl_nccl" (publish/vllm_nccl.py) and "megatron_rl_ipc"
+(publish/vllm_ipc.py) share the staging and all-or-nothing commit below, VerifiedCommit, and
+differ only in how bytes arrive: the three backends of publish/transports.py.)
 
 Loaded inside vLLM's worker processes, either by the general-plugin entry point
 
@@ -37,14 +38,14 @@ from typing import Any
 import torch
 
 from megatron_rl.publish.manifest import dtype_name
+from megatron_rl.publish.transports import GlooTransport, IpcTransport, NcclTransport
 from megatron_rl.publish.wire import ReceivedPublication, StagingBuffers, open_group, receive_publication
 
 log = logging.getLogger(__name__)
 
-BACKEND = "megatron_rl_gloo"
-NCCL_BACKEND = "megatron_rl_nccl"  # vLLM's NCCL transfer + our manifest check (publish/vllm_nccl.py)
-IPC_BACKEND = "megatron_rl_ipc"  # vLLM's CUDA IPC handles + our manifest check (publish/vllm_ipc.py)
-BACKENDS = {"gloo": BACKEND, "nccl": NCCL_BACKEND, "ipc": IPC_BACKEND}  # rollout.weight_transfer -> backend
+BACKEND = GlooTransport.vllm_backend
+NCCL_BACKEND = NcclTransport.vllm_backend  # vLLM's NCCL transfer + our manifest check (publish/vllm_nccl.py)
+IPC_BACKEND = IpcTransport.vllm_backend  # vLLM's CUDA IPC handles + our manifest check (publish/vllm_ipc.py)
 
 
 def enable_cpu_amx() -> None:
@@ -113,7 +114,7 @@ def _engine_base():
 
 
 class VerifiedCommit:
-    """What both backends share: a publication is staged, checked as a whole, then loaded
+    """What the three backends share: a publication is staged, checked as a whole, then loaded
     into the model at finish_weight_update -- or dropped, and the model keeps serving the
     version it had.  Mixed into a vLLM WeightTransferEngine (needs self.model, model_config).
 

@@ -21,12 +21,20 @@ from megatron_rl.rollout.config import RolloutConfig
 log = logging.getLogger(__name__)
 
 
+def transfer_path(cfg: RolloutConfig):
+    """The publication path this engine receives (publish/transports.py); "none" has no path and
+    takes gloo's engine side (which nothing will ever connect to)."""
+    from megatron_rl.publish.transport import transport_class
+
+    return transport_class("auto" if cfg.weight_transfer == "none" else cfg.weight_transfer)
+
+
 def engine_env(cfg: RolloutConfig, on_gpu: bool) -> dict[str, str]:
     """Environment variables vLLM needs for this config (on GPU only the in-process switch)."""
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if cfg.engine_in_process else {}
     if on_gpu:
         # The ipc backend's handles travel pickled (vLLM refuses to unpickle them otherwise).
-        return {**in_process, **({"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if cfg.weight_transfer == "ipc" else {})}
+        return {**in_process, **transfer_path(cfg).engine_env}
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), **in_process}
     bind = cfg.cpu_threads_bind
     if bind is None and cfg.tensor_parallel_size > 1:
@@ -57,9 +65,7 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     # requests AMX permission (spawned CPU workers die with SIGILL without it).
     kwargs["worker_extension_cls"] = "megatron_rl.publish.vllm_engine.PublicationWorkerExtension"
     if cfg.weight_transfer != "none":  # "auto" reaches a standalone engine only: gloo
-        from megatron_rl.publish.vllm_engine import BACKENDS
-
-        kwargs["weight_transfer_config"] = {"backend": BACKENDS.get(cfg.weight_transfer, BACKENDS["gloo"])}
+        kwargs["weight_transfer_config"] = {"backend": transfer_path(cfg).vllm_backend}
     if cfg.sleep_mode:  # resolved at start-up (rollout/sleep.py); unset here means off
         kwargs["enable_sleep_mode"] = True
     kwargs.update(cfg.engine_options)

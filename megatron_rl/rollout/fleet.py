@@ -2,10 +2,9 @@
 what happens when one of their engines dies.
 
     fleet = RolloutFleet(cfg.rollout, num_groups=2)
-    fleet.attach(learner, bucket_bytes=64 << 20, transport="gloo")   # the learner publishes to it
     ref = fleet.submit(prompts, n=8, sampling={"seed": s}, extra=[...])   # non-blocking (Ray futures)
     samples = fleet.collect(ref)                                          # prompt-major RolloutSamples
-    fleet.publish(version)                                                # every group, or none
+    fleet.set_refitter(policy.refit)     # train/policy.py: publishes to the fleet's groups, refits restarted ones
 
 Prompts are split round-robin across groups (each group is one `RolloutWorker` actor with its own
 vLLM engine and tensor-parallel size); the result keeps the caller's order.
@@ -16,9 +15,9 @@ the generate call that was running on it.  The fleet then:
   1. restarts it: the actor is killed and a new one started in the same placement; its engine
      loads the checkpoint on disk, which is no version of this run, so it is **stale** and its
      worker refuses to generate (version None: no sample of an unknown version can exist);
-  2. refits it: the publication group is formed anew with every group, and the learner publishes
-     the version it published last (or, if the learner already moved on, the next publication
-     does it).  The group serves again only once that publication committed on it: every bucket's
+  2. refits it through the refitter the policy gave it (train/policy.py Policy.refit): the
+     publication group is formed anew with every group, and the learner publishes the version it
+     published last (or, if the learner already moved on, the next publication does it).  The group serves again only once that publication committed on it: every bucket's
      checksum verified and the refit check (engine vs learner logprobs on the probe) passed;
   3. retries the requests that were in flight on it, with the same seeds, on a serving group (the
      restarted one once it serves), counted in `system/requests_retried`.  Their samples died with
@@ -34,9 +33,9 @@ publication group (formed anew without it), so the learner and the other groups 
 publication group is formed with it again and it is refitted (as above) before it serves again.
 Counted in `system/rollout_partitions` and `system/unreachable_rollout_groups`.
 
-A refit publishes only the weights the learner published last: under the learner's lock, and only
-if no step or load changed its weights since (LearnerGroup.updates), so a refit never labels newer
-weights with an older version.
+The fleet knows its groups, not the learner: which groups a publication reaches and which of them
+are stale (publication_members), and what each group serves after it (refitted).  A publication
+commits on the groups it reaches; an unreachable group is refitted before it serves again.
 """
 
 from __future__ import annotations
@@ -117,9 +116,7 @@ class RolloutFleet:
         self.state = [STALE if self.handed_over else SERVING] * num_groups
         self._lock = threading.RLock()  # membership: workers, state, regroup
         self._regroup = False  # a group was replaced: form the publication group anew before publishing
-        self.learner = None
-        self._connect: dict = {}
-        self._published: tuple[int, int] | None = None  # (version, learner.updates when it was published)
+        self._refitter = None  # publishes the last version again to stale groups (Policy.refit), once set
         self._probe: tuple | None = None  # the last expect_probe arguments (for a restarted group)
         self.restarts = 0
         self.requests_retried = 0
@@ -226,7 +223,7 @@ class RolloutFleet:
                 ray.kill(dead, no_restart=True)
             except Exception as kill_err:  # already gone
                 logger.debug("kill of the dead rollout actor: %s", kill_err)
-            stale = self.learner is not None  # without a learner the checkpoint on disk is what it serves
+            stale = self._refitter is not None  # without a policy the checkpoint on disk is what it serves
             t0 = time.perf_counter()
             self.workers[g] = self._start(g, stale=stale)
             ray.get(self.workers[g].policy_version.remote())  # its engine is up
@@ -249,25 +246,19 @@ class RolloutFleet:
                                     f"restarts (groups: {self.state})")
             time.sleep(0.5)
 
+    def set_refitter(self, refitter) -> None:
+        """`refitter(wait_s) -> bool` publishes the last published version again to the stale groups
+        (Policy.refit); from now on a restarted group is stale until it is refitted."""
+        self._refitter = refitter
+
     def refit(self, wait_s: float = 1.0) -> bool:
-        """Publish the last published version again, so restarted groups hold it; False when it cannot
-        happen now (no learner or no publication yet, the learner busy, or its weights moved on: the
-        next publication refits then)."""
+        """Refit stale groups now, through the refitter; False when it cannot happen now (no refitter,
+        nothing stale, or the refitter declined: the next publication refits them then)."""
         with self._lock:
             stale = [g for g, s in enumerate(self.state) if s == STALE and g not in self.unreachable]
-            if not stale or self.learner is None or self._published is None:
-                return False
-        if not self.learner.lock.acquire(timeout=wait_s):
+        if not stale or self._refitter is None:
             return False
-        try:
-            version, updates = self._published
-            if self.learner.updates != updates:
-                return False
-            logger.info("refitting rollout group(s) %s with policy version %d", stale, version)
-            self._publish_locked(version)
-            return True
-        finally:
-            self.learner.lock.release()
+        return self._refitter(wait_s)
 
     # ---- unreachable groups ----------------------------------------------------------------------
 
@@ -306,13 +297,6 @@ class RolloutFleet:
 
     # ---- publication -----------------------------------------------------------------------------
 
-    def attach(self, learner, *, bucket_bytes: int, transport: str) -> None:
-        """Connect the learner's publisher to every group; it publishes through `publish` from now on."""
-        self.learner = learner
-        self._connect = {"bucket_bytes": bucket_bytes, "transport": transport,
-                         "timeout_s": self.cfg.publish_timeout_s}
-        learner.connect_rollout(list(self.workers), **self._connect)
-
     def expect_probe(self, version: int, sequences, logprobs, tolerance: float) -> None:
         """The refit check's reference for `version` (RolloutWorker.expect_probe), kept for restarts."""
         self._probe = (version, sequences, logprobs, tolerance)
@@ -320,15 +304,10 @@ class RolloutFleet:
             workers = [w for g, w in enumerate(self.workers) if g not in self.unreachable]
         ray.get([w.expect_probe.remote(*self._probe) for w in workers], timeout=self.cfg.publish_timeout_s)
 
-    def publish(self, version: int) -> dict:
-        """The learner publishes `version` to every group (the learner's report: committed, errors)."""
-        with self.learner.lock:
-            report = self._publish_locked(version)
-            if report["committed"]:
-                self._published = (version, self.learner.updates)
-            return report
-
-    def _publish_locked(self, version: int, again: bool = True) -> dict:
+    def publication_members(self, version: int) -> tuple[list, list[int], list[int], bool]:
+        """Who the publication of `version` reaches: (a snapshot of the workers, the members (groups
+        that answer), the stale members, whether the publication group must be formed anew).  The
+        stale members get the probe of `version` for their refit check; RolloutFailed when no group answers."""
         self.check_returned()
         with self._lock:
             workers, regroup = list(self.workers), self._regroup
@@ -337,28 +316,22 @@ class RolloutFleet:
         if not members:
             raise RolloutFailed(f"no rollout group answers: publication of version {version} has no receiver "
                                 f"(unreachable: {sorted(self.unreachable)})")
-        if regroup:  # the old group had a dead engine's ranks in it, or an unreachable group's, or lacks one
-            self.learner.connect_rollout([workers[g] for g in members], **self._connect)
-            with self._lock:
-                self._regroup = self.workers != workers  # replaced again meanwhile: once more next time
         if stale and self._probe is not None and self._probe[0] == version:
             ray.get([workers[g].expect_probe.remote(*self._probe) for g in stale])
-        report = self.learner.publish(version)
-        groups = report.get("groups") or []
-        lost = [(members[i], r["error"]) for i, r in enumerate(groups) if r["unresponsive"]]
-        if lost:
-            for g, why in lost:
-                self.mark_unreachable(g, workers[g], why)
-            kept = [r for r in groups if not r["unresponsive"]]
-            if not all(r["committed"] for r in kept):  # the send broke off: once more without them
-                return self._publish_locked(version)
-            report = dict(report, committed=bool(kept), groups=kept, errors=[])
-        elif report.get("broken") and again:  # broke off, yet every group answered (it came back meanwhile)
-            with self._lock:
-                self._regroup = True
-            logger.warning("publication of version %d broke off; forming the publication group anew and "
-                           "publishing it again", version)
-            return self._publish_locked(version, again=False)
+        return workers, members, stale, regroup
+
+    def regrouped(self, workers: list) -> None:
+        """The publication group was formed with the members of `workers` (publication_members' snapshot)."""
+        with self._lock:
+            self._regroup = self.workers != workers  # replaced again meanwhile: once more next time
+
+    def regroup(self) -> None:
+        """Form the publication group anew before the next publication (a send broke off)."""
+        with self._lock:
+            self._regroup = True
+
+    def refitted(self, version: int, workers: list, stale: list[int]) -> None:
+        """After a publication of `version`: each stale group that now serves it serves again."""
         versions = ray.get([workers[g].policy_version.remote() for g in stale])
         with self._lock:
             for g, v in zip(stale, versions):
@@ -366,7 +339,6 @@ class RolloutFleet:
                     self.state[g] = SERVING
                     logger.warning("rollout group %d refitted: serving policy version %d (bytes verified%s)", g, v,
                                    ", refit check passed" if self._probe and self._probe[0] == version else "")
-        return report
 
     def counters(self) -> dict[str, float]:
         """Restarts, retried requests and stale groups so far (logged with every step)."""

@@ -29,7 +29,8 @@ from megatron_rl.config import from_dict
 from megatron_rl.drill_hooks import maybe_kill_engine, maybe_stop_group
 from megatron_rl.platform.priority import with_normal_priority
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.engine_setup import engine_env, engine_identity, eos_token_ids, llm_kwargs, undo_ray_niceness
+from megatron_rl.rollout.engine_setup import (engine_env, engine_identity, eos_token_ids, llm_kwargs, transfer_path,
+                                              undo_ray_niceness)
 from megatron_rl.rollout.sample import RolloutSample
 
 log = logging.getLogger(__name__)
@@ -203,14 +204,14 @@ class RolloutWorker:
         """
         self._require_transfer()
         info: dict[str, Any] = {"version": int(version)}
-        kept = self.config.weight_transfer in ("nccl", "ipc")
+        kept = transfer_path(self.config).commits_by_rpc
         if kept:
             if metadata is None:
                 raise ValueError(f"a {self.config.weight_transfer} publication needs the tensors' "
                                  "(name, dtype, shape) up front")
             info.update(names=[m[0] for m in metadata], dtype_names=[m[1] for m in metadata],
                         shapes=[list(m[2]) for m in metadata])
-        if self.config.weight_transfer == "ipc":
+        if ipc_handles is not None:
             info["ipc_handles_pickled"] = ipc_handles
         maybe_stop_group(int(version))  # drill hook (engine_stop); no-op without MEGATRON_RL_DRILL
         self.llm.start_weight_update()
@@ -234,10 +235,10 @@ class RolloutWorker:
                 "error": f"publication {version} broke off: {last[-1] if last else err!r}"}
 
     def commit_weights(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """NCCL: check what every worker kept against the trainer's manifest; commit on all or none."""
-        if self.config.weight_transfer not in ("nccl", "ipc"):
-            raise ValueError("commit_weights is for rollout.weight_transfer 'nccl' or 'ipc' "
-                             "(gloo commits in receive_weights)")
+        """NCCL / IPC: check what every worker kept against the trainer's manifest; commit on all or none."""
+        if not transfer_path(self.config).commits_by_rpc:
+            raise ValueError(f"commit_weights is for a path that commits by RPC, not rollout.weight_transfer "
+                             f"{self.config.weight_transfer!r} (which commits in receive_weights)")
         try:
             statuses = self.llm.collective_rpc("megatron_rl_verify_publication", args=(manifest,))
         except Exception:

@@ -152,6 +152,9 @@ class RunConfig:
     """CPUs a locally started Ray advertises (None: Ray's own count)."""
     publish_bucket_mib: int = 64
     """Size of one checksummed bucket of a weight publication."""
+    publish_checksum: Literal["blocksum", "blake3"] = "blocksum"
+    """How each bucket is checksummed: "blocksum" (block sums under blake3; fast, on the GPU where the
+    tensors lie) or "blake3" (cryptographic over every byte; publish/checksum.py)."""
     take_timeout_s: float = 600.0
     """How long a learner step waits for a full batch inside its version window before failing."""
     learner_timeout_s: float = 1800.0

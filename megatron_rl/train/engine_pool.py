@@ -66,14 +66,13 @@ def engine_pool() -> Iterator["EnginePool"]:
         pool.drop()
 
 
-def sft_learner_group(**kwargs):
-    """An `sft` run's LearnerGroup (train/learner_group.py; kwargs as its own): the last `sft` run's actors,
-    rebuilt, when the experiment runner's pool holds them for this layout, else new actors."""
-    from megatron_rl.train.learner_group import LearnerGroup
+def sft_learner_group(**spec_fields):
+    """An `sft` run's LearnerGroup (train/learner_group.py) built from a RankSpec of `spec_fields`: the last
+    `sft` run's actors, rebuilt, when the experiment runner's pool holds them for this layout, else new actors."""
+    from megatron_rl.train.learner_group import LearnerGroup, RankSpec
 
-    lc, pool = kwargs["learner_cfg"], active_pool()
-    world = lc.tensor_parallel_size * lc.pipeline_parallel_size * lc.data_parallel_size
-    return LearnerGroup(**kwargs, handed_over=pool.take_free_learners(world) if pool is not None else None)
+    spec, pool = RankSpec(**spec_fields), active_pool()
+    return LearnerGroup(spec, handed_over=pool.take_free_learners(spec.learner.world_size) if pool is not None else None)
 
 
 def release_sft_learners(group) -> None:

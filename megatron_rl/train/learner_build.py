@@ -1,14 +1,18 @@
-"""How a learner rank is built: torch.distributed, the Megatron learner, the initial policy from a
-Hugging Face checkpoint (through the shared conversion mapping) and the frozen reference model.
+"""The parts a learner rank is built from: its rendezvous, the Megatron learner filled with the
+initial policy from a Hugging Face checkpoint (through the shared conversion mapping), and the
+frozen reference model.  Assembled by `LearnerWorker` (train/learner_rank.py).
 
-    class LearnerWorker(RankBuild, ...)   # train/learner_group.py
-    worker.setup(master_addr, master_port, sampling)
+    rdv = Rendezvous(rank, world_size); addr, port = rdv.address()   # rank 0 only
+    rdv.join(addr, port, platform)                                     # every rank
+    policy = InitialPolicy.load(spec, platform)    # .learner, .hf_cfg, .checkpoint, .tp_rank, .padded_vocab
+    reference = Reference(policy)                  # reference.logprobs(tokens_bt, lengths_b)
 
 `seed_everything` sets seeds, threads and deterministic mode of a process (the driver's too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -17,6 +21,7 @@ import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
+
 
 def seed_everything(seed: int, deterministic: bool | None, threads: int) -> None:
     """Seeds, threads and deterministic mode (None: on for CPU, off on GPU; platform.apply_determinism)."""
@@ -29,10 +34,14 @@ def seed_everything(seed: int, deterministic: bool | None, threads: int) -> None
     apply_determinism(deterministic, cuda=torch.cuda.is_available())
 
 
-class RankBuild:
-    """Mixin of LearnerWorker: needs self.rank, self.world_size and self._args (its __init__)."""
+class Rendezvous:
+    """How the learner ranks find each other: rank 0's store, bound before any rank hears its port."""
 
-    def rendezvous_address(self) -> tuple[str, int]:
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.store = None
+
+    def address(self) -> tuple[str, int]:
         """(this node's IP, the port rank 0's rendezvous store listens on).  The store binds port 0
         (the OS picks a free one and binds it at once) before any rank is told the port, so no other
         process can take it in between, as a port probed free and bound later by
@@ -42,13 +51,13 @@ class RankBuild:
         from megatron_rl.publish.wire import host_store
 
         host = ray.util.get_node_ip_address()
-        self._rendezvous_store = host_store(host, self.world_size)
-        return host, self._rendezvous_store.port
+        self.store = host_store(host, self.world_size)
+        return host, self.store.port
 
     def join(self, master_addr: str, master_port: int, platform) -> None:
-        """Join torch.distributed through rank 0's store (rendezvous_address): rank 0 passes the
-        store it already listens on, the other ranks connect to it as clients.  A process that is already
-        a rank (tests/dist: run_distributed set torch.distributed up) joins nothing."""
+        """Join torch.distributed through rank 0's store (address()): rank 0 passes the store it
+        already listens on, the other ranks connect to it as clients.  A process that is already a
+        rank (tests/dist: run_distributed set torch.distributed up) joins nothing."""
         import datetime
 
         import torch.distributed as dist
@@ -56,92 +65,66 @@ class RankBuild:
         from megatron_rl.platform.parallel import init_distributed
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        store = getattr(self, "_rendezvous_store", None) if self.rank == 0 else None
         if dist.is_initialized():  # a process that is already a rank (tests/dist): nothing to join
             init_distributed(platform, rank=self.rank, world_size=self.world_size)
             return
+        store = self.store if self.rank == 0 else None
         if store is None:
             if self.rank == 0:
-                raise RuntimeError("learner rank 0 joins before rendezvous_address() made its store")
+                raise RuntimeError("learner rank 0 joins before Rendezvous.address() made its store")
             store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False,
                                   timeout=datetime.timedelta(seconds=600))
         init_distributed(platform, rank=self.rank, world_size=self.world_size, store=store)
 
-    def setup(self, master_addr: str, master_port: int, sampling=None) -> int:
-        """Join torch.distributed, build the learner (scoring under `sampling`) and load the initial policy."""
-        from megatron_rl.platform import detect_platform
 
-        learner_cfg, _, _, seed, deterministic, threads = self._args
-        seed_everything(seed, deterministic, threads)
-        self.platform = detect_platform(dtype=learner_cfg.dtype)
-        self.join(master_addr, master_port, self.platform)
-        return self._build(sampling)
+@dataclasses.dataclass
+class InitialPolicy:
+    """The Megatron learner of one rank, filled from the HF checkpoint it starts from."""
 
-    def rebuild(self, args: tuple, sampling=None) -> int:
-        """Serve the next run of an experiment in this process (train/engine_pool.py): the last run's
-        learner, reference, optimizer, publication group and Megatron parallel state are dropped, and
-        everything `setup` builds is built anew from `args` (that run's sections, initial policy and
-        seed) in the same order; torch.distributed (same world size) stays up."""
-        import gc
+    learner: object  # megatron_rl.learner.Learner
+    hf_cfg: object  # megatron_rl.models.hf_config.HFModelConfig
+    checkpoint: object  # megatron_rl.conversion.hf_io.HFCheckpoint (the reference is filled from it too)
+    tp_rank: int
+    padded_vocab: int
 
-        from megatron_rl.platform import detect_platform
-        from megatron_rl.platform.parallel import destroy_parallel
-
-        old = getattr(self, "learner", None)
-        if old is not None:
-            old.close()
+    @classmethod
+    def load(cls, spec, platform) -> "InitialPolicy":
+        """Build the learner of `spec` (a RankSpec) after the join and load its initial policy."""
         from megatron.core import parallel_state as ps
 
-        if ps.model_parallel_is_initialized():
-            destroy_parallel()
-        kept = {k: self.__dict__[k] for k in ("rank", "world_size", "_rendezvous_store") if k in self.__dict__}
-        self.__dict__.clear()
-        self.__dict__.update(kept, _args=args)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the last run's model and optimizer states back to the device
-        learner_cfg, _, _, seed, deterministic, threads = args
-        seed_everything(seed, deterministic, threads)
-        self.platform = detect_platform(dtype=learner_cfg.dtype)
-        rank = self._build(sampling)
-        logger.info("learner rank %d rebuilt in its process for the next run (%s, seed %d)", self.rank, args[2], seed)
-        return rank
-
-    def _build(self, sampling=None) -> int:
-        """The learner, its initial policy from the HF checkpoint, and the reference (after the join)."""
         from megatron_rl.conversion.hf_io import HFCheckpoint
         from megatron_rl.conversion.model_io import fill_from_hf
         from megatron_rl.learner import Learner
         from megatron_rl.models.hf_config import load_hf_config, padded_vocab_size
 
-        learner_cfg, loss_cfg, hf_dir, _, _, _ = self._args
-        self.loss_cfg = loss_cfg
-        self.hf_cfg = load_hf_config(hf_dir)
-        self.publish_device = "cpu"  # where published tensors are materialised (connect_rollout)
-        self.publish_dtype = torch.float32  # the engines' dtype once connected (connect_rollout)
-        self.learner = Learner(learner_cfg, self.hf_cfg, self.platform, sampling=sampling)
-        from megatron.core import parallel_state as ps
-
-        tp = learner_cfg.tensor_parallel_size
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.padded_vocab = padded_vocab_size(self.hf_cfg.vocab_size, tp)
-        ckpt = HFCheckpoint(hf_dir, self.hf_cfg)
-        fill_from_hf(self.learner.model[0].module, self.hf_cfg, ckpt, self.tp_rank, tp, self.padded_vocab)
+        hf_cfg = load_hf_config(spec.hf_dir)
+        learner = Learner(spec.learner, hf_cfg, platform, sampling=spec.sampling)
+        tp = spec.learner.tensor_parallel_size
+        policy = cls(learner, hf_cfg, HFCheckpoint(spec.hf_dir, hf_cfg), ps.get_tensor_model_parallel_rank(),
+                     padded_vocab_size(hf_cfg.vocab_size, tp))
+        fill_from_hf(learner.model[0].module, hf_cfg, policy.checkpoint, policy.tp_rank, tp, policy.padded_vocab)
         # Megatron's optimizer keeps fp32 main params for bf16 models: copy the loaded weights in.
-        if hasattr(self.learner.optimizer, "reload_model_params"):
-            self.learner.optimizer.reload_model_params()
-        self.hf_dir, self._ckpt = hf_dir, ckpt
-        self.reference = self._build_reference() if loss_cfg.kl_coef > 0 else None
-        return self.rank
+        if hasattr(learner.optimizer, "reload_model_params"):
+            learner.optimizer.reload_model_params()
+        return policy
 
-    def _build_reference(self):
-        """A frozen copy of the initial policy, same layout, forward only."""
+
+class Reference:
+    """A frozen copy of the initial policy in the learner's layout: forward only, and its own logprobs
+    (run through the learner's schedule, so TP/PP/DP and the token budget apply as for the policy)."""
+
+    def __init__(self, policy: InitialPolicy):
         from megatron_rl.conversion.model_io import fill_from_hf
         from megatron_rl.models.builder import build_gpt_model
 
+        self.learner = policy.learner
         lc = self.learner.cfg
-        ref = build_gpt_model(self.hf_cfg, platform=self.platform, tp=lc.tensor_parallel_size,
-                              pp=lc.pipeline_parallel_size, config=self.learner.config)
-        fill_from_hf(ref, self.hf_cfg, self._ckpt, self.tp_rank, lc.tensor_parallel_size, self.padded_vocab)
-        ref.requires_grad_(False)
-        return ref
+        self.model = build_gpt_model(policy.hf_cfg, platform=self.learner.platform, tp=lc.tensor_parallel_size,
+                                     pp=lc.pipeline_parallel_size, config=self.learner.config)
+        fill_from_hf(self.model, policy.hf_cfg, policy.checkpoint, policy.tp_rank, lc.tensor_parallel_size,
+                     policy.padded_vocab)
+        self.model.requires_grad_(False)
+
+    def logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T-1] log-probabilities of the tokens under the initial policy (as Learner.forward_logprobs)."""
+        return self.learner.forward_logprobs(tokens_bt, lengths_b, model=[self.model])

@@ -154,7 +154,7 @@ def check_and_plan(cfg: TrainConfig) -> dict:
                          f"{lc.micro_batch_size} x {lc.data_parallel_size}")
     splits, template = load_task(cfg.data)
     resume_from = check_resume_tokenizer(cfg)
-    ranks = lc.tensor_parallel_size * lc.pipeline_parallel_size * lc.data_parallel_size
+    ranks = lc.world_size
     return {
         "mode": cfg.run.mode,
         "placement": cfg.run.placement,

@@ -3,13 +3,21 @@
     policy = Policy.create(cfg.learner, cfg.loss, cfg.run, cfg.sampling, weight_transfer=cfg.rollout.weight_transfer,
                            model_dir=d, fleet=fleet, placement=place.learner, vocab_size=v, pad_id=0)
     learn, seconds = policy.learn(taken, version)     # one GRPO step on a taken batch -> version + 1
-    seconds = policy.publish(version + 1)             # every rollout group loads it, or none does
+    seconds = policy.publish(version + 1)             # every reachable rollout group loads all of it
 
+The policy owns publication, at one level (`_publish_locked`): which groups it reaches and whether
+the publication group must be formed anew (the fleet says: rollout/fleet.py), the send (the learner
+group's ranks, over the run's transport: publish/transports.py), and what each outcome costs:
+  a group that stopped answering   left out (unreachable, stale); the rest published once more;
+  the send broke off               the publication group formed anew, published once more;
+  a refit check failed             the group rolled back; published once more, then PublicationError;
+  a dead or unreachable engine     PublicationError (the driver exits 75: rerun to resume).
 A publication is checked twice: bucket checksums (publish/), and a refit probe (rollout/worker.py)
-that compares the engine's logprobs on a fixed batch with the learner's; a group failing it rolls
-back and the version is published once more.  A dead or unreachable engine is a PublicationError
-(the driver exits 75: rerun to resume).  Publication goes through the fleet (rollout/fleet.py), so a
-rollout group whose engine was restarted rejoins the publication group and is refitted first.
+that compares the engine's logprobs on a fixed batch with the learner's.  Each rollout group
+commits all of a version or none of it; the version is committed on the groups that answer.
+A restarted group is refitted through `refit` (the fleet's refitter): the last published version,
+only if the learner's weights did not change since (LearnerGroup.updates), so a refit never labels
+newer weights with an older version.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from megatron_rl.learner.config import LearnerConfig, SamplingConfig
 from megatron_rl.rollout.fleet import RolloutFleet
 from megatron_rl.rollout.sleep import SleepCycle
 from megatron_rl.train.config import RunConfig
-from megatron_rl.train.learner_group import LearnerGroup
+from megatron_rl.train.learner_group import LearnerGroup, RankSpec
+from megatron_rl.train.learner_weights import PublishSettings
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +62,19 @@ class Policy:
     """Owns the learner group and the publication of its weights to the rollout engines."""
 
     def __init__(self, learner: LearnerGroup, fleet: RolloutFleet, settings: PolicySettings,
-                 sleep: SleepCycle | None = None):
+                 publishing: PublishSettings, sleep: SleepCycle | None = None):
         self.learner = learner
         self.fleet = fleet
         self.settings = settings
+        self.publishing = publishing
         self.sleep = sleep
         """vLLM sleep/wake around learner steps (rollout/sleep.py; None: never)."""
+        self.published: tuple[int, int] | None = None
+        """(version, learner.updates) of the last committed publication: what a refit may publish again."""
+        self.last_publication: dict | None = None
+        """The learner's report of the last publication (committed, errors, groups)."""
+        learner.connect_rollout(list(fleet.workers), publishing)
+        fleet.set_refitter(self.refit)
 
     @classmethod
     def create(cls, learner: LearnerConfig, loss: GRPOLossConfig, run: RunConfig, sampling: SamplingConfig, *,
@@ -69,15 +85,17 @@ class Policy:
         publication settings) started from `model_dir`, attached to the fleet it publishes to once
         its engines are up (they may still be starting while the learner does).
         `sleep`: (on, why) of vLLM sleep mode, chosen at start-up (train/placement.py)."""
-        group = LearnerGroup(learner_cfg=learner, loss_cfg=loss, hf_dir=str(model_dir), seed=learner.seed,
-                             deterministic=run.deterministic, threads=run.torch_threads, placement=placement,
-                             sampling=sampling, call_timeout_s=run.learner_timeout_s, handed_over=handed_over)
+        spec = RankSpec(learner=learner, loss=loss, hf_dir=str(model_dir), seed=learner.seed,
+                        deterministic=run.deterministic, threads=run.torch_threads, sampling=sampling)
+        group = LearnerGroup(spec, placement=placement, call_timeout_s=run.learner_timeout_s, handed_over=handed_over)
         fleet.wait_ready()
-        fleet.attach(group, bucket_bytes=run.publish_bucket_mib << 20, transport=weight_transfer)
+        publishing = PublishSettings(transport=weight_transfer, bucket_bytes=run.publish_bucket_mib << 20,
+                                     timeout_s=fleet.cfg.publish_timeout_s, checksum=run.publish_checksum)
         settings = PolicySettings(loss=loss, sampling=sampling, micro_batch_size=learner.micro_batch_size,
                                   probe_rows=learner.micro_batch_size * learner.data_parallel_size,
                                   refit_tolerance=run.refit_tolerance, vocab_size=vocab_size, pad_id=pad_id)
-        return cls(group, fleet, settings, SleepCycle(lambda: fleet.workers, enabled=sleep[0], reason=sleep[1]))
+        return cls(group, fleet, settings, publishing,
+                   SleepCycle(lambda: fleet.workers, enabled=sleep[0], reason=sleep[1]))
 
     @property
     def engines(self) -> list:
@@ -103,29 +121,81 @@ class Policy:
         return out, time.perf_counter() - t0
 
     def publish(self, version: int) -> float:
-        """Publish the learner's weights as `version` to every rollout group (all or none); seconds."""
+        """Publish the learner's weights as `version` to every rollout group that answers; seconds."""
         t0 = time.perf_counter()
         if self.sleep is not None:
             self.sleep.before_refit()                        # awake before the refit and its check
         self._expect_probe(version)
-        for attempt in (1, 2):
+        with self.learner.lock:
+            self._publish_locked(version)
+        return time.perf_counter() - t0
+
+    def refit(self, wait_s: float = 1.0) -> bool:
+        """Publish the last published version again, so restarted groups hold it (the fleet's refitter);
+        False when it cannot happen now: nothing published yet, the learner busy for `wait_s`, its
+        weights moved on since (the next publication refits then), or the refit failed (logged)."""
+        if self.published is None or not self.learner.lock.acquire(timeout=wait_s):
+            return False
+        try:
+            version, updates = self.published
+            if self.learner.updates != updates:
+                return False
+            logger.info("refitting stale rollout group(s) with policy version %d", version)
+            self._publish_locked(version)
+            return True
+        except (RuntimeError, PublicationError) as err:
+            logger.warning("refit with policy version %s failed: %s", self.published[0], err)
+            return False
+        finally:
+            self.learner.lock.release()
+
+    def _publish_locked(self, version: int) -> dict:
+        """One publication under the learner's lock, every outcome handled here (module docstring).
+        Each pass either commits, or changes what the next one does (a group left, the group formed
+        anew, a rollback), so the passes are bounded."""
+        broke_off = refit_failed = False
+        for _ in range(len(self.fleet.workers) + 3):
+            workers, members, stale, regroup = self.fleet.publication_members(version)
+            if regroup:  # the old group had a dead engine's ranks in it, or an unreachable group's, or lacks one
+                self.learner.connect_rollout([workers[g] for g in members], self.publishing)
+                self.fleet.regrouped(workers)
             try:
-                report = self.fleet.publish(version)  # restarted groups rejoin here (rollout/fleet.py)
+                report = self.learner.publish(version)
             except Exception as err:
                 self._raise_if_engine_down(version, err)
                 raise
+            groups = report.get("groups") or []
+            lost = [(members[i], r["error"]) for i, r in enumerate(groups) if r["unresponsive"]]
+            for g, why in lost:
+                self.fleet.mark_unreachable(g, workers[g], why)
+            if lost:
+                kept = [r for r in groups if not r["unresponsive"]]
+                if not kept or not all(r["committed"] for r in kept):
+                    continue  # the send broke off: once more without them
+                report = dict(report, committed=True, groups=kept, errors=[])
+            elif report.get("broken") and not broke_off:  # broke off, yet every group answered (it came back)
+                broke_off = True
+                self.fleet.regroup()
+                logger.warning("publication of version %d broke off; forming the publication group anew and "
+                               "publishing it again", version)
+                continue
+            self.fleet.refitted(version, workers, stale)
+            self.last_publication = report
             if report["committed"]:
-                break
+                self.published = (version, self.learner.updates)
+                return report
             self._raise_if_engine_down(version, report["errors"])
             refits = [e for e in report["errors"] if e and e.startswith("refit check")]
             if not refits:
                 raise RuntimeError(f"publication of version {version} was refused: {report['errors']}")
-            if attempt == 2:
+            if refit_failed:
                 raise PublicationError(f"publication of policy version {version} failed the refit check twice "
                                        f"({refits[0]}); the groups serve version {version - 1}")
+            refit_failed = True
             logger.warning("%s; the group rolled back to version %d, publishing version %d again",
                            refits[0], version - 1, version)
-        return time.perf_counter() - t0
+        raise PublicationError(f"publication of policy version {version} did not settle after "
+                               f"{len(self.fleet.workers) + 3} attempts (groups left or the send kept breaking off)")
 
     def _expect_probe(self, version: int) -> None:
         """Give every rollout group the learner's logprobs of the fixed probe batch for `version`

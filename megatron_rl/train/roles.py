@@ -60,7 +60,7 @@ class Roles:
         coordinator = Coordinator.start(cfg.coordinator, wal_path=inputs.run_dir / QUEUE_DB,
                                         tokenizer_hash=inputs.tokenizer_hash, take_timeout_s=cfg.run.take_timeout_s)
         lc, pool = cfg.learner, active_pool()
-        ranks = lc.tensor_parallel_size * lc.pipeline_parallel_size * lc.data_parallel_size
+        ranks = lc.world_size
         place = pool.placement(cfg, ranks) if pool is not None else Placement.create(cfg, ranks)
         train = inputs.splits["train"]
         scorer = Scorer.create(cfg.reward, inputs.tokenizer, tokenizer_hash=inputs.tokenizer_hash,

@@ -55,17 +55,6 @@ def sft_batch(examples: Sequence, template, tokenizer, *, micro_batch_size: int)
             "token_denominator": n / micro_batches}
 
 
-def sft_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
-    """Learner loss interface: this micro-batch's share of the batch-mean NLL, additive stats."""
-    mask = mb["loss_mask"].to(logprobs_bt.dtype)
-    nll = -(logprobs_bt * mask).sum()
-    with torch.no_grad():
-        stats = {"nll_sum": nll.detach(), "tokens": mask.sum()}
-    k = mb.get("num_micro_batches")  # set by the learner: the K of this step
-    denominator = float(mb["tokens_in_loss"]) / k if k is not None else float(mb["token_denominator"])
-    return nll / denominator, stats
-
-
 def sft(cfg) -> dict:
     """Run (or resume) supervised fine-tuning; returns a summary with the test-split baseline."""
     import ray
@@ -84,7 +73,7 @@ def sft(cfg) -> dict:
     own_ray = start_ray(cfg.run)
     learner = metrics = None
     try:  # inside the experiment runner: the last sft run's learner actors, rebuilt (train/engine_pool.py)
-        learner = sft_learner_group(learner_cfg=lc, loss_cfg=dataclasses.replace(cfg.loss, kl_coef=0.0),
+        learner = sft_learner_group(learner=lc, loss=dataclasses.replace(cfg.loss, kl_coef=0.0),
                                     hf_dir=str(inputs.model_dir), seed=lc.seed, deterministic=cfg.run.deterministic,
                                     threads=cfg.run.torch_threads)
         start = 0 if resume_from is None else _resume(resume_from, inputs, learner, cursor)

@@ -27,17 +27,18 @@ def _rebuilds(rank: int, world_size: int, dir_a: str, dir_b: str):
     from megatron_rl.grpo.loss import GRPOLossConfig
     from megatron_rl.learner import LearnerConfig
     from megatron_rl.platform.parallel import live_group_count
-    from megatron_rl.train.learner_group import LearnerWorker
+    from megatron_rl.train.learner_rank import LearnerWorker, RankSpec
 
     cfg = LearnerConfig(tensor_parallel_size=2, global_batch_size=2)
     tokens_bt = torch.randint(1, 60, (2, 12), generator=torch.Generator().manual_seed(5))
 
-    def args(hf_dir: str, seed: int) -> tuple:
-        return cfg, GRPOLossConfig(kl_coef=0.001), hf_dir, seed, True, 1
+    def args(hf_dir: str, seed: int) -> RankSpec:
+        return RankSpec(learner=cfg, loss=GRPOLossConfig(kl_coef=0.001), hf_dir=hf_dir, seed=seed, deterministic=True,
+                        threads=1)
 
-    worker = LearnerWorker(rank=rank, world_size=world_size, learner_cfg=cfg, loss_cfg=GRPOLossConfig(kl_coef=0.001),
-                           hf_dir=dir_a, seed=0, deterministic=True, threads=1)
-    worker.setup("127.0.0.1", 0)
+    worker = LearnerWorker(rank=rank, world_size=world_size)
+    spec = RankSpec(learner=cfg, loss=GRPOLossConfig(kl_coef=0.001), hf_dir=dir_a, seed=0, deterministic=True, threads=1)
+    worker.setup("127.0.0.1", 0, spec)
     first = worker.forward_logprobs(tokens_bt)
     groups = [live_group_count()]
     with torch.no_grad():  # what training would do to the weights

@@ -65,7 +65,7 @@ def _work(rank, world, seq_batch, lag_batch):
     from megatron_rl.platform import detect_platform
     from megatron_rl.platform.parallel import parallel_scope
     from megatron_rl.platform.reshard import load_shard, shard_state_dict
-    from megatron_rl.train.learner_group import grpo_micro_batch_loss
+    from megatron_rl.grpo.micro_loss import grpo_micro_batch_loss
 
     cfg, platform = load_hf_config(TINY), detect_platform("cpu")
     tokens = seq_batch["tokens"]

@@ -22,12 +22,12 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 def _publish_source(rank: int, world_size: int, hf_dir: str):
     from megatron_rl.grpo.loss import GRPOLossConfig
     from megatron_rl.learner import LearnerConfig
-    from megatron_rl.train.learner_group import LearnerWorker
+    from megatron_rl.train.learner_rank import LearnerWorker, RankSpec
 
     cfg = LearnerConfig(tensor_parallel_size=2, pipeline_parallel_size=2, global_batch_size=2)
-    worker = LearnerWorker(rank=rank, world_size=world_size, learner_cfg=cfg, loss_cfg=GRPOLossConfig(),
-                           hf_dir=hf_dir, seed=0, deterministic=True, threads=1)
-    worker.setup("127.0.0.1", 0)  # torch.distributed is already up in this child
+    worker = LearnerWorker(rank=rank, world_size=world_size)
+    spec = RankSpec(learner=cfg, loss=GRPOLossConfig(), hf_dir=hf_dir, seed=0, deterministic=True, threads=1)
+    worker.setup("127.0.0.1", 0, spec)  # torch.distributed is already up in this child
     source = worker.weight_source()
     streamed = list(source)  # [(hf_name, tensor)] in stream order on rank 0, [] elsewhere
     return worker.hf_state(), streamed, source.metadata()
@@ -53,12 +53,12 @@ def test_tp2_pp2_learner_publishes_the_complete_model(tmp_path):
 def _publish_moe_source(rank: int, world_size: int, hf_dir: str):
     from megatron_rl.grpo.loss import GRPOLossConfig
     from megatron_rl.learner import LearnerConfig
-    from megatron_rl.train.learner_group import LearnerWorker
+    from megatron_rl.train.learner_rank import LearnerWorker, RankSpec
 
     cfg = LearnerConfig(pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, global_batch_size=2)
-    worker = LearnerWorker(rank=rank, world_size=world_size, learner_cfg=cfg, loss_cfg=GRPOLossConfig(),
-                           hf_dir=hf_dir, seed=0, deterministic=True, threads=1)
-    worker.setup("127.0.0.1", 0)
+    worker = LearnerWorker(rank=rank, world_size=world_size)
+    spec = RankSpec(learner=cfg, loss=GRPOLossConfig(), hf_dir=hf_dir, seed=0, deterministic=True, threads=1)
+    worker.setup("127.0.0.1", 0, spec)
     local = [n for n in worker.weight_source().params if n.endswith("linear_fc2.weight") and "local_experts" in n]
     return worker.hf_state(), len(local)
 

@@ -56,8 +56,8 @@ def _work(rank, world, batch):
     from megatron_rl.platform import detect_platform
     from megatron_rl.platform.parallel import parallel_scope
     from megatron_rl.platform.reshard import load_shard, shard_state_dict
-    from megatron_rl.train.learner_group import grpo_micro_batch_loss
-    from megatron_rl.train.sft import sft_micro_batch_loss
+    from megatron_rl.grpo.micro_loss import grpo_micro_batch_loss
+    from megatron_rl.learner.sft_loss import sft_micro_batch_loss
 
     cfg, platform = load_hf_config(TINY), detect_platform("cpu")
     tokens = batch["tokens"]

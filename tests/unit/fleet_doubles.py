@@ -1,6 +1,6 @@
 """Test doubles for the real RolloutFleet: Ray actors standing in for vLLM engines, and a learner.
 
-    from tests.unit.fleet_doubles import EngineDouble, attached_fleet, fleet_of, ray_local  # noqa: F401
+    from tests.unit.fleet_doubles import EngineDouble, attached_fleet, fleet_of, policy_of, ray_local  # noqa: F401
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class Engine(EngineDouble):
@@ -10,7 +10,8 @@
 An EngineDouble serves samples labelled with its group and the version it holds (None: a restarted,
 stale engine, which refuses to generate), records the refit probes it was given, and sets its
 version on `receive_weights`.  LearnerDouble publishes as WeightPublisher does: to the groups it
-was last connected to, waiting for each group's answer with the real `group_answers`.  Each test
+was last connected to, waiting for each group's answer with the real `group_answers`.  The real
+Policy (train/policy.py) publishes through it (policy_of).  Each test
 keeps its injected failure (`_inject`) to itself.
 """
 
@@ -21,7 +22,7 @@ import threading
 import pytest
 import ray
 
-from megatron_rl.publish.trainer import group_answers
+from megatron_rl.publish.transports import group_answers
 from megatron_rl.rollout.fleet import RolloutFleet
 from megatron_rl.rollout.sample import RolloutSample
 
@@ -71,9 +72,9 @@ class LearnerDouble:
         self.connections = []
         self.timeouts = []
 
-    def connect_rollout(self, workers, bucket_bytes, transport, timeout_s=600.0):
+    def connect_rollout(self, workers, settings):
         self.connections.append(list(workers))
-        self.timeouts.append(timeout_s)
+        self.timeouts.append(settings.timeout_s)
 
     def publish(self, version):
         refs = [w.receive_weights.remote(version) for w in self.connections[-1]]
@@ -94,14 +95,33 @@ def fleet_of(engine_cls) -> type:
     return Fleet
 
 
+def policy_of(learner, fleet):
+    """The real Policy over `learner` (a double) and `fleet`; no refit probe of its own (tests give it)."""
+    from megatron_rl.grpo.loss import GRPOLossConfig
+    from megatron_rl.learner.config import SamplingConfig
+    from megatron_rl.train.learner_weights import PublishSettings
+    from megatron_rl.train.policy import Policy, PolicySettings
+
+    settings = PolicySettings(loss=GRPOLossConfig(), sampling=SamplingConfig(), micro_batch_size=1, probe_rows=1,
+                              refit_tolerance=None, vocab_size=8, pad_id=0)
+    return Policy(learner, fleet, settings, PublishSettings(timeout_s=fleet.cfg.publish_timeout_s))
+
+
+def publish(policy, version: int) -> dict:
+    """Publish `version` through the policy; the learner's report of it."""
+    policy.publish(version)
+    return policy.last_publication
+
+
 def attached_fleet(fleet_cls, cfg, num_groups: int) -> tuple:
-    """(fleet, learner): `num_groups` groups attached to a LearnerDouble, version 1 published with a probe."""
+    """(fleet, learner, policy): `num_groups` groups published to by a Policy over a LearnerDouble,
+    version 1 published with a probe."""
     fleet = fleet_cls(cfg, num_groups=num_groups)
     learner = LearnerDouble()
-    fleet.attach(learner, bucket_bytes=1 << 20, transport="gloo")
+    policy = policy_of(learner, fleet)
     fleet.expect_probe(1, [[1, 2]], [[-0.5]], 0.05)
-    assert fleet.publish(1)["committed"]
-    return fleet, learner
+    assert publish(policy, 1)["committed"]
+    return fleet, learner, policy
 
 
 @pytest.fixture(scope="module")

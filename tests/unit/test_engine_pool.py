@@ -27,6 +27,7 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_identity
 from megatron_rl.rollout.fleet import SERVING, STALE, RolloutFleet
 from megatron_rl.train.engine_pool import EnginePool, active_pool, engine_pool
+from tests.unit.fleet_doubles import policy_of
 
 pytestmark = pytest.mark.unit
 
@@ -58,12 +59,13 @@ class Learner:
     def __init__(self):
         self.lock, self.updates, self.workers = threading.RLock(), 0, []
 
-    def connect_rollout(self, workers, bucket_bytes, transport, timeout_s=600.0):
+    def connect_rollout(self, workers, settings):
         self.workers = list(workers)
 
     def publish(self, version):
         ray.get([w.receive.remote(version) for w in self.workers])
-        return {"committed": True, "errors": []}
+        return {"committed": True, "errors": [], "groups": [{"committed": True, "unresponsive": False,
+                                                             "error": None} for _ in self.workers]}
 
 
 class Fleet(RolloutFleet):
@@ -115,8 +117,9 @@ def test_a_serving_fleet_is_handed_to_the_next_run_stale_until_published(ray_loc
     second = Fleet(cfg2, num_groups=1, placement=place.rollout, handed_over=handed)
     assert second.state == [STALE] and ray.get(actor.served_model.remote()) == cfg2.model
     assert ray.get(actor.policy_version.remote()) is None  # serves nothing of the earlier run
-    second.attach(Learner(), bucket_bytes=1 << 20, transport="gloo")
-    assert second.publish(0)["committed"] and second.state == [SERVING]
+    policy = policy_of(Learner(), second)
+    policy.publish(0)
+    assert policy.last_publication["committed"] and second.state == [SERVING]
     assert ray.get(actor.policy_version.remote()) == 0
     pool.drop()
     assert ray.util.placement_group_table(place.group)["state"] == "REMOVED"

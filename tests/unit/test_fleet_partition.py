@@ -3,7 +3,7 @@
     python -m pytest tests/unit/test_fleet_partition.py -q
 
 The real RolloutFleet (megatron_rl/rollout/fleet.py) and the real per-group wait of a publication
-(publish/trainer.py `group_answers`) over Ray actors standing in for vLLM engines.  The injected
+(publish/transports.py `group_answers`) over Ray actors standing in for vLLM engines.  The injected
 failure is a group that stops answering: its actor blocks for some seconds inside a call (as a
 SIGSTOPped process would; an actor runs one call at a time, so every later call waits too).  What
 must hold: the publication gives up on it after rollout.publish_timeout_s and the other group holds
@@ -21,7 +21,7 @@ import ray
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.fleet import SERVING, STALE
-from tests.unit.fleet_doubles import EngineDouble, attached_fleet, fleet_of, ray_local  # noqa: F401
+from tests.unit.fleet_doubles import EngineDouble, attached_fleet, fleet_of, publish, ray_local  # noqa: F401
 
 pytestmark = pytest.mark.unit
 
@@ -47,9 +47,9 @@ class Engine(EngineDouble):
 @pytest.fixture
 def fleet(ray_local):
     cfg = RolloutConfig(model="unused", publish_timeout_s=TIMEOUT_S, generate_timeout_s=TIMEOUT_S)
-    fleet, learner = attached_fleet(fleet_of(Engine), cfg, num_groups=2)
+    fleet, learner, policy = attached_fleet(fleet_of(Engine), cfg, num_groups=2)
     assert learner.timeouts == [TIMEOUT_S]  # rollout.publish_timeout_s reaches the publisher
-    yield fleet, learner
+    yield fleet, learner, policy
     fleet.shutdown()
 
 
@@ -69,11 +69,11 @@ def _wait_back(fleet, deadline_s=STOP_S + 5):
 
 
 def test_publication_gives_up_on_a_stopped_group_and_refits_it_when_it_answers(fleet):
-    fleet, learner = fleet
+    fleet, learner, policy = fleet
     stopped = fleet.workers[1]
     ray.get(stopped.stop_in_next.remote("receive_weights"))
     t0 = time.monotonic()
-    report = fleet.publish(2)
+    report = publish(policy, 2)
     assert time.monotonic() - t0 < STOP_S  # the publication did not wait for it
     assert report["committed"]  # the group that answered holds version 2
     assert fleet.unreachable.keys() == {1} and fleet.state == [SERVING, STALE]
@@ -81,7 +81,7 @@ def test_publication_gives_up_on_a_stopped_group_and_refits_it_when_it_answers(f
     # The other group goes on: every sample of version 2, none from the stopped group.
     assert {(s.extra["group"], s.policy_versions[0]) for s in _generate(fleet)} == {(0, 2)}
     fleet.expect_probe(3, [[1, 2]], [[-0.5]], 0.05)
-    assert fleet.publish(3)["committed"]
+    assert publish(policy, 3)["committed"]
     assert learner.connections[-1] == [fleet.workers[0]]  # publication group formed without it
     assert ray.get(fleet.workers[0].seen_probes.remote()) == [1, 3]
     _wait_back(fleet)
@@ -94,7 +94,7 @@ def test_publication_gives_up_on_a_stopped_group_and_refits_it_when_it_answers(f
 
 
 def test_generate_past_its_timeout_goes_to_the_other_group(fleet):
-    fleet, learner = fleet
+    fleet, learner, policy = fleet
     ray.get(fleet.workers[0].stop_in_next.remote("generate"))
     samples = _generate(fleet)
     assert {(s.extra["group"], s.policy_versions[0]) for s in samples} == {(1, 1)}
@@ -105,6 +105,6 @@ def test_generate_past_its_timeout_goes_to_the_other_group(fleet):
     _wait_back(fleet)
     _generate(fleet, seed=7)
     assert fleet.state == [STALE, SERVING]
-    assert fleet.publish(2)["committed"]  # the next publication refits it
+    assert publish(policy, 2)["committed"]  # the next publication refits it
     assert learner.connections[-1] == fleet.workers and fleet.state == [SERVING, SERVING]
     assert {(s.extra["group"], s.policy_versions[0]) for s in _generate(fleet, seed=8)} == {(0, 2), (1, 2)}

@@ -19,7 +19,7 @@ import ray
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.fleet import STALE
-from tests.unit.fleet_doubles import EngineDouble, attached_fleet, fleet_of, ray_local  # noqa: F401
+from tests.unit.fleet_doubles import EngineDouble, attached_fleet, fleet_of, publish, ray_local  # noqa: F401
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +47,7 @@ def _prompts(k):
 
 
 def test_single_group_is_refitted_before_its_requests_are_retried(ray_local):
-    fleet, learner = _fleet(1)
+    fleet, learner, _ = _fleet(1)
     old = fleet.workers[0]
     ray.get(old.arm_death.remote())
     prompts, extra = _prompts(4)
@@ -64,7 +64,7 @@ def test_single_group_is_refitted_before_its_requests_are_retried(ray_local):
 
 
 def test_other_group_serves_meanwhile_and_no_refit_past_a_learner_update(ray_local):
-    fleet, learner = _fleet(2)
+    fleet, learner, policy = _fleet(2)
     ray.get(fleet.workers[0].arm_death.remote())
     prompts, extra = _prompts(4)
     with learner.lock:  # the learner stepped since version 1 was published: a refit must wait
@@ -73,7 +73,7 @@ def test_other_group_serves_meanwhile_and_no_refit_past_a_learner_update(ray_loc
     assert {v for s in samples for v in s.policy_versions} == {1}  # all from group 1
     assert fleet.state[0] == STALE and not fleet.refit()
     assert ray.get(fleet.workers[0].policy_version.remote()) is None
-    assert fleet.publish(2)["committed"]  # the next publication refits it
+    assert publish(policy, 2)["committed"]  # the next publication refits it
     assert fleet.state == ["serving", "serving"]
     samples = fleet.generate(prompts, n=1, sampling={"seed": 6}, extra=extra)
     assert {v for s in samples for v in s.policy_versions} == {2}
@@ -81,7 +81,7 @@ def test_other_group_serves_meanwhile_and_no_refit_past_a_learner_update(ray_loc
 
 
 def test_engine_that_keeps_dying_ends_the_round_with_a_reason(ray_local):
-    fleet, _ = _fleet(1)
+    fleet, _, _ = _fleet(1)
     fleet.max_restarts = 0
     ray.get(fleet.workers[0].arm_death.remote())
     prompts, extra = _prompts(2)

@@ -31,9 +31,9 @@ pytestmark = pytest.mark.unit
 def real_manifest() -> dict:
     t = {"a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b.bias": torch.ones(4, dtype=torch.bfloat16),
          "c": torch.zeros(1, dtype=torch.int64)}
-    b0, _ = pack_bucket(0, list(t.items())[:2], "crc32")
-    b1, _ = pack_bucket(1, list(t.items())[2:], "crc32")
-    return PublicationManifest(7, "crc32", (b0, b1)).to_dict()
+    b0, _ = pack_bucket(0, list(t.items())[:2], "blake3")
+    b1, _ = pack_bucket(1, list(t.items())[2:], "blake3")
+    return PublicationManifest(7, "blake3", (b0, b1)).to_dict()
 
 
 def check_publication(data) -> None:

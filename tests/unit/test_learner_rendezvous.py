@@ -5,7 +5,7 @@
 Rank 0 used to probe a free port (platform.spawn.free_port), tell every rank, and bind it only
 inside init_process_group: on a busy machine another process could take it in between
 (EADDRINUSE).  Now rank 0's TCPStore listens first (port 0: the OS picks and binds at once) and
-the ranks are told the bound port (train/learner_build.py RankBuild.rendezvous_address / join).
+the ranks are told the bound port (train/learner_build.py Rendezvous.address / join).
 The race is injected by making the free-port probe return a port another socket holds; two real
 ranks (this process and a spawned one) then join over gloo and all-reduce.
 """
@@ -18,16 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.platform import spawn
-from megatron_rl.train.learner_build import RankBuild
+from megatron_rl.train.learner_build import Rendezvous as Rank
 
 pytestmark = pytest.mark.unit
-
-
-class Rank(RankBuild):
-    """The part of LearnerWorker that joins torch.distributed (no learner is built)."""
-
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
 
 
 def _platform():
@@ -57,7 +50,7 @@ def test_a_port_taken_after_the_probe_does_not_break_the_rendezvous(monkeypatch)
     out = ctx.Queue()
     proc = None
     try:
-        addr, port = rank0.rendezvous_address()
+        addr, port = rank0.address()
         assert port != squatter.getsockname()[1]
         proc = ctx.Process(target=_rank1, args=(addr, port, out))
         proc.start()
@@ -76,5 +69,5 @@ def test_a_port_taken_after_the_probe_does_not_break_the_rendezvous(monkeypatch)
 
 
 def test_rank_0_refuses_to_join_without_its_store():
-    with pytest.raises(RuntimeError, match="before rendezvous_address"):
+    with pytest.raises(RuntimeError, match=r"before Rendezvous.address\(\)"):
         Rank(0, 2).join("127.0.0.1", 1, _platform())

@@ -13,6 +13,8 @@ intact newest checkpoint; a publication failure with every engine alive stays a 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import ray
 import torch
@@ -22,6 +24,7 @@ from megatron_rl.cli import main
 from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import SamplingConfig
 from megatron_rl.train import driver
+from megatron_rl.train.learner_weights import PublishSettings
 from megatron_rl.train.policy import Policy, PolicySettings
 from megatron_rl.train.producer import Round, TrainState
 from tests.e2e.conftest import TINY
@@ -45,6 +48,10 @@ def ray_local():
 class _Learner:
     def __init__(self, fail):
         self.fail = fail
+        self.lock, self.updates = threading.RLock(), 0
+
+    def connect_rollout(self, workers, settings):
+        pass
 
     def publish(self, version):
         raise self.fail
@@ -54,18 +61,20 @@ class _Learner:
 
 
 class _Fleet:
-    """Two real engine actors (one killed when `dead`); publication is the learner's (RolloutFleet.publish)."""
+    """Two real engine actors (one killed when `dead`), both members of every publication."""
 
     def __init__(self, dead: bool):
         self.workers = [Engine.remote(), Engine.remote()]
         ray.get([w.policy_version.remote() for w in self.workers])
         if dead:
             ray.kill(self.workers[1])
-        self.learner = None  # set by _Roles
         self.unreachable = {}  # groups left out after a publication timeout (none here)
 
-    def publish(self, version):
-        return self.learner.publish(version)
+    def set_refitter(self, refitter):
+        pass
+
+    def publication_members(self, version):
+        return list(self.workers), [0, 1], [], False
 
 
 class _Policy(Policy):
@@ -74,8 +83,7 @@ class _Policy(Policy):
     def __init__(self, learner, fleet, learn_error=None):
         settings = PolicySettings(loss=GRPOLossConfig(), sampling=SamplingConfig(), micro_batch_size=1, probe_rows=1,
                                   refit_tolerance=None, vocab_size=8, pad_id=0)  # no refit probe in this double
-        super().__init__(learner, fleet, settings)
-        fleet.learner = learner
+        super().__init__(learner, fleet, settings, PublishSettings())
         self.learn_error = learn_error
 
     def learn(self, taken, version, lr_scale=1.0):

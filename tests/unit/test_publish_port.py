@@ -16,7 +16,7 @@ import pytest
 import ray
 import torch
 
-from megatron_rl.publish import trainer as trainer_mod
+from megatron_rl.platform import spawn as spawn_mod
 from megatron_rl.publish.trainer import WeightPublisher
 
 pytestmark = pytest.mark.unit
@@ -52,7 +52,7 @@ def test_a_port_taken_after_the_probe_does_not_break_the_group(ray_local, monkey
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()
-    monkeypatch.setattr(trainer_mod, "free_port", lambda host="127.0.0.1": squatter.getsockname()[1])
+    monkeypatch.setattr(spawn_mod, "free_port", lambda host="127.0.0.1": squatter.getsockname()[1])
     try:
         publisher = WeightPublisher(transport="gloo", timeout_s=60)
         publisher.connect([_Receiver.remote()])

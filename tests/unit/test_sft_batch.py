@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron_rl.data.dataset import Example, PromptTemplate
-from megatron_rl.train.sft import sft_batch, sft_micro_batch_loss
+from megatron_rl.learner.sft_loss import sft_micro_batch_loss
+from megatron_rl.train.sft import sft_batch
 
 pytestmark = pytest.mark.unit
 
