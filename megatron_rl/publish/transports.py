@@ -75,6 +75,10 @@ class Transport:
     def follow(self) -> None:
         """Every learner rank but the publisher, after driving its share of the source's gathers."""
 
+    def close(self) -> None:
+        """Free the group's communicator (before a regroup forms a new one, or a rank is rebuilt)."""
+        self.workers = []
+
     @property
     def connected(self) -> bool:
         return bool(self.workers)
@@ -153,6 +157,13 @@ class NcclTransport(Transport):
         ray.get(refs, timeout=self.timeout_s)
         self.workers = list(workers)
         log.info("NCCL publication group up: %d rollout groups, world size %d", len(workers), world)
+
+    def close(self) -> None:
+        """An NCCL communicator holds device memory and a socket per peer until destroyed."""
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        super().close()
 
     def send(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest, Results]:
         """Tensors through vLLM's packed NCCL broadcast, hashed on the way; then the manifest by RPC,

@@ -92,9 +92,7 @@ class LearnerWorker:
         from megatron_rl.platform import detect_platform
         from megatron_rl.platform.parallel import destroy_parallel
 
-        if self.policy is not None:
-            self.policy.learner.close()
-        self.spec = self.policy = self.reference = self.weights = None
+        self._drop_parts()
         if ps.model_parallel_is_initialized():
             destroy_parallel()
         gc.collect()
@@ -105,6 +103,14 @@ class LearnerWorker:
         logger.info("learner rank %d rebuilt in its process for the next run (%s, seed %d)", self.rank,
                     spec.hf_dir, spec.seed)
         return self.rank
+
+    def _drop_parts(self) -> None:
+        """The last run's parts go: its publication group's communicator and its learner's state."""
+        if self.weights is not None:
+            self.weights.close()
+        if self.policy is not None:
+            self.policy.learner.close()
+        self.spec = self.policy = self.reference = self.weights = None
 
     def _build(self, spec: RankSpec, platform) -> None:
         self.spec = spec

@@ -67,6 +67,7 @@ class WeightIO:
 
         # Every rank casts (the gathers and pipeline sends run in it): once, in the engine's dtype.
         self.dtype = engine_dtype(rollout_workers)
+        self.close()  # a regroup: the last group's communicator goes first
         self.transport = make_transport(settings.transport, host=ray.util.get_node_ip_address(),
                                         bucket_bytes=settings.bucket_bytes, checksum_algo=settings.checksum,
                                         timeout_s=settings.timeout_s)
@@ -74,6 +75,12 @@ class WeightIO:
         if self.rank == 0:
             self.publisher = WeightPublisher(transport=self.transport)
             self.publisher.connect(rollout_workers)
+
+    def close(self) -> None:
+        """Drop the publication group (its communicator freed: publish/transports.py Transport.close)."""
+        if self.transport is not None:
+            self.transport.close()
+        self.transport = self.publisher = None
 
     @torch.no_grad()
     def publish(self, version: int) -> dict | None:
