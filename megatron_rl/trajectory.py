@@ -103,6 +103,9 @@ class Trajectory:
     source: str = ""  # data source / environment, for per-source quotas
     priority: float = 1.0  # weight for priority sampling (> 0)
     sampling_probability: float | None = None  # set by the coordinator (priority sampling)
+    weights: dict = dataclasses.field(default_factory=dict)
+    """Provenance: each policy version (str) in policy_versions -> the digest of the publication the
+    engine sampled it with (rollout/provenance.py); empty for trajectories made before it existed."""
 
     @property
     def reward(self) -> float | None:
@@ -207,6 +210,8 @@ _CHECKED_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory)
 
 def _checked_json(traj: Trajectory) -> bytes:
     meta = {name: getattr(traj, name) for name in _CHECKED_FIELDS}
+    if not meta["weights"]:  # absent, not {}: trajectories written before provenance keep their checksums
+        del meta["weights"]
     try:
         return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
     except (TypeError, ValueError, RecursionError) as err:
@@ -284,6 +289,9 @@ def _validate_schema(traj: Any) -> None:
             raise TrajectoryError("schema", f"trajectory {tid!r}: {name} holds a negative token id")
     if traj.action_mask.size and traj.action_mask.max() > 1:
         raise TrajectoryError("schema", f"trajectory {tid!r}: action_mask must hold only 0 and 1")
+    if not isinstance(traj.weights, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in traj.weights.items()):
+        raise TrajectoryError("schema", f"trajectory {tid!r}: weights must map version strings to digest strings")
     p = traj.sampling_probability
     if p is not None and not (_finite(p) and 0 <= p <= 1):
         raise TrajectoryError("schema", f"trajectory {tid!r}: sampling_probability must be None or in [0, 1], "

@@ -15,6 +15,7 @@ Checksums (megatron_rl/publish/checksum.py: "blocksum" by default, or "blake3") 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -84,6 +85,17 @@ class PublicationManifest:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
+
+    def digest(self) -> str:
+        """The publication's identity (16 hex): a hash over its algorithm and every bucket's layout and
+        checksum.  Trainer and engines compute it from the same manifest; a trajectory's tokens carry
+        the digest of the weights that sampled them (trajectory.Trajectory.weights)."""
+        import hashlib
+
+        h = hashlib.sha256(self.checksum_algo.encode())
+        for b in self.buckets:
+            h.update(json.dumps(bucket_to_dict(b), sort_keys=True).encode())
+        return h.hexdigest()[:16]
 
     def coverage_problem(self, expected: dict[str, tuple[int, ...]]) -> str | None:
         """None if the publication holds exactly the `expected` tensors (HF name -> shape), else

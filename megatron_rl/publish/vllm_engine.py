@@ -151,7 +151,8 @@ class VerifiedCommit:
                 got = ReceivedPublication(got.manifest, error=problem)
         self.staged = got
         self.status = {"version": version, "ok": got.ok, "error": got.error, "bad_bucket": got.bad_bucket,
-                       "rank": self.rank, "tensors": len(got.tensors)}
+                       "rank": self.rank, "tensors": len(got.tensors),
+                       "digest": got.manifest.digest() if got.ok else None}
 
     def verify(self, manifest: dict[str, Any]) -> None:
         """Kept-tensor backends (NCCL, IPC): check what `self.received` holds against the

@@ -31,6 +31,7 @@ from megatron_rl.platform.priority import with_normal_priority
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import (engine_env, engine_identity, eos_token_ids, llm_kwargs, transfer_path,
                                               undo_ray_niceness)
+from megatron_rl.rollout.provenance import token_provenance, weights_label
 from megatron_rl.rollout.sample import RolloutSample
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class RolloutWorker:
         started = time.perf_counter()
         self.llm = LLM(**llm_kwargs(self.config, on_gpu))
         self.version = None if stale else 0
+        self._set_label(None)
         # Without a tokenizer vLLM does not know EOS: stop on the checkpoint's eos ids.
         self.eos_token_ids = eos_token_ids(self.config.model)
         log.info("vLLM engine for %s (TP=%d) up in %.1f s", self.config.model,
@@ -82,6 +84,7 @@ class RolloutWorker:
         self.config, self.version, self._probe = new, None, None
         self.eos_token_ids = eos_token_ids(new.model)
         self.llm.reset_prefix_cache()
+        self._set_label(None)
         log.info("vLLM engine handed to the next run (%s): stale until its first publication", new.model)
 
     # ---- generation -------------------------------------------------------------------
@@ -131,12 +134,16 @@ class RolloutWorker:
             for c in out.outputs:
                 tokens = list(c.token_ids)
                 logprobs = [float(c.logprobs[j][t].logprob) for j, t in enumerate(tokens)]
+                # Each token's version as the engine labelled the weights that sampled it (rollout/provenance.py).
+                versions, weights = token_provenance(c.weight_versions, len(tokens), self.label)
                 samples.append(RolloutSample(
                     prompt_tokens=list(prompts[i]), response_tokens=tokens, behavior_logprobs=logprobs,
-                    policy_versions=[version] * len(tokens), sampling=used,
+                    policy_versions=versions, sampling=used,
                     finish_reason=c.finish_reason if c.finish_reason in ("stop", "length") else "abort",
-                    started_at=started, finished_at=finished, extra=dict(extra[i]) if extra else {},
+                    started_at=started, finished_at=finished,
+                    extra={**(dict(extra[i]) if extra else {}), "weights": weights},
                 ))
+        assert version == self.version  # nothing switched the weights during the call
         return samples
 
     def score(self, sequences: list[list[int]]) -> list[list[float | None]]:
@@ -272,6 +279,7 @@ class RolloutWorker:
             else:
                 self.llm.collective_rpc("megatron_rl_accept_publication", args=(self.config.keep_rollback_copy,))
                 self.version = int(version)
+                self._set_label(statuses[0].get("digest") if statuses else None)
         if bad:
             log.warning("refused publication %d, serving version %s: %s", version, self.version, bad[0]["error"])
         return {
@@ -317,9 +325,16 @@ class RolloutWorker:
             log.error("rollback after failed load of version %d failed (%s): this group serves no version until "
                       "a publication commits", version, broken[0]["error"])
             self.version = None
+            self._set_label(None)
         else:
             log.warning("load of version %d failed on %d worker(s) (%s): rolled back to version %d",
                         version, len(failed), failed[0]["error"], self.version)
+
+    def _set_label(self, digest: str | None) -> None:
+        """Label the engine's weights "<version>:<digest>" (rollout/provenance.py): vLLM stamps every token
+        it samples from now on with it."""
+        self.label = weights_label(self.version, digest)
+        self.llm.llm_engine.set_weight_version(self.label)
 
     def _serving_version(self) -> int:
         if self.version is None:

@@ -95,6 +95,7 @@ class WeightIO:
         report = self.publisher.publish(version, source)
         return {"committed": report.committed, "seconds": report.seconds,
                 "bytes": report.manifest.nbytes if report.manifest is not None else 0,
+                "digest": report.manifest.digest() if report.manifest is not None else None,
                 "broken": report.manifest is None,  # the send broke off: form the group anew, publish again
                 "errors": [r["error"] for r in report.results if not r["committed"]],
                 "groups": [{"committed": r["committed"], "unresponsive": bool(r.get("unresponsive")),

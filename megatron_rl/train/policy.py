@@ -73,6 +73,8 @@ class Policy:
         """(version, learner.updates) of the last committed publication: what a refit may publish again."""
         self.last_publication: dict | None = None
         """The learner's report of the last publication (committed, errors, groups)."""
+        self.digests: dict[str, str] = {}
+        """Policy version -> digest of what this process published as it (check_provenance)."""
         learner.connect_rollout(list(fleet.workers), publishing)
         fleet.set_refitter(self.refit)
 
@@ -111,6 +113,7 @@ class Policy:
 
         t0 = time.perf_counter()
         check_sampling(taken, self.settings.sampling)
+        check_provenance(taken, self.digests)
         batch, adv_stats = build_batch(taken, pad_id=self.settings.pad_id, loss_cfg=self.settings.loss,
                                        micro_batch_size=self.settings.micro_batch_size)
         out = {f"adv/{k}": v for k, v in adv_stats.items()}
@@ -183,6 +186,8 @@ class Policy:
             self.last_publication = report
             if report["committed"]:
                 self.published = (version, self.learner.updates)
+                if report.get("digest"):
+                    self.digests[str(version)] = report["digest"]
                 return report
             self._raise_if_engine_down(version, report["errors"])
             refits = [e for e in report["errors"] if e and e.startswith("refit check")]
@@ -248,3 +253,18 @@ def check_sampling(trajs: list, sampling) -> None:
             raise RuntimeError(f"trajectory {t.id} was sampled with {got}, but the learner scores {want} "
                                f"(rollout.temperature/top_p/top_k changed within this run?); start a new run.dir "
                                f"or restore the settings it was sampled with")
+
+
+def check_provenance(trajs: list, digests: dict[str, str]) -> None:
+    """Refuse trajectories whose tokens the engines labelled with weights this policy never published
+    under that version (rollout/provenance.py): a version's digest must equal the digest of the
+    publication the learner made as that version.  Versions published before this process started
+    (replayed rounds of a resumed run) are not known here and pass; a version republished at resume
+    has the same bytes, hence the same digest, and is checked."""
+    for t in trajs:
+        for version, digest in t.weights.items():
+            known = digests.get(version)
+            if known is not None and digest != known:
+                raise RuntimeError(f"trajectory {t.id}: its version-{version} tokens were sampled by weights with "
+                                   f"digest {digest}, but the learner published version {version} as {known}; "
+                                   "an engine served bytes it was not sent (nothing of this batch was learned)")

@@ -85,6 +85,6 @@ def to_trajectories(samples: list, scores: list, *, tokenizer_hash: str, dataset
             reward_components=components, grader_version=sc.grader_version, terminal_reason=s.finish_reason,
             rollout_started_at=s.started_at, scored_at=scored_at,
             status="ok" if sc.ok else ("verifier_timeout" if sc.error == "timeout" else "verifier_error"),
-            error_code=sc.error or "",
+            error_code=sc.error or "", weights=dict(s.extra.get("weights", {})),
         ))
     return trajs

@@ -121,6 +121,27 @@ def test_run_a_is_bit_identical_to_the_run_recorded_before_the_redesign(run_a):
     assert compare(want, figures(run_a[0])) == []
 
 
+def test_every_queued_token_names_the_weights_that_sampled_it(run_a):
+    """Per-token provenance (issue 27): vLLM labels each token with "<version>:<digest>"; every
+    trajectory in run A's queue carries, for each of its versions, the digest of the publication that
+    sampled it; one digest per version across the run; version 0 is the checkpoint on disk."""
+    import sqlite3
+
+    from megatron_rl.trajectory import Trajectory
+
+    with sqlite3.connect(run_a[0] / "queue.db") as db:
+        trajs = [Trajectory.from_bytes(row[0]) for row in db.execute("SELECT payload FROM traj")]
+    assert trajs
+    seen: dict[str, set] = {}
+    for t in trajs:
+        assert set(t.weights) == {str(v) for v in t.policy_versions.tolist()}, t.id
+        for version, digest in t.weights.items():
+            seen.setdefault(version, set()).add(digest)
+    assert all(len(d) == 1 for d in seen.values()), seen
+    assert seen.pop("0", {"disk"}) == {"disk"} and seen  # later versions: publications, not the disk
+    assert all(len(next(iter(d))) == 16 for d in seen.values()), seen
+
+
 def test_resume_is_exact(run_a, tmp_path):
     a, _ = run_a
     b = tmp_path / "run_b"
