@@ -207,7 +207,7 @@ class RolloutFleet:
 
     # ---- restart and refit -----------------------------------------------------------------------
 
-    def _restart(self, g: int, dead, err: BaseException) -> None:
+    def _restart(self, g: int, dead, err: BaseException, during: str = "generation") -> None:
         """Replace group g's actor (unless another call did already) by a stale one."""
         with self._lock:
             if self.workers[g] is not dead:
@@ -216,9 +216,9 @@ class RolloutFleet:
                 raise RolloutFailed(f"the vLLM engine of rollout group {g} died again after {self.restarts} "
                                     f"restarts this run: {str(err).strip().splitlines()[-1]}") from err
             self.restarts += 1
-            logger.warning("rollout group %d: vLLM engine died during generation (%s); restarting it, it serves "
-                           "again once it holds the current policy version", g, type(getattr(err, "cause", err)
-                                                                                     or err).__name__)
+            kind = type(getattr(err, "cause", err) or err).__name__
+            logger.warning("rollout group %d: vLLM engine died during %s (%s); restarting it, it serves "
+                           "again once it holds the current policy version", g, during, kind)
             try:
                 ray.kill(dead, no_restart=True)
             except Exception as kill_err:  # already gone
@@ -245,6 +245,25 @@ class RolloutFleet:
                 raise RolloutFailed(f"no rollout group serves a policy version {self.refit_timeout_s:g} s after "
                                     f"restarts (groups: {self.state})")
             time.sleep(0.5)
+
+    def restart_dead(self, cause: BaseException, timeout_s: float = 10.0) -> list[int]:
+        """Restart every reachable group whose actor or vLLM engine is dead (after a publication failed
+        with `cause`); the groups restarted, each stale until the next publication refits it."""
+        with self._lock:
+            groups = [(g, w) for g, w in enumerate(self.workers) if g not in self.unreachable]
+        dead = []
+        for g, worker in groups:
+            try:
+                alive = ray.get(worker.engine_alive.remote(), timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                continue  # slow, not dead: the publication timeout deals with it
+            except ray.exceptions.RayError:
+                alive = False
+            if not alive:
+                dead.append((g, worker))
+        for g, worker in dead:
+            self._restart(g, worker, cause, during="publication")
+        return [g for g, _ in dead]
 
     def set_refitter(self, refitter) -> None:
         """`refitter(wait_s) -> bool` publishes the last published version again to the stale groups

@@ -185,6 +185,11 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.version
 
+    def engine_alive(self) -> bool:
+        """False once this group's vLLM engine-core process has died (the actor itself still answers)."""
+        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
+        return not (resources is not None and resources.engine_dead)
+
     def engine_world_size(self) -> int:
         """Number of vLLM worker processes in this group (each one joins publication)."""
         pc = self.llm.llm_engine.vllm_config.parallel_config

@@ -11,7 +11,8 @@ group's ranks, over the run's transport: publish/transports.py), and what each o
   a group that stopped answering   left out (unreachable, stale); the rest published once more;
   the send broke off               the publication group formed anew, published once more;
   a refit check failed             the group rolled back; published once more, then PublicationError;
-  a dead or unreachable engine     PublicationError (the driver exits 75: rerun to resume).
+  an engine died (any point)       its group restarted (stale), published once more: the refit;
+  a dead engine past max_restarts  PublicationError (the driver exits 75: rerun to resume).
 A publication is checked twice: bucket checksums (publish/), and a refit probe (rollout/worker.py)
 that compares the engine's logprobs on a fixed batch with the learner's.  Each rollout group
 commits all of a version or none of it; the version is committed on the groups that answer.
@@ -165,6 +166,12 @@ class Policy:
             try:
                 report = self.learner.publish(version)
             except Exception as err:
+                restarted = self.fleet.restart_dead(err)  # an engine died mid-publication: as during generation
+                if restarted:
+                    logger.warning("publication of version %d failed with the engine of rollout group(s) %s dead; "
+                                   "restarted, publishing it again (the restarted groups are refitted by it)",
+                                   version, restarted)
+                    continue
                 self._raise_if_engine_down(version, err)
                 raise
             groups = report.get("groups") or []

@@ -48,6 +48,9 @@ class EngineDouble:
     def policy_version(self):
         return self.version
 
+    def engine_alive(self) -> bool:
+        return True
+
     def receive_weights(self, version: int) -> dict:
         self._inject("receive_weights")
         self.version = version

@@ -18,8 +18,9 @@ import pytest
 import ray
 
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.fleet import STALE
-from tests.unit.fleet_doubles import EngineDouble, attached_fleet, fleet_of, publish, ray_local  # noqa: F401
+from megatron_rl.rollout.fleet import SERVING, STALE
+from tests.unit.fleet_doubles import (EngineDouble, LearnerDouble, attached_fleet, fleet_of, policy_of,  # noqa: F401
+                                      publish, ray_local)
 
 pytestmark = pytest.mark.unit
 
@@ -87,3 +88,49 @@ def test_engine_that_keeps_dying_ends_the_round_with_a_reason(ray_local):
     prompts, extra = _prompts(2)
     with pytest.raises(RuntimeError, match="rollout group 0 died again after 0 restarts"):
         fleet.generate(prompts, n=1, sampling={}, extra=extra)
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class DiesInPublication(EngineDouble):
+    """Its vLLM engine dies while a publication is being received (the actor itself still answers)."""
+
+    def __init__(self, g: int, stale: bool = False):
+        super().__init__(g, stale)
+        self.armed = self.dead = False
+
+    def arm_death(self) -> None:
+        self.armed = True
+
+    def _inject(self, method: str) -> None:
+        if method == "receive_weights" and self.armed:
+            self.armed, self.dead = False, True
+            raise RuntimeError("[gloo] Connection closed by peer")
+
+    def engine_alive(self) -> bool:
+        return not self.dead
+
+
+class SendBreaksOff(LearnerDouble):
+    """Raises when a group failed, as the gloo transport does when a peer's link broke mid-send."""
+
+    def publish(self, version):
+        report = super().publish(version)
+        if not report["committed"]:
+            raise RuntimeError(f"publication broke off: {report['errors'][0]}")
+        return report
+
+
+def test_an_engine_that_dies_during_publication_is_restarted_and_refitted(ray_local):
+    """Issue 30 defect 6: the same restart path as a death during generation, not a traceback."""
+    fleet = fleet_of(DiesInPublication)(RolloutConfig(model="unused"), num_groups=2)
+    learner = SendBreaksOff()
+    policy = policy_of(learner, fleet)
+    assert publish(policy, 1)["committed"]
+    old = fleet.workers[1]
+    ray.get(old.arm_death.remote())
+    assert publish(policy, 2)["committed"]
+    assert fleet.workers[1] is not old and fleet.state == [SERVING, SERVING]
+    assert ray.get([w.policy_version.remote() for w in fleet.workers]) == [2, 2]
+    assert learner.connections[-1] == fleet.workers  # the publication group formed anew with the new engine
+    assert fleet.counters()["system/engine_restarts"] == 1.0
+    fleet.shutdown()

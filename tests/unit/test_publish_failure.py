@@ -76,6 +76,9 @@ class _Fleet:
     def publication_members(self, version):
         return list(self.workers), [0, 1], [], False
 
+    def restart_dead(self, cause):
+        return []  # this double cannot restart: a dead engine ends the run (exit 75)
+
 
 class _Policy(Policy):
     """The real Policy (publication, engine checks) on a learner whose publication fails."""
