@@ -216,6 +216,25 @@ def engine_crash(drill: Drill) -> dict:
 PARTITION_TIMEOUT_S = 6.0  # rollout.publish_timeout_s of the partition drill; the stop lasts longer
 
 
+def engine_crash_publish(drill: Drill) -> dict:
+    """SIGKILL of a group's vLLM engine-core process as publication at_step+1 begins (issue 30 defect 6):
+    the same path as a death during generation -- the group restarted stale, the version published
+    again (its refit), the run going on in the same attempt, no sample off its version."""
+    cfg = drill.cfg
+    run = drill.train(fault={"fault": "engine_kill_publish", "at_version": cfg.at_step + 1})
+    log = drill.log()
+    detected = _first_line(log, r"vLLM engine died during publication")
+    refitted = _first_line(log, r"refitted: serving policy version \d+")
+    last = (_metric_rows(drill) or [{}])[-1]
+    restarts = last.get("system/engine_restarts")
+    off_version = samples_off_version(drill.run_dir / "queue.db")
+    return {"injected_at": {"version": cfg.at_step + 1, "signal": "SIGKILL", "process": "vLLM EngineCore"},
+            "detected_by": "Policy._publish_locked (RolloutFleet.restart_dead: engine_alive False)" if detected else None,
+            "evidence": detected, "refit": refitted, "engine_restarts": restarts, "samples_off_version": off_version,
+            "action": "group restarted stale, the version published again (its refit)" if refitted else "none",
+            "recovered": (_finished(drill, run) and restarts == 1.0 and refitted is not None and off_version == 0)}
+
+
 def partition(drill: Drill) -> dict:
     """Two rollout groups; the first to receive publication at_step+1 stops answering (SIGSTOP of its
     actor and vLLM processes) for `variant` seconds (default 15), longer than rollout.publish_timeout_s:
@@ -287,6 +306,7 @@ def samples_off_version(db: Path) -> int | None:
 
 RUNNERS = {
     "engine_crash": engine_crash,
+    "engine_crash_publish": engine_crash_publish,
     "partition": partition,
     "coordinator_stop": coordinator_stop,
     "bad_refit": bad_refit,

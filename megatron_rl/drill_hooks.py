@@ -23,6 +23,9 @@ injects the fault itself, so a drill exercises the real failure path, not a patc
                                                              generates round at_step is SIGKILLed while its
                                                              requests are in flight (once per run: the
                                                              restarted engine finds the event in `events`)
+    engine_kill_publish RolloutWorker.receive_weights        the vLLM engine-core process of the first group
+                      (rollout actor)                        to receive publication `at_version` is
+                                                             SIGKILLed as it begins (once per run)
     engine_stop       RolloutWorker.receive_weights (rollout    the first group to receive publication
                       actor)                                 `at_version` SIGSTOPs its actor and vLLM
                                                              processes; a detached shell SIGCONTs them
@@ -109,13 +112,32 @@ def maybe_kill_engine(llm, extra: list[dict] | None) -> None:
     threading.Thread(target=_kill_engine_core, args=(llm, spec), name="drill-engine-kill", daemon=True).start()
 
 
-def _kill_engine_core(llm, spec: dict) -> None:
+def maybe_kill_engine_in_publication(version: int) -> None:
+    """Drill hook (`megatron-rl drill engine_crash_publish`), called by RolloutWorker.receive_weights: the
+    first group to receive publication at_version SIGKILLs its vLLM engine-core process (once per run)."""
+    spec = drill_spec("engine_kill_publish")
+    if spec is None or version != int(spec["at_version"]) or injected_before(spec):
+        return
+    cores = _engine_cores()
+    if cores:
+        record_injection(spec, pid_killed=cores[0].pid, version=version)
+        os.kill(cores[0].pid, signal.SIGKILL)
+        time.sleep(1.0)  # the process is gone (and its workers with it) before the publication goes on
+
+
+def _engine_cores() -> list:
     import psutil
 
     children = psutil.Process().children()
     cores = [p for p in children if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
     if not cores:
         logger.error("drill engine_kill: no vLLM EngineCore process among %s", [p.name() for p in children])
+    return cores
+
+
+def _kill_engine_core(llm, spec: dict) -> None:
+    cores = _engine_cores()
+    if not cores:
         return
     deadline = time.monotonic() + 5.0
     in_flight = 0

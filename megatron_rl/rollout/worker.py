@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from megatron_rl.config import from_dict
-from megatron_rl.drill_hooks import maybe_kill_engine, maybe_stop_group
+from megatron_rl.drill_hooks import maybe_kill_engine, maybe_kill_engine_in_publication, maybe_stop_group
 from megatron_rl.platform.priority import with_normal_priority
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import (engine_env, engine_identity, eos_token_ids, llm_kwargs, transfer_path,
@@ -225,7 +225,8 @@ class RolloutWorker:
                         shapes=[list(m[2]) for m in metadata])
         if ipc_handles is not None:
             info["ipc_handles_pickled"] = ipc_handles
-        maybe_stop_group(int(version))  # drill hook (engine_stop); no-op without MEGATRON_RL_DRILL
+        maybe_stop_group(int(version))  # drill hooks (engine_stop, engine_kill_publish); no-ops without
+        maybe_kill_engine_in_publication(int(version))  # MEGATRON_RL_DRILL
         self.llm.start_weight_update()
         try:
             self.llm.update_weights({"update_info": info})

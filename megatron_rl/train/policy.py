@@ -166,11 +166,7 @@ class Policy:
             try:
                 report = self.learner.publish(version)
             except Exception as err:
-                restarted = self.fleet.restart_dead(err)  # an engine died mid-publication: as during generation
-                if restarted:
-                    logger.warning("publication of version %d failed with the engine of rollout group(s) %s dead; "
-                                   "restarted, publishing it again (the restarted groups are refitted by it)",
-                                   version, restarted)
+                if self._restarted_dead(version, err):
                     continue
                 self._raise_if_engine_down(version, err)
                 raise
@@ -196,6 +192,8 @@ class Policy:
                 if report.get("digest"):
                     self.digests[str(version)] = report["digest"]
                 return report
+            if self._restarted_dead(version, report["errors"]):
+                continue
             self._raise_if_engine_down(version, report["errors"])
             refits = [e for e in report["errors"] if e and e.startswith("refit check")]
             if not refits:
@@ -222,6 +220,16 @@ class Policy:
         logprobs_bt = self.learner.forward_logprobs(tokens_bt)  # [B, T-1]
         seqs, lps = tokens_bt[:4].tolist(), logprobs_bt[:4].tolist()  # 4 rows are plenty for the engine
         self.fleet.expect_probe(version, seqs, lps, tol)
+
+    def _restarted_dead(self, version: int, cause) -> bool:
+        """An engine died during the publication (any point: send, verify, commit, refit probe): its group
+        is restarted as after a death during generation, and the version published again refits it."""
+        restarted = self.fleet.restart_dead(cause if isinstance(cause, BaseException) else RuntimeError(str(cause)))
+        if restarted:
+            logger.warning("publication of version %d failed with the engine of rollout group(s) %s dead; "
+                           "restarted, publishing it again (the restarted groups are refitted by it)", version,
+                           restarted)
+        return bool(restarted)
 
     def _raise_if_engine_down(self, version: int, cause, timeout_s: float = 10.0) -> None:
         """PublicationError naming the rollout groups whose engine does not answer (dead actor,
