@@ -17,6 +17,8 @@ import logging
 
 import torch
 
+from megatron_rl.te_import import TEUnavailable
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,6 +51,8 @@ def _te_available() -> bool:
         return False
     try:
         import transformer_engine.pytorch  # noqa: F401
+    except TEUnavailable:  # already logged with its cause by megatron_rl/te_import.py
+        return False
     except (ImportError, OSError, RuntimeError) as err:
         logger.warning("transformer_engine is installed but does not import (%s); using local layers", err)
         return False
