@@ -1,4 +1,4 @@
-"""A Transformer Engine that is installed but unusable leaves the CPU path working (issue 31, item 4).
+"""A Transformer Engine that is installed but unusable leaves the CPU path working (issue 31, items 4 and 5).
 
     python -m pytest tests/unit/test_te_unusable.py -q
 
@@ -8,6 +8,12 @@ Megatron's guards catch ImportError, TE raises OSError.  A fake `transformer_eng
 this one), which must detect the platform, build the model on local layers and run a forward.
 megatron_rl/te_import.py makes such a TE read as absent; the in-process tests pin its rules on fake
 packages with a finder of their own.
+
+Item 5: with TE importable, Megatron-Core builds the final norm from its module global
+`transformer_block.LayerNormImpl` (TENorm), even for a CPU model with the local layer spec, and TE's
+RMSNorm has no CPU kernel.  A spawned rank replaces that global with a norm that raises on CPU
+tensors, as TENorm does; the CPU model must still build and run forward (its final norm comes from
+the platform: platform.final_norm).
 """
 
 import importlib
@@ -22,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.platform.spawn import free_port
+from megatron_rl.platform.spawn import free_port, run_distributed
 
 # The fast tier (`-m unit`) is given by tests/unit/conftest.py: every test here but the slow ones.
 
@@ -116,3 +122,34 @@ def test_installed_once_first_on_the_meta_path():
     ours = [f for f in sys.meta_path if isinstance(f, BrokenTEFinder)]
     assert len(ours) == 1 and install() is ours[0] and sys.meta_path.index(ours[0]) == 0
 
+
+def _forward_with_gpu_only_final_norm(rank, world):
+    import megatron.core.transformer.transformer_block as block
+
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.hf_config import load_hf_config
+    from megatron_rl.platform import detect_platform
+    from megatron_rl.platform.parallel import parallel_scope
+
+    class GpuOnlyNorm(torch.nn.Module):  # TE's RMSNorm on a CPU tensor: no kernel
+        def __init__(self, config, hidden_size, eps=1e-5):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+
+        def forward(self, x):
+            if x.device.type == "cpu":
+                raise RuntimeError("GpuOnlyNorm has no CPU kernel (as TE's RMSNorm)")
+            return x * self.weight
+
+    block.LayerNormImpl = GpuOnlyNorm  # what Megatron-Core picks for the final norm when TE imports
+    with parallel_scope(tp=1, pp=1, seed=3):
+        model = build_gpt_model(load_hf_config(TINY), platform=detect_platform("cpu"), tp=1, pp=1)
+        tokens = torch.randint(0, 64, (2, 8))
+        logits = model(tokens, torch.arange(8).expand_as(tokens), attention_mask=None)
+    return {"norm": type(model.decoder.final_layernorm).__name__, "finite": bool(torch.isfinite(logits).all())}
+
+
+@pytest.mark.slow
+def test_cpu_model_final_norm_comes_from_the_platform_not_megatrons_te_default():
+    (result,) = run_distributed(_forward_with_gpu_only_final_norm, 1)
+    assert result == {"norm": "RMSNorm", "finite": True}
