@@ -134,7 +134,8 @@ def final_norm(platform: Platform) -> type:
 
     Left to Megatron-Core 0.16, the final norm is TENorm whenever TE imports (its module global
     transformer_block.LayerNormImpl), even for a CPU model built with the local spec, and TE's RMSNorm
-    has no CPU kernel: a CPU-forced tool on a machine with TE crashed at the first forward (issue 31).
+    has no CPU kernel: a CPU-forced tool on a machine with TE would fail at the first forward (issue 31,
+    read from the sources; no GPU machine has run this yet; tests/unit/test_te_unusable.py stands in).
     """
     if platform.use_te:
         from megatron.core.extensions.transformer_engine import TENorm
