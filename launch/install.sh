@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install megatron-rl into ./.venv (CPU or GPU build chosen by whether nvidia-smi sees a GPU).
 #   bash launch/install.sh            # idempotent: skips pip when setup.py is unchanged
-# Override the choice with MEGATRON_RL_DEVICE=cpu|gpu.
+# Override the choice with MEGATRON_RL_DEVICE=cpu|gpu.  A GPU install stops with one message when the
+# installed torch sees no GPU (MEGATRON_RL_SKIP_CUDA_CHECK=1 skips that check, e.g. on a login node) or
+# when Transformer Engine must be compiled and no nvcc is found (launch/cuda_toolkit.sh says where it looks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 device="${MEGATRON_RL_DEVICE:-}"
@@ -22,9 +24,24 @@ if [ "$device" = cpu ]; then
   # `import transformers` fail ("operator torchvision::nms does not exist"). Nothing here needs them.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 else
+  # shellcheck source=launch/cuda_toolkit.sh
+  source launch/cuda_toolkit.sh
+  # A torch that sees no GPU (driver older than its CUDA build) installs "fine"; stop here instead.
+  if [ "${MEGATRON_RL_SKIP_CUDA_CHECK:-0}" != 1 ]; then torch_sees_gpu .venv/bin/python || exit 1; fi
   # Step 2: Transformer Engine's PyTorch part compiles against the torch vLLM pinned (step 1), so it
   # is built without pip's isolated build environment (which would pull the newest torch instead).
-  # Needs nvcc and cuDNN headers (CUDA_HOME); or install TE from a wheelhouse / use an NGC container.
+  # Needs nvcc and cuDNN headers: from CUDA_HOME / PATH / /usr/local/cuda, else from the CUDA wheels
+  # step 1 installed (launch/cuda_toolkit.sh); a TE that already imports (a wheelhouse) needs neither.
+  if ! .venv/bin/python -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
+    site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    home="$(cuda_home_for_te "$site")" || exit 1
+    if [ -n "$home" ]; then
+      export CUDA_HOME="$home" PATH="$home/bin:$PATH"
+      echo "install.sh: CUDA_HOME=$home (nvcc of the pip-installed CUDA toolkit)" >&2
+    fi
+    cudnn="$(cudnn_path_for_te "$site")"
+    if [ -n "$cudnn" ]; then export CUDNN_PATH="$cudnn"; echo "install.sh: CUDNN_PATH=$cudnn" >&2; fi
+  fi
   te_req="$(.venv/bin/python -c 'import ast,sys; t=open("setup.py").read(); print(next(ast.literal_eval(l.split("=",1)[1].strip()) for l in t.splitlines() if l.startswith("GPU_TE_REQUIREMENT")))')"
   .venv/bin/pip install -q wheel setuptools pybind11 ninja
   if ! .venv/bin/pip install -q --no-build-isolation "$te_req"; then

@@ -4,3 +4,7 @@ Run `megatron-rl --help` for the subcommands.
 """
 
 __version__ = "0.1.0"
+
+from megatron_rl import te_import as _te_import
+
+_te_import.install()  # before any Megatron import: a TE that does not load reads as absent (te_import.py)

@@ -117,11 +117,11 @@ def load_model(model, weights_dir: Path) -> None:
     inner.load_state_dict(state, strict=False)
 
 
-# With Transformer Engine importable, Megatron-Core 0.16 builds the final norm from TE (TENorm)
-# even under the local layer spec; TE modules carry an `_extra_state` (FP8 metadata) that local
-# norms do not.  Checkpoints written without TE (the converter, CPU runs) lack it, and one written
-# with it would be refused by a local model (strict load: unexpected key), so the converter does
-# not write it and a load tolerates its absence: the module keeps its own (no-FP8: empty) state.
+# On the TE platform the final norm is TE's (TENorm, platform.final_norm); TE modules carry an
+# `_extra_state` (FP8 metadata) that local norms do not.  Checkpoints written without TE (the
+# converter, CPU runs) lack it, and one written with it would be refused by a local model (strict
+# load: unexpected key), so the converter does not write it and a load tolerates its absence: the
+# module keeps its own (no-FP8: empty) state.
 FINAL_NORM_EXTRA_STATE = "decoder.final_layernorm._extra_state"
 
 

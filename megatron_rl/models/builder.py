@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.models.hf_config import HFModelConfig, check_parallel_layout, padded_vocab_size
-from megatron_rl.platform import Platform, layer_spec
+from megatron_rl.platform import Platform, block_spec
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,8 @@ def build_gpt_model(cfg: HFModelConfig, *, platform: Platform, tp: int, pp: int,
     config = config or build_transformer_config(cfg, tp=tp, pp=pp, platform=platform, ep=ep, **config_overrides)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(platform, cfg),
+        # the layers and the final norm, both from the platform (not Megatron's TE-if-importable final norm)
+        transformer_layer_spec=block_spec(platform, cfg, config, ps.get_pipeline_model_parallel_rank()),
         vocab_size=padded_vocab_size(cfg.vocab_size, tp),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

@@ -4,6 +4,7 @@
     platform = detect_platform()            # cuda/nccl/bf16 (+TE) on GPUs, cpu/gloo/fp32 here
     platform = detect_platform("cpu")       # force the CPU path (tests, debugging)
     spec = layer_spec(platform, hf_cfg)     # Megatron ModuleSpec of one transformer layer
+    block = block_spec(platform, hf_cfg, transformer_config, pp_rank)  # this stage's layers + final norm
 
 Everything that differs between the GPU and the CPU path is decided here once, so the model
 builder, the learner and the tests never test `torch.cuda.is_available()` themselves.
@@ -16,6 +17,8 @@ import importlib.util
 import logging
 
 import torch
+
+from megatron_rl.te_import import TEUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ def _te_available() -> bool:
         return False
     try:
         import transformer_engine.pytorch  # noqa: F401
+    except TEUnavailable:  # already logged with its cause by megatron_rl/te_import.py
+        return False
     except (ImportError, OSError, RuntimeError) as err:
         logger.warning("transformer_engine is installed but does not import (%s); using local layers", err)
         return False
@@ -121,3 +126,31 @@ def layer_spec(platform: Platform, hf_cfg=None):
     if platform.use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **experts)
     return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **experts)
+
+
+def final_norm(platform: Platform) -> type:
+    """The module class of the decoder's final norm on `platform`: TE's norm on the TE platform, else the
+    local one (torch's RMSNorm through Megatron's WrappedTorchNorm, as the local layer spec's norms).
+
+    Left to Megatron-Core 0.16, the final norm is TENorm whenever TE imports (its module global
+    transformer_block.LayerNormImpl), even for a CPU model built with the local spec, and TE's RMSNorm
+    has no CPU kernel: a CPU-forced tool on a machine with TE would fail at the first forward (issue 31,
+    read from the sources; no GPU machine has run this yet; tests/unit/test_te_unusable.py stands in).
+    """
+    if platform.use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm
+
+
+def block_spec(platform: Platform, hf_cfg, config, pp_rank: int):
+    """Megatron TransformerBlockSubmodules of pipeline stage `pp_rank`: its layers (layer_spec) and the
+    final norm (final_norm), both chosen from `platform`.  `config` is the model's TransformerConfig."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(platform, hf_cfg)] * layers,
+                                      layer_norm=final_norm(platform))

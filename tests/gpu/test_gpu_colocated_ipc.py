@@ -38,6 +38,7 @@ def test_ipc_publication_commits_whole_or_not_at_all_around_sleep(tmp_path):
     from megatron_rl.publish import WeightPublisher
     from megatron_rl.rollout import RolloutConfig, create_rollout_worker
     from megatron_rl.rollout.sleep import SleepCycle, choose_sleep
+    from tests.gpu.engine_options import EAGER
     from tests.reference import SEQUENCES, hf_logprobs
 
     model_dir = make_tiny_model(tmp_path / "qwen2", arch="qwen2", seed=2)
@@ -48,7 +49,7 @@ def test_ipc_publication_commits_whole_or_not_at_all_around_sleep(tmp_path):
         sleeps, why = choose_sleep(placement="colocated", device="cuda", mode="sync")
         assert sleeps, why
         cfg = RolloutConfig(model=str(model_dir), max_model_len=128, dtype="bfloat16", max_tokens=8,
-                            weight_transfer="ipc", sleep_mode=True, gpu_memory_utilization=0.3)
+                            weight_transfer="ipc", sleep_mode=True, gpu_memory_utilization=0.3, engine_options=EAGER)
         worker = create_rollout_worker(cfg, num_gpus=0.5)  # the trainer (this process) has the other half
         publisher = WeightPublisher(bucket_bytes=256 * 1024, transport="ipc")
         publisher.connect([worker])  # checks the engine sits on this process's GPU

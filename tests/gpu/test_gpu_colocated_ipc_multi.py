@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gpu.engine_options import EAGER_OVERRIDES
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs two CUDA devices (a learner rank and a rollout group on each)")]
@@ -32,7 +34,8 @@ STEPS = 3
 def _train(tmp_path, *extra, timeout=420):
     overrides = [f"run.dir={tmp_path / 'run'}", f"run.steps={STEPS}", "run.eval_every=0", "run.checkpoint_every=0",
                  "run.placement=colocated", "run.mode=sync", "learner.dtype=bf16", "rollout.dtype=bfloat16",
-                 "rollout.gpu_memory_utilization=0.3", "data.eval_size=16", "rollout.data_parallel_size=2", *extra]
+                 "rollout.gpu_memory_utilization=0.3", "data.eval_size=16", "rollout.data_parallel_size=2",
+                 *EAGER_OVERRIDES, *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
     return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(RECIPE), *overrides],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -29,6 +29,7 @@ def test_nccl_publication_commits_whole_or_not_at_all(tmp_path):
     from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.publish import WeightPublisher
     from megatron_rl.rollout import RolloutConfig, create_rollout_worker
+    from tests.gpu.engine_options import EAGER
     from tests.reference import SEQUENCES, hf_logprobs
 
     model_dir = make_tiny_model(tmp_path / "qwen2", arch="qwen2", seed=2)
@@ -37,7 +38,7 @@ def test_nccl_publication_commits_whole_or_not_at_all(tmp_path):
     worker = None
     try:
         cfg = RolloutConfig(model=str(model_dir), max_model_len=128, dtype="float32", max_tokens=8,
-                            weight_transfer="nccl", gpu_memory_utilization=0.3)
+                            weight_transfer="nccl", gpu_memory_utilization=0.3, engine_options=EAGER)
         worker = create_rollout_worker(cfg, num_gpus=1)
         # The trainer takes a GPU other than the engine's (told apart by UUID, whatever the numbering).
         engine_uuid = ray.get(worker.__ray_call__.remote(lambda self: str(torch.cuda.get_device_properties(0).uuid)))

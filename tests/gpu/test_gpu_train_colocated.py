@@ -27,10 +27,11 @@ STEPS = 3
 def test_tiny_recipe_colocated_bf16_over_ipc_with_sleep(tmp_path):
     from megatron_rl.train.config import load_train_config
     from megatron_rl.train.placement import gpu_path_choices
+    from tests.gpu.engine_options import EAGER_OVERRIDES
 
     overrides = [f"run.dir={tmp_path / 'run'}", f"run.steps={STEPS}", "run.eval_every=0", "run.checkpoint_every=0",
                  "run.placement=colocated", "run.mode=sync", "learner.dtype=bf16", "rollout.dtype=bfloat16",
-                 "rollout.gpu_memory_utilization=0.3", "data.eval_size=16"]
+                 "rollout.gpu_memory_utilization=0.3", "data.eval_size=16", *EAGER_OVERRIDES]
     cfg = load_train_config(REPO / "configs/tiny_cpu_scratch.yaml", overrides)
     assert gpu_path_choices(cfg, "cuda")[:2] == ("ipc", True)
 

@@ -2,8 +2,8 @@
 
     python -m pytest tests/unit/test_final_norm_extra_state.py -q
 
-With Transformer Engine importable, Megatron-Core 0.16 builds the final norm from TE (TENorm) even
-under the local spec, and TE modules save an `_extra_state`.  TE does not import on a CPU machine,
+On the TE platform the final norm is TE's (TENorm, platform.final_norm), and TE modules save an
+`_extra_state`.  TE does not import on a CPU machine,
 so the final norm is swapped for a test double: the local norm plus an (empty) extra state, the one
 property of TENorm at stake.  A checkpoint written by the converter's DistCheckpointWriter (which
 does not write it) must still load (strictly, every weight back) into that model.
