@@ -5,7 +5,7 @@
     megatron-rl convert verify --hf MODEL_DIR --mcore MCORE_DIR [--tp N --pp N --ep N]   # one JSON line
         exit 1 when max |Δlogit| > --tolerance (default by stored dtype: fp32 1e-3, bf16 1.0, fp16 0.25)
 
-The same parsers back tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py.
+tools/convert.py runs the same command from a checkout.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Convert a Hugging Face Llama / Qwen2 checkpoint into a Megatron-Core distributed checkpoint.
 
     megatron-rl convert hf-to-mcore --hf MODEL_DIR --out MCORE_DIR --tp 2 --pp 2 [--dtype bf16]
-    python tools/convert_hf_to_megatron.py --hf MODEL_DIR --out MCORE_DIR
+    python tools/convert.py hf-to-mcore --hf MODEL_DIR --out MCORE_DIR
 
     from megatron_rl.conversion.hf_to_mcore import convert_hf_to_mcore
     convert_hf_to_mcore(model_dir, out_dir, tp=2, pp=2, dtype="fp32")

@@ -2,7 +2,7 @@
 
     megatron-rl convert mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--dtype bf16]
     megatron-rl convert mcore-to-hf --mcore RUN_DIR/checkpoints/step_000060 --out HF_DIR   # a trained policy
-    python tools/convert_megatron_to_hf.py --mcore MCORE_DIR --out HF_DIR
+    python tools/convert.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR
 
     from megatron_rl.conversion.mcore_to_hf import convert_mcore_to_hf
     convert_mcore_to_hf(mcore_dir, out_dir)
