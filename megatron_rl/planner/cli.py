@@ -23,7 +23,7 @@ from megatron_rl.rollout.sleep import choose_sleep
 
 
 def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
-    from megatron_rl.train.plan import model_config
+    from megatron_rl.train.dry_run import model_config
 
     hf = model_config(cfg)
     model = dims_from_hf(hf)

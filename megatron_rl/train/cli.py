@@ -27,7 +27,7 @@ from megatron_rl.console import attach_run_dir, end_progress
 def _config_and_plan(args: argparse.Namespace):
     """The validated config; with --dry-run the plan is printed (and nothing else happens)."""
     from megatron_rl.train.config import load_train_config
-    from megatron_rl.train.plan import check_and_plan
+    from megatron_rl.train.dry_run import check_and_plan
 
     cfg = load_train_config(args.config, args.overrides)
     plan = check_and_plan(cfg)
@@ -85,7 +85,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 def _cmd_reconcile(args: argparse.Namespace) -> int:
     from megatron_rl.train.config import load_train_config
-    from megatron_rl.train.plan import check_and_plan
+    from megatron_rl.train.dry_run import check_and_plan
     from megatron_rl.train.reconcile import reconcile, render_table
 
     cfg = load_train_config(args.config, args.overrides)

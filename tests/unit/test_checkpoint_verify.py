@@ -28,7 +28,7 @@ from megatron_rl.checkpoint import (
 )
 from megatron_rl.cli import main
 from megatron_rl.train.config import load_train_config
-from megatron_rl.train.plan import check_and_plan, check_safetensors
+from megatron_rl.train.dry_run import check_and_plan, check_safetensors
 from megatron_rl.train.checkpointing import QUEUE_DB, QUEUE_SNAPSHOT, restore_queue_snapshot
 from tests.e2e.conftest import TINY
 
