@@ -114,22 +114,26 @@ def run_section(section: Any, *, mode: Any) -> Any:
         raise ConfigError(f"coordinator.max_staleness may only be set with run.mode 'async': run.mode {mode!r} "
                           f"fixes the staleness bound at {MODE_STALENESS[mode]}; remove it, or set run.mode=async")
     out = dict(section)
-    out["max_staleness"] = MODE_STALENESS.get(mode, section.get("max_staleness", ASYNC_STALENESS))
-    bound = out["max_staleness"]
+    bound = out["max_staleness"] = staleness_bound(mode, section.get("max_staleness", ASYNC_STALENESS))
+    out.setdefault("max_version_lag", max(bound, 1))
+    return out
+
+
+def staleness_bound(mode: str, configured: Any) -> int:
+    """The staleness bound eta of run.mode: sync 0, one_step_off 1, async `configured` (an int >= 1).
+    The one place the mode decides it."""
+    bound = MODE_STALENESS.get(mode, configured)
     if mode == "async" and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
         raise ConfigError(f"coordinator.max_staleness must be an int >= 1 in run.mode 'async' (0 is run.mode "
                           f"'sync'), got {bound!r}")
-    out.setdefault("max_version_lag", max(bound, 1))
-    return out
+    return bound
 
 
 def for_run(config: CoordinatorConfig, *, mode: str, batch_size: int) -> CoordinatorConfig:
     """The coordinator a training run uses: B is its batch, and the staleness bound the one its mode
     fixes (async keeps its own, >= 1); the TTL must not drop what admission let in."""
-    bound = MODE_STALENESS.get(mode, config.max_staleness)
+    bound = staleness_bound(mode, config.max_staleness)
     config = dataclasses.replace(config, batch_size=batch_size, max_staleness=bound)
-    if mode == "async" and bound < 1:
-        raise ConfigError(f"run.mode 'async' needs coordinator.max_staleness >= 1, got {bound}")
     if config.max_version_lag < bound:
         raise ConfigError(f"coordinator.max_version_lag ({config.max_version_lag}) is below the staleness bound "
                           f"({bound}, run.mode {mode!r}): admitted samples would expire")
