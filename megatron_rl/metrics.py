@@ -225,17 +225,24 @@ def logged_test_evals(metrics_jsonl: str | Path) -> dict[int, dict]:
 
 
 def percentiles(values: Sequence[float], prefix: str, qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:
-    """{f"{prefix}/p50": ..} with linear interpolation between order statistics; {} for no values."""
-    for q in qs:
-        if not 0 <= q <= 100:
-            raise ValueError(f"percentile {q} is outside [0, 100]")
+    """{f"{prefix}/p50": ..} (percentile below); {} for no values."""
     data = sorted(float(v) for v in values)
+    out = {f"{prefix}/p{q:g}": _sorted_percentile(data, q) for q in qs}
+    return out if data else {}
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The q-th percentile (0..100) of `values`, linear interpolation between order statistics (numpy's
+    default method); 0.0 for no values.  The one percentile of the project (metrics, backpressure)."""
+    return _sorted_percentile(sorted(float(v) for v in values), q)
+
+
+def _sorted_percentile(data: list[float], q: float) -> float:
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} is outside [0, 100]")
     if not data:
-        return {}
-    out = {}
-    for q in qs:
-        pos = (len(data) - 1) * q / 100.0
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(data) - 1)
-        out[f"{prefix}/p{q:g}"] = data[lo] + (data[hi] - data[lo]) * (pos - lo)
-    return out
+        return 0.0
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)

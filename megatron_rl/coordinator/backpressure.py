@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_rl.coordinator.config import CoordinatorConfig
+from megatron_rl.metrics import percentile
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,6 @@ class Backpressure:
     dv_p95: float
     age_p95_s: float
 
-
-def percentile(values: np.ndarray, q: float) -> float:
-    """The q-th percentile of `values`, 0 for none."""
-    return float(np.percentile(values, q)) if len(values) else 0.0
 
 
 class BackpressureSignals:
