@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Literal, Optional
+from typing import Callable, Iterator, Literal, Optional, get_args
 
 from megatron_rl.config import ConfigError, ConfigProblems
 
@@ -54,6 +54,8 @@ from megatron_rl.config import ConfigError, ConfigProblems
 logger = logging.getLogger(__name__)
 
 MIN_SEEDS = 3
+Command = Literal["sft", "train"]
+COMMANDS = get_args(Command)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -78,7 +80,7 @@ class Preregistration:
 
 @dataclasses.dataclass(kw_only=True)
 class Arm:
-    command: Literal["sft", "train"] = "train"
+    command: Command = "train"
     """`sft` or `train`."""
     overrides: list[str] = dataclasses.field(default_factory=list)
     """Dotted overrides of the base config for this arm."""
@@ -130,6 +132,8 @@ class ExperimentConfig:
         if arms is not None and prereg is not None and prereg.baseline_arm not in arms:
             problems.append(f"preregistration.baseline_arm {prereg.baseline_arm!r} is not an arm ({sorted(arms)})")
         for name, arm in (arms or {}).items():
+            if arm.command not in COMMANDS:  # from a file, a field problem already; built in code, here
+                problems.append(f"arms.{name}.command must be one of {list(COMMANDS)}, got {arm.command!r}")
             if arm.init_from is not None and arm.init_from not in arms:
                 problems.append(f"arms.{name}.init_from {arm.init_from!r} is not an arm ({sorted(arms)})")
         known = {n: a if a.init_from in (arms or {}) else dataclasses.replace(a, init_from=None)
