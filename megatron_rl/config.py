@@ -4,8 +4,12 @@
 
 Each component owns a dataclass for its section (fields documented, checks in __post_init__
 raising ValueError that names the field).  This module only knows how to build those
-dataclasses from plain data, strictly: unknown keys and wrong types are errors naming the
-dotted path, before any work starts.
+dataclasses from plain data, strictly: unknown keys, missing required keys and wrong types are
+errors naming the dotted path, before any work starts, all of them in one pass (ConfigProblems).
+A dataclass whose checks span several fields may define `config_problems(values) -> list[str]`
+(a staticmethod over the fields given): its __post_init__ raises what it returns, and when other
+keys of the same mapping are wrong it is called with the readable ones, so those checks are
+reported in the same pass.
 """
 
 from __future__ import annotations
@@ -27,6 +31,32 @@ class ConfigError(ValueError):
     """Input a user can fix (config, data, checkpoint, command-line values): the message names the
     key, file or value.  The CLI ends with that one line and exit 2; any other exception is a bug
     (traceback, exit 1).  Subclasses: DataError, checkpoint.CheckpointError."""
+
+
+class ConfigProblems(ConfigError):
+    """Several problems of one config, reported together; each names its dotted key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(self.problems[0] if len(self.problems) == 1 else
+                         f"{len(self.problems)} problems:\n  " + "\n  ".join(self.problems))
+
+
+def _problems(err: ConfigError) -> list[str]:
+    return list(getattr(err, "problems", [str(err)]))
+
+
+def _coerce_each(items: list[tuple[Any, Any, str]]) -> list:
+    """_coerce every (value, hint, where); all their problems raised together."""
+    out, problems = [], []
+    for value, hint, where in items:
+        try:
+            out.append(_coerce(value, hint, where))
+        except ConfigError as err:
+            problems += _problems(err)
+    if problems:
+        raise ConfigProblems(problems)
+    return out
 
 
 class DataError(ConfigError):
@@ -59,12 +89,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
         item = args[0] if args else Any
-        return origin(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+        return origin(_coerce_each([(v, item, f"{where}[{i}]") for i, v in enumerate(value)]))
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
         vt = args[1] if len(args) == 2 else Any
-        return {k: _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+        return dict(zip(value, _coerce_each([(v, vt, f"{where}.{k}") for k, v in value.items()])))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str, bool):
@@ -77,20 +107,32 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 
 
 def from_dict(cls: type[T], data: Any, where: str = "") -> T:
-    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
+    """Build dataclass `cls` from a mapping; unknown keys, missing required keys and wrong types raise
+    ConfigProblems naming every one of them (and `cls.config_problems` of the readable fields)."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted((set(data) - set(fields)), key=str)
-    if unknown:
-        raise ConfigError(
-            f"unknown config key {'.'.join(filter(None, [where, str(unknown[0])]))!r}; "
-            f"allowed at this level: {sorted(fields)}"
-        )
-    kwargs = {k: _coerce(v, hints[k], ".".join(filter(None, [where, k]))) for k, v in data.items()}
+
+    def key(name) -> str:
+        return ".".join(filter(None, [where, str(name)]))
+
+    problems = [f"unknown config key {key(k)!r}; allowed at this level: {sorted(fields)}"
+                for k in sorted(set(data) - set(fields), key=str)]
+    problems += [f"missing config key {key(name)!r} (required: it has no default)" for name, f in fields.items()
+                 if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    kwargs = {}  # the readable fields (all of them when there is no problem)
+    for k in (k for k in data if k in fields):
+        try:
+            kwargs[k] = _coerce(data[k], hints[k], key(k))
+        except ConfigError as err:
+            problems += _problems(err)
+    if problems:
+        cross = getattr(cls, "config_problems", None)
+        problems += [f"{where}: {p}" if where else p for p in (cross(kwargs) if cross else [])]
+        raise ConfigProblems(problems)
     try:
         return cls(**kwargs)
     except TypeError as err:

@@ -46,15 +46,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Literal, Optional, get_args
 
-from megatron_rl.config import ConfigError
+from megatron_rl.config import ConfigError, ConfigProblems
 
 
 logger = logging.getLogger(__name__)
 
-COMMANDS = ("sft", "train")
 MIN_SEEDS = 3
+Command = Literal["sft", "train"]
+COMMANDS = get_args(Command)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -79,7 +80,7 @@ class Preregistration:
 
 @dataclasses.dataclass(kw_only=True)
 class Arm:
-    command: str = "train"
+    command: Command = "train"
     """`sft` or `train`."""
     overrides: list[str] = dataclasses.field(default_factory=list)
     """Dotted overrides of the base config for this arm."""
@@ -118,33 +119,56 @@ class ExperimentConfig:
     (train/engine_pool.py)."""
 
     def __post_init__(self) -> None:
-        if self.preregistration.baseline_arm not in self.arms:
-            raise ConfigError(f"preregistration.baseline_arm {self.preregistration.baseline_arm!r} is not an arm "
-                             f"({sorted(self.arms)})")
-        for name, arm in self.arms.items():
-            if arm.command not in COMMANDS:
-                raise ConfigError(f"arms.{name}.command must be one of {list(COMMANDS)}, got {arm.command!r}")
-            if arm.init_from is not None and arm.init_from not in self.arms:
-                raise ConfigError(f"arms.{name}.init_from {arm.init_from!r} is not an arm")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ConfigError(f"seeds must be distinct and non-empty, got {self.seeds}")
-        budget = self.budget_generated_tokens
+        problems = self.config_problems(vars(self))
+        if problems:
+            raise ConfigProblems(problems)
+
+    @staticmethod
+    def config_problems(values: dict) -> list[str]:
+        """Every problem among the fields given that no single field shows (config.py: all of them on a
+        complete file, the readable ones when other keys of the file are wrong)."""
+        problems = []
+        arms, prereg = values.get("arms"), values.get("preregistration")
+        if arms is not None and prereg is not None and prereg.baseline_arm not in arms:
+            problems.append(f"preregistration.baseline_arm {prereg.baseline_arm!r} is not an arm ({sorted(arms)})")
+        for name, arm in (arms or {}).items():
+            if arm.command not in COMMANDS:  # from a file, a field problem already; built in code, here
+                problems.append(f"arms.{name}.command must be one of {list(COMMANDS)}, got {arm.command!r}")
+            if arm.init_from is not None and arm.init_from not in arms:
+                problems.append(f"arms.{name}.init_from {arm.init_from!r} is not an arm ({sorted(arms)})")
+        known = {n: a if a.init_from in (arms or {}) else dataclasses.replace(a, init_from=None)
+                 for n, a in (arms or {}).items()}  # an unknown init_from is named above
+        stuck = dependency_order(known)[1]
+        if stuck:
+            problems.append(f"arms.*.init_from forms a cycle among {stuck}")
+        seeds = values.get("seeds", [0])
+        if not seeds or len(set(seeds)) != len(seeds):
+            problems.append(f"seeds must be distinct and non-empty, got {seeds}")
+        budget = values.get("budget_generated_tokens")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ConfigError(f"budget_generated_tokens must be an int >= 1 (or null = off), got {budget!r}")
+            problems.append(f"budget_generated_tokens must be an int >= 1 (or null = off), got {budget!r}")
         for name in ("shared_ray", "engine_in_process", "in_process", "pool_engines"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        self.order()  # no cycles
+            if not isinstance(values.get(name, True), bool):
+                problems.append(f"{name} must be true or false, got {values[name]!r}")
+        return problems
 
     def order(self) -> list[str]:
         """Arms in dependency order (an arm after the arm it starts from)."""
-        done: list[str] = []
-        while len(done) < len(self.arms):
-            ready = [a for a in self.arms if a not in done and (self.arms[a].init_from in done + [None])]
-            if not ready:
-                raise ConfigError(f"arms.*.init_from forms a cycle among {sorted(set(self.arms) - set(done))}")
-            done += ready
+        done, stuck = dependency_order(self.arms)
+        if stuck:
+            raise ConfigError(f"arms.*.init_from forms a cycle among {stuck}")
         return done
+
+
+def dependency_order(arms: dict[str, Arm]) -> tuple[list[str], list[str]]:
+    """(arms in dependency order, the sorted arms that cannot be ordered: a cycle or an unknown init_from)."""
+    done: list[str] = []
+    while len(done) < len(arms):
+        ready = [a for a in arms if a not in done and (arms[a].init_from in done + [None])]
+        if not ready:
+            break
+        done += ready
+    return done, sorted(set(arms) - set(done))
 
 
 def load_experiment(path: str | Path) -> ExperimentConfig:

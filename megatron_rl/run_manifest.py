@@ -95,9 +95,12 @@ def _hardware() -> dict[str, Any]:
 
 
 def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config_hash: str,
-             resuming: bool, name: str = NAME) -> dict[str, Any]:
+             resuming: bool, name: str = NAME, model_dir: str | Path | None = None) -> dict[str, Any]:
     """Write the manifest of a new run, or check and extend the one of a run being resumed.
-    `name`: the file in run_dir (an eval writes one next to its outcomes file)."""
+    `name`: the file in run_dir (an eval writes one next to its outcomes file).  `model_dir`: the
+    HF directory the run starts from, recorded as `model_dir` (where its checkpoints' config and
+    tokenizer are: train/start_model.py run_model_dir); not part of the identity (a moved copy of
+    the same model resumes)."""
     missing = [k for k in IDENTITY if k not in identity]
     if missing:
         raise ValueError(f"run manifest: identity fields {missing} missing")
@@ -115,6 +118,8 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
         manifest["attempts"].append(attempt)
     else:
         manifest = {"kind": kind, "identity": dict(identity), "attempts": [attempt]}
+    if model_dir is not None:
+        manifest["model_dir"] = str(Path(model_dir).resolve())
     _write(path, manifest)
     return manifest
 

@@ -15,7 +15,8 @@ source checkpoint's, so HF -> Megatron -> HF is bit-identical when no precision 
 
 A training checkpoint (a committed `RUN_DIR/checkpoints/step_N`) exports the same way: its files
 are verified against its COMMITTED manifest, the HF config and tokenizer come from the model the
-run started from (`RUN_DIR/config.json` names it; its tokenizer must hash to the checkpoint's),
+run started from (train/start_model.py run_model_dir: the directory RUN_DIR/run_manifest.json
+records, else the one RUN_DIR/config.json leads to; its tokenizer must hash to the checkpoint's),
 and only the policy's weights are read from `weights/` (the optimizer state stays behind).
 """
 
@@ -106,16 +107,13 @@ def training_checkpoint_model_dir(ckpt_dir: Path) -> Path:
     """
     from megatron_rl.checkpoint import load_checkpoint
     from megatron_rl.models.tokenizer import tokenizer_hash
+    from megatron_rl.train.start_model import run_model_dir
 
     run_dir = ckpt_dir.resolve().parent.parent
-    config_path = run_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{ckpt_dir} looks like a training checkpoint but {config_path} (the run's resolved "
-                                f"config, which names its model) is missing")
-    model_path = (json.loads(config_path.read_text()).get("model") or {}).get("path")
-    model_dir = Path(model_path) if model_path else run_dir / "model"
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"model.path of the run in {run_dir}: no config.json in {model_dir}")
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{ckpt_dir} looks like a training checkpoint but {run_dir / 'config.json'} (the "
+                                f"run's resolved config, which names its model) is missing")
+    model_dir = run_model_dir(run_dir)  # model.tiny, model.path or model.init_from: the run's own start
     load_checkpoint(ckpt_dir, tokenizer_hash=tokenizer_hash(model_dir))  # sha256 of every file, tokenizer match
     return model_dir
 

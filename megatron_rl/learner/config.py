@@ -43,8 +43,9 @@ class LearnerConfig:
     Set: every learner pass (training, logprobs, SFT) sorts the batch's rows by length, deals them
     to data-parallel ranks with balanced token counts, packs each rank's rows into micro-batches
     within this budget (a longer row runs alone) and pads each micro-batch only to its own
-    longest row; micro_batch_size is then unused.  None or 0: fixed micro-batches of
-    micro_batch_size rows, all padded to the batch's longest (megatron_rl.learner.micro_batches)."""
+    longest row; micro_batch_size is then unused.  None or 0 (off, as top_k 0 and clip_grad 0 are):
+    fixed micro-batches of micro_batch_size rows, all padded to the batch's longest
+    (megatron_rl.learner.micro_batches); `train --dry-run` says which (learner.micro_batches)."""
     lr: float = 1e-6
     """Peak learning rate."""
     min_lr: float = 0.0
@@ -86,7 +87,8 @@ class LearnerConfig:
                 raise ValueError(f"learner.{name} must be a positive integer, got {value!r}")
         budget = self.max_tokens_per_micro_batch
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"learner.max_tokens_per_micro_batch must be an integer >= 0 or null, got {budget!r}")
+            raise ValueError(f"learner.max_tokens_per_micro_batch must be an integer >= 1 (a token budget), or 0 or "
+                             f"null (off: fixed micro-batches of micro_batch_size rows), got {budget!r}")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"learner.global_batch_size {self.global_batch_size} is not a multiple of "
                              f"micro_batch_size {self.micro_batch_size}")
@@ -104,6 +106,15 @@ class LearnerConfig:
             raise ValueError(f"learner.lr_decay_style must be constant|linear|cosine, got {self.lr_decay_style!r}")
         if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
             raise ValueError(f"learner.lr_decay_style={self.lr_decay_style!r} needs learner.lr_decay_steps")
+
+    def micro_batching(self) -> str:
+        """How a batch is cut into micro-batches, in words (what 0 and null mean included)."""
+        if self.max_tokens_per_micro_batch:
+            return (f"token budget: length-sorted micro-batches of at most {self.max_tokens_per_micro_batch} tokens "
+                    f"(learner.max_tokens_per_micro_batch), each padded to its own longest row")
+        return (f"fixed: {self.micro_batch_size} rows (learner.micro_batch_size) padded to the batch's longest row; "
+                f"learner.max_tokens_per_micro_batch {'null' if self.max_tokens_per_micro_batch is None else 0} "
+                f"means off")
 
 
 MIN_TEMPERATURE = 1e-5

@@ -3,8 +3,10 @@
     megatron-rl plan --config configs/qwen2_7b_8gpu_colocated.yaml [--json] [--step-seconds S]
 
 Prints, per role and per GPU, every item of the ledger (see ledger.py for the formulas), then
-compares colocated and disaggregated placements with a fits / does-not-fit verdict naming the
-largest item (or cannot-start, naming the fields, for a layout Placement.create refuses on GPUs), and the run's length: the steps its token budget allows (stop.max_generated_tokens,
+compares colocated and disaggregated placements with a fits / does-not-fit verdict and its reason
+(every check that fails, naming the config keys and the numbers: GPUs needed against cluster.gpus,
+a peak against cluster.gpu_memory_gib, the engine against its budget, or cannot-start, naming the
+fields, for a layout Placement.create refuses on GPUs) and the largest item, and the run's length: the steps its token budget allows (stop.max_generated_tokens,
 budget.py), and the wall time they take at S seconds per step when --step-seconds is given.
 """
 
@@ -84,10 +86,11 @@ def render(plan: dict) -> str:
                  f"({plan['sleep_mode_reason']})")
     lines.append("placements:")
     for v in plan["placements"]:
-        mark = ("fits" if v["fits"] else "DOES NOT FIT") if v["startable"] else f"CANNOT START ({v['blocker']})"
+        mark = ("fits" if v["fits"] else "DOES NOT FIT") if v["startable"] else "CANNOT START"
         chosen = " (configured)" if v["placement"] == plan["configured_placement"] else ""
         lines.append(f"  {v['placement']:<14}{chosen} {v['gpus_needed']} GPUs, peak {v['peak_gib_per_gpu']:.2f} GiB/GPU "
-                     f"({v['margin']:.0%} margin): {mark}; largest item {v['largest_item']} ({v['note']})")
+                     f"({v['margin']:.0%} margin): {mark} ({v['reason']}); largest item {v['largest_item']} "
+                     f"({v['note']})")
     lines.append(render_budget(plan["length"]))
     return "\n".join(lines)
 

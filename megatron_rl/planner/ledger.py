@@ -292,6 +292,25 @@ class PlacementVerdict:
     """False when the placement cannot start on GPUs whatever its memory (then `fits` is False too)."""
     blocker: str | None = None
     """Why it cannot start, naming the fields (train/placement.py: startability_problem)."""
+    reason: str = ""
+    """Why it fits or does not, naming the config keys and the numbers compared (every failed check)."""
+
+
+def verdict_reason(*, gpus_needed: int, gpus_available: int, peaks: dict[str, float], cap: float,
+                   engine_problem: str, blocker: str | None) -> str:
+    """Every check a placement fails, naming the config keys; when it fails none, what it fits within.
+    peaks: the bytes per GPU of each part that must fit (a role, or a colocated phase)."""
+    problems = [blocker] if blocker else []
+    if gpus_needed > gpus_available:
+        problems.append(f"{gpus_needed} GPUs needed, cluster.gpus is {gpus_available}")
+    problems += [f"{what} needs {peak / GIB:.2f} GiB/GPU, more than cluster.gpu_memory_gib {cap / GIB:g}"
+                 for what, peak in peaks.items() if peak > cap]
+    if engine_problem:
+        problems.append(engine_problem)
+    if problems:
+        return "; ".join(problems)
+    return (f"{gpus_needed} GPUs of cluster.gpus {gpus_available}, peak {max(peaks.values()) / GIB:.2f} GiB/GPU within "
+            f"cluster.gpu_memory_gib {cap / GIB:g}")
 
 
 def compare_placements(
@@ -301,8 +320,9 @@ def compare_placements(
     """Colocated (roles share the same GPUs) vs disaggregated (separate GPUs); see the module doc."""
     cap = gpu_memory_gib * GIB
     engine_ok = rollout.budget is None or rollout.need <= rollout.budget
-    engine_note = "" if engine_ok else (f"; the engine needs {rollout.need / GIB:.1f} GiB, more than its "
-                                        f"budget {rollout.budget / GIB:.1f} GiB (gpu_memory_utilization)")
+    engine_problem = "" if engine_ok else (f"the engine needs {rollout.need / GIB:.1f} GiB, more than its "
+                                           f"budget {rollout.budget / GIB:.1f} GiB (rollout.gpu_memory_utilization)")
+    engine_note = f"; {engine_problem}" if engine_problem else ""
     from megatron_rl.train.placement import startability_problem  # the start-up rule, on GPUs
 
     out = []
@@ -316,6 +336,9 @@ def compare_placements(
         largest_item=f"{worst.role}/{worst.largest()}",
         note=f"{lay.gpus} learner + {roll.gpus} rollout GPUs{engine_note}",
         startable=dis_blocker is None, blocker=dis_blocker,
+        reason=verdict_reason(gpus_needed=dis_gpus, gpus_available=gpus_available, cap=cap, blocker=dis_blocker,
+                              peaks={"the learner": learner.total, "the rollout engine": rollout.total},
+                              engine_problem=engine_problem),
     ))
     col_blocker = startability_problem("colocated", roll.tp, gpu=True)
     col_gpus = max(lay.gpus, roll.gpus)
@@ -334,6 +357,8 @@ def compare_placements(
         note=(f"peak in the {phase}; vLLM sleeps while the learner learns" if sleep_mode
               else f"peak in the {phase}; no sleep mode: vLLM keeps its budget while the learner learns")
         + engine_note, phases=phases, startable=col_blocker is None, blocker=col_blocker,
+        reason=verdict_reason(gpus_needed=col_gpus, gpus_available=gpus_available, cap=cap, blocker=col_blocker,
+                              peaks={f"the {phase}": phases[phase]}, engine_problem=engine_problem),
     ))
     return out
 

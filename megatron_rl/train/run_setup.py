@@ -76,7 +76,7 @@ def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
     check_encodable(splits, template, tokenizer)
     tok_hash = tokenizer_hash(model_dir)
     open_run(run_dir, kind=kind, config_hash=config_hash(cfg),
-             resuming=cfg.run.resume and latest_committed(run_dir / "checkpoints") is not None,
+             resuming=cfg.run.resume and latest_committed(run_dir / "checkpoints") is not None, model_dir=model_dir,
              identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
                        "dataset_version": splits["train"].dataset_version,
                        "grader_version": cfg.reward.grader_version()})

@@ -78,6 +78,11 @@ def test_sft_baseline_then_grpo_starts_from_it(tmp_path):
     # GRPO's step-0 eval is the SFT baseline's own final eval: same weights, same decoding.
     assert grpo["baseline"] == "sft" and grpo["sft_steps"] == 6
     assert grpo["initial_test_correctness"] == pytest.approx(grpo["baseline_test_correctness"], abs=1e-12)
+    # The policy GRPO trained from the SFT run leaves the system (issue 30): `convert mcore-to-hf` finds the
+    # config and tokenizer of the model the run started from (tests/unit/test_run_model_dir.py: every way).
+    step = max(p for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file())
+    run_cli("convert", "mcore-to-hf", "--mcore", str(step), "--out", str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "config.json").read_text() == (sft_dir / "model" / "config.json").read_text()
     # `sft` rerun on the finished stage resumes at its last step: no step redone, and its final
     # test eval is the one logged then (metrics.jsonl holds it once).
     again = last_json(run_cli("sft", "--config", str(TINY), f"run.dir={sft_dir}", *sft_args).stdout)

@@ -152,3 +152,51 @@ def test_the_budget_is_preregistered_and_each_result_records_what_stopped_the_ru
 def test_a_bad_budget_names_its_field(tmp_path, bad):
     with pytest.raises(ValueError, match="budget_generated_tokens"):
         _experiment(tmp_path, budget_generated_tokens=bad)
+
+
+def _bad_experiment(tmp_path, data: dict) -> str:
+    path = tmp_path / "bad.yaml"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as info:
+        load_experiment(path)
+    return str(info.value)
+
+
+def test_an_experiment_file_with_missing_keys_and_a_typo_names_them_all(tmp_path, capsys):
+    """Issue 30, defect 4: Python's "__init__() missing 3 required keyword-only arguments" named no
+    YAML key, and an unknown arm command went unreported while a key was missing."""
+    data = {"preregistration": {"baseline_arm": "sft"}, "arms": {"sft": {"command": "trian"}}}
+    err = _bad_experiment(tmp_path, data)
+    assert err.startswith("4 problems:") and "__init__" not in err, err
+    for problem in ("missing config key 'base'", "missing config key 'dir'",
+                    "missing config key 'preregistration.hypothesis'",
+                    "arms.sft.command: 'trian' is not one of ['sft', 'train']"):
+        assert problem in err, (problem, err)
+    # The command: exit 2, every problem on its own line.
+    from megatron_rl.cli import main
+
+    assert main(["experiment", "--config", str(tmp_path / "bad.yaml"), "--dry-run"]) == 2
+    out = capsys.readouterr()
+    assert "missing config key 'preregistration.hypothesis'" in out.err and "'trian'" in out.err, out.err
+
+
+def test_every_problem_of_an_experiment_file_is_reported_in_one_pass(tmp_path):
+    """Unknown keys, missing keys, wrong values and the checks across fields (baseline arm, init_from,
+    seeds) of the fields that could be read, all in one error."""
+    data = {"base": str(REPO / "configs" / "tiny_cpu.yaml"), "nope": 1, "seeds": [1, 1],
+            "preregistration": {"hypothesis": "h", "baseline_arm": "base"},
+            "arms": {"sft": {"command": "sft"}, "grpo": {"command": "train", "init_from": "ghost", "overide": []}}}
+    err = _bad_experiment(tmp_path, data)
+    for problem in ("unknown config key 'nope'", "missing config key 'dir'", "unknown config key 'arms.grpo.overide'"):
+        assert problem in err, (problem, err)
+    data["arms"]["grpo"].pop("overide")  # arms readable: the checks across arms run with the rest
+    err = _bad_experiment(tmp_path, data)
+    assert err.startswith("5 problems:"), err
+    for problem in ("unknown config key 'nope'", "missing config key 'dir'",
+                    "preregistration.baseline_arm 'base' is not an arm (['grpo', 'sft'])",
+                    "arms.grpo.init_from 'ghost' is not an arm", "seeds must be distinct and non-empty, got [1, 1]"):
+        assert problem in err, (problem, err)
+    cycle = {**data, "dir": "x", "nope": None, "seeds": [0], "preregistration": {"hypothesis": "h", "baseline_arm": "a"},
+             "arms": {"a": {"init_from": "b"}, "b": {"init_from": "a"}, "c": {"init_from": "a"}}}
+    del cycle["nope"]
+    assert _bad_experiment(tmp_path, cycle) == "arms.*.init_from forms a cycle among ['a', 'b', 'c']"

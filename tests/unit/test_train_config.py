@@ -182,3 +182,24 @@ def test_qwen3_30b_a3b_recipe_is_planned_with_experts(capsys):
     assert next(p for p in plan["placements"] if p["placement"] == "disaggregated")["fits"]
     assert main(["plan", "--config", recipe, "--json", "learner.expert_parallel_size=1"]) == 1
     capsys.readouterr()
+
+
+def test_max_tokens_per_micro_batch_zero_is_off_and_the_dry_run_says_so(capsys, tmp_path):
+    """Issue 30, defect 5: `learner.max_tokens_per_micro_batch=0` was accepted without a word.  0 is the
+    code's "off" (as rollout.top_k 0 and learner.clip_grad 0): the same micro-batches as null, and the
+    dry run names the layout it will use; a negative budget is refused naming the key and what 0 means."""
+    from megatron_rl.learner.micro_batches import plan_micro_batches
+
+    lengths = [5, 9, 3, 7]
+    assert plan_micro_batches(lengths, dp=2, micro_batch_size=1, max_tokens=0) == \
+        plan_micro_batches(lengths, dp=2, micro_batch_size=1, max_tokens=None)
+    layouts = {}
+    for value in ("0", "null", "512"):
+        code, out, err = dry_run(capsys, f"run.dir={tmp_path}", f"learner.max_tokens_per_micro_batch={value}")
+        assert code == 0, err
+        layouts[value] = json.loads(out)["learner"]["micro_batches"]
+    assert layouts["0"].startswith("fixed: ") and "learner.max_tokens_per_micro_batch 0 means off" in layouts["0"]
+    assert layouts["null"].startswith("fixed: ") and "max_tokens_per_micro_batch null means off" in layouts["null"]
+    assert layouts["512"].startswith("token budget: ") and "at most 512 tokens" in layouts["512"]
+    code, _, err = dry_run(capsys, f"run.dir={tmp_path}", "learner.max_tokens_per_micro_batch=-1")
+    assert code == 2 and "learner.max_tokens_per_micro_batch" in err and "0 or null (off" in err, err
