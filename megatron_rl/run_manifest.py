@@ -99,7 +99,7 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
     """Write the manifest of a new run, or check and extend the one of a run being resumed.
     `name`: the file in run_dir (an eval writes one next to its outcomes file).  `model_dir`: the
     HF directory the run starts from, recorded as `model_dir` (where its checkpoints' config and
-    tokenizer are: train/start_model.py run_model_dir); not part of the identity (a moved copy of
+    tokenizer are: megatron_rl/run_model.py run_model_dir); not part of the identity (a moved copy of
     the same model resumes)."""
     missing = [k for k in IDENTITY if k not in identity]
     if missing:

@@ -15,7 +15,7 @@ source checkpoint's, so HF -> Megatron -> HF is bit-identical when no precision 
 
 A training checkpoint (a committed `RUN_DIR/checkpoints/step_N`) exports the same way: its files
 are verified against its COMMITTED manifest, the HF config and tokenizer come from the model the
-run started from (train/start_model.py run_model_dir: the directory RUN_DIR/run_manifest.json
+run started from (megatron_rl/run_model.py run_model_dir: the directory RUN_DIR/run_manifest.json
 records, else the one RUN_DIR/config.json leads to; its tokenizer must hash to the checkpoint's),
 and only the policy's weights are read from `weights/` (the optimizer state stays behind).
 """
@@ -107,7 +107,7 @@ def training_checkpoint_model_dir(ckpt_dir: Path) -> Path:
     """
     from megatron_rl.checkpoint import load_checkpoint
     from megatron_rl.models.tokenizer import tokenizer_hash
-    from megatron_rl.train.start_model import run_model_dir
+    from megatron_rl.run_model import run_model_dir
 
     run_dir = ckpt_dir.resolve().parent.parent
     if not (run_dir / "config.json").is_file():

@@ -27,7 +27,7 @@ from megatron_rl.conversion.hf_to_mcore import convert_hf_to_mcore
 from megatron_rl.conversion.mcore_to_hf import convert_mcore_to_hf, export_run_checkpoint
 from megatron_rl.models.tokenizer import tokenizer_hash
 from megatron_rl.train.config import load_train_config
-from megatron_rl.train.start_model import run_model_dir
+from megatron_rl.run_model import run_model_dir
 
 pytestmark = pytest.mark.unit
 
@@ -93,7 +93,7 @@ def test_a_tiny_run_and_a_path_run_export_from_anywhere(tmp_path, monkeypatch):
 
 
 def test_runs_started_from_runs_export_and_start_runs(tmp_path):
-    from megatron_rl.train.plan import init_from_model_dir
+    from megatron_rl.train.dry_run import init_from_model_dir
 
     first = start_run(config(SCRATCH, tmp_path / "a"))
     second = start_run(config(SCRATCH, tmp_path / "b", "model.tiny=null", f"model.init_from={tmp_path / 'a'}"))
