@@ -60,6 +60,9 @@ class Episode:
         self.segments: list[Segment] = []
         self.rewards: list[float] = []
         self.turns = 0
+        self.tool_calls = 0  # counted by the runner from StepResult.info, for metrics (metrics.py)
+        self.tool_errors = 0
+        self.step_seconds: list[float] = []  # wall time of each environment step
         self.terminal_reason: str | None = None
         self.error = ""
         if len(self.prompt_tokens) >= self.max_total_tokens:

@@ -20,6 +20,7 @@ closed when its step timed out (its state is unknown), and must be reset before 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from megatron_rl.envs.chat_format import ChatFormat
@@ -67,8 +68,6 @@ class EpisodeRunner:
         self.env = env
         self.chat_format = chat_format
         self.limits = limits
-        self.tool_calls = 0
-        self.tool_errors = 0
 
     def start(self, example: Any) -> Episode:
         """Reset the environment; the episode holds the prompt (a failed reset: env_error, no tokens)."""
@@ -89,6 +88,7 @@ class EpisodeRunner:
         episode.add_assistant(tokens, logprobs, versions)
         if text is None:
             text = self.chat_format.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        started = time.monotonic()
         try:
             result = call_with_timeout(lambda: self.env.step(text), self.limits.step_timeout_s)
             if not isinstance(result, StepResult):
@@ -100,8 +100,10 @@ class EpisodeRunner:
         except Exception as err:  # the environment failed: env_error, never a silent zero
             episode.finish("env_error", error=f"step raised {_describe(err)}")
             return
-        self.tool_calls += int(result.info.get("tool_calls", 0))
-        self.tool_errors += int(result.info.get("tool_errors", 0))
+        finally:
+            episode.step_seconds.append(time.monotonic() - started)
+        episode.tool_calls += int(result.info.get("tool_calls", 0))
+        episode.tool_errors += int(result.info.get("tool_errors", 0))
         episode.add_reward(result.reward)
         if result.done:
             episode.finish("done")

@@ -180,3 +180,26 @@ def test_a_cut_off_turn_gets_its_end_of_turn_from_the_observation(tok):
     runner.assistant_turn(ep, cut, [-0.1] * len(cut), 0)
     obs = ep.response_tokens[ep.segments[1].start:ep.segments[1].end]
     assert tok.decode(obs).startswith("<|im_end|>\n<|im_start|>user\nok")
+
+
+def test_episode_metrics_count_turns_tools_env_time_and_terminal_reasons(tok):
+    from megatron_rl.envs.metrics import episode_metrics
+
+    class Tooling(Scripted):
+        def step(self, action):
+            result = super().step(action)
+            return StepResult(result.observation, result.reward, result.done,
+                              info={"tool_calls": 2, "tool_errors": 1 if self.turn == 1 else 0})
+
+    episodes = [_run(tok, Tooling(done_at=2))[0], _run(tok, Tooling(), max_turns=3)[0],
+                _run(tok, Scripted(fail="step"))[0], _run(tok, Scripted(fail="reset"))[0]]
+    m = episode_metrics(episodes)
+    assert m["env/episodes"] == 4 and m["env/turns_mean"] == (2 + 3 + 1 + 0) / 4
+    assert m["env/tool_calls_per_episode"] == (4 + 6) / 4
+    assert m["env/tool_success_rate"] == pytest.approx(1 - 2 / 10)
+    assert m["env/env_errors"] == 2
+    assert (m["env/terminal/done"], m["env/terminal/max_turns"], m["env/terminal/env_error"]) == (0.25, 0.25, 0.5)
+    assert m["env/terminal/timeout"] == 0 and 0 <= m["env/step_seconds/p50"] <= m["env/step_seconds/p99"] < 1
+    assert episode_metrics([]) == {"env/episodes": 0.0}
+    with pytest.raises(ValueError, match="unfinished"):
+        episode_metrics([Episode([1], max_total_tokens=4)])
