@@ -122,6 +122,7 @@ class Sandbox:
         self.python = shutil.which(config.python or sys.executable)
         if self.python is None:
             raise SandboxError(f"sandbox.python {config.python!r} is not an executable on PATH")
+        self.running: subprocess.Popen | None = None  # the run in progress, for kill()
         c = config
         self._limits = json.dumps({"cpu_seconds": c.cpu_seconds, "memory_bytes": c.memory_mb << 20,
                                    "file_bytes": c.file_mb << 20, "max_processes": c.max_processes})
@@ -148,12 +149,14 @@ class Sandbox:
                                     stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as err:
             raise SandboxError(f"cannot start the sandbox ({self.python}): {err}") from None
+        self.running = proc
         try:
             output, killed_by = self._collect(proc, start)
         finally:
             _kill_group(proc)
             proc.wait()
             proc.stdout.close()
+            self.running = None
         seconds = time.monotonic() - start
         if prefix and proc.returncode in (126, 127) and output.startswith(b"unshare:"):
             raise SandboxError(f"unshare could not start the interpreter: {output[:300].decode(errors='replace')}")
@@ -188,6 +191,13 @@ class Sandbox:
         except subprocess.TimeoutExpired:
             return kept.value(), "wall"
         return kept.value(), None
+
+
+    def kill(self) -> None:
+        """SIGKILL the run in progress, if any (from another thread: a step that timed out)."""
+        proc = self.running
+        if proc is not None and proc.poll() is None:
+            _kill_group(proc)
 
 
 class _HeadTail:

@@ -101,3 +101,34 @@ def test_without_a_namespace_the_audit_hook_still_refuses_raw_sockets():
     assert box.isolation == "audit_hook"
     run = box.run("import _socket\ns = _socket.socket()\ns.settimeout(1)\ns.connect(('1.1.1.1', 80))")
     assert run.exit_code == 1 and "PermissionError: socket.__new__ is not allowed" in run.output, run.output
+
+
+def test_a_step_past_the_episode_timeout_ends_with_timeout_and_kills_the_code():
+    import threading
+    import time
+
+    from megatron_rl.envs.chat_format import ChatFormat
+    from megatron_rl.envs.protocol import EpisodeLimits
+    from megatron_rl.envs.runner import EpisodeRunner, run_episode
+    from tests.unit.tiny_chat import tiny_chat_tokenizer
+
+    tok = tiny_chat_tokenizer()
+    env = PythonEnvironment(PythonConfig(sandbox=SandboxConfig(**LIMITS)))  # wall limit 10 s > step timeout
+    runner = EpisodeRunner(env, ChatFormat(tok), EpisodeLimits(step_timeout_s=1.0))
+    ids = tok(_call("import time\ntime.sleep(30)") + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    seen = {}
+
+    def watch():  # the sandboxed process, as soon as it exists
+        while True:
+            proc = env.sandbox.running
+            if proc is not None:
+                seen["proc"] = proc
+                return
+            time.sleep(0.01)
+    threading.Thread(target=watch, daemon=True).start()
+    start = time.monotonic()
+    ep = run_episode(runner, Example(id="p", question="?", answer="1"), lambda t, n: (ids, [-1.0] * len(ids), 0))
+    assert ep.terminal_reason == "timeout" and "after 1 s" in ep.error
+    assert time.monotonic() - start < 3.0
+    seen["proc"].wait(timeout=2.0)  # killed by close(), not by its 10 s wall limit
+    assert seen["proc"].returncode == -9
