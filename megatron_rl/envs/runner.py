@@ -9,7 +9,8 @@
 
     ep = run_episode(runner, example, generate)     # the same loop, for tests and offline use
 
-After each assistant turn, in this order: the environment steps (raising -> `env_error`; slower
+A failed reset (raised, timed out, or a prompt with no room under max_total_tokens) gives an
+episode with no tokens and terminal reason env_error.  After each assistant turn, in this order: the environment steps (raising -> `env_error`; slower
 than `step_timeout_s` -> `timeout`); `done` ends the episode (`done`); the last allowed turn ends it
 (`max_turns`); an observation that would leave no room for one more token ends it (`max_tokens`);
 otherwise the observation's tokens are appended and the next turn is generated.  The step runs on
@@ -80,7 +81,11 @@ class EpisodeRunner:
             return Episode.failed_at_reset(f"reset timed out: {err}")
         except Exception as err:  # any failure of the environment is its error, counted, never a crash
             return Episode.failed_at_reset(f"reset raised {_describe(err)}")
-        return Episode(self.chat_format.prompt_tokens(first), max_total_tokens=self.limits.max_total_tokens)
+        prompt = self.chat_format.prompt_tokens(first)
+        if len(prompt) >= self.limits.max_total_tokens:  # the example's fault, counted, not a crash of the run
+            return Episode.failed_at_reset(f"the prompt has {len(prompt)} tokens: no room under "
+                                           f"max_total_tokens={self.limits.max_total_tokens}")
+        return Episode(prompt, max_total_tokens=self.limits.max_total_tokens)
 
     def assistant_turn(self, episode: Episode, tokens: Sequence[int], logprobs: Sequence[float],
                        versions: Sequence[int] | int, text: str | None = None) -> None:
@@ -93,6 +98,7 @@ class EpisodeRunner:
             result = call_with_timeout(lambda: self.env.step(text), self.limits.step_timeout_s)
             if not isinstance(result, StepResult):
                 raise TypeError(f"step returned {type(result).__name__}, not a StepResult")
+            calls, errors = int(result.info.get("tool_calls", 0)), int(result.info.get("tool_errors", 0))
         except StepTimeout as err:
             self.env.close()
             episode.finish("timeout", error=str(err))
@@ -102,8 +108,8 @@ class EpisodeRunner:
             return
         finally:
             episode.step_seconds.append(time.monotonic() - started)
-        episode.tool_calls += int(result.info.get("tool_calls", 0))
-        episode.tool_errors += int(result.info.get("tool_errors", 0))
+        episode.tool_calls += calls
+        episode.tool_errors += errors
         episode.add_reward(result.reward)
         if result.done:
             episode.finish("done")

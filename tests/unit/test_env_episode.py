@@ -103,6 +103,8 @@ class Scripted(Environment):
             raise ZeroDivisionError("tool crashed")
         if self.fail == "type":
             return "not a StepResult"
+        if self.fail == "info":
+            return StepResult("ok", info={"tool_calls": "many"})
         if self.slow:
             time.sleep(self.slow)
         if self.turn == self.done_at:
@@ -146,6 +148,10 @@ def test_terminal_reasons(tok):
     assert ep.terminal_reason == "env_error" and "not a StepResult" in ep.error
     ep, _ = _run(tok, Scripted(fail="reset"))
     assert ep.terminal_reason == "env_error" and "KeyError" in ep.error and not ep.tokens
+    ep, _ = _run(tok, Scripted(fail="info"))
+    assert ep.terminal_reason == "env_error" and "ValueError" in ep.error
+    ep, _ = _run(tok, Scripted(), max_total_tokens=10)
+    assert ep.terminal_reason == "env_error" and "no room under max_total_tokens=10" in ep.error
 
 
 def test_a_slow_step_times_out_and_closes_the_environment(tok):
