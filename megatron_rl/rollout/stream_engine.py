@@ -40,13 +40,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from megatron_rl.publish.vllm_engine import PublicationWorkerExtension, checkpoint_tensors, reload_weights
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
 
 log = logging.getLogger(__name__)
 
 REFIT_MODES = ("recompute", "keep_kv")
+WORKER_EXTENSION = "megatron_rl.rollout.stream_worker.StreamWorkerExtension"  # loaded inside vLLM
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos")
 
 
@@ -112,6 +112,7 @@ class StreamEngine:
         self._serving = asyncio.Event()  # cleared while a refit runs: admissions wait for its version
         self._serving.set()
         self._labelled = False
+        self._broken: StaleCacheError | None = None  # a refit that could not drop old KV: serve nothing more
 
     @classmethod
     def start(cls, cfg: RolloutConfig, version: int = 0) -> "StreamEngine":
@@ -122,7 +123,7 @@ class StreamEngine:
         if not cfg.model or not os.path.isdir(cfg.model):
             raise FileNotFoundError(f"rollout.model: no checkpoint directory {cfg.model}")
         os.environ.update(engine_env(cfg, on_gpu=False))
-        kwargs = {**llm_kwargs(cfg, on_gpu=False), "worker_extension_cls": f"{__name__}.StreamWorkerExtension"}
+        kwargs = {**llm_kwargs(cfg, on_gpu=False), "worker_extension_cls": WORKER_EXTENSION}
         kwargs.update(cfg.engine_options)
         started = time.perf_counter()
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
@@ -136,17 +137,19 @@ class StreamEngine:
     async def generate(self, request_id: str, prompt: list[int], sampling: dict[str, Any] | None = None
                        ) -> StreamResult:
         """Run one request to its end across any refits; its tokens, behaviour logprobs and segments."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
         if unknown:
             raise ValueError(f"unknown sampling key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
         if request_id in self._flights:
             raise ValueError(f"request {request_id!r} is already in flight")
-        params = SamplingParams(logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA, **(sampling or {}))
         await self._ensure_label()
         await self._serving.wait()
+        if self._broken is not None:
+            raise RuntimeError(f"this engine stopped serving: {self._broken}")
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA, **(sampling or {}))
         # No await from here to the registration: a refit sees this request with this admission version.
         admitted = self.version
         flight = _Flight(StreamResult(request_id, list(prompt)), {admitted: admitted})
@@ -177,9 +180,14 @@ class StreamEngine:
             raise ValueError(f"refit to version {version}: the engine already serves version {self.version}")
         await self._ensure_label()
         async with self._refit_lock:
+            if self._broken is not None or int(version) <= self.version:
+                raise RuntimeError(f"refit to version {version} refused: {self._broken or 'a newer one came first'}")
             self._serving.clear()
             try:
                 record = await self._refit_paused(load, int(version), mode)
+            except StaleCacheError as err:
+                self._broken = err
+                raise
             finally:
                 self._serving.set()
         log.info("refit to version %d (%s): %d request(s) kept, prefix cache %s, paused %.3f s", version, mode,
@@ -238,17 +246,13 @@ def _segments(spans, num_tokens: int, kv_epoch: dict[int, int]) -> list[Segment]
         return []
     if not spans:
         raise RuntimeError("vLLM returned no weight-version spans for a finished request: provenance unknown")
-    out = [Segment(span.start, span.end, int(span.version), kv_epoch[int(span.version)]) for span in spans]
+    out = []
+    for span in spans:
+        version = int(span.version) if str(span.version).isdigit() else None
+        if version not in kv_epoch:
+            raise RuntimeError(f"tokens {span.start}-{span.end} carry weight version {span.version!r}, which this "
+                               "engine did not commit while the request was in flight: provenance unknown")
+        out.append(Segment(span.start, span.end, version, kv_epoch[version]))
     if out[0].start != 0 or out[-1].end != num_tokens or any(a.end != b.start for a, b in zip(out, out[1:])):
         raise RuntimeError(f"vLLM's weight-version spans {out} do not tile the {num_tokens} response tokens")
     return out
-
-
-class StreamWorkerExtension(PublicationWorkerExtension):
-    """vLLM worker extension of a StreamEngine: the publication hooks plus a checkpoint loader."""
-
-    def megatron_rl_load_checkpoint(self, model_dir: str) -> float:
-        """Load every tensor of the HF checkpoint in `model_dir` into the serving model (layerwise
-        reload, as a publication does); returns the new parameter sum."""
-        reload_weights(self.model_runner.get_model(), self.model_runner.model_config, checkpoint_tensors(model_dir))
-        return self.megatron_rl_weight_checksum()

@@ -3,7 +3,7 @@
     python -m pytest tests/e2e/test_stream_refit.py -q
 
 One AsyncLLM (a StreamEngine) for the module.  Two tiny random llamas, A and B, take turns as the
-new weights.  Requests (greedy, 96 tokens) are paused in "keep" mode after ~8 tokens, the other
+new weights.  Requests (greedy, 64 tokens) are paused in "keep" mode after ~8 tokens, the other
 model is loaded, and the logprobs vLLM reports for the tokens after the refit are compared with two
 transformers references over the same tokens:
 - fresh: every position computed by the new model (the prefix's KV recomputed);
@@ -25,10 +25,11 @@ import torch
 from megatron_rl.models.tiny import make_tiny_model
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.stream_engine import Segment, StreamEngine
+from tests.reference import fresh_logprobs, stale_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-PROMPT_LEN, MAX_TOKENS, PAUSE_AFTER, BLOCK = 40, 96, 8, 32
+PROMPT_LEN, MAX_TOKENS, PAUSE_AFTER, BLOCK = 40, 64, 8, 32
 SAME, DIFFERENT = 1e-4, 0.1  # |Δ logprob| for "this reference" / the references' own distance
 
 
@@ -87,30 +88,13 @@ def prompts(case: int, n: int = 3) -> list[list[int]]:
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
 
 
-@torch.no_grad()
-def fresh_lp(model, seq: list[int]) -> torch.Tensor:
-    """Logprob of seq[t] for every t >= 1 given seq[:t], all under `model` [T-1]."""
-    ids = torch.tensor([seq])
-    logp = torch.log_softmax(model(ids).logits[0].double(), -1)
-    return logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
-
-
-@torch.no_grad()
-def stale_lp(old, new, seq: list[int], k: int) -> torch.Tensor:
-    """Logprob of seq[t] for every t > k with the KV of positions [0, k) from `old`, the rest from `new` [T-k-1]."""
-    ids = torch.tensor([seq])
-    cache = old(ids[:, :k], use_cache=True).past_key_values
-    logp = torch.log_softmax(new(ids[:, k:], past_key_values=cache, use_cache=True).logits[0].double(), -1)
-    return logp[:-1].gather(1, ids[0, k + 1:, None]).squeeze(1)
-
-
 def deltas(rig, prompt, tokens, logprobs, g: int, old: str, new: str, k: int | None = None) -> tuple[float, float]:
     """max |Δ| of vLLM's logprobs of response tokens [g, N) against the fresh and the stale reference."""
     seq, n = list(prompt) + list(tokens), len(prompt)
     got = torch.tensor(logprobs[g:], dtype=torch.float64)
-    fresh = fresh_lp(rig.models[new], seq)[n - 1 + g:]
+    fresh = fresh_logprobs(rig.models[new], seq)[n - 1 + g:]
     k = n + g - 1 if k is None else k
-    stale = stale_lp(rig.models[old], rig.models[new], seq, k)[n + g - 1 - k:]
+    stale = stale_logprobs(rig.models[old], rig.models[new], seq, k)[n + g - 1 - k:]
     return float((got - fresh).abs().max()), float((got - stale).abs().max())
 
 
@@ -272,5 +256,5 @@ def test_a_failed_load_resumes_on_the_old_weights(rig):
     assert isinstance(err, OSError) and stream.version == v0 and rig.serving == serving
     for p, r in zip(ps, results):
         assert r.segments == [Segment(0, MAX_TOKENS, v0, v0)]
-        fresh = fresh_lp(rig.models[serving], list(p) + r.response_tokens)[len(p) - 1:]
+        fresh = fresh_logprobs(rig.models[serving], list(p) + r.response_tokens)[len(p) - 1:]
         assert float((torch.tensor(r.logprobs, dtype=torch.float64) - fresh).abs().max()) <= SAME
