@@ -116,14 +116,18 @@ class StreamEngine:
 
     @classmethod
     def start(cls, cfg: RolloutConfig, version: int = 0) -> "StreamEngine":
-        """Build the engine from a rollout config (the same arguments as RolloutWorker's LLM)."""
+        """Build the engine from a rollout config (the same arguments as RolloutWorker's LLM).  AsyncLLM
+        always runs its engine core in a child process; `engine_in_process` puts the worker in that one
+        (the "uni" executor) instead of a third process."""
+        import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if not cfg.model or not os.path.isdir(cfg.model):
             raise FileNotFoundError(f"rollout.model: no checkpoint directory {cfg.model}")
-        os.environ.update(engine_env(cfg, on_gpu=False))
-        kwargs = {**llm_kwargs(cfg, on_gpu=False), "worker_extension_cls": WORKER_EXTENSION}
+        on_gpu = torch.cuda.is_available()
+        os.environ.update(engine_env(cfg, on_gpu))
+        kwargs = {**llm_kwargs(cfg, on_gpu), "worker_extension_cls": WORKER_EXTENSION}
         kwargs.update(cfg.engine_options)
         started = time.perf_counter()
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
