@@ -31,3 +31,21 @@ def assert_same_logits(got: torch.Tensor, want: torch.Tensor, where: str, atol: 
     """Logits of two layouts agree: same shape (a mismatch FAILS, it is never skipped), then values."""
     assert tuple(got.shape) == tuple(want.shape), f"{where}: logits shape {tuple(got.shape)} != {tuple(want.shape)}"
     torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"{where}: {m}")
+
+
+@torch.no_grad()
+def fresh_logprobs(model, seq: list[int]) -> torch.Tensor:
+    """Logprob of seq[t] for every t >= 1 given seq[:t], every position computed by `model` [T-1]."""
+    ids = torch.tensor([seq])  # [1, T]
+    logp = torch.log_softmax(model(ids).logits[0].double(), -1)  # [T, V]
+    return logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def stale_logprobs(old, new, seq: list[int], k: int) -> torch.Tensor:
+    """Logprob of seq[t] for every t > k when the KV of positions [0, k) was computed by `old` and the
+    rest by `new` (what a request kept across a refit without recompute attends to) [T-k-1]."""
+    ids = torch.tensor([seq])  # [1, T]
+    cache = old(ids[:, :k], use_cache=True).past_key_values
+    logp = torch.log_softmax(new(ids[:, k:], past_key_values=cache, use_cache=True).logits[0].double(), -1)  # [T-k, V]
+    return logp[:-1].gather(1, ids[0, k + 1:, None]).squeeze(1)

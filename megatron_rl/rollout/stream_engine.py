@@ -1,0 +1,262 @@
+"""StreamEngine: vLLM's AsyncLLM with in-flight refits and per-token provenance (issue 27, engine side).
+
+    engine = StreamEngine.start(RolloutConfig(model="/tmp/tiny", dtype="float32", weight_transfer="none"))
+    result = await engine.generate("r1", prompt_tokens, {"max_tokens": 64, "temperature": 0.0})
+    # meanwhile, in another task, while requests are in flight:
+    record = await engine.refit(load, version=1, mode="recompute")   # load: async callable, all or nothing
+    result.segments  # [Segment(start, end, version, kv_version)] over the response tokens
+
+What vLLM 0.32 does across a refit (measured: experiments/kv_refit_findings.md, tests/e2e/test_stream_refit.py):
+- `pause_generation(mode="keep", clear_cache=False)` freezes running requests with their KV blocks;
+  after new weights and `resume_generation()` they continue on the KV the OLD weights computed.
+- `reset_prefix_cache()` then returns False and does nothing (blocks are held by running requests):
+  finished requests' old-weight blocks stay in the prefix cache, and a new request with the same
+  prefix reuses them.
+- `reset_prefix_cache(reset_running_requests=True)` preempts every running request (its KV freed,
+  recomputed from prompt + tokens so far when scheduled again) and empties the prefix cache, or
+  raises; `pause_generation(mode="keep", clear_cache=True)` does the same at pause time.
+
+So a refit here is: pause (keep) -> load -> label -> invalidate -> resume, with two modes:
+- "recompute": every kept request's KV is recomputed under the new weights (the reset must
+  succeed, else StaleCacheError and the engine stays paused: nothing stale is served).
+- "keep_kv": kept requests continue on their old KV (as PipelineRL); their later tokens are
+  recorded with the older `kv_version`.
+In both, no request is aborted and no token is lost, and a request admitted after the refit never
+reuses a block computed for an earlier admission version: every request carries its admission
+version as vLLM's `cache_salt`, which is part of its blocks' hashes.
+
+Provenance: vLLM labels every step's outputs with the weight version set while paused
+(`update_weight_version`) and returns `CompletionOutput.weight_versions` spans; a Segment adds the
+KV epoch: the oldest weights that computed part of the KV the token attended to (conservative for
+a request admitted but not yet scheduled at a keep_kv refit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
+
+log = logging.getLogger(__name__)
+
+REFIT_MODES = ("recompute", "keep_kv")
+WORKER_EXTENSION = "megatron_rl.rollout.stream_worker.StreamWorkerExtension"  # loaded inside vLLM
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos")
+
+
+class StaleCacheError(RuntimeError):
+    """vLLM did not drop the old weights' KV in a "recompute" refit: the engine stays paused."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Response tokens [start, end) sampled by weights `version`, attending to KV of which the oldest
+    part was computed by weights `kv_version` (== version: no older KV)."""
+
+    start: int
+    end: int
+    version: int
+    kv_version: int
+
+
+@dataclass
+class StreamResult:
+    """One finished request: its tokens, the logprobs the sampler used [T], and their provenance."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    response_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    segments: list[Segment] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Prompt tokens vLLM took from its prefix cache at admission."""
+
+
+@dataclass(frozen=True)
+class RefitRecord:
+    """What one refit did: the version it committed, its mode, the requests kept across it, whether
+    vLLM's prefix cache was emptied, and how long generation stood still."""
+
+    version: int
+    mode: str
+    in_flight: int
+    prefix_cache_reset: bool
+    load_s: float
+    paused_s: float
+
+
+@dataclass
+class _Flight:
+    """Book-keeping of one request in flight: its result so far and its KV epoch per version."""
+
+    result: StreamResult
+    kv_epoch: dict[int, int]  # weights version -> oldest version of the KV its tokens attend to
+
+
+class StreamEngine:
+    """One AsyncLLM: `generate` streams requests, `refit` swaps weights between two steps."""
+
+    def __init__(self, engine, version: int = 0):
+        """`engine`: a started vllm AsyncLLM serving policy `version` (StreamEngine.start builds one)."""
+        self.engine = engine
+        self.version = int(version)
+        self._flights: dict[str, _Flight] = {}
+        self._refit_lock = asyncio.Lock()
+        self._serving = asyncio.Event()  # cleared while a refit runs: admissions wait for its version
+        self._serving.set()
+        self._labelled = False
+        self._broken: StaleCacheError | None = None  # a refit that could not drop old KV: serve nothing more
+
+    @classmethod
+    def start(cls, cfg: RolloutConfig, version: int = 0) -> "StreamEngine":
+        """Build the engine from a rollout config (the same arguments as RolloutWorker's LLM).  AsyncLLM
+        always runs its engine core in a child process; `engine_in_process` puts the worker in that one
+        (the "uni" executor) instead of a third process."""
+        import torch
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if not cfg.model or not os.path.isdir(cfg.model):
+            raise FileNotFoundError(f"rollout.model: no checkpoint directory {cfg.model}")
+        on_gpu = torch.cuda.is_available()
+        os.environ.update(engine_env(cfg, on_gpu))
+        kwargs = {**llm_kwargs(cfg, on_gpu), "worker_extension_cls": WORKER_EXTENSION}
+        kwargs.update(cfg.engine_options)
+        started = time.perf_counter()
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        log.info("vLLM async engine for %s up in %.1f s", cfg.model, time.perf_counter() - started)
+        return cls(engine, version)
+
+    def in_flight(self) -> dict[str, int]:
+        """Request id -> response tokens received so far, for every request not finished."""
+        return {rid: len(f.result.response_tokens) for rid, f in self._flights.items()}
+
+    async def generate(self, request_id: str, prompt: list[int], sampling: dict[str, Any] | None = None
+                       ) -> StreamResult:
+        """Run one request to its end across any refits; its tokens, behaviour logprobs and segments."""
+        unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"unknown sampling key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
+        if request_id in self._flights:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        await self._ensure_label()
+        await self._serving.wait()
+        if self._broken is not None:
+            raise RuntimeError(f"this engine stopped serving: {self._broken}")
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA, **(sampling or {}))
+        # No await from here to the registration: a refit sees this request with this admission version.
+        admitted = self.version
+        flight = _Flight(StreamResult(request_id, list(prompt)), {admitted: admitted})
+        self._flights[request_id] = flight
+        result = flight.result
+        # The admission version salts the request's block hashes: it shares no block of another version.
+        prompt_in = {"prompt_token_ids": list(prompt), "cache_salt": f"v{admitted}"}
+        try:
+            async for out in self.engine.generate(prompt_in, params, request_id):
+                c = out.outputs[0]
+                result.response_tokens.extend(c.token_ids)
+                result.logprobs.extend(float(lp[t].logprob) for lp, t in zip(c.logprobs or [], c.token_ids))
+                result.num_cached_tokens = out.num_cached_tokens or 0
+                if out.finished:
+                    result.finish_reason = c.finish_reason
+                    result.segments = _segments(c.weight_versions, len(result.response_tokens), flight.kv_epoch)
+        finally:
+            self._flights.pop(request_id, None)
+        return result
+
+    async def refit(self, load: Callable[[], Awaitable[Any]], version: int, mode: str = "recompute") -> RefitRecord:
+        """Swap in policy `version` while requests are in flight (module docstring).  `load()` puts the
+        new weights into every engine worker or raises having changed nothing (a checked publication's
+        all-or-nothing commit); on a raise generation resumes on the old weights and the error propagates."""
+        if mode not in REFIT_MODES:
+            raise ValueError(f"rollout.inflight_refit {mode!r} is not one of {list(REFIT_MODES)}")
+        if int(version) <= self.version:
+            raise ValueError(f"refit to version {version}: the engine already serves version {self.version}")
+        await self._ensure_label()
+        async with self._refit_lock:
+            if self._broken is not None or int(version) <= self.version:
+                raise RuntimeError(f"refit to version {version} refused: {self._broken or 'a newer one came first'}")
+            self._serving.clear()
+            try:
+                record = await self._refit_paused(load, int(version), mode)
+            except StaleCacheError as err:
+                self._broken = err
+                raise
+            finally:
+                self._serving.set()
+        log.info("refit to version %d (%s): %d request(s) kept, prefix cache %s, paused %.3f s", version, mode,
+                 record.in_flight, "emptied" if record.prefix_cache_reset else "kept (blocks in use; new requests "
+                 "salted apart)", record.paused_s)
+        return record
+
+    async def _refit_paused(self, load: Callable[[], Awaitable[Any]], version: int, mode: str) -> RefitRecord:
+        paused = time.perf_counter()
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        loading = time.perf_counter()
+        try:
+            await load()
+        except BaseException:
+            await self.engine.resume_generation()
+            raise
+        load_s = time.perf_counter() - loading
+        await self.engine.update_weight_version(str(version))  # the label of every output from here on
+        reset = await self._invalidate(mode)
+        kept = list(self._flights.values())
+        for f in kept:  # the oldest KV each kept request attends to from here on
+            f.kv_epoch[version] = version if mode == "recompute" else f.kv_epoch[self.version]
+        self.version = version
+        await self.engine.resume_generation()
+        return RefitRecord(version, mode, len(kept), reset, load_s, time.perf_counter() - paused)
+
+    async def _invalidate(self, mode: str) -> bool:
+        """Drop old-weight KV as `mode` asks; True when vLLM's prefix cache is now empty."""
+        if mode == "keep_kv":  # succeeds only when no request holds blocks; the salt protects the rest
+            return bool(await self.engine.reset_prefix_cache())
+        try:
+            reset = await self.engine.reset_prefix_cache(reset_running_requests=True)
+        except Exception as err:  # noqa: BLE001 -- vLLM raises when a preempted request's blocks stay held
+            raise StaleCacheError(f"vLLM could not drop the old weights' KV ({err!r}); the engine stays paused "
+                                  "with the new weights loaded: abort its requests or shut it down") from err
+        if reset is not True:
+            raise StaleCacheError("vLLM did not reset its prefix cache after preempting the running requests "
+                                  f"(returned {reset!r}); the engine stays paused with the new weights loaded")
+        return True
+
+    async def _ensure_label(self) -> None:
+        """Label the engine's outputs with our version once (vLLM's default label is "default")."""
+        if not self._labelled:
+            self._labelled = True
+            await self.engine.update_weight_version(str(self.version))
+
+    def shutdown(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+
+
+def _segments(spans, num_tokens: int, kv_epoch: dict[int, int]) -> list[Segment]:
+    """vLLM's weight-version spans over the response [(label, start, end)] with each one's KV epoch."""
+    if not num_tokens:
+        return []
+    if not spans:
+        raise RuntimeError("vLLM returned no weight-version spans for a finished request: provenance unknown")
+    out = []
+    for span in spans:
+        version = int(span.version) if str(span.version).isdigit() else None
+        if version not in kv_epoch:
+            raise RuntimeError(f"tokens {span.start}-{span.end} carry weight version {span.version!r}, which this "
+                               "engine did not commit while the request was in flight: provenance unknown")
+        out.append(Segment(span.start, span.end, version, kv_epoch[version]))
+    if out[0].start != 0 or out[-1].end != num_tokens or any(a.end != b.start for a, b in zip(out, out[1:])):
+        raise RuntimeError(f"vLLM's weight-version spans {out} do not tile the {num_tokens} response tokens")
+    return out

@@ -1,0 +1,76 @@
+"""StreamEngine's provenance rules without an engine: vLLM's weight-version spans -> segments, refit checks.
+
+    python -m pytest tests/unit/test_stream_segments.py -q
+
+The engine-side behaviour these rules stand on is proven in tests/e2e/test_stream_refit.py.
+"""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.rollout.stream_engine import Segment, StreamEngine, _segments
+
+pytestmark = pytest.mark.unit
+
+
+def span(version, start, end):
+    return SimpleNamespace(version=version, start=start, end=end)  # vllm.outputs.WeightVersionSpan's fields
+
+
+def test_segments_carry_each_versions_kv_epoch():
+    # admitted at 3; a keep_kv refit to 4 (KV still from 3), then a recompute refit to 5.
+    got = _segments([span("3", 0, 5), span("4", 5, 9), span("5", 9, 12)], 12, {3: 3, 4: 3, 5: 5})
+    assert got == [Segment(0, 5, 3, 3), Segment(5, 9, 4, 3), Segment(9, 12, 5, 5)]
+    assert _segments(None, 0, {0: 0}) == []
+
+
+@pytest.mark.parametrize("spans, n, why", [
+    (None, 4, "no weight-version spans"),
+    ([span("0", 0, 3)], 4, "do not tile"),
+    ([span("0", 0, 2), span("1", 3, 4)], 4, "do not tile"),
+    ([span("0", 1, 4)], 4, "do not tile"),
+])
+def test_spans_that_do_not_account_for_every_token_are_refused(spans, n, why):
+    with pytest.raises(RuntimeError, match=why):
+        _segments(spans, n, {0: 0, 1: 1})
+
+
+def test_a_label_from_outside_this_engine_is_refused():
+    # vLLM's own default label ("default") or another writer's: provenance unknown, not guessed.
+    with pytest.raises(RuntimeError, match="weight version 'default'"):
+        _segments([span("default", 0, 4)], 4, {0: 0})
+    with pytest.raises(RuntimeError, match="weight version '7'"):
+        _segments([span("7", 0, 4)], 4, {0: 0})
+
+
+@pytest.mark.parametrize("mode, version, why", [("keep", 1, "inflight_refit 'keep'"), ("recompute", 0, "already serves")])
+def test_refit_arguments_are_checked_before_the_engine_is_touched(mode, version, why):
+    async def load():
+        raise AssertionError("load ran")
+
+    with pytest.raises(ValueError, match=why):
+        asyncio.run(StreamEngine(engine=None).refit(load, version, mode))
+
+
+def test_an_engine_that_kept_stale_kv_serves_nothing_more():
+    from megatron_rl.rollout.stream_engine import StaleCacheError
+
+    stream = StreamEngine(engine=None)
+    stream._labelled, stream._broken = True, StaleCacheError("reset refused")
+    with pytest.raises(RuntimeError, match="stopped serving: reset refused"):
+        asyncio.run(stream.generate("r", [1, 2], {"max_tokens": 2}))
+    with pytest.raises(RuntimeError, match="refused: reset refused"):
+        asyncio.run(stream.refit(None, 1, "recompute"))
+
+
+def test_the_worker_extension_vllm_is_told_to_load_exists():
+    import importlib
+
+    from megatron_rl.publish.vllm_engine import PublicationWorkerExtension
+    from megatron_rl.rollout.stream_engine import WORKER_EXTENSION
+
+    module, _, name = WORKER_EXTENSION.rpartition(".")
+    ext = getattr(importlib.import_module(module), name)
+    assert issubclass(ext, PublicationWorkerExtension) and callable(ext.megatron_rl_load_checkpoint)
