@@ -53,8 +53,8 @@ import zlib
 logger = logging.getLogger(__name__)
 
 ENV = "MEGATRON_RL_DRILL"
-FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load", "engine_kill", "engine_stop",
-          "coordinator_stop")
+FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load", "engine_kill", "engine_kill_publish",
+          "engine_stop", "coordinator_stop")
 
 
 def drill_spec(fault: str) -> dict | None:
