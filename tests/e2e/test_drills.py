@@ -3,10 +3,10 @@
     python -m pytest tests/e2e/test_drills.py -q
 
 Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts), engine_crash
-(1, plus one engine restart of ~30 s), oom (1), oom_twice (2: the stop, then the rerun with a
+and engine_crash_publish (1 each, plus one engine restart of ~30 s), oom (1), oom_twice (2: the stop, then the rerun with a
 smaller micro-batch), verifier_timeout (1), bad_refit (1), and the shadow-forward check (1 attempt
 on a copy of the oom run, refused at resume), partition (1, two rollout groups, 12 short steps), coordinator_stop
-(1, 3 steps): 11 start-ups of ~70 s.  The bad_checkpoint drill's
+(1, 3 steps): 12 start-ups of ~70 s.  The bad_checkpoint drill's
 fallback is the resume path that tests/e2e/test_bad_checkpoint.py drives for each kind of
 damage (`megatron-rl drill bad_checkpoint` wraps it).  Every record must show what the protocol promises: recovered (or the documented clean stop), 0 trajectories lost,
 0 duplicated, continuous versions.  The oom run is also compared with the worker_crash run, whose
@@ -161,6 +161,18 @@ def test_engine_crash_restarts_refits_and_retries(tmp_path_factory):
     assert "refit check passed" in rec["refit"], rec
     assert rec["engine_restarts"] == 1.0 and rec["requests_retried"] == 8.0, rec  # 8 prompts of round 1
     assert rec["samples_off_version"] == 0, rec  # no sample of the restarted engine's disk weights
+    _common(rec, redone=0)
+
+
+def test_engine_crash_during_publication_restarts_and_refits(tmp_path_factory):
+    """Issue 30 defect 6: an engine-core SIGKILL as publication 2 begins takes the restart path of a
+    death during generation (group restarted stale, the version published again), not a traceback."""
+    code, rec = _drill(tmp_path_factory, "engine_crash_publish", "--at-step", "1", "--steps", "3")
+    assert code == 0 and rec["recovered"], rec
+    assert [a["exit"] for a in rec["attempts"]] == [0], rec  # recovered inside the run, no rerun
+    assert "vLLM engine died during publication" in rec["evidence"], rec
+    assert "rollout group 0 refitted: serving policy version 2" in rec["refit"], rec
+    assert rec["engine_restarts"] == 1.0 and rec["samples_off_version"] == 0, rec
     _common(rec, redone=0)
 
 
