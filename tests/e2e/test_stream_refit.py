@@ -27,7 +27,14 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.stream_engine import Segment, StreamEngine
 from tests.reference import fresh_logprobs, stale_logprobs
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# An AsyncLLM made in the pytest process leaves a zmq context that, when the garbage collector finalizes
+# it later, blocks in zmq_ctx_term for ever (seen in CI: the suite hung in a later test).  Until the
+# engine is run in its own process here, this module runs only on request, in a pytest of its own:
+#   MEGATRON_RL_STREAM_TESTS=1 python -m pytest tests/e2e/test_stream_refit.py -q
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.skipif(not os.environ.get("MEGATRON_RL_STREAM_TESTS"),
+                                 reason="AsyncLLM in the pytest process hangs a later GC (zmq); run it on its own "
+                                        "with MEGATRON_RL_STREAM_TESTS=1")]
 
 PROMPT_LEN, MAX_TOKENS, PAUSE_AFTER, BLOCK = 40, 64, 8, 32
 SAME, DIFFERENT = 1e-4, 0.1  # |Δ logprob| for "this reference" / the references' own distance
