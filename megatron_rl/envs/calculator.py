@@ -50,13 +50,36 @@ def tool_schema(name: str, description: str, argument: str, argument_description
                        "properties": {argument: {"type": "string", "description": argument_description}}}}}
 
 
-class CalculatorEnvironment(Environment):
+class QuestionToolEnvironment(Environment):
+    """A question to answer with a tool: reset takes an example with a `question`; a turn without a
+    tool call is the final answer, scored by the example's scorer (config.answer_extractors)."""
+
+    def __init__(self, config):
+        self.config = config
+        self._example: Any = None
+
+    def reset(self, example: Any) -> str:
+        if not getattr(example, "question", None):
+            raise ValueError(f"{self.name} needs an example with a question, got {example!r}")
+        self._example = example
+        return example.question
+
+    def final_answer(self, action: str) -> StepResult | None:
+        """The episode's last step when `action` holds no tool call, else None (a tool turn)."""
+        if self._example is None:
+            raise RuntimeError("step before reset")
+        if has_tool_call(action):
+            return None
+        correct = score_final_answer(action, self._example, self.config.answer_extractors)
+        return StepResult("", reward=correct, done=True, info={"tool_calls": 0, "tool_errors": 0})
+
+
+class CalculatorEnvironment(QuestionToolEnvironment):
     name = "calculator"
     observation_role = "tool"
 
     def __init__(self, config: CalculatorConfig):
-        self.config = config
-        self._example: Any = None
+        super().__init__(config)
 
     @property
     def system_prompt(self) -> str:
@@ -68,18 +91,10 @@ class CalculatorEnvironment(Environment):
         return [tool_schema(TOOL_NAME, "Evaluate an arithmetic expression: numbers, parentheses, + - * / // % **.",
                             "expression", "the expression, e.g. (56 + -33) - 84")]
 
-    def reset(self, example: Any) -> str:
-        if not getattr(example, "question", None):
-            raise ValueError(f"calculator needs an example with a question, got {example!r}")
-        self._example = example
-        return example.question
-
     def step(self, action: str) -> StepResult:
-        if self._example is None:
-            raise RuntimeError("step before reset")
-        if not has_tool_call(action):
-            correct = score_final_answer(action, self._example, self.config.answer_extractors)
-            return StepResult("", reward=correct, done=True, info={"tool_calls": 0, "tool_errors": 0})
+        final = self.final_answer(action)
+        if final is not None:
+            return final
         calls, errors = parse_tool_calls(action)
         lines = [f"Malformed tool call: {e}. Call the tool as {CALL_FORMAT}" for e in errors]
         failed = len(errors)

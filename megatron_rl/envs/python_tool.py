@@ -16,13 +16,12 @@ sandbox that cannot start raises EnvError: the episode ends with env_error, neve
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from megatron_rl.envs.answers import check_extractors, score_final_answer
-from megatron_rl.envs.calculator import tool_schema
-from megatron_rl.envs.protocol import Environment, EnvError, StepResult
+from megatron_rl.envs.answers import check_extractors
+from megatron_rl.envs.calculator import QuestionToolEnvironment, tool_schema
+from megatron_rl.envs.protocol import EnvError, StepResult
 from megatron_rl.envs.sandbox import OUTPUT_KILL_FACTOR, RunResult, Sandbox, SandboxConfig, SandboxError
-from megatron_rl.envs.tool_calls import has_tool_call, parse_tool_calls
+from megatron_rl.envs.tool_calls import parse_tool_calls
 
 TOOL_NAME = "python"
 CALL_FORMAT = '<tool_call>\n{"name": "python", "arguments": {"code": "<python source>"}}\n</tool_call>'
@@ -59,17 +58,16 @@ def describe_run(run: RunResult, config: SandboxConfig) -> str:
     return output + end
 
 
-class PythonEnvironment(Environment):
+class PythonEnvironment(QuestionToolEnvironment):
     name = "python"
     observation_role = "tool"
 
     def __init__(self, config: PythonConfig):
-        self.config = config
+        super().__init__(config)
         try:
             self.sandbox = Sandbox(config.sandbox)
         except SandboxError as err:
             raise EnvError(str(err)) from None
-        self._example: Any = None
 
     @property
     def system_prompt(self) -> str:
@@ -81,18 +79,10 @@ class PythonEnvironment(Environment):
         return [tool_schema(TOOL_NAME, "Run a Python program (no network, no subprocesses) and see its output.",
                             "code", "the program; print what you want to see")]
 
-    def reset(self, example: Any) -> str:
-        if not getattr(example, "question", None):
-            raise ValueError(f"python needs an example with a question, got {example!r}")
-        self._example = example
-        return example.question
-
     def step(self, action: str) -> StepResult:
-        if self._example is None:
-            raise RuntimeError("step before reset")
-        if not has_tool_call(action):
-            correct = score_final_answer(action, self._example, self.config.answer_extractors)
-            return StepResult("", reward=correct, done=True, info={"tool_calls": 0, "tool_errors": 0})
+        final = self.final_answer(action)
+        if final is not None:
+            return final
         calls, errors = parse_tool_calls(action)
         if errors or len(calls) != 1:
             why = errors[0] if errors else f"{len(calls)} tool calls; make exactly one per turn"

@@ -25,6 +25,7 @@ whether each GPU holds a whole copy of the model during a publication (the plann
 
 from __future__ import annotations
 
+import abc
 import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -39,7 +40,7 @@ NCCL_BUFFERS = 2  # vLLM's packed broadcast: buffers in flight on each side
 Results = list[dict[str, Any]]
 
 
-class Transport:
+class Transport(abc.ABC):
     """One publication path, on the publishing learner rank (and its share on the others)."""
 
     name: ClassVar[str]
@@ -63,14 +64,14 @@ class Transport:
     def join(self, workers: list) -> None:
         """Every learner rank, before connect (collective where a path needs it)."""
 
+    @abc.abstractmethod
     def connect(self, workers: list, offsets: list[int], world: int) -> None:
         """Form the publication group: the publisher is rank 0, group i's engine ranks start at offsets[i]."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def send(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest | None, Results]:
         """Send one version to every connected group; (the manifest, or None when the send broke off;
         each group's answer)."""
-        raise NotImplementedError
 
     def follow(self) -> None:
         """Every learner rank but the publisher, after driving its share of the source's gathers."""

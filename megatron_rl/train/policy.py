@@ -147,7 +147,7 @@ class Policy:
             logger.info("refitting stale rollout group(s) with policy version %d", version)
             self._publish_locked(version)
             return True
-        except (RuntimeError, PublicationError) as err:
+        except RuntimeError as err:  # PublicationError and RolloutFailed too
             logger.warning("refit with policy version %s failed: %s", self.published[0], err)
             return False
         finally:
