@@ -187,13 +187,17 @@ def bad_refit(drill: Drill) -> dict:
             "recovered": _finished(drill, run) and again is not None}
 
 
+# The engine drills kill vLLM's engine-core process: it must be a process of its own.
+ENGINE_PROCESS = ("rollout.engine_in_process=false",)
+
+
 def engine_crash(drill: Drill) -> dict:
     """SIGKILL of the vLLM engine-core process of the rollout group generating round at_step, with its
     requests in flight: the fleet must restart the group, keep it stale until a publication of the
     current version committed on it (checksums and refit check), retry the in-flight requests, and
     the run go on in the same attempt; no sample stamped with another version than its round's."""
     cfg = drill.cfg
-    run = drill.train(fault={"fault": "engine_kill", "at_step": cfg.at_step})
+    run = drill.train(fault={"fault": "engine_kill", "at_step": cfg.at_step}, extra=ENGINE_PROCESS)
     events = drill.injections()
     log = drill.log()
     detected = _first_line(log, r"vLLM engine died during generation")
@@ -221,7 +225,7 @@ def engine_crash_publish(drill: Drill) -> dict:
     the same path as a death during generation -- the group restarted stale, the version published
     again (its refit), the run going on in the same attempt, no sample off its version."""
     cfg = drill.cfg
-    run = drill.train(fault={"fault": "engine_kill_publish", "at_version": cfg.at_step + 1})
+    run = drill.train(fault={"fault": "engine_kill_publish", "at_version": cfg.at_step + 1}, extra=ENGINE_PROCESS)
     log = drill.log()
     detected = _first_line(log, r"vLLM engine died during publication")
     refitted = _first_line(log, r"refitted: serving policy version \d+")

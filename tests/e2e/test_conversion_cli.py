@@ -81,7 +81,8 @@ def test_cli_roundtrip_verify_and_vllm(tmp_path, arch, architecture, ep):
     expected = transformers_greedy(hf, PROMPTS, NEW_TOKENS)
     script = tmp_path / "vllm_greedy.py"
     script.write_text(VLLM_SCRIPT)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+    # The engine core in this process: one start-up of vLLM, not two.
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     run = subprocess.run([sys.executable, str(script), str(back), json.dumps(PROMPTS), str(NEW_TOKENS)],
                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("TOKENS ")]

@@ -35,7 +35,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def test_tp2_learner_publishes_to_rollout_group(tmp_path, arch, rollout_tp):
     run_cli("train", "--config", str(TINY), f"run.dir={tmp_path}", "run.steps=2", "run.eval_every=0",
             "run.checkpoint_every=0", "learner.tensor_parallel_size=2",
-            f"rollout.tensor_parallel_size={rollout_tp}", f"model.tiny.arch={arch}")
+            f"rollout.tensor_parallel_size={rollout_tp}", f"model.tiny.arch={arch}",
+            # a TP2 group's two workers are vLLM processes of their own
+            f"rollout.engine_in_process={'true' if rollout_tp == 1 else 'false'}")
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config["architectures"] == [{"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(
         arch, "LlamaForCausalLM")]

@@ -154,7 +154,7 @@ def test_vllm_logprobs_match_transformers(tmp_path, llama_dir):
     script = tmp_path / "gen.py"
     script.write_text(VLLM_SCRIPT)
     out = tmp_path / "out.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")  # one vLLM start-up, not two
     proc = subprocess.run(
         [sys.executable, str(script), str(llama_dir), json.dumps(prompts), str(out)],
         capture_output=True, text=True, timeout=600, env=env,
