@@ -24,7 +24,7 @@ import traceback
 COMMAND_MODULES = [
     "megatron_rl.train.cli",
     "megatron_rl.eval_cli",
-    "megatron_rl.experiment_cli",
+    "megatron_rl.experiment.cli",
     "megatron_rl.doctor_cli",
     "megatron_rl.report_cli",
     "megatron_rl.submit_cli",

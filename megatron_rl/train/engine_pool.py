@@ -1,13 +1,13 @@
 """Rollout engines, learner actors and their placement group, kept from one run of an experiment for the next.
 
-    with engine_pool() as pool:     # the experiment runner, around its in-process runs (experiment.py)
+    with engine_pool() as pool:     # the experiment runner, around its in-process runs (experiment/runner.py)
         launch_in_process(["train", ...], log)   # Roles.build takes what the pool holds, Roles.close parks it
         pool.prepare_for("sft")     # before each run: what only another kind of run uses ends
         pool.drop()                 # after a failed run
 
 A training run's start-up is mostly its rollout actor: a process that imports torch and vLLM and
 loads an engine (~10 s of GRPO's ~14 s start-up on 2 cores, notes in benchmarks/).  Inside the
-experiment runner (experiment_inprocess.py) the runs are one after another in one process and one
+experiment runner (experiment/inprocess.py) the runs are one after another in one process and one
 Ray cluster, so a finished run's engines can serve the next run instead of ending with it:
 
   engines    a run that ends with every rollout group serving parks its `RolloutWorker` actors here

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.experiment import command_for, load_experiment
+from megatron_rl.experiment.runner import command_for, load_experiment
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from megatron_rl.experiment_inprocess import check_released
+from megatron_rl.experiment.inprocess import check_released
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_identity
 from megatron_rl.rollout.fleet import SERVING, STALE, RolloutFleet

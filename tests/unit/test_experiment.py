@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_rl.experiment import command_for, load_experiment, preregister, run_all
-from megatron_rl.experiment_report import paired_difference_ci, write_report
+from megatron_rl.experiment.runner import command_for, load_experiment, preregister, run_all
+from megatron_rl.experiment.report import paired_difference_ci, write_report
 
 pytestmark = pytest.mark.unit
 

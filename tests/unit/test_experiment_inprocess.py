@@ -1,4 +1,4 @@
-"""Runs inside the experiment runner's process (experiment_inprocess.py): the exit code, output and
+"""Runs inside the experiment runner's process (experiment/inprocess.py): the exit code, output and
 signal handlers a run leaves are those its own process would have had / left nothing of.
 
     python -m pytest tests/unit/test_experiment_inprocess.py -q
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl import cli
-from megatron_rl.experiment import choose_launch, launch_cli, load_experiment
-from megatron_rl.experiment_inprocess import check_released, launch_in_process
+from megatron_rl.experiment.runner import choose_launch, launch_cli, load_experiment
+from megatron_rl.experiment.inprocess import check_released, launch_in_process
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Experiments under Slurm (megatron_rl/experiment_slurm.py): one array job per arm with a task per
+"""Experiments under Slurm (megatron_rl/experiment/slurm.py): one array job per arm with a task per
 unfinished seed, dependencies in arm order, a report job after all of them, and the array task
 that runs one (arm, seed) and records its result.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.experiment_slurm import SlurmOptions, run_task, submit
+from megatron_rl.experiment.slurm import SlurmOptions, run_task, submit
 from tests.unit.test_experiment import _experiment, _fake_run
 
 pytestmark = pytest.mark.unit

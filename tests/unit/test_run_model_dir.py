@@ -149,7 +149,7 @@ def test_a_run_written_before_the_record_follows_its_config(tmp_path, monkeypatc
 def test_an_experiment_run_from_another_arm_exports_from_anywhere(tmp_path, monkeypatch):
     """An arm started from another arm's run (model.init_from, relative to the experiment dir, which is
     relative to where the runner ran), in the runner's process with pooled engines."""
-    from megatron_rl.experiment import command_for, load_experiment, run_dir
+    from megatron_rl.experiment.runner import command_for, load_experiment, run_dir
 
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path)

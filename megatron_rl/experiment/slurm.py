@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_rl.config import ConfigError
-from megatron_rl.experiment import ExperimentConfig, command_for, execute_run, preregister, run_dir, validate_runs
+from megatron_rl.experiment.runner import ExperimentConfig, command_for, execute_run, preregister, run_dir, validate_runs
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_rl.experiment import MIN_SEEDS, ExperimentConfig, run_dir
+from megatron_rl.experiment.runner import MIN_SEEDS, ExperimentConfig, run_dir
 
 
 def test_outcomes(path: Path) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Experiments: arms x seeds of real runs, registered before they run, judged by a paired bootstrap.
 
-    megatron-rl experiment --config experiments/grpo_vs_sft.yaml [--dry-run]    # experiment_cli.py
+    megatron-rl experiment --config experiments/grpo_vs_sft.yaml [--dry-run]    # experiment/cli.py
 
 An experiment file names a base training config, the arms (each a command -- `sft` or
 `train` -- with dotted overrides, optionally starting from another arm's run of the same seed),
@@ -9,7 +9,7 @@ baseline arm, minimal effect and alpha.  Before the first run the pre-registrati
 to `DIR/preregistration.json`; a later invocation whose pre-registration differs is refused,
 so the claim cannot move after the data are in.  Then every (arm, seed) runs (`DIR/runs/<arm>/seed_<s>`),
 in dependency order, one after another, inside the runner's process (`in_process`, default on;
-experiment_inprocess.py) or each as its own process; a run whose
+experiment/inprocess.py) or each as its own process; a run whose
 `result.json` exists is skipped, so an interrupted experiment resumes where it stopped.
 
 What the runs share, to cut each run's start-up (benchmarks/bench_experiment_overhead.py):
@@ -23,7 +23,7 @@ their processes; dropped after a failed run).  `engine_in_process` (default on) 
 actor (rollout.engine_in_process).  `budget_generated_tokens` gives every `train` run the same
 generated-token budget (stop.max_generated_tokens): arms are compared at equal generated tokens,
 and each run's result.json records the tokens it generated and the budget that stopped it.
-Under Slurm, `--slurm` submits the runs as an array job instead (experiment_slurm.py).
+Under Slurm, `--slurm` submits the runs as an array job instead (experiment/slurm.py).
 
 The analysis pairs runs on (seed, test example): every arm's per-example correctness on the
 hidden test split (written by each run's final eval) against the baseline arm's on the same
@@ -109,7 +109,7 @@ class ExperimentConfig:
     engine_in_process: bool = True
     """rollout.engine_in_process for every run whose rollout TP is 1 (vLLM without its two extra processes)."""
     in_process: bool = True
-    """Run the runs inside the runner's process, one after another (experiment_inprocess.py), instead of one
+    """Run the runs inside the runner's process, one after another (experiment/inprocess.py), instead of one
     process each: the driver's imports and Ray connect are paid once.  Needs shared_ray (otherwise each run
     is its own process, logged)."""
     pool_engines: bool = True
@@ -296,7 +296,7 @@ def choose_launch(cfg: ExperimentConfig) -> Callable[[list[str], Path], int]:
     if not cfg.shared_ray:
         logger.info("in_process needs shared_ray: each run starts as its own process")
         return launch_cli
-    from megatron_rl.experiment_inprocess import launch_in_process
+    from megatron_rl.experiment.inprocess import launch_in_process
 
     return launch_in_process
 
@@ -335,7 +335,7 @@ def run_all(cfg: ExperimentConfig, launch: Callable[[list[str], Path], int] | No
 
 def run_pool(cfg: ExperimentConfig, launch: Callable) -> contextlib.AbstractContextManager:
     """The engine pool (train/engine_pool.py) for runs inside this process with cfg.pool_engines; else none."""
-    from megatron_rl.experiment_inprocess import launch_in_process
+    from megatron_rl.experiment.inprocess import launch_in_process
 
     if not cfg.pool_engines or launch is not launch_in_process:
         return contextlib.nullcontext()
