@@ -1,21 +1,22 @@
-"""An experiment's runs inside the runner's own process, one after another (experiment.in_process).
+"""An experiment's runs inside the runner's own process, one after another (`runner: in_process | pooled`).
 
-    megatron-rl experiment --config experiments/grpo_vs_sft.yaml       # in_process: true (the default)
+    megatron-rl experiment --config experiments/grpo_vs_sft.yaml       # runner: pooled (the default)
 
-A run launched as its own process (experiment.launch_cli) pays Python's start-up and the driver's
+A run launched as its own process (runner.launch_process) pays Python's start-up and the driver's
 imports (torch, transformers, Ray's client, the project) and a Ray connect before it does anything;
-here the runner, which already holds the experiment's shared Ray cluster (shared_ray), runs the
-same `megatron-rl` command line through `megatron_rl.cli.main` in its own process, so the runs
-after the first find all of that done.
+here the runner, which already holds the experiment's shared Ray cluster (shared_ray), calls
+`train.cli.run_one(command, cfg, pool)` with the run's config, loaded from its overrides (no command
+line is built or parsed), so the runs after the first find all of that done.  `pool` is the
+runner's EnginePool for `runner: pooled` (train/engine_pool.py), None for `in_process`.
 
-Each run is still its own run: the same command line (run dir, seeds, queue/WAL, checkpoints,
-metrics, run_manifest), its own console session (RUN_DIR/logs/, its output and final JSON line
-in the experiment's log for it), and its own actors (engines, learners, coordinator), which it
-closes before it returns, as it does when it runs as a process.  What it leaves in this process
-are imported modules and warm caches, nothing of the run's state.  Before each run the cluster
-must be free again (a run whose actors did not all let go of their resources is logged); a
-failed run ends the experiment (its cluster goes down with the runner), so nothing of it
-reaches the next run.
+Each run is still its own run: the same config (run dir, seeds, queue/WAL, checkpoints, metrics,
+run_manifest), its own console session (RUN_DIR/logs/, its output and final JSON line in the
+experiment's log for it), its exit code the one its process would have had, and its own actors
+(engines, learners, coordinator), which it closes (or parks in the pool) before it returns.  Its
+summary is the value run_one returns.  What it leaves in this process are imported modules and warm
+caches, nothing of the run's state.  Before each run the cluster must be free again but for what the
+pool keeps (a run whose actors did not all let go of their resources is logged); a failed run ends
+the experiment (its cluster goes down with the runner), so nothing of it reaches the next run.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import signal
 import time
 import traceback
 from pathlib import Path
+
+from megatron_rl.experiment.runs import Outcome, Run
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +42,29 @@ def exit_code(err: SystemExit) -> int:
     return err.code if isinstance(err.code, int) else 1
 
 
-def launch_in_process(args: list[str], log: Path) -> int:
-    """Run one `megatron-rl` command line in this process, its output to `log`; returns its exit code
-    (the code its process would have had: 0 done, 2 bad input, 75 requeue, 81-87 stop conditions, 1 a bug)."""
-    from megatron_rl import cli
+def launch_in_process(run: Run, log: Path, pool=None) -> Outcome:
+    """Run `run` in this process, its output to `log`, with the experiment runner's EnginePool `pool` (or
+    None); its exit code is the one its process would have had (0 done, 2 bad input, 75 requeue, 81-87 stop
+    conditions, 1 a bug), its summary the one run_one returned."""
+    from megatron_rl.cli import run_command
+    from megatron_rl.train.cli import plan_or_attach, print_summary, run_one
 
-    check_released()  # the previous run's actors have let go (counted in this run's start-up, not the last's work)
+    check_released(pool)  # the previous run's actors have let go (counted in this run's start-up, not the last's work)
     log.parent.mkdir(parents=True, exist_ok=True)
     handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}  # the run's StopFlag installs its own
+    summary: dict = {}
+
+    def body() -> int:
+        cfg = run.config()
+        plan_or_attach(cfg, dry_run=False)
+        summary.update(run_one(run.command, cfg, pool))
+        print_summary(summary)
+        return 0
+
     t0 = time.time()
     with log.open("w", buffering=1) as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         try:
-            rc = int(cli.main(list(args)) or 0)
+            rc = run_command(run.command, body)
         except SystemExit as err:  # StopConditionMet, requeue (75): their code, as the process's
             rc = exit_code(err)
         except KeyboardInterrupt:
@@ -61,21 +75,19 @@ def launch_in_process(args: list[str], log: Path) -> int:
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
-    logger.info("in-process run %s: exit %d after %.1f s", args[0], rc, time.time() - t0)
-    return rc
+    logger.info("in-process run %s %s seed %d: exit %d after %.1f s", run.command, run.arm, run.seed, rc,
+                time.time() - t0)
+    return Outcome(rc, summary if rc == 0 else {})
 
 
-def check_released(timeout_s: float = 20.0) -> bool:
+def check_released(pool=None, timeout_s: float = 20.0) -> bool:
     """True once every CPU/GPU of the cluster is free (the previous run closed its actors) but what the
-    experiment's engine pool keeps (train/engine_pool.py); a warning naming what is still held otherwise
-    (this run may not be placed)."""
+    experiment's EnginePool `pool` keeps (train/engine_pool.py); a warning naming what is still held
+    otherwise (this run may not be placed)."""
     import ray
-
-    from megatron_rl.train.engine_pool import active_pool
 
     if not ray.is_initialized():
         return True
-    pool = active_pool()
     kept = pool.reserved() if pool is not None else {}
     deadline = time.monotonic() + timeout_s
     held: dict = {}
