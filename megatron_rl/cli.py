@@ -33,7 +33,7 @@ COMMAND_MODULES = [
     "megatron_rl.planner.cli",
     "megatron_rl.conversion.cli",
     "megatron_rl.checkpoint_cli",
-    "megatron_rl.drill_cli",
+    "megatron_rl.drill.cli",
     "megatron_rl.models.tiny_cli",
 ]
 
