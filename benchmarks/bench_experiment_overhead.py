@@ -14,8 +14,8 @@ share over all runs; the goal is <= 20%.
 runs/bench_overhead_<time>; its `dir:` is replaced) and then measures it;
 benchmarks/overhead_experiment.yaml is experiments/grpo_vs_sft.yaml's three seeds (SFT, then GRPO
 from it: ~6 minutes on 2 cores).  Any further `KEY=VALUE` arguments set top-level fields of the
-experiment (values read as YAML), e.g. `shared_ray=false engine_in_process=false in_process=false` to measure the
-runner without what it shares, `pool_engines=false` without the engine/learner pool, `'seeds=[0]'` for single cold runs
+experiment (values read as YAML), e.g. `shared_ray=false engine_in_process=false runner=process` to measure the
+runner without what it shares, `runner=in_process` without the engine/learner pool, `'seeds=[0]'` for single cold runs
 (nothing for the pool to serve).
 """
 

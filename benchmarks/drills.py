@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/drills.py [--config configs/tiny_cpu_scratch.yaml] [--only oom,worker_crash] [--json]
 
-Each drill is a real training run (megatron_rl/drill.py; a few steps, ~70 s of start-up per
+Each drill is a real training run (megatron_rl/drill/; a few steps, ~70 s of start-up per
 training attempt on 2 CPU cores) with its fault injected through MEGATRON_RL_DRILL or by damaging
 a checkpoint.  Columns: recovered ("after clean stop" when the protocol is a clean stop with its
 own exit code and a rerun with the documented remedy),

@@ -20,11 +20,12 @@ import argparse
 import importlib
 import sys
 import traceback
+from typing import Callable
 
 COMMAND_MODULES = [
     "megatron_rl.train.cli",
     "megatron_rl.eval_cli",
-    "megatron_rl.experiment_cli",
+    "megatron_rl.experiment.cli",
     "megatron_rl.doctor_cli",
     "megatron_rl.report_cli",
     "megatron_rl.submit_cli",
@@ -32,7 +33,7 @@ COMMAND_MODULES = [
     "megatron_rl.planner.cli",
     "megatron_rl.conversion.cli",
     "megatron_rl.checkpoint_cli",
-    "megatron_rl.drill_cli",
+    "megatron_rl.drill.cli",
     "megatron_rl.models.tiny_cli",
 ]
 
@@ -69,25 +70,31 @@ def _split_verbose(argv: list[str]) -> tuple[list[str], bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv, verbose = _split_verbose(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(argv)
+    return run_command(args.command, lambda: args.func(args), verbose=verbose or args.verbose, level=args.log_level)
+
+
+def run_command(name: str, func: Callable[[], int | None], *, verbose: bool = False, level: str = "INFO") -> int:
+    """Run command `name`'s body `func` in a console session; returns its exit code (see the module's
+    docstring).  main's, and the experiment runner's for a run inside its process (experiment/inprocess.py)."""
     from megatron_rl.config import ConfigError
     from megatron_rl.console import console_session
 
-    argv, verbose = _split_verbose(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
-    with console_session(verbose=verbose or args.verbose, level=args.log_level) as console:
+    with console_session(verbose=verbose, level=level) as console:
         try:
-            return int(args.func(args) or 0)
+            return int(func() or 0)
         except CommandError as err:
-            console.error_line(f"megatron-rl {args.command}: error: {err}")
+            console.error_line(f"megatron-rl {name}: error: {err}")
             return err.exit_code
         except (ConfigError, FileNotFoundError, FileExistsError) as err:
             # What a user can fix: one clear line, no traceback.
-            console.error_line(f"megatron-rl {args.command}: error: {err}")
+            console.error_line(f"megatron-rl {name}: error: {err}")
             return 2
         except Exception:
             # A bug: it propagates (traceback on the console once the session is closed, exit 1);
             # the run's log file keeps a copy.
-            console.to_file_only(f"megatron-rl {args.command}: internal error\n{traceback.format_exc()}")
+            console.to_file_only(f"megatron-rl {name}: internal error\n{traceback.format_exc()}")
             raise
 
 

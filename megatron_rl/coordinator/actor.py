@@ -25,7 +25,7 @@ from typing import Any
 
 from megatron_rl.coordinator.config import CoordinatorConfig
 from megatron_rl.coordinator.queue import TrajectoryQueue
-from megatron_rl.drill_hooks import maybe_stop_coordinator
+from megatron_rl.drill.hooks import maybe_stop_coordinator
 
 
 class CoordinatorActor:

@@ -39,7 +39,7 @@ Grader = Callable[[str, str, RewardConfig, "int | None"], Score]
 
 def _worker_main(conn: mp_conn.Connection, grader: Grader, cfg: RewardConfig) -> None:
     """Worker loop: receive (index, response, reference, length), send back (index, status, payload)."""
-    from megatron_rl.drill_hooks import drill_spec, hangs, record_injection
+    from megatron_rl.drill.hooks import drill_spec, hangs, record_injection
 
     drill = drill_spec("verifier_timeout")  # `megatron-rl drill verifier_timeout`: a share of calls hang
     conn.send(_READY)  # grading timeouts start only once the worker is up

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from megatron_rl.config import from_dict
-from megatron_rl.drill_hooks import maybe_kill_engine, maybe_kill_engine_in_publication, maybe_stop_group
+from megatron_rl.drill.hooks import maybe_kill_engine, maybe_kill_engine_in_publication, maybe_stop_group
 from megatron_rl.platform.priority import with_normal_priority
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import (engine_env, engine_identity, eos_token_ids, llm_kwargs, transfer_path,

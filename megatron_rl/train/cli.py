@@ -14,34 +14,40 @@ Exit codes: 0 done, 1 a bug (its traceback), 2 bad input, 75 stopped by a signal
 86 verifier_errors); the final JSON line names it.  75 also ends a run whose rollout engine or
 learner rank died (rerun to resume); 87 a learner step that ran out of memory at the configured and
 at half the micro-batch size (nothing of it applied).  Fault drills: `megatron-rl drill`.
+`--summary-out PATH` writes a finished run's summary (the final JSON line) to PATH too: how the experiment
+runner receives it from a run in its own process.  Inside the runner's process it calls `run_one`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from megatron_rl.console import attach_run_dir, end_progress
 
 
-def _config_and_plan(args: argparse.Namespace):
-    """The validated config; with --dry-run the plan is printed (and nothing else happens)."""
-    from megatron_rl.train.config import load_train_config
+def plan_or_attach(cfg, dry_run: bool) -> None:
+    """Check the whole config and plan the run (train/dry_run.py); with --dry-run print the plan (and nothing
+    else happens), else library and engine logs go to RUN_DIR/logs/ from here on (megatron_rl/console.py)."""
     from megatron_rl.train.dry_run import check_and_plan
 
-    cfg = load_train_config(args.config, args.overrides)
     plan = check_and_plan(cfg)
-    if args.dry_run:
+    if dry_run:
         print(json.dumps(plan, indent=2))
-    else:  # library and engine logs go to RUN_DIR/logs/ from here on (megatron_rl/console.py)
+    else:
         attach_run_dir(cfg.run.dir)
-    return cfg
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    cfg = _config_and_plan(args)
-    if args.dry_run:
-        return 0
+def run_one(command: str, cfg, pool=None) -> dict:
+    """One `train` or `sft` run of a checked config (plan_or_attach); returns its summary, the dict the
+    command prints as its final JSON line.  `pool`: the experiment runner's EnginePool (train/engine_pool.py),
+    whose placement, engines and learner actors the run takes and leaves back; None, the run owns its own.
+    A stop condition or a signal ends the run with its SystemExit, after printing its own JSON line."""
+    if command == "sft":
+        from megatron_rl.train.sft import sft
+
+        return sft(cfg, pool)
     from megatron_rl.train.driver import EXIT_REQUEUE, StopFlag, train
     from megatron_rl.train.stop import StopConditionMet
 
@@ -49,11 +55,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if cfg.sft.first:  # SFT, then GRPO from its result: the baseline the run is measured against
         from megatron_rl.train.sft import sft_baseline
 
-        cfg, baseline = sft_baseline(cfg)
+        cfg, baseline = sft_baseline(cfg, pool)
     stop = StopFlag()
     stop.install()
     try:
-        summary = train(cfg, stop)
+        summary = train(cfg, stop, pool)
     except StopConditionMet as exc:
         end_progress()
         print(json.dumps({**exc.condition.to_dict(), "checkpointed": True}))
@@ -66,20 +72,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if baseline is not None:
         summary = {"baseline": "sft", "sft_steps": baseline["steps"],
                    "baseline_test_correctness": baseline["test_correctness"], **summary}
+    return summary
+
+
+def print_summary(summary: dict, out: Path | None = None) -> None:
+    """The run's final JSON line; with `out` (--summary-out) the same dict as a JSON file, for whoever
+    launched the run (the experiment runner: experiment/runner.py), so that no one reads it from a log."""
     end_progress()
     print(json.dumps(summary))
-    return 0
+    if out is not None:
+        from megatron_rl.durable_files import write_json_atomic
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out, summary)
 
 
-def _cmd_sft(args: argparse.Namespace) -> int:
-    cfg = _config_and_plan(args)
+def _cmd_run(args: argparse.Namespace) -> int:
+    """`train` and `sft`."""
+    from megatron_rl.train.config import load_train_config
+
+    cfg = load_train_config(args.config, args.overrides)
+    plan_or_attach(cfg, args.dry_run)
     if args.dry_run:
         return 0
-    from megatron_rl.train.sft import sft
-
-    summary = sft(cfg)
-    end_progress()
-    print(json.dumps(summary))
+    print_summary(run_one(args.command, cfg), args.summary_out)
     return 0
 
 
@@ -102,13 +118,15 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="GRPO training: rollout -> score -> enqueue -> take -> learn -> publish")
     p.add_argument("--config", required=True, help="training config YAML")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
+    p.add_argument("--summary-out", type=Path, metavar="PATH", help="also write the final summary (JSON) to PATH")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. run.steps=10")
-    p.set_defaults(func=_cmd_train)
+    p.set_defaults(func=_cmd_run)
     f = sub.add_parser("sft", help="supervised fine-tuning on the train split: the baseline GRPO starts from")
     f.add_argument("--config", required=True, help="training config YAML (its sft section sets steps and lr)")
     f.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
+    f.add_argument("--summary-out", type=Path, metavar="PATH", help="also write the final summary (JSON) to PATH")
     f.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. sft.steps=20")
-    f.set_defaults(func=_cmd_sft)
+    f.set_defaults(func=_cmd_run)
     r = sub.add_parser("reconcile", help="one-step reconciliation report: logprobs, reward, advantage, loss, grad sign")
     r.add_argument("--config", required=True, help="training config YAML")
     r.add_argument("--json", action="store_true", help="print only the JSON summary line")

@@ -72,13 +72,14 @@ class StopFlag:
         self.requested = True
 
 
-def train(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
-    """Run (or resume) training; returns a summary. Raises SystemExit(75) when stopped early by a
+def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
+    """Run (or resume) training; returns a summary.  `pool`: the experiment runner's EnginePool
+    (train/engine_pool.py) handed to Roles.build, or None. Raises SystemExit(75) when stopped early by a
     signal, StopConditionMet (a SystemExit with the condition's code, train/stop.py) when a stop
     condition holds; both after a checkpoint."""
     stop = stop or StopFlag()
     check_resume_world(cfg)                                              # refuse before starting anything
-    roles = Roles.build(cfg)
+    roles = Roles.build(cfg, pool)
     source, scorer, coordinator = roles.source, roles.scorer, roles.coordinator
     policy, report = roles.policy, roles.reporter
     with contextlib.closing(roles), _errors_as_exits(roles.run_dir):

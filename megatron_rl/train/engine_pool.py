@@ -1,13 +1,13 @@
 """Rollout engines, learner actors and their placement group, kept from one run of an experiment for the next.
 
-    with engine_pool() as pool:     # the experiment runner, around its in-process runs (experiment.py)
-        launch_in_process(["train", ...], log)   # Roles.build takes what the pool holds, Roles.close parks it
-        pool.prepare_for("sft")     # before each run: what only another kind of run uses ends
+    with engine_pool() as pool:     # the experiment runner, `runner: pooled` (experiment/runner.py)
+        pool.prepare_for("train")   # before each run: what only another kind of run uses ends
+        run_one("train", cfg, pool) # Roles.build(cfg, pool) takes what the pool holds, Roles.close parks it
         pool.drop()                 # after a failed run
 
 A training run's start-up is mostly its rollout actor: a process that imports torch and vLLM and
 loads an engine (~10 s of GRPO's ~14 s start-up on 2 cores, notes in benchmarks/).  Inside the
-experiment runner (experiment_inprocess.py) the runs are one after another in one process and one
+experiment runner (experiment/inprocess.py) the runs are one after another in one process and one
 Ray cluster, so a finished run's engines can serve the next run instead of ending with it:
 
   engines    a run that ends with every rollout group serving parks its `RolloutWorker` actors here
@@ -31,7 +31,8 @@ Ray cluster, so a finished run's engines can serve the next run instead of endin
 
 Everything else stays per run: run dir, coordinator and its WAL queue, seeds, learner, metrics,
 checkpoints.  Not parked: a fleet with a stale or unreachable group, or with vLLM sleep mode on.
-Outside an experiment (`active_pool()` is None) runs start and end their engines as before.
+The pool is an argument, never found: `Roles.build(cfg, pool)`, `sft(cfg, pool)`; a run given none
+(`pool=None`: every run outside a pooled experiment) starts and ends its engines and learners itself.
 """
 
 from __future__ import annotations
@@ -43,42 +44,27 @@ from typing import Iterator
 
 logger = logging.getLogger(__name__)
 
-_ACTIVE: "EnginePool | None" = None
-
-
-def active_pool() -> "EnginePool | None":
-    """The pool of the experiment runner this run is inside of; None for a run on its own."""
-    return _ACTIVE
-
-
 @contextlib.contextmanager
 def engine_pool() -> Iterator["EnginePool"]:
-    """A pool for the runs started inside this block (in this process); its engines and placement end
-    with the block."""
-    global _ACTIVE
-    if _ACTIVE is not None:
-        raise RuntimeError("an engine pool is active already")
-    pool = _ACTIVE = EnginePool()
+    """A pool for the runs it is handed to (in this process); its engines and placement end with the block."""
+    pool = EnginePool()
     try:
         yield pool
     finally:
-        _ACTIVE = None
         pool.drop()
 
 
-def sft_learner_group(**spec_fields):
+def sft_learner_group(pool: "EnginePool | None", **spec_fields):
     """An `sft` run's LearnerGroup (train/learner_group.py) built from a RankSpec of `spec_fields`: the last
-    `sft` run's actors, rebuilt, when the experiment runner's pool holds them for this layout, else new actors."""
+    `sft` run's actors, rebuilt, when `pool` holds them for this layout, else new actors."""
     from megatron_rl.train.learner_group import LearnerGroup, RankSpec
 
-    spec, pool = RankSpec(**spec_fields), active_pool()
+    spec = RankSpec(**spec_fields)
     return LearnerGroup(spec, handed_over=pool.take_free_learners(spec.learner.world_size) if pool is not None else None)
 
 
-def release_sft_learners(group) -> None:
-    """An `sft` run is done with its learner: parked for the next `sft` run inside the experiment runner,
-    else ended."""
-    pool = active_pool()
+def release_sft_learners(group, pool: "EnginePool | None") -> None:
+    """An `sft` run is done with its learner: parked in `pool` for the next `sft` run, else ended."""
     if pool is not None:
         pool.park_free_learners(group)
     group.shutdown()  # ends nothing once parked

@@ -9,7 +9,7 @@ and the log of what each learner step consumed.
 
 Metrics are grouped by TensorBoard panel (train/telemetry.py); every dict logged is also fed to the
 stop rules.  `consumed.jsonl` has one line per learner step and attempt (the drills count lost and
-duplicated trajectories from it, megatron_rl/drill.py).
+duplicated trajectories from it, megatron_rl/drill/accounting.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The roles of a training run, each built from its own config section and the handles it uses.
 
     roles = Roles.build(cfg)     # Ray, run inputs, coordinator, rollout source, scorer, policy, ...
+    roles = Roles.build(cfg, pool)   # the experiment runner's engine pool (train/engine_pool.py) serves it
     ... the loop in driver.py ...
     roles.close()
 
@@ -20,7 +21,7 @@ import logging
 
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, restore_queue_snapshot
-from megatron_rl.train.engine_pool import EnginePool, active_pool
+from megatron_rl.train.engine_pool import EnginePool
 from megatron_rl.train.placement import Placement, gpu_path_choices
 from megatron_rl.train.policy import Policy
 from megatron_rl.train.reporting import Reporter
@@ -51,15 +52,16 @@ class Roles:
         return self.inputs.run_dir
 
     @classmethod
-    def build(cls, cfg) -> "Roles":
+    def build(cls, cfg, pool: EnginePool | None = None) -> "Roles":
         """Each role from its own config section (cfg: the run's TrainConfig, train/config.py) and the
-        handles it uses."""
+        handles it uses.  `pool`: the experiment runner's (placement, engines and learner actors come from
+        it, and go back to it at close); None, the run starts and ends its own."""
         inputs = open_run_dir(cfg, kind="train")
         own_ray = start_ray(cfg.run)
         resume_from = restore_queue_snapshot(inputs.run_dir, cfg, inputs.tokenizer_hash)
         coordinator = Coordinator.start(cfg.coordinator, wal_path=inputs.run_dir / QUEUE_DB,
                                         tokenizer_hash=inputs.tokenizer_hash, take_timeout_s=cfg.run.take_timeout_s)
-        lc, pool = cfg.learner, active_pool()
+        lc = cfg.learner
         ranks = lc.world_size
         place = pool.placement(cfg, ranks) if pool is not None else Placement.create(cfg, ranks)
         train = inputs.splits["train"]

@@ -55,8 +55,9 @@ def sft_batch(examples: Sequence, template, tokenizer, *, micro_batch_size: int)
             "token_denominator": n / micro_batches}
 
 
-def sft(cfg) -> dict:
-    """Run (or resume) supervised fine-tuning; returns a summary with the test-split baseline."""
+def sft(cfg, pool=None) -> dict:
+    """Run (or resume) supervised fine-tuning; returns a summary with the test-split baseline.  `pool`: the
+    experiment runner's engine pool (train/engine_pool.py), whose parked sft learner actors it rebuilds, or None."""
     import ray
 
     from megatron_rl.checkpoint import resume_checkpoint
@@ -72,8 +73,8 @@ def sft(cfg) -> dict:
     lc = _sft_learner_config(cfg)
     own_ray = start_ray(cfg.run)
     learner = metrics = None
-    try:  # inside the experiment runner: the last sft run's learner actors, rebuilt (train/engine_pool.py)
-        learner = sft_learner_group(learner=lc, loss=dataclasses.replace(cfg.loss, kl_coef=0.0),
+    try:  # with a pool: the last sft run's learner actors, rebuilt (train/engine_pool.py)
+        learner = sft_learner_group(pool, learner=lc, loss=dataclasses.replace(cfg.loss, kl_coef=0.0),
                                     hf_dir=str(inputs.model_dir), seed=lc.seed, deterministic=cfg.run.deterministic,
                                     threads=cfg.run.torch_threads)
         start = 0 if resume_from is None else _resume(resume_from, inputs, learner, cursor)
@@ -81,7 +82,7 @@ def sft(cfg) -> dict:
         metrics.rewind(start if start else -1)  # steps after the checkpoint are redone: log them once
         logged = logged_test_evals(run_dir / "metrics" / "metrics.jsonl").get(cfg.sft.steps)
         _train(cfg, lc, inputs, learner, cursor, metrics, start)
-        release_sft_learners(learner)  # inside the experiment runner: kept for the next sft run
+        release_sft_learners(learner, pool)  # with a pool: kept for the next sft run
         learner = None
         if logged is not None and start == cfg.sft.steps:  # an earlier attempt ended here and evaluated
             result = logged
@@ -166,7 +167,7 @@ def _export_and_evaluate(cfg, inputs, metrics) -> dict:
 SFT_SUMMARY = "sft_summary.json"
 
 
-def sft_baseline(cfg) -> tuple[object, dict]:
+def sft_baseline(cfg, pool=None) -> tuple[object, dict]:
     """`sft.first`: run (or reuse) SFT in RUN_DIR/sft, then the GRPO config that starts from it.
 
     Returns (grpo_cfg, sft_summary).  A finished SFT stage (its summary written after its final
@@ -181,7 +182,7 @@ def sft_baseline(cfg) -> tuple[object, dict]:
     done = sft_dir / SFT_SUMMARY
     summary = json.loads(done.read_text()) if done.is_file() else None
     if summary is None or summary.get("config_hash") != config_hash(sft_cfg):
-        summary = {**sft(sft_cfg), "config_hash": config_hash(sft_cfg)}
+        summary = {**sft(sft_cfg, pool), "config_hash": config_hash(sft_cfg)}
         done.write_text(json.dumps(summary))
     else:
         logger.info("SFT baseline %s already finished: reusing it", sft_dir)

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from megatron_rl.cli import main
-from megatron_rl.drill import DEFAULT_OVERRIDES
+from megatron_rl.drill.harness import DEFAULT_OVERRIDES
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

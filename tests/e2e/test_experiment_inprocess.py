@@ -4,7 +4,7 @@ what the same run gives as its own process.
     python -m pytest tests/e2e/test_experiment_inprocess.py -q      # through /work/heavy (~3 min)
 
 One tiny experiment (SFT 2 steps twice, then two GRPO arms of 2 steps from the first, one seed) runs
-with the defaults: all runs inside the runner (`in_process`) against its shared Ray cluster, and the second
+with the defaults: all runs inside the runner (`runner: pooled`) against its shared Ray cluster, and the second
 GRPO run (`again`, another rollout.max_tokens) takes the first one's rollout engine, learner actor
 and placement group from the runner's pool (train/engine_pool.py): the engine refitted with its
 initial weights, the learner rebuilt in its process.
@@ -23,7 +23,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.experiment import command_for, load_experiment
+from megatron_rl.experiment.config import load_experiment
+from megatron_rl.experiment.runs import plan_run
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -47,7 +48,7 @@ def warm_and_cold(tmp_path_factory):
     run_cli("experiment", "--config", str(path))
     cfg = load_experiment(path)
     cold_dir = d / "cold"
-    args = [a for a in command_for(cfg, "again", 0) if not a.startswith(("run.dir=", "run.use_existing_ray="))]
+    args = [a for a in plan_run(cfg, "again", 0).argv() if not a.startswith(("run.dir=", "run.use_existing_ray="))]
     cold = run_cli(*args, f"run.dir={cold_dir}")
     runs = d / "exp" / "runs"
     return SimpleNamespace(warm=runs / "again" / "seed_0", first=runs / "grpo" / "seed_0", cold=cold_dir,

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.experiment import shared_ray_cluster
+from megatron_rl.experiment.runner import shared_ray_cluster
 from megatron_rl.trajectory import Trajectory
 from tests.e2e.conftest import REPO, TINY, last_json, read_jsonl
 

@@ -1,4 +1,4 @@
-"""Drill accounting (megatron_rl/drill.py): lost and duplicated trajectories, redone steps, versions.
+"""Drill accounting (megatron_rl/drill/accounting.py): lost and duplicated trajectories, redone steps, versions.
 
     python -m pytest tests/unit/test_drill_accounting.py -q
 """
@@ -10,8 +10,9 @@ import json
 import pytest
 
 from megatron_rl.coordinator.wal import WriteAheadLog
-from megatron_rl.drill import Drill, DrillConfig, account
-from megatron_rl.drill_hooks import ENV, drill_spec, hangs
+from megatron_rl.drill.accounting import account
+from megatron_rl.drill.harness import Drill, DrillConfig
+from megatron_rl.drill.hooks import ENV, drill_spec, hangs
 
 
 def _run(tmp_path, consumed_rows, enqueued=(), finished=(), metric_steps=None):

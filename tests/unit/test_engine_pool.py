@@ -8,7 +8,7 @@ publication sets their version).  What must hold: a fleet whose groups all serve
 next fleet of the same engine identity gets the same actors back, reset to its config and stale until
 its first publication; a stale group, sleep mode or another identity (vLLM arguments, model shapes)
 is not handed over (the parked actor is ended); the placement group is kept for the same key and
-removed for another; the runner's free-cluster check allows what the pool holds.  The end-to-end
+removed for another; the runner's free-cluster check allows what the pool it is given holds.  The end-to-end
 proof that a pooled run equals a cold one is tests/e2e/test_experiment_inprocess.py.
 """
 
@@ -22,11 +22,11 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from megatron_rl.experiment_inprocess import check_released
+from megatron_rl.experiment.inprocess import check_released
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_identity
 from megatron_rl.rollout.fleet import SERVING, STALE, RolloutFleet
-from megatron_rl.train.engine_pool import EnginePool, active_pool, engine_pool
+from megatron_rl.train.engine_pool import EnginePool, engine_pool
 from tests.unit.fleet_doubles import policy_of
 
 pytestmark = pytest.mark.unit
@@ -145,16 +145,15 @@ def test_what_is_not_handed_over(ray_local, tmp_path):
     asleep.shutdown()
 
 
-def test_the_runner_allows_what_the_pool_holds(ray_local):
+def test_the_runner_allows_what_the_pool_it_is_given_holds(ray_local):
     with engine_pool() as pool:
-        assert active_pool() is pool
         pool.placement(_cfg(), learner_ranks=1)
         assert pool.reserved()["CPU"] == pytest.approx(0.5)  # one learner bundle + one rollout bundle
-        assert check_released(timeout_s=30.0) is True  # returns once the earlier tests' actors ended
-        with pytest.raises(RuntimeError, match="active already"):
-            with engine_pool():
-                pass
-    assert active_pool() is None and pool.place is None
+        assert check_released(pool, timeout_s=30.0) is True  # returns once the earlier tests' actors ended
+        assert check_released(None, timeout_s=0.5) is False  # the pool is passed, never found: without it, held
+        with engine_pool() as other:  # no pool is global: another one is independent of the first
+            assert other is not pool and other.place is None and pool.place is not None
+    assert pool.place is None
 
 
 def test_before_a_run_the_pool_ends_what_only_another_kind_of_run_uses(ray_local, tmp_path):

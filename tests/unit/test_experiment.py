@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_rl.experiment import command_for, load_experiment, preregister, run_all
-from megatron_rl.experiment_report import paired_difference_ci, write_report
+from megatron_rl.experiment.config import load_experiment
+from megatron_rl.experiment.runner import preregister, run_all
+from megatron_rl.experiment.runs import Outcome, plan_run
+from megatron_rl.experiment.report import paired_difference_ci, write_report
 
 pytestmark = pytest.mark.unit
 
@@ -29,11 +31,17 @@ def _experiment(tmp_path, hypothesis="GRPO beats SFT", seeds=(0, 1, 2), **fields
     return load_experiment(path)
 
 
+def command_for(cfg, arm: str, seed: int) -> list[str]:
+    return plan_run(cfg, arm, seed).argv()
+
+
 def _fake_run(correct_by_arm):
-    """Test double for launching a real run: writes what a finished run leaves behind."""
+    """Test double for launching a real run: writes what a finished run leaves behind, and returns its
+    summary (a log line after the summary line, and none of it in the log, show nothing reads the log)."""
     calls = []
 
-    def launch(args, log):
+    def launch(run, log):
+        args = list(run.overrides)
         calls.append(args)
         d = Path(next(a.split("=", 1)[1] for a in args if a.startswith("run.dir=")))
         arm = d.parent.name
@@ -47,10 +55,9 @@ def _fake_run(correct_by_arm):
         (d / "config.json").write_text(json.dumps({"run": {"prompts_per_step": 8, "group_size": 8}}))
         log.parent.mkdir(parents=True, exist_ok=True)
         budget = next((int(a.split("=")[1]) for a in args if a.startswith("stop.max_generated_tokens=")), None)
-        log.write_text("INFO a log line\n" + json.dumps(
-            {"steps": 3, "generated_tokens": 1100, **({"stopped": "max_generated_tokens"} if budget else {})}) +
-            "\n2026-01-01 WARNING a line after the summary\n")
-        return 0
+        log.write_text('INFO a log line\n{"steps": 99}\n')
+        return Outcome(0, {"steps": 3, "generated_tokens": 1100, "test_correctness": 0.5,
+                           **({"stopped": "max_generated_tokens"} if budget else {})})
 
     return launch, calls
 
@@ -59,8 +66,8 @@ def test_preregistration_is_written_first_and_cannot_change(tmp_path):
     cfg = _experiment(tmp_path)
     launch, calls = _fake_run({"sft": 0.3, "grpo": 0.9})
     seen_before_first_run = []
-    run_all(cfg, lambda a, l: (seen_before_first_run.append((Path(cfg.dir) / "preregistration.json").is_file())
-                               or launch(a, l)))
+    run_all(cfg, lambda r, l: (seen_before_first_run.append((Path(cfg.dir) / "preregistration.json").is_file())
+                               or launch(r, l)))
     assert seen_before_first_run and all(seen_before_first_run)
     registered = (Path(cfg.dir) / "preregistration.json").read_text()
     preregister(cfg)  # the same experiment again: accepted, file untouched
@@ -73,10 +80,10 @@ def test_interrupted_experiment_resumes_without_rerunning_finished_runs(tmp_path
     cfg = _experiment(tmp_path)
     launch, calls = _fake_run({"sft": 0.3, "grpo": 0.9})
 
-    def dies_on_third(args, log):
+    def dies_on_third(run, log):
         if len(calls) == 2:
-            return 1  # the third run fails: the experiment stops there
-        return launch(args, log)
+            return Outcome(1)  # the third run fails: the experiment stops there
+        return launch(run, log)
 
     with pytest.raises(RuntimeError, match="rerun the experiment to resume"):
         run_all(cfg, dies_on_third)
@@ -142,6 +149,7 @@ def test_the_budget_is_preregistered_and_each_result_records_what_stopped_the_ru
     assert json.loads((Path(cfg.dir) / "preregistration.json").read_text())["budget_generated_tokens"] == 1000
     grpo = json.loads((Path(cfg.dir) / "runs" / "grpo" / "seed_0" / "result.json").read_text())
     assert grpo["stopped"] == "max_generated_tokens" and grpo["generated_tokens"] == 1100 and grpo["steps"] == 3
+    assert "test_correctness" not in grpo  # only what result.json keeps of the summary
     sft = json.loads((Path(cfg.dir) / "runs" / "sft" / "seed_0" / "result.json").read_text())
     assert "stopped" not in sft
     with pytest.raises(ValueError, match="cannot change after runs started"):  # a different budget is a new design
@@ -200,3 +208,59 @@ def test_every_problem_of_an_experiment_file_is_reported_in_one_pass(tmp_path):
              "arms": {"a": {"init_from": "b"}, "b": {"init_from": "a"}, "c": {"init_from": "a"}}}
     del cycle["nope"]
     assert _bad_experiment(tmp_path, cycle) == "arms.*.init_from forms a cycle among ['a', 'b', 'c']"
+
+
+def test_runner_is_one_field_of_three_values(tmp_path):
+    assert _experiment(tmp_path).runner == "pooled"  # the default: in the runner's process, engines pooled
+    for runner in ("process", "in_process", "pooled"):
+        assert _experiment(tmp_path, runner=runner).runner == runner
+    with pytest.raises(ValueError, match=r"runner: 'threads' is not one of \['process', 'in_process', 'pooled'\]"):
+        _experiment(tmp_path, runner="threads")
+
+
+@pytest.mark.parametrize("old, runner", [
+    ({"in_process": False}, "process"), ({"in_process": True}, "pooled"),
+    ({"in_process": True, "pool_engines": False}, "in_process"), ({"pool_engines": False}, "in_process"),
+    ({"in_process": False, "pool_engines": True}, "process"), ({"pool_engines": True}, "pooled")])
+def test_the_replaced_keys_are_refused_with_the_new_spelling(tmp_path, old, runner):
+    with pytest.raises(ValueError) as info:
+        _experiment(tmp_path, **old)
+    for key in old:
+        assert f"experiment key {key} was replaced by runner: {runner} (one of process | in_process | pooled)" \
+            in str(info.value)
+    assert "unknown config key" not in str(info.value)
+
+
+def test_a_replaced_key_is_named_with_the_other_problems_of_the_file(tmp_path):
+    err = _bad_experiment(tmp_path, {"in_process": False, "nope": 1, "dir": "x", "base": "b",
+                                     "preregistration": {"hypothesis": "h", "baseline_arm": "a"},
+                                     "arms": {"a": {}}})
+    assert err.startswith("2 problems:"), err
+    assert "experiment key in_process was replaced by runner: process" in err and "unknown config key 'nope'" in err
+
+
+def test_the_run_overrides_are_built_once_as_data(tmp_path):
+    cfg = _experiment(tmp_path, overrides=["data.eval_size=8"])
+    run = plan_run(cfg, "grpo", 1)
+    assert (run.arm, run.seed, run.command, run.base) == ("grpo", 1, "train", cfg.base)
+    assert run.overrides[:2] == ("data.eval_size=8", "run.steps=4")
+    assert run.argv() == ["train", "--config", cfg.base, *run.overrides]
+    assert run.argv(Path("s.json"))[3:5] == ["--summary-out", "s.json"]
+    loaded = run.config()  # the config comes from the overrides as data, not from a command line
+    assert (loaded.run.seed, loaded.learner.seed, loaded.data.eval_size) == (1, 1001, 8)
+    assert loaded.model.init_from == str(Path(cfg.dir) / "runs" / "sft" / "seed_1") and loaded.sft.first is False
+    assert "run.use_existing_ray=true" in plan_run(cfg, "grpo", 1, existing_ray=True).overrides
+    assert "run.use_existing_ray=true" not in run.overrides  # shared_ray is off in these tests
+
+
+EXPERIMENTS = sorted((REPO / "experiments").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.stem for p in EXPERIMENTS])
+def test_every_experiment_file_validates(path, capsys):
+    from megatron_rl.cli import main
+
+    assert main(["experiment", "--config", str(path), "--dry-run"]) == 0, capsys.readouterr().err
+    out = json.loads(capsys.readouterr().out)
+    assert out["runner"] in ("process", "in_process", "pooled") and len(out["runs"]) == len(out["order"]) * len(
+        out["seeds"])

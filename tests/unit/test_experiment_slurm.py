@@ -1,4 +1,4 @@
-"""Experiments under Slurm (megatron_rl/experiment_slurm.py): one array job per arm with a task per
+"""Experiments under Slurm (megatron_rl/experiment/slurm.py): one array job per arm with a task per
 unfinished seed, dependencies in arm order, a report job after all of them, and the array task
 that runs one (arm, seed) and records its result.
 
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.experiment_slurm import SlurmOptions, run_task, submit
+from megatron_rl.experiment.runs import Outcome
+from megatron_rl.experiment.slurm import SlurmOptions, run_task, submit
 from tests.unit.test_experiment import _experiment, _fake_run
 
 pytestmark = pytest.mark.unit
@@ -101,5 +102,5 @@ def test_an_array_task_runs_its_seed_against_the_jobs_cluster_and_records_it(tmp
 
 def test_a_failed_array_task_writes_no_result(tmp_path):
     cfg = _experiment(tmp_path)
-    assert run_task(cfg, "sft", index=0, launch=lambda args, log: 75) == 75  # requeue: Slurm runs it again
+    assert run_task(cfg, "sft", index=0, launch=lambda run, log: Outcome(75)) == 75  # requeue: Slurm runs it again
     assert not (Path(cfg.dir) / "runs" / "sft" / "seed_0" / "result.json").exists()

@@ -24,7 +24,7 @@ def test_missing_or_nonfinite_metrics_are_dashes_not_zeros():
 
 
 def test_sft_and_experiment_progress_lines():
-    from megatron_rl.experiment import run_progress_line
+    from megatron_rl.experiment.runner import run_progress_line
     from megatron_rl.train.telemetry import sft_progress_line
 
     out = {"loss": 1.25, "nll_sum": 30.0, "tokens": 12.0, "grad_norm": 0.5}

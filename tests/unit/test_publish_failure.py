@@ -142,7 +142,7 @@ def _train(monkeypatch, tmp_path, roles_kw):
                     save_fn=lambda d: torch.save({"w": torch.ones(3)}, d / "w.pt"))
     made = {}
 
-    def build(cfg):
+    def build(cfg, pool=None):
         made["roles"] = _Roles(run_dir, **roles_kw)
         return made["roles"]
 

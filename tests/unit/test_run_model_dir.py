@@ -114,7 +114,7 @@ def test_the_main_job_sft_then_grpo_evaluates_and_exports(tmp_path, monkeypatch)
     run = tmp_path / "tiny_cpu"
     stages = {}
 
-    def sft_stage(cfg):  # the SFT stage, with a checkpoint of its start weights for the trained ones
+    def sft_stage(cfg, pool=None):  # the SFT stage, with a checkpoint of its start weights for the trained ones
         stages["sft"] = start_run(cfg, kind="sft")
         return {"test_correctness": 0.5}
 
@@ -149,19 +149,20 @@ def test_a_run_written_before_the_record_follows_its_config(tmp_path, monkeypatc
 def test_an_experiment_run_from_another_arm_exports_from_anywhere(tmp_path, monkeypatch):
     """An arm started from another arm's run (model.init_from, relative to the experiment dir, which is
     relative to where the runner ran), in the runner's process with pooled engines."""
-    from megatron_rl.experiment import command_for, load_experiment, run_dir
+    from megatron_rl.experiment.config import load_experiment
+    from megatron_rl.experiment.runs import plan_run, run_dir
 
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path)
     (tmp_path / "exp.yaml").write_text(json.dumps({
-        "base": str(MAIN_JOB), "dir": "runs/exp", "seeds": [0], "in_process": True, "pool_engines": True,
+        "base": str(MAIN_JOB), "dir": "runs/exp", "seeds": [0], "runner": "pooled",
         "preregistration": {"hypothesis": "h", "baseline_arm": "sft"},
         "arms": {"sft": {"command": "sft"}, "grpo": {"command": "train", "init_from": "sft"}}}))
     exp = load_experiment(tmp_path / "exp.yaml")
     runs = {}
     for arm in exp.order():
-        args = command_for(exp, arm, 0)
-        runs[arm] = start_run(load_train_config(args[2], [a for a in args[3:] if "=" in a]), kind=args[0])
+        run = plan_run(exp, arm, 0)
+        runs[arm] = start_run(run.config(), kind=run.command)
     assert json.loads((run_dir(exp, "grpo", 0) / "config.json").read_text())["model"]["init_from"] == \
         "runs/exp/runs/sft/seed_0"
     monkeypatch.chdir(tmp_path / "elsewhere")

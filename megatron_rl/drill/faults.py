@@ -2,10 +2,10 @@
 
     megatron-rl drill worker_crash --config configs/tiny_cpu_scratch.yaml
 
-Each runner takes a `megatron_rl.drill.Drill` (its run directory and attempt log), runs the training
+Each runner takes a `Drill` (drill/harness.py: its run directory and attempts), runs the training
 attempts the recovery protocol needs (RUNBOOK.md, "Fault drills") and returns the drill-specific
 part of the record: detected_by, action, recovered, and its evidence.  The accounting common to
-every drill (lost, duplicated, versions, time to recover) is megatron_rl.drill.account.
+every drill (lost, duplicated, versions, time to recover) is drill/accounting.py `account`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import shutil
 import time
 from pathlib import Path
 
-from megatron_rl.drill import Drill, account, last_json, recovery_time
+from megatron_rl.drill.accounting import account, recovery_time
+from megatron_rl.drill.harness import Drill, last_json
 
 EXIT_REQUEUE, EXIT_OOM = 75, 87
 

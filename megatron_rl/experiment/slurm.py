@@ -9,7 +9,8 @@ Each arm becomes one array job rendered from the packaged sbatch template
 seed `seeds[i]`, so `--array` lists only the seeds whose run has no result.json yet.  The
 template brings up the task's own Ray cluster through srun; its driver is
 `megatron-rl experiment --config EXP --task ARM`, which runs that one (arm, seed) against the
-job's cluster (run.use_existing_ray) and records its result.json as the local runner does.  USR1
+job's cluster (run.use_existing_ray) in a process of its own and records its result.json (from the
+summary the run writes, --summary-out) as the local runner does.  USR1
 before the time limit reaches the run, which checkpoints and exits 75, and the task is
 requeued, as for single jobs.
 
@@ -36,7 +37,9 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_rl.config import ConfigError
-from megatron_rl.experiment import ExperimentConfig, command_for, execute_run, preregister, run_dir, validate_runs
+from megatron_rl.experiment.config import ExperimentConfig
+from megatron_rl.experiment.runner import Launch, execute_run, preregister, read_summary, summary_path
+from megatron_rl.experiment.runs import Outcome, Run, plan_run, plan_runs, run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +102,7 @@ def sbatch(script: Path, dependency: list[str]) -> str:
 def submit(cfg: ExperimentConfig, config_path: Path, opts: SlurmOptions, *, dry_run: bool = False,
            submit_one: Callable[[Path, list[str]], str] = sbatch) -> dict:
     """Render and submit the arms' array jobs in dependency order, then the report job."""
-    validate_runs(cfg)
+    plan_runs(cfg)  # every run's config loads
     config_path = config_path.resolve()
     out_dir = Path(cfg.dir).resolve() / "slurm"
     scripts: dict[str, str] = {}
@@ -123,8 +126,7 @@ def submit(cfg: ExperimentConfig, config_path: Path, opts: SlurmOptions, *, dry_
     return {"jobs": jobs, "scripts": {k: str(out_dir / f"{k}.sbatch") for k in scripts}}
 
 
-def run_task(cfg: ExperimentConfig, arm: str, index: int | None = None,
-             launch: Callable[[list[str], Path], int] | None = None) -> int:
+def run_task(cfg: ExperimentConfig, arm: str, index: int | None = None, launch: Launch | None = None) -> int:
     """One array task: the run (arm, seeds[SLURM_ARRAY_TASK_ID]) against the job's Ray cluster."""
     if arm not in cfg.arms:
         raise ConfigError(f"--task {arm!r} is not an arm ({sorted(cfg.arms)})")
@@ -140,22 +142,24 @@ def run_task(cfg: ExperimentConfig, arm: str, index: int | None = None,
     if (run_dir(cfg, arm, seed) / "result.json").is_file():
         logger.info("run %s seed %d finished earlier: nothing to do", arm, seed)
         return 0
-    launch = launch or launch_forwarding_signals
-    args = command_for(cfg, arm, seed)
-    if "run.use_existing_ray=true" not in args:
-        args.append("run.use_existing_ray=true")  # the template's cluster (RAY_ADDRESS)
-    return execute_run(cfg, arm, seed, launch, args)
+    run = plan_run(cfg, arm, seed, existing_ray=True)  # the template's cluster (RAY_ADDRESS)
+    return execute_run(cfg, run, launch or launch_forwarding_signals)
 
 
-def launch_forwarding_signals(args: list[str], log: Path) -> int:
-    """Run one `megatron-rl` command; USR1/TERM (Slurm's warning) are passed on to it."""
+def launch_forwarding_signals(run: Run, log: Path) -> Outcome:
+    """Run one `megatron-rl` command; USR1/TERM (Slurm's warning) are passed on to it.  Its summary comes
+    back in the file it is told of (--summary-out)."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    summary = summary_path(log)
+    summary.unlink(missing_ok=True)  # an earlier attempt's (a requeued task)
     with log.open("a") as f:
-        child = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", *args], stdout=f, stderr=subprocess.STDOUT)
+        child = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", *run.argv(summary)], stdout=f,
+                                 stderr=subprocess.STDOUT)
         previous = {sig: signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
                     for sig in (signal.SIGUSR1, signal.SIGTERM)}
         try:
-            return child.wait()
+            rc = child.wait()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+    return Outcome(rc, read_summary(summary) if rc == 0 else {})

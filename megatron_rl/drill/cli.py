@@ -4,7 +4,7 @@
     megatron-rl drill bad_checkpoint --config configs/tiny_cpu_scratch.yaml --variant truncate
     megatron-rl drill verifier_timeout --config configs/tiny_cpu_scratch.yaml --variant 0.1 reward.timeout_s=0.5
 
-Prints one JSON record (megatron_rl/drill.py): fault, injected_at, detected_by, action, recovered,
+Prints one JSON record (megatron_rl/drill/): fault, injected_at, detected_by, action, recovered,
 steps_redone, trajectories_lost, trajectories_duplicated, versions_continuous, time_to_recover_s.
 Exit 0 when the drill ended as its protocol says (recovered, or the documented clean stop), else 1.
 Drills: bad_checkpoint, oom, oom_twice, verifier_timeout, worker_crash, engine_crash, bad_refit (RUNBOOK.md, "Fault drills").
@@ -18,8 +18,8 @@ from pathlib import Path
 
 
 def _cmd_drill(args: argparse.Namespace) -> int:
-    from megatron_rl.drill import DrillConfig, clear_run_dir
-    from megatron_rl.drill_faults import run_drill
+    from megatron_rl.drill.harness import DrillConfig, clear_run_dir
+    from megatron_rl.drill.faults import run_drill
 
     at_step = args.at_step if args.at_step is not None else (4 if args.name == "bad_checkpoint" else 2)
     steps = args.steps if args.steps is not None else max(4, at_step + 1)
@@ -35,7 +35,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from megatron_rl.drill import DRILLS
+    from megatron_rl.drill.harness import DRILLS
 
     p = sub.add_parser("drill", help="inject a fault into a short real training run; print the recovery record")
     names = p.add_subparsers(dest="name", metavar="NAME", required=True)

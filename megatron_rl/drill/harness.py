@@ -1,21 +1,9 @@
-"""Fault drills (issue #12): a real training run, one injected fault, one JSON record of what happened.
+"""A drill's config, its training attempts (`megatron-rl train` subprocesses) and their evidence.
 
-    megatron-rl drill oom --config configs/tiny_cpu_scratch.yaml [--at-step 1] [run.steps=4 ...]
-    python -m benchmarks.drills                                     # every drill, one table
+    drill = Drill(DrillConfig(name="oom", config="configs/tiny_cpu_scratch.yaml", run_dir="runs/drill"))
+    attempt = drill.train(fault={"fault": "oom", "at_step": 2})    # one attempt, the drill hook armed
 
-Each drill runs `megatron-rl train` in subprocesses (shortened: DEFAULT_OVERRIDES), injects its
-fault through the documented hook (megatron_rl/drill_hooks.py, the MEGATRON_RL_DRILL variable) or
-by damaging files between two attempts, reruns the same command where the protocol says so, and
-reports (Record): what was detected, by what, the action taken, whether the run recovered, the
-steps redone, the trajectories lost and duplicated, policy-version continuity and the time from
-injection to the first step learned after it.
-
-Accounting (`account`): every learner step appends the ids it learned from to RUN_DIR/consumed.jsonl
-(Reporter.record_consumed), the last line of a step being the attempt that counts.  An id is
-*acknowledged* once a queue (any attempt's WAL, copied before a rerun replaces it) accepted it or a
-learner took it; it is *accounted* if a final step learned from it, the final WAL still holds it, or
-the final WAL dropped it with a reason.  lost = acknowledged - accounted; duplicated = ids learned
-by two final steps.
+The overview of the drills is the package's docstring (megatron_rl/drill/__init__.py).
 """
 
 from __future__ import annotations
@@ -24,11 +12,12 @@ import dataclasses
 import json
 import os
 import shutil
-import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from megatron_rl.drill.accounting import wal_ids
 
 DEFAULT_OVERRIDES = ["data.eval_size=8", "run.eval_every=0", "run.checkpoint_every=2", "run.keep_checkpoints=3"]
 EVENTS = "drill_events.jsonl"
@@ -125,87 +114,6 @@ class Drill:
 
     def log(self) -> str:
         return "\n".join(a.stderr for a in self.attempts)
-
-
-# ---- accounting -----------------------------------------------------------------------------------
-
-
-def wal_ids(db: Path) -> dict[str, set]:
-    """The ids a queue WAL holds: all (accepted or finished), queued, consumed, dropped (with a reason)."""
-    out = {"all": set(), "queued": set(), "consumed": set(), "dropped": set()}
-    if not db.is_file():
-        return out
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
-        traj = dict(con.execute("SELECT seq, id FROM traj"))
-        done = con.execute("SELECT id, seq, outcome FROM done").fetchall()
-    finished_seqs = {seq for _, seq, _ in done if seq is not None}
-    out["queued"] = {tid for seq, tid in traj.items() if seq not in finished_seqs}
-    out["consumed"] = {tid for tid, _, outcome in done if outcome == "consumed"}
-    out["dropped"] = {tid for tid, _, outcome in done if outcome != "consumed"}
-    out["all"] = set(traj.values()) | {tid for tid, _, _ in done}
-    return out
-
-
-def consumed_steps(run_dir: Path) -> tuple[dict[int, list[str]], dict[int, int], list[dict]]:
-    """(final ids per step, attempts per step, all rows) from RUN_DIR/consumed.jsonl."""
-    path = run_dir / "consumed.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    final, tries = {}, {}
-    for r in rows:
-        final[r["step"]] = r["ids"]
-        tries[r["step"]] = tries.get(r["step"], 0) + 1
-    return final, tries, rows
-
-
-def account(drill: Drill) -> dict:
-    """lost, duplicated, steps redone and version continuity of the drill's run directory."""
-    run_dir = drill.run_dir
-    final, tries, rows = consumed_steps(run_dir)
-    learned = [tid for s in sorted(final) for tid in final[s]]
-    wal = wal_ids(run_dir / "queue.db")
-    acknowledged = drill.acknowledged | wal["all"] | {tid for r in rows for tid in r["ids"]}
-    accounted = set(learned) | wal["queued"] | wal["dropped"]
-    metrics = run_dir / "metrics" / "metrics.jsonl"
-    learn_steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
-                   if line.strip() and "learn/loss" in line] if metrics.is_file() else []
-    versions = checkpoint_versions(run_dir)
-    return {
-        "steps_learned": len(final),
-        "steps_redone": sum(n - 1 for n in tries.values()),
-        "trajectories_learned": len(learned),
-        "trajectories_lost": len(acknowledged - accounted),
-        "trajectories_duplicated": len(learned) - len(set(learned)),
-        "versions_continuous": (learn_steps == list(range(1, len(learn_steps) + 1))
-                                and sorted(final) == learn_steps
-                                and all(v - s == 0 for s, v in versions.items())),
-        "checkpoint_versions": versions,
-    }
-
-
-def checkpoint_versions(run_dir: Path) -> dict[int, int]:
-    """step -> policy_version of every COMMITTED checkpoint (sync mode: equal)."""
-    out = {}
-    for d in sorted((run_dir / "checkpoints").glob("step_*")):
-        manifest = d / "COMMITTED"
-        if manifest.is_file():
-            try:
-                m = json.loads(manifest.read_text())
-                out[int(m["step"])] = int(m["policy_version"])
-            except (ValueError, KeyError):
-                continue
-    return out
-
-
-def recovery_time(drill: Drill) -> float | None:
-    """Seconds from the first injection to the first learner step completed after it (its line in
-    consumed.jsonl), restarts included."""
-    events = drill.injections()
-    if not events:
-        return None
-    t_inj = min(e["time"] for e in events)
-    _, _, rows = consumed_steps(drill.run_dir)
-    done = [r["time"] for r in rows if r["time"] >= t_inj]
-    return round(min(done) - t_inj, 2) if done else None
 
 
 def last_json(text: str) -> dict | None:

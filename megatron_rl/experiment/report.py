@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_rl.experiment import MIN_SEEDS, ExperimentConfig, run_dir
+from megatron_rl.experiment.config import MIN_SEEDS, ExperimentConfig
+from megatron_rl.experiment.runs import run_dir
 
 
 def test_outcomes(path: Path) -> dict[str, float]:

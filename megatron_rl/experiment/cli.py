@@ -3,8 +3,9 @@
     megatron-rl experiment --config experiments/grpo_vs_sft.yaml [--dry-run]
     megatron-rl experiment --config experiments/grpo_vs_sft.yaml --slurm [--dry-run] [--time 04:00:00 ...]
 
-See megatron_rl/experiment.py (runs, pre-registration, the shared Ray cluster, the token budget),
-experiment_report.py (analysis) and experiment_slurm.py (one array job per arm, then the report).
+See the package's docstring (megatron_rl/experiment/__init__.py): config.py (the file), runs.py (each
+run's overrides), runner.py (running them), report.py (analysis) and slurm.py (one array job per arm,
+then the report).
 `--dry-run` validates every run's config and prints the command lines (with --slurm: the sbatch
 scripts); nothing starts.  `--task ARM` is what an array task of `--slurm` runs: the run of ARM
 whose seed is at position SLURM_ARRAY_TASK_ID.
@@ -16,27 +17,28 @@ import json
 import logging
 from pathlib import Path
 
-from megatron_rl.experiment import command_for, load_experiment, run_all, validate_runs
+from megatron_rl.experiment.config import load_experiment
+from megatron_rl.experiment.runner import run_all
+from megatron_rl.experiment.runs import plan_runs
 
 logger = logging.getLogger(__name__)
 
 
 def _cmd_experiment(args) -> int:
     from megatron_rl.console import end_progress
-    from megatron_rl.experiment_report import write_report
+    from megatron_rl.experiment.report import write_report
 
     cfg = load_experiment(args.config)
     if args.task is not None:
-        from megatron_rl.experiment_slurm import run_task
+        from megatron_rl.experiment.slurm import run_task
 
         return run_task(cfg, args.task)
-    validate_runs(cfg)
+    runs = plan_runs(cfg)  # every run's config loads
     if args.slurm:
         return _submit(cfg, args)
     if args.dry_run:
-        print(json.dumps({"dir": cfg.dir, "order": cfg.order(), "seeds": cfg.seeds,
-                          "runs": [["megatron-rl", *command_for(cfg, a, s)] for a in cfg.order() for s in cfg.seeds]},
-                         indent=2))
+        print(json.dumps({"dir": cfg.dir, "order": cfg.order(), "seeds": cfg.seeds, "runner": cfg.runner,
+                          "runs": [["megatron-rl", *run.argv()] for run in runs]}, indent=2))
         return 0
     ran = run_all(cfg)
     logger.info("experiment %s: %d runs now, %d skipped", cfg.dir, len(ran),
@@ -49,7 +51,7 @@ def _cmd_experiment(args) -> int:
 
 
 def _submit(cfg, args) -> int:
-    from megatron_rl.experiment_slurm import SlurmOptions, submit
+    from megatron_rl.experiment.slurm import SlurmOptions, submit
 
     opts = SlurmOptions(nodes=args.nodes, tasks_per_node=args.tasks_per_node, cpus_per_task=args.cpus_per_task,
                         gpus_per_task=args.gpus_per_task, time_limit=args.time, signal_seconds=args.signal_seconds,
