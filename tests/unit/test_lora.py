@@ -160,6 +160,13 @@ def _learner_with_adapters(rank, world):
     with torch.no_grad():
         module.eval()
         out["logits2"] = module(tokens, pos, attention_mask=None)
+        for layer_module in module.modules():
+            if hasattr(layer_module, "lora_a"):
+                layer_module.dropout = 0.5
+        module.train()  # dropout on the adapters' input: training forwards differ, eval ones do not
+        out["dropout_logits"] = [module(tokens, pos, attention_mask=None) for _ in range(2)]
+        module.eval()
+        out["eval_logits"] = module(tokens, pos, attention_mask=None)
     learner.close()
     return out
 
@@ -189,3 +196,10 @@ def test_step_zero_is_the_base_model_and_steps_move_only_adapters(trained):
     assert trained["moved_step2"] == trained["adapters"]
     assert (trained["logits2"] - trained["base_logits"]).abs().max() > 1e-3
     assert trained["step2"]["loss"] < trained["step1"]["loss"]
+
+
+@pytest.mark.slow
+def test_adapter_dropout_acts_in_training_only(trained):
+    first, second = trained["dropout_logits"]
+    assert not torch.equal(first, second) and not torch.equal(first, trained["logits2"])
+    assert torch.equal(trained["eval_logits"], trained["logits2"])
