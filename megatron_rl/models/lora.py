@@ -36,6 +36,21 @@ Tensor parallelism.  Each adapter tensor is split like the weight it sits beside
 Initialisation: B = 0, so step 0 is the base model; A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform
 with a = sqrt(5), as nn.Linear and PEFT), drawn whole from a generator seeded by (lora.seed, global
 layer, module) and then split: every TP layout starts from the same adapters.
+
+Not yet (issue 29; train/config.py refuses learner.lora.enabled until then):
+  publication  canonical_params leaves the adapters out, so today a run would publish the frozen base.
+               Adapter-only: gather each tensor over TP by its layout (tp_gather), then the PEFT names:
+               qkv's one A serves q/k/v and its B splits per KV group like linear_qkv.weight; fc1's A
+               serves gate/up and its B splits into halves; rank r and alpha / r are unchanged.
+  reference    build_gpt_model without lora is the base: the reference can run the policy's own model
+               with the hooks skipped instead of a second copy of the weights.
+  checkpoints  Megatron's linear sharded_state_dict takes child tensors as replicated; the split
+               ones (B of qkv/fc1, with fc1's gate/up interleave; A of proj/fc2) need their own axes,
+               and a checkpoint should hold the adapters, their optimizer state and the base's digest.
+  planner      gradients and optimizer state of the adapters only.
+  refused      MoE experts (per-expert adapters in the expert-parallel buffers), sequence parallelism
+               (h gathered / reduce-scattered over the sequence, replicated grads summed over TP), and
+               Transformer Engine's fused norm + qkv/fc1 (needs the normed input).
 """
 
 from __future__ import annotations
