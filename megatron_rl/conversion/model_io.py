@@ -43,7 +43,8 @@ def canonical_params(model) -> dict[str, torch.nn.Parameter]:
     Works for local and TE layer specs and DDP/Float16 wrappers.  A MoE model's experts get their
     global index (this rank's expert-parallel rank x experts per rank + local index).  With tied embeddings on a
     last stage that is not also the first, `output_layer.weight` is the tied copy and is
-    returned under the embedding's name (it holds the same values).
+    returned under the embedding's name (it holds the same values).  LoRA adapter tensors
+    (models/lora.py) are not the base model's and are left out.
     """
     model = _unwrap(model)
     local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
@@ -56,6 +57,8 @@ def canonical_params(model) -> dict[str, torch.nn.Parameter]:
         expert_offset = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
     out: dict[str, torch.nn.Parameter] = {}
     for name, param in model.named_parameters():
+        if ".adapter.lora_" in name:  # a LoRA adapter beside a base layer, not a base parameter
+            continue
         m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
         if m:
             name = f"decoder.layers.{local_to_global[int(m.group(1))]}.{m.group(2)}"

@@ -5,7 +5,10 @@
 
 Part of the name and layout mapping (conversion/mapping.py, whose docstring gives the layouts):
 column-parallel tensors split along dim 0, row-parallel along dim 1, `linear_fc1` ([gate; up])
-splits each half so TP rank r holds [gate_r; up_r], everything else is replicated.
+splits each half so TP rank r holds [gate_r; up_r], everything else is replicated.  A LoRA adapter's
+tensors (models/lora.py: `<linear>.adapter.lora_a` [r, in], `lora_b` [out, r]) split like the weight
+they sit beside: B of a column-parallel layer by its rows, A of a row-parallel layer by its columns;
+the other one of each pair is replicated.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from __future__ import annotations
 import torch
 
 # TP layout by canonical-name suffix: column (dim 0), row (dim 1), fc1 (gate/up halves), replicated.
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
+_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
+           "linear_qkv.adapter.lora_b")
+_ROW = ("linear_proj.weight", "linear_fc2.weight", "linear_proj.adapter.lora_a", "linear_fc2.adapter.lora_a")
+_FC1 = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc1.adapter.lora_b")
 
 
 def tp_kind(mcore_name: str) -> str:
     """How a tensor is split across TP ranks: column | row | fc1 | replicated."""
-    if mcore_name.endswith("linear_fc1.weight") or mcore_name.endswith("linear_fc1.bias"):
+    if mcore_name.endswith(_FC1):
         return "fc1"
     if mcore_name.endswith(_COLUMN):
         return "column"

@@ -2,6 +2,7 @@
 SamplingConfig: the distribution the rollout engine samples from, which the learner scores.
 
     cfg = LearnerConfig(tensor_parallel_size=2, global_batch_size=16, lr=1e-6)
+    cfg = LearnerConfig(lora=LoraConfig(enabled=True, rank=8), ...)   # adapters only (models/lora.py)
     sampling = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20)   # the rollout's numbers
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Literal, Optional
+
+from megatron_rl.models.lora import LoraConfig
 
 
 def uses_sequence_parallel(moe: bool, tp: int) -> bool:
@@ -71,6 +74,8 @@ class LearnerConfig:
     """Model dtype; None takes the platform default (bf16 on GPUs, fp32 on CPU)."""
     recompute_activations: bool = False
     """Full activation recomputation per layer (saves memory, costs a forward)."""
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    """LoRA: train low-rank adapters beside the linear layers of a frozen base (megatron_rl.models.lora)."""
 
     @property
     def world_size(self) -> int:
@@ -104,6 +109,9 @@ class LearnerConfig:
             raise ValueError(f"learner.lr_decay_steps must be >= 1 or null, got {self.lr_decay_steps!r}")
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(f"learner.lr_decay_style must be constant|linear|cosine, got {self.lr_decay_style!r}")
+        if self.lora.enabled and self.moe_routing_replay:
+            raise ValueError("learner.lora.enabled with learner.moe_routing_replay: routing replay is for MoE models, "
+                             "whose experts take no adapters yet; turn one of them off")
         if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
             raise ValueError(f"learner.lr_decay_style={self.lr_decay_style!r} needs learner.lr_decay_steps")
 

@@ -2,6 +2,7 @@
 
     init_distributed(platform)                       # once per process
     learner = Learner(LearnerConfig(...), hf_cfg)    # builds parallel state if not up yet
+    # LearnerConfig(lora=LoraConfig(enabled=True)): LoRA adapters on a frozen base (models/lora.py)
     metrics = learner.train_step(batch, loss_fn)     # {"loss", "grad_norm", "lr", ...}
     logprobs_bt = learner.forward_logprobs(tokens_bt)
     learner.close()
@@ -89,7 +90,9 @@ class Learner:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         self.config = build_transformer_config(hf_cfg, tp=tp, pp=pp, platform=self.platform, ep=ep,
                                                routing_replay=cfg.moe_routing_replay, **overrides)
-        module = build_gpt_model(hf_cfg, platform=self.platform, tp=tp, pp=pp, config=self.config)
+        # With learner.lora the base is frozen: DDP gives only the adapters grad buffers, the optimizer only
+        # their state (models/lora.py).
+        module = build_gpt_model(hf_cfg, platform=self.platform, tp=tp, pp=pp, config=self.config, lora=cfg.lora)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,

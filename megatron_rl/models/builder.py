@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.models.hf_config import HFModelConfig, check_parallel_layout, padded_vocab_size
+from megatron_rl.models.lora import LoraConfig, attach_adapters, model_problem
 from megatron_rl.platform import Platform, block_spec
 
 logger = logging.getLogger(__name__)
@@ -120,10 +121,12 @@ def build_transformer_config(cfg: HFModelConfig, *, tp: int, pp: int, platform: 
 
 
 def build_gpt_model(cfg: HFModelConfig, *, platform: Platform, tp: int, pp: int, parallel_output: bool = True,
-                    config=None, **config_overrides):
+                    config=None, lora: LoraConfig | None = None, **config_overrides):
     """GPTModel holding this rank's TP shard of this rank's pipeline stage (parallel state must be up).
 
     parallel_output=True keeps logits vocab-parallel ([B, T, V_padded/tp]) for TP-aware losses.
+    lora (enabled): the base is frozen and LoRA adapters sit beside its linear layers (models/lora.py);
+    a combination the adapters do not support is a ValueError naming the key.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -155,6 +158,11 @@ def build_gpt_model(cfg: HFModelConfig, *, platform: Platform, tp: int, pp: int,
     )
     if cfg.rope_scaling is not None:
         _set_llama3_inv_freq(model.rotary_pos_emb, cfg)
+    if lora is not None and lora.enabled:
+        problem = model_problem(lora, cfg, config, platform)
+        if problem:
+            raise ValueError(problem)
+        attach_adapters(model, lora, tp=tp, tp_rank=ps.get_tensor_model_parallel_rank())
     if not platform.is_cpu:
         model.to(platform.device)
     logger.debug("built GPTModel stage %d/%d tp rank %d: %d params", ps.get_pipeline_model_parallel_rank(), pp,

@@ -274,6 +274,14 @@ class TrainConfig:
         if self.stop.dev_eval_drops and not self.run.eval_every:
             raise ConfigError("stop.dev_eval_drops watches the dev eval, but run.eval_every is 0 (no dev evals)")
         self._check_sampling()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """What runs cannot do with LoRA adapters yet (the learner side is models/lora.py)."""
+        if self.learner.lora.enabled:
+            raise ConfigError("learner.lora.enabled: the learner trains adapters (megatron_rl/models/lora.py), but "
+                              "runs cannot publish or checkpoint them yet, so the rollout engines would keep sampling "
+                              "the base model; use learner.lora.enabled false")
 
     def _check_sampling(self) -> None:
         """The rollout's sampling settings must describe a distribution the learner can score."""

@@ -1,0 +1,206 @@
+"""LoRA (Hu et al. 2021, eq. 3: h = W0 x + (alpha / r) B A x) on the GPT model's linear layers, and the
+`learner.lora:` section of the run config that asks for it.
+
+    lora = LoraConfig(enabled=True, rank=8, alpha=16, target_modules=["qkv", "proj"])
+    learner = Learner(LearnerConfig(lora=lora, ...), hf_cfg)      # adapters on its model, only they train
+    model = build_gpt_model(hf_cfg, platform=p, tp=2, pp=1, lora=lora)   # calls attach_adapters
+    adapter_parameters(model)      # {name: param}: the only parameters with requires_grad
+
+Legend: s sequence, b batch, r = lora.rank; in / out are a layer's full (TP1) sizes, tp the tensor
+parallel size, k a TP rank.
+
+Where the adapters sit.  Each targeted ColumnParallelLinear / RowParallelLinear of each transformer
+layer gets a child module `adapter` (lora_a [r, in_k], lora_b [out_k, r]) and a forward hook that adds
+scaling * B A x to the layer's output.  The base layer and its parameter names are untouched, so the
+HF mapping, resharding and publication still see the base as before (conversion/model_io.py skips the
+adapter tensors), and every base parameter is frozen (requires_grad False): Megatron's DDP gives
+frozen parameters no grad buffer and its optimizer no state.
+
+Tensor parallelism.  Each adapter tensor is split like the weight it sits beside
+(conversion/tp_layout.py holds the layout by name):
+  column parallel (qkv, fc1): rank k holds W_k, the rows of W for its slice y_k of the output, and
+    the input x whole.  B is split the same way (rows of B follow the rows of W: whole KV groups for
+    qkv, [gate_k; up_k] for fc1) and A is replicated: y_k += s B_k (A x).  h = A x [s, b, r] is the
+    same on every rank, but its gradient sum_k B_k^T dy_k has a part on each rank: h passes through
+    copy_to_tensor_model_parallel_region (identity forward, all-reduce of [s, b, r] backward), so dA
+    and A's share of dx are whole, and equal, on every rank.
+  row parallel (proj, fc2): rank k holds W_k, the columns of W for its input shard x_k, and the
+    layer all-reduces the partial products W_k x_k.  A is split the same way (columns A_k) and B is
+    replicated: B A x = B sum_k A_k x_k.  The partial products h_k = A_k x_k [s, b, r] are summed by
+    reduce_from_tensor_model_parallel_region (all-reduce forward, identity backward): r numbers per
+    token rather than out, and without rewriting the layer's forward to add sum_k B A_k x_k into its
+    own reduction (the same sum).  B h is then the same on every rank and is added to y; dB = dy h^T
+    is whole on every rank and dA_k = (B^T dy) x_k^T is rank k's columns of dA.
+  The split tensors (B of column layers, A of row layers) carry Megatron's tensor_model_parallel
+  attributes, so the gradient norm counts them on every rank and the replicated ones once.
+Initialisation: B = 0, so step 0 is the base model; A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform
+with a = sqrt(5), as nn.Linear and PEFT), drawn whole from a generator seeded by (lora.seed, global
+layer, module) and then split: every TP layout starts from the same adapters.
+
+Not yet (issue 29; train/config.py refuses learner.lora.enabled until then):
+  publication  canonical_params leaves the adapters out, so today a run would publish the frozen base.
+               Adapter-only: gather each tensor over TP by its layout (tp_gather), then the PEFT names:
+               qkv's one A serves q/k/v and its B splits per KV group like linear_qkv.weight; fc1's A
+               serves gate/up and its B splits into halves; rank r and alpha / r are unchanged.
+  reference    build_gpt_model without lora is the base: the reference can run the policy's own model
+               with the hooks skipped instead of a second copy of the weights.
+  checkpoints  Megatron's linear sharded_state_dict takes child tensors as replicated; the split
+               ones (B of qkv/fc1, with fc1's gate/up interleave; A of proj/fc2) need their own axes,
+               and a checkpoint should hold the adapters, their optimizer state and the base's digest.
+  planner      gradients and optimizer state of the adapters only.
+  refused      MoE experts (per-expert adapters in the expert-parallel buffers), sequence parallelism
+               (h gathered / reduce-scattered over the sequence, replicated grads summed over TP), and
+               Transformer Engine's fused norm + qkv/fc1 (needs the normed input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.conversion.tp_layout import tp_shard
+
+TARGET_MODULES = {
+    "qkv": "attention's fused query/key/value projection (linear_qkv, column parallel)",
+    "proj": "attention's output projection (linear_proj, row parallel)",
+    "fc1": "the MLP's up and gate projection (linear_fc1, column parallel)",
+    "fc2": "the MLP's down projection (linear_fc2, row parallel)",
+}
+"""The linear layers an adapter can sit beside, by the name `learner.lora.target_modules` uses."""
+_SITES = {"qkv": ("self_attention", "linear_qkv", "column"), "proj": ("self_attention", "linear_proj", "row"),
+          "fc1": ("mlp", "linear_fc1", "column"), "fc2": ("mlp", "linear_fc2", "row")}
+"""target -> (the layer's submodule, the linear's attribute in it, how Megatron splits it)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters on a frozen base: which layers get them, their rank and scale."""
+
+    enabled: bool = False
+    """Train adapters only; the base weights stay frozen (false: every parameter trains)."""
+    rank: int = 16
+    """r: the inner dimension of each adapter (A is [r, in], B is [out, r])."""
+    alpha: float = 32.0
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training.  0 suits RL: with dropout the training forward
+    is not the policy whose logprobs scored the rollout."""
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(TARGET_MODULES))
+    """Which linear layers of every transformer layer get an adapter: any of qkv, proj, fc1, fc2."""
+    seed: int = 0
+    """Seed of the A matrices' initialisation (B starts at zero)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"learner.lora.rank must be a positive integer, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"learner.lora.alpha must be > 0, got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"learner.lora.dropout must be in [0, 1), got {self.dropout!r}")
+        targets = list(self.target_modules)
+        if not targets:
+            raise ValueError(f"learner.lora.target_modules must name at least one of {', '.join(TARGET_MODULES)}")
+        for name in targets:
+            if name not in TARGET_MODULES:
+                raise ValueError(f"learner.lora.target_modules: unknown module {name!r}; the modules are "
+                                 + "; ".join(f"{k}: {v}" for k, v in TARGET_MODULES.items()))
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"learner.lora.target_modules names a module twice: {targets}")
+        self.target_modules = targets
+
+    @property
+    def scaling(self) -> float:
+        """alpha / r, the factor on B A x."""
+        return float(self.alpha) / self.rank
+
+
+def model_problem(lora: LoraConfig, hf_cfg, config, platform) -> str | None:
+    """Why adapters cannot go on this model (HFModelConfig, TransformerConfig, Platform), or None."""
+    if hf_cfg.moe is not None and {"fc1", "fc2"} & set(lora.target_modules):
+        return (f"learner.lora.target_modules {lora.target_modules} on a MoE model ({hf_cfg.arch}): fc1/fc2 are its "
+                f"experts' layers, which take no adapters yet; target qkv and proj only")
+    if config.sequence_parallel:
+        return ("learner.lora.enabled with sequence parallelism (a MoE model at learner.tensor_parallel_size > 1): "
+                "the adapters do not split the sequence yet; use learner.tensor_parallel_size 1")
+    if platform.use_te:
+        return ("learner.lora.enabled on the Transformer Engine platform: TE fuses the norm into qkv and fc1, hiding the "
+                "input an adapter needs; adapters run on the local layer spec only for now")
+    return None
+
+
+class LoraAdapter(torch.nn.Module):
+    """scaling * B A x beside one Megatron linear layer (this rank's share; see the module docstring)."""
+
+    def __init__(self, lora_a: torch.Tensor, lora_b: torch.Tensor, *, parallel: str, scaling: float,
+                 dropout: float, tp_group):
+        super().__init__()
+        assert parallel in ("column", "row"), parallel
+        self.lora_a = torch.nn.Parameter(lora_a)  # [r, in_k] (row) or [r, in] (column)
+        self.lora_b = torch.nn.Parameter(lora_b)  # [out_k, r] (column) or [out, r] (row)
+        self.parallel, self.scaling, self.dropout, self.tp_group = parallel, scaling, dropout, tp_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            reduce_from_tensor_model_parallel_region)
+
+        if self.dropout and self.training:
+            if self.parallel == "row":  # x_k differs per rank: the model-parallel RNG (per-rank masks)
+                with get_cuda_rng_tracker().fork():
+                    x = F.dropout(x, self.dropout)
+            else:  # x is the same on every rank: the default RNG, seeded alike on every TP rank
+                x = F.dropout(x, self.dropout)
+        h = F.linear(x, self.lora_a)  # [s, b, r]
+        if self.parallel == "column":
+            h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+        else:
+            h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+        return F.linear(h, self.lora_b) * self.scaling  # [s, b, out_k] (column) or [s, b, out] (row)
+
+
+def _add_adapter_output(linear, args, output):
+    """Forward hook of an adapted linear layer: its (output, bias) with the adapter's term added."""
+    out, bias = output
+    return out + linear.adapter(args[0]), bias
+
+
+def attach_adapters(model, lora: LoraConfig, *, tp: int, tp_rank: int) -> int:
+    """Freeze every parameter of `model` (a GPTModel stage) and put an adapter beside each targeted linear
+    layer of its transformer layers; returns how many.  Call before DDP wraps the model."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    model.requires_grad_(False)
+    count = 0
+    for layer in model.decoder.layers:
+        for target in lora.target_modules:
+            part, attr, parallel = _SITES[target]
+            linear = getattr(getattr(layer, part), attr)
+            weight = linear.weight  # [out_k, in] (column) or [out, in_k] (row)
+            fan_in = weight.shape[1] * (tp if parallel == "row" else 1)
+            gen = torch.Generator().manual_seed(_adapter_seed(lora.seed, layer.layer_number, target))
+            bound = 1.0 / math.sqrt(fan_in)
+            full_a = torch.empty(lora.rank, fan_in).uniform_(-bound, bound, generator=gen)  # [r, in]
+            lora_a = tp_shard(f"{attr}.adapter.lora_a", full_a, tp, tp_rank)
+            lora_b = torch.zeros(weight.shape[0], lora.rank)
+            adapter = LoraAdapter(lora_a.to(weight.dtype).to(weight.device).contiguous(),
+                                  lora_b.to(weight.dtype).to(weight.device), parallel=parallel,
+                                  scaling=lora.scaling, dropout=lora.dropout, tp_group=getattr(linear, "tp_group", None))
+            split = adapter.lora_b if parallel == "column" else adapter.lora_a
+            set_tensor_model_parallel_attributes(split, True, 0 if parallel == "column" else 1, 1)
+            linear.adapter = adapter
+            linear.register_forward_hook(_add_adapter_output)
+            count += 1
+    return count
+
+
+def _adapter_seed(seed: int, layer_number: int, target: str) -> int:
+    """One generator seed per (lora.seed, global layer number, target module)."""
+    return (seed * 1_000_003 + layer_number * len(TARGET_MODULES) + list(TARGET_MODULES).index(target)) % 2**63
+
+
+def adapter_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """The adapter parameters of `model` (any wrapper) by name: what the optimizer trains."""
+    return {name: p for name, p in model.named_parameters() if ".adapter.lora_" in name}
