@@ -1,0 +1,211 @@
+"""Streaming rollouts vs round-based generation on a long-tailed workload, engine level (issue 27).
+
+    flock /tmp/mrl-heavy.lock python benchmarks/stream_throughput.py            # a tiny random llama
+    python benchmarks/stream_throughput.py --model DIR --requests 192 --capacity 16
+
+Both arms serve the same requests: the same prompts (groups of --group samples of one prompt, each
+sample its own seed), the same target length per sample (--long-share of them --long tokens, the
+rest --short; enforced with max_tokens and ignore_eos), so both generate exactly the same number of
+tokens, on the same engine settings (one engine-core process with its worker inside, max_num_seqs =
+--capacity):
+- round: what RolloutWorker.generate does today, one vllm LLM.generate over a round of
+  --capacity / --group prompt groups, round after round; each round waits for its longest sample.
+- stream: a StreamEngine (vLLM's AsyncLLM) with at most --capacity requests in flight, a new one
+  submitted as soon as one finishes.
+Each arm runs in a process of its own (a fresh engine, warmed up before the clock starts; the process
+ends with os._exit, so no zmq context of vLLM is finalized).  Occupancy is the time-weighted mean of
+the engine's running requests over --capacity, sampled at every engine step (vLLM's scheduler stats).
+Prints one JSON line: each arm's wall time, generated tokens, tok/s, occupancy; ratio = stream/round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def workload(args) -> list[dict]:
+    """Every request in submission order: prompt, seed, target length, group index."""
+    rng = random.Random(args.seed)
+    out = []
+    for g in range(args.requests // args.group):
+        prompt = [1] + [rng.randrange(5, 95) for _ in range(rng.randrange(12, 24))]
+        for s in range(args.group):
+            length = args.long if rng.random() < args.long_share else args.short
+            out.append({"prompt": prompt, "seed": args.seed * 100_000 + g * args.group + s, "max_tokens": length,
+                        "group": g})
+    return out
+
+
+def sampling(req: dict) -> dict:
+    return {"temperature": 1.0, "seed": req["seed"], "max_tokens": req["max_tokens"], "ignore_eos": True}
+
+
+def rollout_config(args):
+    from megatron_rl.rollout.config import RolloutConfig
+
+    # The engine core in its own process (vLLM's default) with its one worker inside it, in both arms.
+    return RolloutConfig(model=args.model, dtype="float32", max_model_len=args.max_model_len, weight_transfer="none",
+                         engine_in_process=False, engine_options={"distributed_executor_backend": "uni",
+                                                                  "max_num_seqs": args.capacity,
+                                                                  "disable_log_stats": False})
+
+
+class Occupancy:
+    """Wraps an engine's stat-logger manager: (time, running requests) at every engine step."""
+
+    def __init__(self, engine):
+        self.samples: list[tuple[float, int]] = []
+        manager = engine.logger_manager
+        record = manager.record
+
+        def recording(*a, scheduler_stats=None, **kw):
+            if scheduler_stats is not None:
+                self.samples.append((time.perf_counter(), scheduler_stats.num_running_reqs))
+            return record(*a, scheduler_stats=scheduler_stats, **kw)
+
+        manager.record = recording
+
+    def mean(self, start: float, end: float, capacity: int) -> float:
+        """Time-weighted mean of running/capacity over [start, end] (each sample holds until the next)."""
+        pts = [(t, n) for t, n in self.samples if start <= t <= end]
+        if not pts:
+            return 0.0
+        pts.append((end, pts[-1][1]))
+        area = sum(n * (t1 - t0) for (t0, n), (t1, _) in zip(pts, pts[1:]))
+        return area / max(end - pts[0][0], 1e-9) / capacity
+
+
+def run_round(args, reqs: list[dict]) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
+
+    cfg = rollout_config(args)
+    os.environ.update(engine_env(cfg, on_gpu=False))
+    llm = LLM(**llm_kwargs(cfg, on_gpu=False))
+    occupancy = Occupancy(llm.llm_engine)
+
+    def generate(batch):
+        params = [SamplingParams(logprobs=0, detokenize=False, **sampling(r)) for r in batch]
+        outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in batch], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    generate(warmup(args, reqs))
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(reqs), args.capacity):  # a round: capacity / group prompt groups
+        tokens += generate(reqs[i:i + args.capacity])
+    end = time.perf_counter()
+    return {"wall_s": end - start, "tokens": tokens, "occupancy": occupancy.mean(start, end, args.capacity)}
+
+
+async def run_stream(args, reqs: list[dict]) -> dict:
+    from megatron_rl.rollout.stream_engine import StreamEngine
+
+    stream = StreamEngine.start(rollout_config(args))
+    occupancy = Occupancy(stream.engine)
+    await asyncio.gather(*(stream.generate(f"warm-{i}", r["prompt"], sampling(r))
+                           for i, r in enumerate(warmup(args, reqs))))
+    slots = asyncio.Semaphore(args.capacity)
+
+    async def one(i: int, req: dict) -> int:
+        try:
+            result = await stream.generate(f"r{i}", req["prompt"], sampling(req))
+        finally:
+            slots.release()
+        return len(result.response_tokens)
+
+    start = time.perf_counter()
+    tasks = []
+    for i, req in enumerate(reqs):  # submission order; a slot frees when any request finishes
+        await slots.acquire()
+        tasks.append(asyncio.create_task(one(i, req)))
+    tokens = sum(await asyncio.gather(*tasks))
+    end = time.perf_counter()
+    stream.shutdown()
+    return {"wall_s": end - start, "tokens": tokens, "occupancy": occupancy.mean(start, end, args.capacity)}
+
+
+def warmup(args, reqs: list[dict]) -> list[dict]:
+    """One full batch of short requests (not timed): the engine's first steps allocate and compile."""
+    return [{**r, "max_tokens": args.short} for r in reqs[:args.capacity]]
+
+
+def arm_main(args) -> None:
+    """One arm in this process; prints its JSON line and leaves with os._exit."""
+    code = 1
+    try:
+        reqs = workload(args)
+        result = run_round(args, reqs) if args.arm == "round" else asyncio.run(run_stream(args, reqs))
+        result["tok_s"] = result["tokens"] / result["wall_s"]
+        print(json.dumps(result), flush=True)
+        code = 0
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_arm(args, arm: str) -> dict:
+    options = {k: v for k, v in vars(args).items() if k != "arm"}
+    argv = [x for k, v in options.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--arm", arm]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout,
+                          start_new_session=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"arm {arm} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="HF checkpoint directory (default: a tiny random llama, seed 0)")
+    ap.add_argument("--requests", type=int, default=192, help="samples in all (a multiple of --group)")
+    ap.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
+    ap.add_argument("--capacity", type=int, default=16, help="requests in flight: round size and max_num_seqs")
+    ap.add_argument("--short", type=int, default=8)
+    ap.add_argument("--long", type=int, default=256)
+    ap.add_argument("--long-share", type=float, default=0.15)
+    ap.add_argument("--max-model-len", type=int, default=320)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per arm")
+    ap.add_argument("--arm", choices=["round", "stream"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.requests % args.group or args.capacity % args.group:
+        ap.error("--requests and --capacity must be multiples of --group (whole prompt groups)")
+    return args
+
+
+def main() -> None:
+    args = parse()
+    if args.arm:
+        return arm_main(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.model:
+            from megatron_rl.models.tiny import make_tiny_model
+
+            args.model = str(make_tiny_model(Path(tmp) / "tiny", arch="llama", seed=0))
+        arms = {arm: run_arm(args, arm) for arm in ("round", "stream")}
+    assert arms["round"]["tokens"] == arms["stream"]["tokens"], arms
+    lengths = [r["max_tokens"] for r in workload(args)]
+    print(json.dumps({"requests": args.requests, "group": args.group, "capacity": args.capacity,
+                      "long_share_actual": sum(n == args.long for n in lengths) / len(lengths),
+                      **{f"{arm}_{k}": round(v, 4) for arm, res in arms.items() for k, v in res.items()},
+                      "ratio": round(arms["stream"]["tok_s"] / arms["round"]["tok_s"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
