@@ -202,6 +202,17 @@ class ClusterConfig:
     """GPUs available to the job, for the capacity planner."""
     reserve_fraction: float = 0.15
     """Share of memory the planner keeps back for fragmentation and caches."""
+    gpus_per_node: int = 8
+    """GPUs per node, for the planner's host-memory row (learner ranks and engines on one node)."""
+    host_memory_gib: Optional[float] = None
+    """Host memory of one node: `megatron-rl plan` refuses a recipe whose resume needs more
+    (planner/host_memory.py); None: not checked."""
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise ConfigError(f"cluster.gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
+            raise ConfigError(f"cluster.host_memory_gib must be > 0 or null, got {self.host_memory_gib}")
 
 
 @dataclass(kw_only=True)

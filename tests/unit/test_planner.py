@@ -340,3 +340,39 @@ def test_plan_prints_the_reason_of_each_verdict(capsys):
     assert "DOES NOT FIT (16 GPUs needed, cluster.gpus is 8)" in dis, dis
     col = next(ln for ln in lines if ln.strip().startswith("colocated"))
     assert "fits (8 GPUs of cluster.gpus 8, peak " in col, col
+
+
+def test_resume_host_memory_of_the_7b_recipe_by_hand():
+    """Issue 31, item 8: Megatron's distributed-optimizer load holds fp32 master + Adam m, v of the rank's
+    whole TP x PP shard (12 B per stage parameter) on every rank; the engines' rollback copies sit beside it."""
+    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.train.config import load_train_config
+
+    recipe = REPO / "configs/qwen2_7b_8gpu_colocated.yaml"
+    cfg = load_train_config(recipe, [])
+    plan = plan_for_config(cfg)
+    lc, rc = cfg.learner, cfg.rollout
+    p = plan["model_params"]
+    ranks = min(8, lc.tensor_parallel_size * lc.pipeline_parallel_size * lc.data_parallel_size)
+    per_rank = p / (lc.tensor_parallel_size * lc.pipeline_parallel_size) * 12
+    host = plan["resume_host_gib_per_node"]
+    assert host["optimizer_load"] == pytest.approx(ranks * per_rank / GIB)
+    assert per_rank / GIB == pytest.approx(7.6e9 / lc.tensor_parallel_size * 12 / GIB, rel=0.01)  # 21 GiB at TP4
+    engines = min(8, rc.tensor_parallel_size * rc.data_parallel_size)
+    assert host["rollback_copy"] == pytest.approx(engines * p / rc.tensor_parallel_size * 2 / GIB)  # bf16 engines
+    assert host["total"] == pytest.approx(sum(v for k, v in host.items() if k != "total"))
+    assert plan["host_memory_problem"] is None  # cluster.host_memory_gib unset: not checked
+
+    small = plan_for_config(load_train_config(recipe, ["cluster.host_memory_gib=256"]))
+    assert "cluster.host_memory_gib = 256" in small["host_memory_problem"]
+    roomy = plan_for_config(load_train_config(recipe, ["cluster.host_memory_gib=1024"]))
+    assert roomy["host_memory_problem"] is None
+
+
+def test_plan_refuses_a_recipe_over_the_nodes_host_memory(capsys):
+    from megatron_rl.cli import main
+
+    recipe = str(REPO / "configs/qwen2_7b_8gpu_colocated.yaml")
+    assert main(["plan", "--config", recipe, "cluster.host_memory_gib=1024"]) == 0
+    assert main(["plan", "--config", recipe, "cluster.host_memory_gib=128"]) == 1
+    assert "host memory per node at resume" in capsys.readouterr().out
