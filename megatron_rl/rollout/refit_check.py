@@ -75,11 +75,12 @@ def probe_verdict(engine, learner, tolerance: float) -> tuple[dict, str | None]:
 
 
 def sampled_probe(sequences: Sequence[Sequence[int]], rows: int, max_len: int = 64) -> list[list[int]] | None:
-    """`rows` probe rows of one length from sampled sequences (prompt + response tokens), cut to the
-    shortest of them (at most `max_len`); None when there is none of at least 2 tokens."""
+    """`rows` probe rows of one length from sampled sequences (prompt + response tokens): the last
+    tokens of each, as many as the shortest has (at most `max_len`), so a long prompt leaves the
+    sampled response in; None when there is none of at least 2 tokens."""
     usable = [list(s) for s in sequences if len(s) >= 2]
     if not usable:
         return None
     chosen = [usable[i % len(usable)] for i in range(rows)]
     length = min(max_len, *(len(s) for s in chosen))
-    return [s[:length] for s in chosen]
+    return [s[len(s) - length:] for s in chosen]

@@ -46,9 +46,9 @@ def test_the_median_ignores_a_few_tail_tokens_and_not_a_wrong_load():
 
 def test_probe_rows_come_from_sampled_sequences_cut_to_one_length():
     rows = sampled_probe([[5, 6, 7, 8], [9], [1, 2, 3]], rows=4, max_len=64)
-    assert rows == [[5, 6, 7], [1, 2, 3], [5, 6, 7], [1, 2, 3]]
+    assert rows == [[6, 7, 8], [1, 2, 3], [6, 7, 8], [1, 2, 3]]  # the ends: the sampled responses
     assert sampled_probe([[1]], rows=2) is None
-    assert len(sampled_probe([list(range(100))], rows=1, max_len=64)[0]) == 64
+    assert sampled_probe([list(range(100))], rows=1, max_len=64)[0] == list(range(36, 100))
 
 
 def _logprobs(model, tokens):
