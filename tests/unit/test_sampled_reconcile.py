@@ -124,3 +124,13 @@ def test_the_refit_probe_runs_at_top_p_on_sampled_tokens_scored_raw():
     assert version == 2 and tol == "auto" and calls[-1]["raw"] is True
     assert seqs == policy.probe_rows and len(seqs[0]) == 11  # prompt + response of sampled trajectories
     assert torch.allclose(torch.tensor(lps), _logprobs(torch.tensor(seqs), SamplingConfig()))
+
+
+def test_the_reconcile_reaches_the_step_metrics():
+    import numpy as np
+
+    from megatron_rl.train.telemetry import _numerics_metrics
+
+    learn = {"loss": 0.0, "grad_norm": 1.0, "numerics/reconcile_median_abs": 0.01, "numerics/reconcile_tokens": 32.0}
+    out = _numerics_metrics(learn, np.zeros(0))
+    assert out["numerics/reconcile_median_abs"] == 0.01 and out["numerics/reconcile_tokens"] == 32.0
