@@ -265,11 +265,19 @@ class Learner:
 
     @torch.no_grad()
     def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None,
-                         model: list | None = None) -> torch.Tensor:
+                         model: list | None = None, raw: bool = False) -> torch.Tensor:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) under `self.sampling`, global [B, T] -> [B, T-1] on
         every rank, in the rows' order; of the policy, or of `model` (chunks in the policy's layout:
         the frozen reference, train/learner_build.py).  With `lengths_b` [B] (real tokens per row), positions at or
-        beyond a row's length - 1 (predictions of padding) hold 0; a token budget never computes them."""
+        beyond a row's length - 1 (predictions of padding) hold 0; a token budget never computes them.
+        `raw`: the model's own distribution instead (temperature 1, no truncation: what an engine's
+        teacher-forced prompt logprobs are, for the refit check)."""
+        if raw and self.sampling != SamplingConfig():
+            kept, self.sampling = self.sampling, SamplingConfig()
+            try:
+                return self.forward_logprobs(tokens_bt, lengths_b, model)
+            finally:
+                self.sampling = kept
         from megatron.core import parallel_state as ps
 
         batch = {"tokens": tokens_bt} if lengths_b is None else {"tokens": tokens_bt, "lengths": lengths_b}

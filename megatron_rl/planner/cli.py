@@ -17,6 +17,7 @@ import json
 
 from megatron_rl.learner.config import uses_sequence_parallel
 from megatron_rl.planner.budget import budget_plan, render_budget
+from megatron_rl.planner.host_memory import host_memory_problem, resume_host_memory
 from megatron_rl.planner.ledger import (
     GIB, LearnerLayout, RolloutLayout, as_dict, compare_placements, dims_from_hf, learner_ledger, rollout_ledger,
 )
@@ -54,6 +55,9 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
                                      requested=rc.sleep_mode)
     verdicts = compare_placements(led, rled, lay, roll, cfg.cluster.gpu_memory_gib, cfg.cluster.gpus,
                                   sleep_mode=sleeps)
+    host = resume_host_memory(model, lay, roll, gpus_per_node=cfg.cluster.gpus_per_node,
+                              sleep_mode=sleeps and cfg.run.placement == "colocated",
+                              rollback_copy=rc.keep_rollback_copy)
     return {
         "model_params": model.num_params,
         "model_active_params": model.active_params,
@@ -69,6 +73,9 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
         "colocated_sleep_mode": sleeps,
         "sleep_mode_reason": sleep_why,
         "length": budget_plan(cfg, step_seconds),
+        "resume_host_gib_per_node": {k: v / GIB for k, v in host.items.items()} | {"total": host.per_node_bytes / GIB},
+        "host_memory_gib": cfg.cluster.host_memory_gib,
+        "host_memory_problem": host_memory_problem(host, cfg.cluster.host_memory_gib, reserve),
     }
 
 
@@ -91,6 +98,11 @@ def render(plan: dict) -> str:
         lines.append(f"  {v['placement']:<14}{chosen} {v['gpus_needed']} GPUs, peak {v['peak_gib_per_gpu']:.2f} GiB/GPU "
                      f"({v['margin']:.0%} margin): {mark} ({v['reason']}); largest item {v['largest_item']} "
                      f"({v['note']})")
+    host = plan["resume_host_gib_per_node"]
+    lines.append(f"host memory per node at resume: {host['total']:.1f} GiB ("
+                 + ", ".join(f"{k} {v:.1f}" for k, v in host.items() if k != "total") + ")"
+                 + (f": DOES NOT FIT ({plan['host_memory_problem']})" if plan["host_memory_problem"] else
+                    "" if plan["host_memory_gib"] is None else f" of {plan['host_memory_gib']:g} GiB: fits"))
     lines.append(render_budget(plan["length"]))
     return "\n".join(lines)
 
@@ -101,7 +113,7 @@ def _cmd(args: argparse.Namespace) -> int:
     plan = plan_for_config(load_train_config(args.config, args.overrides), step_seconds=args.step_seconds)
     print(json.dumps(plan) if args.json else render(plan))
     chosen = next(v for v in plan["placements"] if v["placement"] == plan["configured_placement"])
-    return 0 if chosen["fits"] else 1
+    return 0 if chosen["fits"] and not plan["host_memory_problem"] else 1
 
 
 def register(sub) -> None:

@@ -23,10 +23,12 @@ Every number is a closed-form estimate, documented next to its formula, in bytes
     comm buffers = 2 x bucket x bytes(grad)     (double-buffered DDP buckets)
     cuda context = a fixed allowance for the process's CUDA context and NCCL communicators
     publish      = 2 x V x h x bytes(publish dtype)  (one streamed group, the embedding, gathered
-                   over TP and its full tensor, in the engine's dtype: publish.source); with the
-                   ipc transport P x bytes(publish dtype) on every GPU that runs an engine: the
-                   publishing rank holds every exported tensor, and one learner rank on each other
-                   engine GPU a copy of them, until every engine has answered (publish/ipc_route.py)
+                   over TP and its full tensor, in the engine's dtype: publish.source), freed after
+                   the publication
+    publish_staging = P x bytes(publish dtype), instead, with the ipc transport, on every GPU that
+                   runs an engine: the publishing rank, and one learner rank on each other engine
+                   GPU, copy every publication into a staging buffer kept from one step to the next
+                   (publish/ipc_staging.py): resident, like the weights
   MoE learners (Qwen3-MoE: E experts of width F_e, top-k, expert parallel EP, expert TP = TP):
     P splits into P_exp = L x E x 3 h F_e (expert MLPs) and P_dense (attention, norms, embeddings and
     the routers, L x E x h, replicated over TP and EP).  Experts are sharded over EP x TP x PP and their
@@ -50,7 +52,7 @@ Colocated roles share the GPUs and the learner keeps its weights, gradients and 
 resident while vLLM generates, so the peak is the larger of
     rollout phase  learner resident (all but activations/logits/publish) + the engine's budget
     refit phase    learner resident + its publication + the engine's budget (awake to load)
-    learn phase    learner total but its publication (freed once every engine answered) + the
+    learn phase    learner total but its streamed publication (freed once sent) + the
                    sleeping engine (its runtime allowance) with vLLM's sleep mode, or + the
                    engine's whole budget without it.
 An engine whose own need exceeds its budget does not fit either (vLLM refuses to start).
@@ -138,7 +140,7 @@ class LearnerLayout:
     cuda_context_gib: float = 1.0
     publish_dtype: str = "bf16"
     publish_whole_model: bool = False
-    """ipc transport: the learner holds the whole published model until every engine answered."""
+    """ipc transport: the learner keeps a staging copy of the whole published model (resident)."""
     seq_length: int = 1024
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
@@ -225,9 +227,11 @@ def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float
         "logits": b * s * model.vocab_size / lay.tp * 4 * 2,
         "comm_buffers": 2 * lay.ddp_bucket_params * grad_b,
         "cuda_context": lay.cuda_context_gib * GIB,
-        "publish": (model.num_params if lay.publish_whole_model else 2 * model.vocab_size * h)
-        * _bytes(lay.publish_dtype),
     }
+    if lay.publish_whole_model:
+        items["publish_staging"] = model.num_params * _bytes(lay.publish_dtype)
+    else:
+        items["publish"] = 2 * model.vocab_size * h * _bytes(lay.publish_dtype)
     if model.num_experts:
         # With full recomputation one layer's dispatch is live at a time (as for the dense activations).
         items.update(_expert_items(model, lay, grad_b, 1 if lay.activation_checkpointing else layers_stage * inflight))
@@ -343,7 +347,7 @@ def compare_placements(
     col_blocker = startability_problem("colocated", roll.tp, gpu=True)
     col_gpus = max(lay.gpus, roll.gpus)
     asleep = roll.runtime_gib * GIB if sleep_mode else rollout.total
-    publication = learner.total * (learner.items["publish"] / (learner.total - learner.items["reserve"]))
+    publication = learner.total * (learner.items.get("publish", 0.0) / (learner.total - learner.items["reserve"]))
     phases = {"rollout phase": learner.resident() + rollout.total,
               "refit phase": learner.resident() + publication + rollout.total,
               "learn phase": learner.total - publication + asleep}

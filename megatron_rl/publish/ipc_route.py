@@ -3,7 +3,7 @@
     # every learner rank, at connect (collective over the learner's process group):
     replicas = IPCReplicas.connect(lambda: engine_gpu_uuids(workers) if rank == 0 else None, gpu_uuid())
     # the publishing rank (0), inside WeightPublisher.publish (ipc_round below):
-    manifest, results = ipc_round(recorder, deliver, export_cuda_handle, replicas)
+    manifest, results = ipc_round(recorder, deliver, staging, replicas)   # staging: ipc_staging.py
     # every other learner rank, after driving its share of the source's gathers:
     replicas.hold()          # a holder: copy, export, wait until every group answered; others: nothing
 
@@ -15,15 +15,17 @@ supplies its copy: the publisher on its own GPU, else the lowest learner rank on
 "holders").  A GPU that runs an engine worker and no learner rank is a ConfigError naming the
 groups and GPUs.
 
-Per publication, after the source's gathers: the publisher hashes and exports its tensors (the
-ManifestRecorder digests, as for one GPU), broadcasts them byte for byte over a process subgroup
+Per publication, after the source's gathers: the publisher hashes its tensors (the ManifestRecorder
+digests, as for one GPU), copies them into its staging buffer and exports them there (never the
+learner's own memory: ipc_staging.py), broadcasts them byte for byte over a process subgroup
 of the publisher and the holders, and gathers the holders' handles; one union per tensor,
 {GPU UUID: handle}, goes to every engine, whose workers each open their own GPU's handle and
 verify the digests over that memory before commit (vllm_ipc.py).  Same digests, same bytes on
 every GPU: a copy that differs on one GPU is refused by the engines reading it.
 
-Memory: one copy of the model in the engine's dtype on each route GPU, held until every rollout
-group answered (the publisher's release), then freed; ranks not on the route hold nothing.  The
+Memory: one copy of the model in the engine's dtype on each route GPU, in a staging buffer kept
+from one publication to the next (written again only after every rollout group answered: the
+publisher's release); ranks not on the route hold nothing.  The
 planner counts it per GPU (planner/ledger.py, `publish`).  Tested on CPU with gloo ranks and the
 CUDA handle step replaced (tests/dist/test_ipc_route.py); tests/gpu/test_gpu_colocated_ipc_multi.py
 needs two GPUs.
@@ -42,11 +44,10 @@ import torch.distributed as dist
 
 from megatron_rl.config import ConfigError
 from megatron_rl.platform.parallel import register_teardown
-from megatron_rl.publish.manifest import dtype_name, to_dtype
+from megatron_rl.publish.ipc_staging import Handle, IpcStaging, export_cuda_handle, gpu_uuid  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-Handle = dict[str, tuple]  # GPU UUID -> torch.multiprocessing.reductions.reduce_tensor args
 FIELD = "rollout.weight_transfer 'ipc'"
 _SUBGROUPS: dict[tuple[int, ...], object] = {}  # ranks -> process subgroup (made once per parallel state)
 # destroy_parallel destroys these subgroups with Megatron's (they are made after initialize_parallel):
@@ -54,32 +55,12 @@ _SUBGROUPS: dict[tuple[int, ...], object] = {}  # ranks -> process subgroup (mad
 register_teardown(_SUBGROUPS.clear)
 
 
-def gpu_uuid(device_index: int | None = None) -> str:
-    """UUID of a CUDA device (the current one by default): IPC handles are keyed by it."""
-    index = torch.cuda.current_device() if device_index is None else device_index
-    return str(torch.cuda.get_device_properties(index).uuid)
+def export_ipc_handles(pairs: Iterable[tuple[str, torch.Tensor]], staging: IpcStaging):
+    """(metadata [(name, dtype name, shape)], handles [one per tensor], keep [the staged views]): each
+    tensor copied into `staging` (ipc_staging.py: never the learner's own memory) and exported there.
 
-
-def export_cuda_handle(tensor: torch.Tensor) -> Handle:
-    """The CUDA step on the trainer side: a handle other processes on this GPU can open."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _, args = reduce_tensor(tensor)
-    return {gpu_uuid(tensor.device.index): args}
-
-
-def export_ipc_handles(pairs: Iterable[tuple[str, torch.Tensor]],
-                       exporter: Callable[[torch.Tensor], Handle] = export_cuda_handle):
-    """(metadata [(name, dtype name, shape)], handles [one per tensor], keep [the tensors]).
-
-    `keep` must stay alive until every engine has answered: a handle does not hold its memory."""
-    meta, handles, keep = [], [], []
-    for name, tensor in pairs:
-        held = tensor.detach().contiguous()
-        meta.append((name, dtype_name(held.dtype), list(held.shape)))
-        handles.append(exporter(held))
-        keep.append(held)
-    return meta, handles, keep
+    `keep` must not be written again until every engine has answered: a handle does not hold its memory."""
+    return staging.export(pairs)
 
 
 def pickle_handles(handles: list[Handle]) -> str:
@@ -153,19 +134,19 @@ def _broadcast_bytes(tensor: torch.Tensor, src: int, group) -> None:
 class IPCReplicas:
     """The route's collectives on one learner rank (the publisher's share/release, a holder's hold)."""
 
-    def __init__(self, route: IPCRoute, rank: int, group=None,
-                 exporter: Callable[[torch.Tensor], Handle] = export_cuda_handle) -> None:
-        self.route, self.rank, self.group, self.exporter = route, rank, group, exporter
+    def __init__(self, route: IPCRoute, rank: int, group=None, staging: IpcStaging | None = None) -> None:
+        self.route, self.rank, self.group = route, rank, group
+        self.staging = staging if staging is not None else IpcStaging()  # a holder's copies (ipc_staging.py)
         self.shared = False  # the holders hold copies of the current publication (publisher side)
 
     @classmethod
-    def local(cls, engine_gpus: list[list[str]], my_gpu: str, exporter=export_cuda_handle) -> "IPCReplicas":
+    def local(cls, engine_gpus: list[list[str]], my_gpu: str) -> "IPCReplicas":
         """A publisher alone (no learner group): the engines must all sit on its GPU."""
-        return cls(plan_route([my_gpu], engine_gpus), 0, None, exporter)
+        return cls(plan_route([my_gpu], engine_gpus), 0, None)
 
     @classmethod
     def connect(cls, engine_gpus: Callable[[], list[list[str]]] | None, my_gpu: str, *,
-                exporter=export_cuda_handle, publisher: int = 0) -> "IPCReplicas":
+                staging: IpcStaging | None = None, publisher: int = 0) -> "IPCReplicas":
         """Plan the route over the learner's default process group (every rank calls this; only the
         publisher passes `engine_gpus`, which asks the engines).  Raises on every rank alike."""
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -189,7 +170,7 @@ class IPCReplicas:
         if rank == publisher:
             log.info("publication over CUDA IPC to %d GPU(s): copies on learner ranks %s", len(set(route.source_of)),
                      list(route.ranks))
-        return cls(route, rank, group, exporter)
+        return cls(route, rank, group, staging)
 
     def share(self, meta: list, keep: list[torch.Tensor], handles: list[Handle]) -> list[Handle]:
         """Publisher: copy `keep` onto every holder's GPU and gather their handles; returns the
@@ -231,13 +212,12 @@ class IPCReplicas:
         dist.broadcast_object_list(box, src=src, group=self.group)
         if box[0] is None:
             return 0
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        keep = [torch.empty(shape, dtype=to_dtype(dtype), device=device) for _, dtype, shape in box[0]]
+        keep = self.staging.place(box[0])  # the same blocks every publication (ipc_staging.py)
         for tensor in keep:
             _broadcast_bytes(tensor, src, self.group)
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # every copied byte is written before an engine reads
-        dist.gather_object([self.exporter(t) for t in keep], None, dst=src, group=self.group)
+        dist.gather_object(self.staging.handles(keep), None, dst=src, group=self.group)
         nbytes = sum(t.numel() * t.element_size() for t in keep)
         dist.broadcast_object_list(box, src=src, group=self.group)  # the release: every group answered
         del keep
@@ -246,13 +226,13 @@ class IPCReplicas:
         return nbytes
 
 
-def ipc_round(recorder, deliver: Callable[[list, str, object], list], exporter: Callable[[torch.Tensor], Handle],
+def ipc_round(recorder, deliver: Callable[[list, str, object], list], staging: IpcStaging,
               replicas: IPCReplicas) -> tuple:
     """The publisher's side of one publication: hash and export (recorder: a ManifestRecorder),
     copy to the holders, `deliver(meta, pickled handles, manifest)` to every rollout group (their
     answers), then release every copy.  Returns (manifest, answers)."""
     try:
-        meta, handles, keep = export_ipc_handles(recorder, exporter)
+        meta, handles, keep = export_ipc_handles(recorder, staging)
     except BaseException:
         replicas.abort()  # the holders are waiting for this publication's copy
         raise

@@ -109,7 +109,7 @@ def make_transport(name: str, **kw):
 
 def whole_model_per_gpu(placement: str, requested: str) -> bool:
     """Whether a GPU run with this placement and rollout.weight_transfer holds a whole copy of the
-    model on each GPU during a publication (the planner asks; an impossible pairing answers False)."""
+    model on each GPU it publishes to (the planner asks; an impossible pairing answers False)."""
     try:
         return transport_class(choose_transport(placement, "cuda", requested)).whole_model_per_gpu
     except (ConfigError, ValueError):

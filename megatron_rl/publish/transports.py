@@ -13,8 +13,8 @@
                   trainer's GPU), a ManifestRecorder hashes them on the way, the manifest follows by
                   RPC (commit_weights).  `tensors` must say up front what it yields (a list, or a
                   source with metadata(): MegatronWeightSource).
-  IpcTransport    GPU, colocated; CUDA IPC handles to the tensors on the trainer's GPU, hashed first,
-                  and to byte-for-byte copies held by a learner rank on each other engine GPU
+  IpcTransport    GPU, colocated; CUDA IPC handles to a copy of the tensors in one staging buffer on
+                  the trainer's GPU, kept across steps (ipc_staging.py), hashed first, and to byte-for-byte copies held by a learner rank on each other engine GPU
                   (ipc_route.py); the manifest follows by RPC, as for NCCL.
 
 The class attributes say what the other layers need to know of a path without naming it: where the
@@ -53,7 +53,7 @@ class Transport(abc.ABC):
     engine_env: ClassVar[dict[str, str]] = {}
     """Environment variables the receiving vLLM engine needs."""
     whole_model_per_gpu: ClassVar[bool] = False
-    """A publication holds a whole copy of the model on each GPU it reaches (planner/ledger.py)."""
+    """A whole copy of the model stays on each GPU a publication reaches (planner/ledger.py)."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, bucket_bytes: int,
                  checksum_algo: str, timeout_s: float):
@@ -202,9 +202,13 @@ class IpcTransport(Transport):
     whole_model_per_gpu = True
 
     def __init__(self, *, exporter: Callable | None = None, **kw):
+        from megatron_rl.publish.ipc_staging import IpcStaging
+
         super().__init__(**kw)
         self.replicas = None  # which learner rank holds a copy on each engine GPU (ipc_route.py)
-        self.exporter = exporter  # the CUDA step (replaced by tests without a GPU)
+        # Every publication is copied into this one buffer and exported from it, never from the
+        # learner's parameters (ipc_staging.py); `exporter` replaces the CUDA step in tests without a GPU.
+        self.staging = IpcStaging(exporter)
 
     def join(self, workers: list) -> None:
         from megatron_rl.publish.ipc_route import IPCReplicas, engine_gpu_uuids, gpu_uuid
@@ -231,7 +235,7 @@ class IpcTransport(Transport):
         handle does not keep its memory)."""
         import ray
 
-        from megatron_rl.publish.ipc_route import export_cuda_handle, ipc_round
+        from megatron_rl.publish.ipc_route import ipc_round
 
         def deliver(meta, pickled, manifest):
             ray.get([w.receive_weights.remote(version, meta, pickled) for w in self.workers])
@@ -239,11 +243,18 @@ class IpcTransport(Transport):
 
         recorder = ManifestRecorder(tensors, version, checksum_algo=self.checksum_algo,
                                     bucket_bytes=self.bucket_bytes, fault_hook=fault_hook)
-        return ipc_round(recorder, deliver, self.exporter or export_cuda_handle, self.replicas)
+        return ipc_round(recorder, deliver, self.staging, self.replicas)
 
     def follow(self) -> None:
         if self.replicas is not None:
             self.replicas.hold()
+
+    def close(self) -> None:
+        """The staging buffers go with the group (every engine has answered, so none holds a view)."""
+        self.staging.release()
+        if self.replicas is not None:
+            self.replicas.staging.release()
+        super().close()
 
 
 def group_answers(refs: list, version: int, timeout_s: float) -> Results:

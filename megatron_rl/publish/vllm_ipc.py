@@ -10,17 +10,18 @@ tensor into the model as it opens it; this one keeps them and changes what happe
     trainer (WeightPublisher, transport="ipc")          each vLLM worker (this engine)
     ---------------------------------------------       ------------------------------------
     ManifestRecorder hashes each bucket on the GPU       RPC receive_weights(version, names/
-    export_ipc_handles: one handle per tensor, the   ->  dtypes/shapes, pickled handles): opens
-    tensors held alive (`keep`)                          every handle; nothing touches the model
+    export_ipc_handles: a copy in the staging buffer ->  dtypes/shapes, pickled handles): opens
+    (ipc_staging.py), one handle per tensor              every handle; nothing touches the model
     RPC commit_weights(manifest)                     ->  verify: names, order, shapes, dtypes and
                                                          every bucket digest, read through the
                                                          handles; finish: load all or drop all
-    every group answered: drop `keep`, ipc_collect()
+    every group answered: the staging may be written again
 
 The digests are computed by the trainer before export and recomputed by the engine over the
 memory it will load from, so a publication the engine switches to is byte for byte the one the
 trainer hashed.  The trainer holds every exported tensor (one copy of the model in the engine's
-dtype, on the learner's GPU) until every group answered; the engine holds only views.  vLLM's
+dtype, on the learner's GPU, in a staging buffer kept across steps and never the learner's own
+parameters: publish/ipc_staging.py) until every group answered; the engine holds only views.  vLLM's
 packed IPC mode is refused: it reuses one buffer per chunk, so nothing could be held for
 verification without a second copy on the engine side.
 

@@ -297,29 +297,32 @@ class RolloutWorker:
         }
 
     def expect_probe(self, version: int, sequences: list[list[int]], logprobs: list[list[float]],
-                     tolerance: float) -> None:
+                     tolerance: float | str) -> None:
         """The refit check's reference for publication `version`: the learner's logprobs [B][T-1] of
-        the probe `sequences` [B][T] under the weights it is about to publish."""
-        self._probe = (int(version), sequences, logprobs, float(tolerance))
+        the probe `sequences` [B][T] under the weights it is about to publish; `tolerance` a number,
+        or "auto" for this engine's serving dtype's bound (rollout/refit_check.py)."""
+        self._probe = (int(version), sequences, logprobs, tolerance)
 
     def _refit_check(self, version: int) -> dict[str, Any] | None:
-        """None when this group's freshly loaded weights give the learner's probe logprobs (mean
-        |Δ| <= tolerance), else a failed status: bytes that verify but were laid out wrongly (a
-        permuted or mis-mapped tensor) are refused like a failed load, and the group rolls back."""
+        """None when this group's freshly loaded weights give the learner's probe logprobs (median
+        |Δ| within the tolerance: rollout/refit_check.py), else a failed status: bytes that verify but
+        were laid out wrongly (a permuted or mis-mapped tensor) are refused like a failed load, and the
+        group rolls back."""
+        from megatron_rl.rollout.refit_check import probe_verdict, refit_tolerance
+
         probe = getattr(self, "_probe", None)
         if probe is None or probe[0] != version:
             return None
-        _, sequences, expected, tolerance = probe
-        got = self.score(sequences)
-        deltas = [abs(g - e) for g_row, e_row in zip(got, expected) for g, e in zip(g_row[1:], e_row)]
-        err = sum(deltas) / max(len(deltas), 1)
-        if err <= tolerance:
-            log.info("refit check of version %d: mean |Δ logprob| %.3g on the probe", version, err)
+        _, sequences, expected, configured = probe
+        tolerance = refit_tolerance(self.serving_dtype(), configured)
+        stats, problem = probe_verdict(self.score(sequences), expected, tolerance)
+        if problem is None:
+            log.info("refit check of version %d: median |Δ logprob| %.3g (mean %.3g) over %d probe tokens",
+                     version, stats["median"], stats["mean"], stats["tokens"])
             return None
         return {"ok": False, "committed": False, "bad_bucket": None,
                 "error": f"refit check: version {version} loaded, but its logprobs on the probe differ from the "
-                         f"learner's by mean |Δ| {err:.3g} > run.refit_tolerance {tolerance:g} (tensors laid out "
-                         "wrongly?)"}
+                         f"learner's: {problem} (run.refit_tolerance {configured}; tensors laid out wrongly?)"}
 
     def _roll_back(self, version: int, failed: list[dict[str, Any]]) -> None:
         """A worker failed to load `version` after others may have: every worker reloads the

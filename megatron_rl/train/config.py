@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from megatron_rl.config import ConfigError, from_dict, read_config_data
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
@@ -164,17 +164,18 @@ class RunConfig:
     shadow_tolerance: float = 1e-3
     """Resume refuses a checkpoint whose loaded weights give logprobs on its stored probe batch that
     differ from the saved ones by more than this (max |Δ logprob|; train/restart.py)."""
-    refit_tolerance: Optional[float] = 0.05
+    refit_tolerance: Union[float, Literal["auto"], None] = "auto"
     """Refit check after each publication: a rollout group whose freshly loaded weights give logprobs
-    on a fixed probe that differ from the learner's by more than this (mean |Δ|) rolls that version
-    back, and the version is published once more; None turns the check off."""
+    on the probe (tokens the engines sampled) that differ from the learner's by more than this (median
+    |Δ| over its tokens) rolls that version back, and the version is published once more. "auto": the
+    bound of the serving dtype (0.05 float32, 0.25 bfloat16: rollout/refit_check.py); None: no check."""
     canary_lr_scale: float = 1.0
     """Learning-rate scale of the first step after a restart (the canary; its loss and grad norm must
     be finite).  1.0 keeps a resumed run bit-identical to an uninterrupted one; e.g. 0.1 eases back in."""
 
     def __post_init__(self) -> None:
-        if self.refit_tolerance is not None and not self.refit_tolerance > 0:
-            raise ConfigError(f"run.refit_tolerance must be > 0 or null, got {self.refit_tolerance}")
+        if self.refit_tolerance not in (None, "auto") and not self.refit_tolerance > 0:
+            raise ConfigError(f"run.refit_tolerance must be > 0, 'auto' or null, got {self.refit_tolerance}")
         if not self.shadow_tolerance >= 0:
             raise ConfigError(f"run.shadow_tolerance must be >= 0, got {self.shadow_tolerance}")
         if not 0 < self.canary_lr_scale <= 1:
@@ -201,6 +202,17 @@ class ClusterConfig:
     """GPUs available to the job, for the capacity planner."""
     reserve_fraction: float = 0.15
     """Share of memory the planner keeps back for fragmentation and caches."""
+    gpus_per_node: int = 8
+    """GPUs per node, for the planner's host-memory row (learner ranks and engines on one node)."""
+    host_memory_gib: Optional[float] = None
+    """Host memory of one node: `megatron-rl plan` refuses a recipe whose resume needs more
+    (planner/host_memory.py); None: not checked."""
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise ConfigError(f"cluster.gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
+            raise ConfigError(f"cluster.host_memory_gib must be > 0 or null, got {self.host_memory_gib}")
 
 
 @dataclass(kw_only=True)

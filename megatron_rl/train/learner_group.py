@@ -95,9 +95,11 @@ class LearnerGroup:
             self.updates += 1
             return self._all("sft_step", batch)[0]
 
-    def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T-1]; with `lengths_b` (and a token budget) positions past a row's end hold 0."""
-        return self._all("forward_logprobs", tokens_bt, lengths_b)[0]
+    def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None,
+                         raw: bool = False) -> torch.Tensor:
+        """[B, T-1]; with `lengths_b` (and a token budget) positions past a row's end hold 0; `raw`:
+        under the model's own distribution, not the sampling transform (learner/learner.py)."""
+        return self._all("forward_logprobs", tokens_bt, lengths_b, raw)[0]
 
     def reference_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
         return self._all("reference_logprobs", tokens_bt, lengths_b)[0]

@@ -205,8 +205,9 @@ class LearnerWorker:
 
         return self.learner.train_step(batch, sft_micro_batch_loss)
 
-    def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
-        return self.learner.forward_logprobs(tokens_bt, lengths_b)
+    def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None,
+                         raw: bool = False) -> torch.Tensor:
+        return self.learner.forward_logprobs(tokens_bt, lengths_b, raw=raw)
 
     def reference_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
         if self.reference is None:  # a run without a KL term asks for it (evaluation, tests)

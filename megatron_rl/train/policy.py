@@ -36,6 +36,7 @@ from megatron_rl.rollout.sleep import SleepCycle
 from megatron_rl.train.config import RunConfig
 from megatron_rl.train.learner_group import LearnerGroup, RankSpec
 from megatron_rl.train.learner_weights import PublishSettings
+from megatron_rl.train.probe import probe_sequences, reconcile_sampled, refit_tolerance
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class PolicySettings:
     micro_batch_size: int
     probe_rows: int
     """Rows of the fixed probe batch (micro batch x learner data-parallel size)."""
-    refit_tolerance: float | None
+    refit_tolerance: float | str | None
+    """A number, "auto" (the serving dtype's bound: rollout/refit_check.py) or None (no refit check)."""
     vocab_size: int
     pad_id: int
 
@@ -76,6 +78,9 @@ class Policy:
         """The learner's report of the last publication (committed, errors, groups)."""
         self.digests: dict[str, str] = {}
         """Policy version -> digest of what this process published as it (check_provenance)."""
+        self.probe_rows: list[list[int]] | None = None
+        """The refit probe: sampled tokens of the last batch learned (train/probe.py)."""
+        self._serving_dtype: str | None = None
         learner.connect_rollout(list(fleet.workers), publishing)
         fleet.set_refitter(self.refit)
 
@@ -118,6 +123,8 @@ class Policy:
         batch, adv_stats = build_batch(taken, pad_id=self.settings.pad_id, loss_cfg=self.settings.loss,
                                        micro_batch_size=self.settings.micro_batch_size)
         out = {f"adv/{k}": v for k, v in adv_stats.items()}
+        out.update(self._reconcile(taken, version))
+        self.probe_rows = probe_sequences(taken, self.settings.probe_rows)
         if self.sleep is not None:
             self.sleep.before_learn()                        # colocated GPUs: the engines free their memory
         out.update(self.learner.train_step(batch, lr_scale=lr_scale))
@@ -208,18 +215,37 @@ class Policy:
                                f"{len(self.fleet.workers) + 3} attempts (groups left or the send kept breaking off)")
 
     def _expect_probe(self, version: int) -> None:
-        """Give every rollout group the learner's logprobs of the fixed probe batch for `version`
-        (its refit check, rollout/worker.py); skipped when the learner scores under a sampling
-        transform (temperature, top-p/k) the engine's teacher-forced logprobs do not apply."""
+        """Give every rollout group the learner's logprobs of the probe for `version` (its refit
+        check, rollout/worker.py): tokens the engines sampled in the last batch learned (random ones
+        before any), scored raw -- temperature 1, no truncation, as the engine's teacher-forced
+        logprobs are -- so the check runs whatever the sampling transform."""
+        import torch
+
         from megatron_rl.train.restart import probe_tokens
 
-        s, tol = self.settings.sampling, self.settings.refit_tolerance
-        if tol is None or (s.temperature, s.top_p, s.top_k) != (1.0, 1.0, 0):
+        tol = self.settings.refit_tolerance
+        if tol is None:
             return
-        tokens_bt = probe_tokens(self.settings.probe_rows, self.settings.vocab_size, seed=1)
-        logprobs_bt = self.learner.forward_logprobs(tokens_bt)  # [B, T-1]
+        if self.probe_rows is not None:
+            tokens_bt = torch.tensor(self.probe_rows, dtype=torch.long)
+        else:
+            tokens_bt = probe_tokens(self.settings.probe_rows, self.settings.vocab_size, seed=1)
+        logprobs_bt = self.learner.forward_logprobs(tokens_bt, None, True)  # [B, T-1], raw
         seqs, lps = tokens_bt[:4].tolist(), logprobs_bt[:4].tolist()  # 4 rows are plenty for the engine
         self.fleet.expect_probe(version, seqs, lps, tol)
+
+    def _reconcile(self, taken: list, version: int) -> dict:
+        """With top-k/top-p: the learner's logprobs of on-policy sampled tokens against the engine's
+        (train/probe.py reconcile_sampled); {} otherwise."""
+        if not self.settings.sampling.truncates or self.settings.refit_tolerance is None:
+            return {}
+        if self._serving_dtype is None:
+            import ray
+
+            self._serving_dtype = ray.get(self.fleet.workers[0].serving_dtype.remote())
+        tol = refit_tolerance(self._serving_dtype, self.settings.refit_tolerance)
+        return reconcile_sampled(self.learner.forward_logprobs, taken, version, rows=self.settings.probe_rows,
+                                 tolerance=tol, pad_id=self.settings.pad_id)
 
     def _restarted_dead(self, version: int, cause) -> bool:
         """An engine died during the publication (any point: send, verify, commit, refit probe): its group

@@ -92,6 +92,7 @@ def _numerics_metrics(learn: dict, logps: np.ndarray) -> dict[str, float]:
         if key in learn:
             out[f"numerics/{key}"] = float(learn[key])
     out["numerics/oom_retries"] = float(learn.get("oom_retries", 0.0))  # a count: no retry is a real 0
+    out.update({k: float(v) for k, v in learn.items() if k.startswith("numerics/reconcile_")})  # train/probe.py
     return out
 
 

@@ -39,16 +39,17 @@ class SharedMemoryHandles:
             tensor.view(-1).view(torch.uint8)[3] ^= 0x20  # this GPU's copy differs from what was hashed
         self.calls += 1
         manager, name, size = tensor.untyped_storage()._share_filename_cpu_()
-        return {self.uuid: (manager, name, size, str(tensor.dtype).removeprefix("torch."), list(tensor.shape))}
+        return {self.uuid: (manager, name, size, str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
+                            tensor.storage_offset())}
 
     @staticmethod
     def opener(uuid: str):
         def open_handle(handle, device):
             if uuid not in handle:
                 raise ValueError(f"no IPC handle for this engine's GPU {uuid} (handles are for {sorted(handle)})")
-            manager, name, size, dtype, shape = handle[uuid]
+            manager, name, size, dtype, shape, offset = handle[uuid]  # a view of a staging block
             storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
-            return torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, 0, shape)
+            return torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, offset, shape)
         return open_handle
 
 
@@ -105,15 +106,17 @@ def _failing_source():
 
 def _publisher(replicas, exporter, model_dir):
     from megatron_rl.publish.ipc_route import ipc_round
+    from megatron_rl.publish.ipc_staging import IpcStaging
     from megatron_rl.publish.manifest import ManifestRecorder
 
     engines = [_engine(model_dir, gpus[0]) for gpus in ENGINES]
     out = {}
+    staging = IpcStaging(exporter.export)
     for version in (1, 2, 3, 4):
         source = _failing_source() if version == 3 else _weights(version)
         recorder = ManifestRecorder(source, version, checksum_algo="blocksum", bucket_bytes=600)
         try:
-            _, answers = ipc_round(recorder, _deliver_to(engines, version), exporter.export, replicas)
+            _, answers = ipc_round(recorder, _deliver_to(engines, version), staging, replicas)
         except RuntimeError as err:
             out[version] = str(err)
             continue
@@ -127,6 +130,7 @@ def _route_and_publish(rank, world_size, model_dir):
 
     from megatron_rl.config import ConfigError
     from megatron_rl.publish.ipc_route import IPCReplicas
+    from megatron_rl.publish.ipc_staging import IpcStaging
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # what the ipc engine's env sets (rollout/engine_setup.py)
     out = {}
@@ -135,7 +139,7 @@ def _route_and_publish(rank, world_size, model_dir):
     except ConfigError as err:
         out["refused"] = str(err)
     exporter = SharedMemoryHandles(GPUS[rank], CORRUPT_CALL if rank == 1 else None)
-    replicas = IPCReplicas.connect(lambda: ENGINES, GPUS[rank], exporter=exporter.export)
+    replicas = IPCReplicas.connect(lambda: ENGINES, GPUS[rank], staging=IpcStaging(exporter.export))
     out["route"] = (dict(replicas.route.source_of), replicas.route.ranks)
     if rank == 0:
         out.update(_publisher(replicas, exporter, model_dir))

@@ -8,6 +8,7 @@
 #   3 checkpoint save + resume with TE's FusedAdam         1 GPU + Transformer Engine
 #   4 colocated IPC publication (verify-before-commit) around vLLM sleep/wake, engine logprobs after refit   1 GPU + vLLM, Ray
 #   5 tiny recipe trained colocated in bf16: transport ipc and sleep mode chosen at start-up, refit check each step   1 GPU + vLLM, Ray
+#   5b top_p 0.9: vLLM's sampled tokens and logprobs against the learner's top-p rule (reconcile)   1 GPU + vLLM, Ray
 #   6 NCCL disaggregated publication + engine logprobs after refit   2 GPUs + vLLM, Ray
 #   7 tiny recipe colocated on two GPUs: IPC refit to both (a learner rank holds a copy on GPU 1), and an
 #     engine GPU without a learner rank refused at start-up   2 GPUs + vLLM, Ray
@@ -107,6 +108,7 @@ part "NCCL learner step with metrics" 1 "" tests/gpu/test_gpu_nccl.py
 part "checkpoint save + resume (TE FusedAdam)" 1 "transformer_engine.pytorch" tests/gpu/test_gpu_checkpoint_te.py
 part "colocated IPC publication around sleep/wake + logprobs after refit" 1 "vllm ray" tests/gpu/test_gpu_colocated_ipc.py
 part "tiny recipe colocated bf16 with IPC refit and sleep/wake" 1 "vllm ray" tests/gpu/test_gpu_train_colocated.py
+part "top-p 0.9 samples reconcile with the learner's semantics" 1 "vllm ray" tests/gpu/test_gpu_top_p.py
 part "NCCL disaggregated publication + logprobs after refit" 2 "vllm ray" tests/gpu/test_gpu_publish_nccl.py
 part "colocated IPC on two GPUs (a copy per engine GPU)" 2 "vllm ray" tests/gpu/test_gpu_colocated_ipc_multi.py
 

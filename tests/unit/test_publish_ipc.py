@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_rl.publish.ipc_staging import IpcStaging
 from megatron_rl.publish.manifest import ManifestRecorder
 
 pytestmark = pytest.mark.unit
@@ -74,7 +75,7 @@ def _publish(engine, handles, weights, version=1, after_export=None):
     from megatron_rl.publish.vllm_ipc import CheckedIPCUpdateInfo, export_ipc_handles
 
     recorder = ManifestRecorder(weights, version, checksum_algo="blocksum", bucket_bytes=1024)
-    meta, exported, keep = export_ipc_handles(recorder, handles.export)
+    meta, exported, keep = export_ipc_handles(recorder, IpcStaging(handles.export))
     manifest = recorder.manifest()
     if after_export is not None:
         after_export(keep)
@@ -127,7 +128,7 @@ def test_corruption_injected_after_hashing_is_refused(tmp_path):
             buf[buf.numel() // 2] ^= 0x10
 
     recorder = ManifestRecorder(_weights(), 2, checksum_algo="blocksum", bucket_bytes=1024, fault_hook=flip)
-    meta, exported, _keep = export_ipc_handles(recorder, handles.export)
+    meta, exported, _keep = export_ipc_handles(recorder, IpcStaging(handles.export))
     info = CheckedIPCUpdateInfo(names=[m[0] for m in meta], dtype_names=[m[1] for m in meta],
                                 shapes=[m[2] for m in meta], ipc_handles=exported, version=2)
     engine.start_weight_update()
@@ -250,6 +251,6 @@ def test_a_publisher_alone_shares_nothing_and_sends_its_own_handles(tmp_path):
         return [{"committed": True}]
 
     recorder = ManifestRecorder(_weights(), 1, checksum_algo="blocksum", bucket_bytes=1024)
-    manifest, answers = ipc_round(recorder, deliver, handles.export, replicas)
+    manifest, answers = ipc_round(recorder, deliver, IpcStaging(handles.export), replicas)
     assert answers == [{"committed": True}] and len(manifest.tensor_names) == 5 and not replicas.shared
     assert pickle.loads(base64.b64decode(sent[0])) == [{UUID: (k,)} for k in range(5)]

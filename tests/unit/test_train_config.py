@@ -130,8 +130,8 @@ def test_planner_reports_a_layout_that_cannot_fit(capsys):
     small = json.loads(capsys.readouterr().out)
     col = next(p for p in small["placements"] if p["placement"] == "colocated")
     # TP4 learner shards; the whole 7.6 B model in bf16 is the largest item, held twice per GPU: by the
-    # TP1 engine and, at the refit, by the ipc copy of the publication (equal sizes).
-    assert not col["fits"] and col["largest_item"] in ("rollout/weights", "learner/publish")
+    # TP1 engine and by the ipc transport's staging copy of the publication (equal sizes).
+    assert not col["fits"] and col["largest_item"] in ("rollout/weights", "learner/publish_staging")
 
 
 def test_qwen3_8b_recipe_is_planned_from_its_config(capsys):

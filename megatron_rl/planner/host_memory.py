@@ -1,0 +1,71 @@
+"""Host memory per node at resume: the planner's row for it (issue 31, item 8).
+
+    host = resume_host_memory(model, lay, roll, gpus_per_node=8, sleep_mode=True, rollback_copy=True)
+    host.per_node_bytes, host.items                       # bytes per node, by item
+    host_memory_problem(host, cluster_host_gib=512)       # None, or why the recipe does not fit
+
+Megatron's distributed-optimizer checkpoint load (the `fully_sharded_model_space` format the
+learner saves) materialises, on every rank, fp32 copies of that rank's whole model-parallel shard
+of the optimizer state before it keeps its data-parallel part: the fp32 master weights and Adam's m
+and v, 12 bytes per parameter of the stage, not divided by DP.  For the 7B TP2 x DP4 recipe that is
+7.6e9 / 2 x 12 B = 42 GiB per rank, on every rank at once.  Next to it, on a colocated node, each
+engine keeps its weights in host memory while it sleeps (vLLM sleep level 1, rollout/sleep.py) and
+a rollback copy of the serving weights (rollout.keep_rollback_copy).
+
+    optimizer_load   = ranks per node x P_stage x 12          P_stage = P / (TP x PP), learner ranks
+    engine_sleep     = engines per node x P / TP_r x bytes(engine dtype)   (when the engines sleep)
+    rollback_copy    = engines per node x P / TP_r x bytes(engine dtype)   (keep_rollback_copy)
+
+A node holds min(GPUs per node, learner GPUs) learner ranks and as many engine GPUs (colocated: one
+learner rank and one engine worker per GPU).  Process overheads (Python, CUDA, Ray) are not
+counted: they are what the cluster.reserve_fraction keeps back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rl.planner.ledger import GIB, LearnerLayout, ModelDims, RolloutLayout, _bytes
+
+OPTIMIZER_LOAD_BYTES = 12  # fp32 master + Adam m + v, per parameter of the rank's stage
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Bytes of host memory per node at resume, by item."""
+
+    items: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def per_node_bytes(self) -> float:
+        return sum(self.items.values())
+
+
+def resume_host_memory(model: ModelDims, lay: LearnerLayout, roll: RolloutLayout, *, gpus_per_node: int,
+                       sleep_mode: bool, rollback_copy: bool) -> HostMemory:
+    """The module doc's formulas for the most loaded node."""
+    if gpus_per_node < 1:
+        raise ValueError(f"cluster.gpus_per_node must be >= 1, got {gpus_per_node}")
+    ranks = min(gpus_per_node, lay.gpus)
+    engines = min(gpus_per_node, roll.gpus)
+    p_stage = model.num_params / (lay.tp * lay.pp)
+    engine_weights = model.num_params / roll.tp * _bytes(roll.dtype)
+    return HostMemory({
+        "optimizer_load": ranks * p_stage * OPTIMIZER_LOAD_BYTES,
+        "engine_sleep": engines * engine_weights if sleep_mode else 0.0,
+        "rollback_copy": engines * engine_weights if rollback_copy else 0.0,
+    })
+
+
+def host_memory_problem(host: HostMemory, host_memory_gib: float | None, reserve_fraction: float = 0.0) -> str | None:
+    """Why the node's host memory cannot hold a resume (naming the field and the numbers), or None
+    (also when cluster.host_memory_gib is not set)."""
+    if host_memory_gib is None:
+        return None
+    usable = host_memory_gib * GIB * (1 - reserve_fraction)
+    if host.per_node_bytes <= usable:
+        return None
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in host.items.items() if v)
+    return (f"resume needs {host.per_node_bytes / GIB:.1f} GiB of host memory per node ({parts} GiB) but "
+            f"cluster.host_memory_gib = {host_memory_gib:g} leaves {usable / GIB:.1f} GiB after "
+            f"cluster.reserve_fraction {reserve_fraction:g}")
