@@ -39,7 +39,8 @@ class FittedPrompts:
                 "longest_prompt": dict(self.longest)}
 
 
-def fit_prompts(splits: dict[str, Dataset], template: PromptTemplate, tokenizer, max_prompt_tokens: int) -> FittedPrompts:
+def fit_prompts(splits: dict[str, Dataset], template: PromptTemplate, tokenizer,
+                max_prompt_tokens: int) -> FittedPrompts:
     """Drop every example whose encoded prompt is longer than `max_prompt_tokens`, split by split;
     log the counts.  Raises DataError when a non-empty split has no prompt left, naming the split,
     its shortest prompt and the limit."""
@@ -60,5 +61,6 @@ def fit_prompts(splits: dict[str, Dataset], template: PromptTemplate, tokenizer,
         if dropped[name]:
             logger.warning("data split %r: dropped %d of %d prompts longer than %d tokens (longest %d)",
                            name, dropped[name], len(ds), max_prompt_tokens, longest[name])
-    logger.info("prompts over %d tokens dropped per split: %s", max_prompt_tokens, dropped)
+    logger.info("prompts over %d tokens dropped per split: %s", max_prompt_tokens,
+                ", ".join(f"{name} {n}" for name, n in dropped.items()))
     return FittedPrompts(kept_splits, dropped, max_prompt_tokens, longest)

@@ -268,8 +268,9 @@ class Learner:
                          model: list | None = None, sampling: SamplingConfig | None = None) -> torch.Tensor:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) under `sampling` (default `self.sampling`), global
         [B, T] -> [B, T-1] on every rank, in the rows' order; of the policy, or of `model` (chunks in the
-        policy's layout: the frozen reference, train/learner_build.py, scored untruncated).  With `lengths_b` [B] (real tokens per row), positions at or
-        beyond a row's length - 1 (predictions of padding) hold 0; a token budget never computes them."""
+        policy's layout: the frozen reference, train/learner_build.py, scored untruncated).  With
+        `lengths_b` [B] (real tokens per row), positions at or beyond a row's length - 1 (predictions
+        of padding) hold 0; a token budget never computes them."""
         from megatron.core import parallel_state as ps
 
         batch = {"tokens": tokens_bt} if lengths_b is None else {"tokens": tokens_bt, "lengths": lengths_b}

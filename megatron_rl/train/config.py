@@ -291,9 +291,10 @@ class TrainConfig:
                               f"rollout.max_model_len ({self._context_len}); raise max_model_len or lower max_tokens")
         limit = self.data.max_prompt_tokens
         if limit is not None and limit > room:
-            raise ConfigError(f"data.max_prompt_tokens ({limit}) is more than rollout.max_model_len - rollout.max_tokens "
-                              f"({self._context_len} - {self.rollout.max_tokens} = {room}): such a prompt leaves no room "
-                              f"for a whole response; set data.max_prompt_tokens <= {room} or leave it unset")
+            raise ConfigError(f"data.max_prompt_tokens ({limit}) is more than rollout.max_model_len - "
+                              f"rollout.max_tokens ({self._context_len} - {self.rollout.max_tokens} = {room}): such a "
+                              f"prompt leaves no room for a whole response; set data.max_prompt_tokens <= {room} or "
+                              f"leave it unset")
 
     @property
     def _context_len(self) -> int:

@@ -57,7 +57,8 @@ class RunInputs:
 def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
     """What every run (train, sft) does first, before any Ray/vLLM/Megatron start: the run
     directory with its resolved config, seeds, the model to start from, its tokenizer, the data
-    splits (checked encodable; prompts longer than the engine takes dropped and counted), and run_manifest.json (a resume with other inputs is refused).
+    splits (checked encodable; prompts longer than the engine takes dropped and counted), and
+    run_manifest.json (a resume with other inputs is refused).
 
     Returns the RunInputs.
     """

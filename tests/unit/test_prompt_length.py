@@ -38,7 +38,8 @@ def test_prompts_over_the_limit_are_dropped_and_counted_per_split(caplog):
     tok = build_tokenizer()
     template = PromptTemplate("{question}=")  # one more token than the question
     assert len(template.encode(_split("x", [9])[0], tok)) == 10
-    splits = {"train": _split("train", [3, 9, 10, 40, 5]), "dev": _split("dev", [2, 2]), "test": _split("test", [12, 1])}
+    splits = {"train": _split("train", [3, 9, 10, 40, 5]), "dev": _split("dev", [2, 2]),
+              "test": _split("test", [12, 1])}
     with caplog.at_level("INFO"):
         fitted = fit_prompts(splits, template, tok, max_prompt_tokens=10)
     assert fitted.dropped == {"train": 2, "dev": 0, "test": 1}
