@@ -41,7 +41,13 @@ def _run_config(run_dir: Path, overrides: list[str]):
     return from_dict(TrainConfig, data)
 
 
-def _open_manifest(out: Path, cfg, model_dir: Path, ds) -> str:
+def _tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _open_manifest(out: Path, cfg, model_dir: Path, ds, prompts: dict) -> str:
     """OUT.manifest.json next to the outcomes: code, versions, hardware and the eval's inputs."""
     from megatron_rl.config import config_hash
     from megatron_rl.models.tokenizer import tokenizer_hash
@@ -51,7 +57,8 @@ def _open_manifest(out: Path, cfg, model_dir: Path, ds) -> str:
     name = f"{out.stem}.manifest.json"
     open_run(out.parent, kind="eval", config_hash=config_hash(cfg), resuming=False, name=name,
              identity={"model": model_identity(model_dir), "tokenizer_hash": tokenizer_hash(model_dir),
-                       "dataset_version": ds.dataset_version, "grader_version": cfg.reward.grader_version()})
+                       "dataset_version": ds.dataset_version, "grader_version": cfg.reward.grader_version()},
+             prompts=prompts)
     return name
 
 
@@ -62,7 +69,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from megatron_rl.evaluation import Decoding, evaluate_model
     from megatron_rl.run_manifest import close_run
     from megatron_rl.train.config import load_train_config
-    from megatron_rl.data.tasks import load_task
+    from megatron_rl.data.tasks import fit_prompts, load_task
 
     if (args.run is None) == (args.model is None):
         raise ConfigError("give exactly one of --run RUN_DIR or --model HF_DIR")
@@ -87,9 +94,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     # vLLM and Ray start-up output goes to OUT_DIR/logs/eval.log (the console keeps the result).
     attach_run_dir(out.parent, log_name="eval.log")
     splits, template = load_task(cfg.data)
-    ds = splits[args.split]
+    # The prompts the engine can take, as in training (data/prompt_length.py).
+    fitted = fit_prompts({args.split: splits[args.split]}, template, _tokenizer(model_dir), cfg.prompt_token_limit)
+    ds = fitted.splits[args.split]
     examples = [ds[i] for i in range(min(args.limit or cfg.data.eval_size, len(ds)))]
-    manifest = _open_manifest(out, cfg, model_dir, ds)
+    manifest = _open_manifest(out, cfg, model_dir, ds, fitted.record())
     ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     try:
         result = evaluate_model(model_dir, cfg.rollout, cfg.reward, examples, template, decoding, split=args.split)
@@ -98,6 +107,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         close_run(out.parent, name=manifest)
     summary = result.summary(ks)
     summary.update(model=str(model_dir), dataset_version=ds.dataset_version, max_tokens=cfg.rollout.max_tokens,
+                   prompts_dropped=fitted.dropped[args.split],
                    grader_version=cfg.reward.grader_version(), outcomes=str(out),
                    manifest=str(out.parent / manifest))
     result.write(out)

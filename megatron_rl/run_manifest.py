@@ -95,12 +95,14 @@ def _hardware() -> dict[str, Any]:
 
 
 def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config_hash: str,
-             resuming: bool, name: str = NAME, model_dir: str | Path | None = None) -> dict[str, Any]:
+             resuming: bool, name: str = NAME, model_dir: str | Path | None = None,
+             prompts: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the manifest of a new run, or check and extend the one of a run being resumed.
     `name`: the file in run_dir (an eval writes one next to its outcomes file).  `model_dir`: the
     HF directory the run starts from, recorded as `model_dir` (where its checkpoints' config and
     tokenizer are: megatron_rl/run_model.py run_model_dir); not part of the identity (a moved copy of
-    the same model resumes)."""
+    the same model resumes).  `prompts`: the prompt-length filter's record (data/prompt_length.py:
+    the limit and the prompts dropped per split), kept as `prompts` and in the attempt."""
     missing = [k for k in IDENTITY if k not in identity]
     if missing:
         raise ValueError(f"run manifest: identity fields {missing} missing")
@@ -120,6 +122,8 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
         manifest = {"kind": kind, "identity": dict(identity), "attempts": [attempt]}
     if model_dir is not None:
         manifest["model_dir"] = str(Path(model_dir).resolve())
+    if prompts is not None:
+        manifest["prompts"] = attempt["prompts"] = dict(prompts)
     _write(path, manifest)
     return manifest
 

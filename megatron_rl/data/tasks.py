@@ -2,6 +2,7 @@
 
     splits, template = load_task(cfg.data)   # cfg.data: the `data:` section (train/config.py DataConfig)
     check_encodable(splits, template, tokenizer)   # every prompt and answer survives encode -> decode
+    fitted = fit_prompts(splits, template, tokenizer, cfg.prompt_token_limit)   # prompts the engine takes
 
 Tasks: the built-in `digit_max` (builtin.py), a `reasoning_gym` generator (reasoning_gym_task.py), or
 `jsonl` files (jsonl.py), a held-out split without a file carved from the training file (splits.py).
@@ -13,6 +14,7 @@ from megatron_rl.data.builtin import DIGIT_MAX_TEMPLATE, make_digit_max
 from megatron_rl.config import DataError
 from megatron_rl.data.dataset import Dataset, PromptTemplate
 from megatron_rl.data.jsonl import load_jsonl
+from megatron_rl.data.prompt_length import FittedPrompts, fit_prompts  # noqa: F401 - a run's data steps, in one place
 from megatron_rl.data.splits import holdout_splits
 
 

@@ -59,6 +59,23 @@ large: E[δ²/2] is KL's second-order term only (with |δ| ~ 5 it overstates KL 
 unbiased).  So, whatever the estimator, the step also reports `kl_ref_estimate`, the token mean of
 k3's value (≥ 0, unbiased; importance-weighted as below): the KL in nats per token.
 
+Reference KL under a truncating sampler (rollout.top_k / top_p).  π_θ is the distribution the
+engine samples from: tempered, truncated to the support S_θ (top-k, then top-p) and renormalised
+(megatron_rl/learner/logprobs.py).  π_ref is the reference at the same temperature, untruncated
+(train/learner_build.py `Reference`, `SamplingConfig.untruncated`): π_ref(x) > 0 for every x, so
+
+    KL(π_θ‖π_ref) = Σ_{x∈S_θ} π_θ(x) log(π_θ(x) / π_ref(x))
+
+is finite, and k1's and k2's gradient statements above hold with π = π_θ on S_θ (the mask carries
+no gradient).  k3's value is then biased low by π_ref(outside S_θ): E[exp(δ)] = π_ref(S_θ) < 1.
+Scoring the reference truncated too would give every sampled token outside the *reference's*
+top-k/top-p set OUT_OF_SUPPORT_LOGPROB (-87.3), δ ≈ 80 and a k2 term of ~3000 nats per token.
+A token whose log-probability is still at or below OUT_OF_SUPPORT_LOGPROB (under π_θ: the policy
+moved since sampling and the token left its support; under π_ref: a -inf logit) has no finite
+log-ratio: it is masked out of the KL term (contributes 0 and no gradient; the normaliser does not
+change) and counted (`kl_out_of_support_sum` -> metric `kl_out_of_support_tokens`).  Without
+truncation no token scores that low and nothing is masked.
+
 Off-policy the tokens come from μ, not π_θ.  With `kl_importance_correction` (default) each
 token's KL term is weighted by ρ_t = sg(exp(clamp(log π_θ - log μ, -R, R))) (truncated at C
 when TIS is on), so E_μ[ρ ∇k] = E_π[∇k] per token and the directions above hold.  As for
@@ -107,6 +124,7 @@ import torch
 
 from megatron_rl.grpo.advantages import batch_advantages, group_advantages
 from megatron_rl.grpo.loss_config import KL_GRADIENT, GRPOLossConfig, kl_metric_name  # noqa: F401 - re-exported
+from megatron_rl.learner.logprobs import OUT_OF_SUPPORT_LOGPROB
 
 LOG_RATIO_BOUND = 20.0
 """R: every log-ratio is clamped to [-R, R] before exp() (ratios within [2e-9, 4.9e8])."""
@@ -267,8 +285,21 @@ def _denominator(mask: torch.Tensor, aggregation: str, token_denominator, sequen
     return torch.as_tensor(denom, dtype=mask.dtype, device=mask.device).clamp(min=1e-12)
 
 
+def in_kl_support(logprobs_bt: torch.Tensor, ref_logprobs_bt: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: tokens with a finite log-ratio, both log-probabilities above OUT_OF_SUPPORT_LOGPROB
+    (module docstring, "Reference KL under a truncating sampler")."""
+    return (logprobs_bt.detach() > OUT_OF_SUPPORT_LOGPROB) & (ref_logprobs_bt > OUT_OF_SUPPORT_LOGPROB)
+
+
 def _kl_to_reference(logprobs_bt, ref, behavior, mask, cfg: GRPOLossConfig, stats: dict) -> torch.Tensor:
-    """The penalty's aggregated KL estimate (differentiable); records it and the KL's value (k3) in `stats`."""
+    """The penalty's aggregated KL estimate (differentiable); records it, the KL's value (k3) and the
+    tokens out of support (masked out of both) in `stats`."""
+    support_bt = in_kl_support(logprobs_bt, ref)
+    stats["kl_out_of_support_sum"] = (mask * ~support_bt).sum()
+    # Out of support both sides read 0: δ = 0, every estimator 0, no gradient to the token.
+    zeros = torch.zeros_like(mask)
+    logprobs_bt = torch.where(support_bt, logprobs_bt, zeros)
+    ref = torch.where(support_bt, ref, zeros)
     rho_bt = None
     if cfg.kl_importance_correction:
         with torch.no_grad():

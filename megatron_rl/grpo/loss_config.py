@@ -33,7 +33,10 @@ class GRPOLossConfig:
     tis_cap: float | None = None
     """C for truncated importance weights min(π_old/μ, C); None disables TIS.  Needs old_logprobs_bt."""
     kl_coef: float = 0.0
-    """β, weight of the KL penalty to the reference model; 0 disables it (ref logprobs unused)."""
+    """β, weight of the KL penalty to the reference model; 0 disables it (ref logprobs unused).  The
+    reference is scored at rollout.temperature, untruncated (no top-k/top-p: every token has a
+    probability); tokens still without a finite log-ratio are left out of the term and counted
+    (metric kl_out_of_support_tokens; grpo/loss.py)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k2"
     """Schulman's estimator used as the penalty.  Expected gradient: k2 ∇KL(π_θ‖π_ref) (default),
     k3 ∇KL(π_ref‖π_θ), k1 zero on-policy."""

@@ -55,6 +55,8 @@ def grpo_metrics(stats: Mapping, cfg: GRPOLossConfig) -> dict[str, float]:
             out["loss"] += cfg.kl_coef * kl
     if "kl_value_sum" in stats:  # KL(π_θ‖π_ref) in nats per token, k3 (unbiased), whatever the penalty
         out["kl_ref_estimate"] = _scalar(stats["kl_value_sum"]) / per_token
+    if "kl_out_of_support_sum" in stats:  # tokens masked out of the KL term (loss.py: no finite log-ratio)
+        out["kl_out_of_support_tokens"] = _scalar(stats["kl_out_of_support_sum"])
     out["clip_fraction"] = _scalar(stats["clip_sum"]) / per_token
     out["ratio_mean"] = _scalar(stats["ratio_sum"]) / per_token if tokens else 1.0
     n_b, lag_b, rmax_b = _vector(stats["seq_tokens"]), _vector(stats["seq_lag_sum"]), _vector(stats["seq_ratio_max"])

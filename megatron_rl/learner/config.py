@@ -154,6 +154,13 @@ class SamplingConfig:
             raise ValueError(f"sampling.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
 
     @property
+    def untruncated(self) -> "SamplingConfig":
+        """The same temperature with top-k and top-p off: the distribution the frozen reference is
+        scored under, so that the KL penalty's pi_ref gives every token a probability (see
+        megatron_rl/grpo/loss.py, "Reference KL under a truncating sampler")."""
+        return SamplingConfig(temperature=self.temperature)
+
+    @property
     def truncates(self) -> bool:
         """True when top-k or top-p removes tokens (the learner then needs the whole vocabulary row)."""
         return self.top_p < 1 or self.top_k > 0

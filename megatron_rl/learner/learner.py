@@ -164,7 +164,7 @@ class Learner:
         tp = self.cfg.tensor_parallel_size if self.sequence_parallel else 1
         return -(-width // tp) * tp
 
-    def _forward_step(self, loss_fn: LossFn | None, data_iterator, model):
+    def _forward_step(self, loss_fn: LossFn | None, sampling: SamplingConfig | None, data_iterator, model):
         from megatron.core import parallel_state as ps
 
         mb = next(data_iterator)
@@ -177,10 +177,12 @@ class Learner:
         output = model(tokens, position_ids, attention_mask=None)  # last stage: [b, T', V/tp]; else hidden
         if padded != width and ps.is_pipeline_last_stage():
             output = output[:, :width]  # logits of the real positions (the SP gather ran before the output layer)
-        return output, partial(self._loss_on_logits, loss_fn, mb)
+        return output, partial(self._loss_on_logits, loss_fn, mb, sampling=sampling)
 
-    def _loss_on_logits(self, loss_fn: LossFn | None, mb: dict, logits_btv: torch.Tensor, non_loss_data=False):
-        logprobs_bt = token_logprobs(logits_btv, mb["tokens"], self.hf_cfg.vocab_size, self.sampling)  # [b, T-1]
+    def _loss_on_logits(self, loss_fn: LossFn | None, mb: dict, logits_btv: torch.Tensor, non_loss_data=False, *,
+                        sampling: SamplingConfig | None = None):
+        sampling = sampling or self.sampling  # the policy's (the engine's) distribution unless told otherwise
+        logprobs_bt = token_logprobs(logits_btv, mb["tokens"], self.hf_cfg.vocab_size, sampling)  # [b, T-1]
         if non_loss_data:
             return logprobs_bt.detach()
         loss, metrics = loss_fn(logprobs_bt, mb)
@@ -188,14 +190,15 @@ class Learner:
         # reduce_step_stats concatenates them into one tensor for one all-reduce (NCCL: on the GPU).
         return loss, micro_batch_stats(loss, metrics)
 
-    def _run(self, micro: list[dict], loss_fn: LossFn | None, forward_only: bool, model: list | None = None):
+    def _run(self, micro: list[dict], loss_fn: LossFn | None, forward_only: bool, model: list | None = None,
+             sampling: SamplingConfig | None = None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         # Pipeline stages receive activations of the shape they are told; with micro-batches of
         # different shapes (token budget) the stages exchange each one's shape first.
         self.config.variable_seq_lengths = bool(self.cfg.max_tokens_per_micro_batch)
         return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn),
+            forward_step_func=partial(self._forward_step, loss_fn, sampling),
             data_iterator=iter(micro),
             model=model or self.model,
             num_microbatches=len(micro),
@@ -265,19 +268,17 @@ class Learner:
 
     @torch.no_grad()
     def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None,
-                         model: list | None = None, raw: bool = False) -> torch.Tensor:
-        """log p(tokens[:, t+1] | tokens[:, :t+1]) under `self.sampling`, global [B, T] -> [B, T-1] on
-        every rank, in the rows' order; of the policy, or of `model` (chunks in the policy's layout:
-        the frozen reference, train/learner_build.py).  With `lengths_b` [B] (real tokens per row), positions at or
-        beyond a row's length - 1 (predictions of padding) hold 0; a token budget never computes them.
-        `raw`: the model's own distribution instead (temperature 1, no truncation: what an engine's
-        teacher-forced prompt logprobs are, for the refit check)."""
-        if raw and self.sampling != SamplingConfig():
-            kept, self.sampling = self.sampling, SamplingConfig()
-            try:
-                return self.forward_logprobs(tokens_bt, lengths_b, model)
-            finally:
-                self.sampling = kept
+                         model: list | None = None, sampling: SamplingConfig | None = None,
+                         raw: bool = False) -> torch.Tensor:
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) under `sampling` (default `self.sampling`), global
+        [B, T] -> [B, T-1] on every rank, in the rows' order; of the policy, or of `model` (chunks in the
+        policy's layout: the frozen reference, train/learner_build.py, scored untruncated).  With
+        `lengths_b` [B] (real tokens per row), positions at or beyond a row's length - 1 (predictions
+        of padding) hold 0; a token budget never computes them.  `raw`: the model's own distribution
+        (temperature 1, no truncation: what an engine's teacher-forced prompt logprobs are, for the
+        refit check)."""
+        if raw:
+            sampling = SamplingConfig()
         from megatron.core import parallel_state as ps
 
         batch = {"tokens": tokens_bt} if lengths_b is None else {"tokens": tokens_bt, "lengths": lengths_b}
@@ -285,7 +286,7 @@ class Learner:
         micro = self._local_micro_batches(batch, plan)
         for chunk in model or self.model:
             chunk.eval()
-        outputs = self._run(micro, None, forward_only=True, model=model)
+        outputs = self._run(micro, None, forward_only=True, model=model, sampling=sampling)
         b, t = tokens_bt.shape
         # Each row is filled on exactly one data-parallel rank: a sum over DP puts every row in place.
         full = torch.zeros(b, t - 1, dtype=torch.float32, device=self.platform.device)

@@ -40,9 +40,11 @@ class RolloutConfig:
     temperature: float = 1.0
     """Default sampling temperature; when training, the learner scores with the same one."""
     top_p: float = 1.0
-    """Default nucleus sampling threshold (1.0 = off); the learner applies the same mask."""
+    """Default nucleus sampling threshold (1.0 = off); the learner applies the same mask (the KL
+    penalty's reference does not: it is scored untruncated, grpo/loss.py)."""
     top_k: int = 0
-    """Default top-k (0 = off; ties at the k-th logit kept); the learner applies the same mask."""
+    """Default top-k (0 = off; ties at the k-th logit kept); the learner applies the same mask (the
+    KL penalty's reference does not)."""
     max_tokens: int = 64
     """Default maximum response length."""
     stop_token_ids: list[int] = field(default_factory=list)

@@ -101,6 +101,11 @@ class DataConfig:
     """Prompt template with {question}; None takes the task's own."""
     eval_size: int = 100
     """Held-out examples scored at each evaluation (<= the split's size)."""
+    max_prompt_tokens: Optional[int] = None
+    """Longest prompt kept, in tokens as the rollout encodes it (template applied); longer ones are
+    dropped from every split before the run, counted per split in the log, the run manifest and
+    `--dry-run`.  None: rollout.max_model_len - rollout.max_tokens (the room a prompt has next to a
+    whole response); a larger value is refused."""
 
     def __post_init__(self) -> None:
         if self.task == "jsonl" and not self.train_file:
@@ -112,6 +117,8 @@ class DataConfig:
             raise ConfigError(f"data.eval_size must be >= 1, got {self.eval_size}")
         if not 0 < self.holdout_fraction < 0.5:
             raise ConfigError(f"data.holdout_fraction must be in (0, 0.5), got {self.holdout_fraction}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"data.max_prompt_tokens must be >= 1 (or unset), got {self.max_prompt_tokens}")
 
 
 @dataclass(kw_only=True)
@@ -287,6 +294,7 @@ class TrainConfig:
             raise ConfigError("stop.dev_eval_drops watches the dev eval, but run.eval_every is 0 (no dev evals)")
         self._check_sampling()
         self._check_lora()
+        self._check_prompt_room()
 
     def _check_lora(self) -> None:
         """What runs cannot do with LoRA adapters yet (the learner side is models/lora.py)."""
@@ -294,6 +302,34 @@ class TrainConfig:
             raise ConfigError("learner.lora.enabled: the learner trains adapters (megatron_rl/models/lora.py), but "
                               "runs cannot publish or checkpoint them yet, so the rollout engines would keep sampling "
                               "the base model; use learner.lora.enabled false")
+
+    def _check_prompt_room(self) -> None:
+        """A prompt must fit the engine's context next to a whole response (data.max_prompt_tokens)."""
+        room = self._prompt_room
+        if room < 1:
+            raise ConfigError(f"rollout.max_tokens ({self.rollout.max_tokens}) leaves no room for a prompt in "
+                              f"rollout.max_model_len ({self._context_len}); raise max_model_len or lower max_tokens")
+        limit = self.data.max_prompt_tokens
+        if limit is not None and limit > room:
+            raise ConfigError(f"data.max_prompt_tokens ({limit}) is more than rollout.max_model_len - "
+                              f"rollout.max_tokens ({self._context_len} - {self.rollout.max_tokens} = {room}): such a "
+                              f"prompt leaves no room for a whole response; set data.max_prompt_tokens <= {room} or "
+                              f"leave it unset")
+
+    @property
+    def _context_len(self) -> int:
+        """The engine's context: rollout.engine_options.max_model_len wins over rollout.max_model_len."""
+        return int(self.rollout.engine_options.get("max_model_len", self.rollout.max_model_len))
+
+    @property
+    def _prompt_room(self) -> int:
+        return self._context_len - self.rollout.max_tokens
+
+    @property
+    def prompt_token_limit(self) -> int:
+        """Longest prompt a run keeps (megatron_rl/data/prompt_length.py): data.max_prompt_tokens, or
+        rollout.max_model_len - rollout.max_tokens when unset."""
+        return self.data.max_prompt_tokens or self._prompt_room
 
     def _check_sampling(self) -> None:
         """The rollout's sampling settings must describe a distribution the learner can score."""

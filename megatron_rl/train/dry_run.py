@@ -4,7 +4,8 @@
 
 Checks: run.dir (a directory, or creatable), the model (config.json readable, architecture
 supported, every safetensors file as long as its header says), the learner and rollout
-layouts against the model's heads, KV heads and layers, the data (JSONL files and fields),
+layouts against the model's heads, KV heads and layers, the data (JSONL files and fields; prompts
+longer than the engine takes are dropped and counted per split, a split left empty is an error),
 and the checkpoint to resume from (the newest whose files match their sha256, its tokenizer
 this run's).  No Ray, vLLM or
 Megatron is started.
@@ -44,6 +45,22 @@ def init_from_model_dir(run_dir: str | Path) -> Path:
     if ckpt is None:
         raise FileNotFoundError(f"model.init_from {run_dir}: no intact COMMITTED checkpoint to start from")
     return training_checkpoint_model_dir(ckpt)
+
+
+def run_tokenizer(cfg: TrainConfig):
+    """The tokenizer the run encodes prompts with, without making a model: the model's, or for a
+    tiny spec the character tokenizer it is made with (or the one an earlier attempt wrote)."""
+    from transformers import AutoTokenizer
+
+    if cfg.model.tiny is not None:
+        made = Path(cfg.run.dir) / "model"
+        if not (made / "tokenizer.json").is_file():
+            from megatron_rl.models.tokenizer import build_tokenizer
+
+            return build_tokenizer()
+        return AutoTokenizer.from_pretrained(str(made))
+    model_dir = cfg.model.path if cfg.model.path is not None else init_from_model_dir(cfg.model.init_from)
+    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def check_resume_tokenizer(cfg: TrainConfig) -> str | None:
@@ -135,7 +152,7 @@ def check_weight_files(model_dir: str | Path) -> int:
 def check_and_plan(cfg: TrainConfig) -> dict:
     from megatron_rl.coordinator.config import plan_entry
     from megatron_rl.models.hf_config import check_parallel_layout
-    from megatron_rl.data.tasks import load_task
+    from megatron_rl.data.tasks import fit_prompts, load_task
 
     check_run_dir(cfg)
     hf = model_config(cfg)
@@ -153,6 +170,8 @@ def check_and_plan(cfg: TrainConfig) -> dict:
                          f"not divisible by learner.micro_batch_size x learner.data_parallel_size = "
                          f"{lc.micro_batch_size} x {lc.data_parallel_size}")
     splits, template = load_task(cfg.data)
+    fitted = fit_prompts(splits, template, run_tokenizer(cfg), cfg.prompt_token_limit)
+    splits = fitted.splits
     resume_from = check_resume_tokenizer(cfg)
     ranks = lc.world_size
     return {
@@ -169,7 +188,7 @@ def check_and_plan(cfg: TrainConfig) -> dict:
                     "max_tokens": cfg.rollout.max_tokens},
         "data": {"task": cfg.data.task, "train": len(splits["train"]), "dev": len(splits["dev"]),
                  "test": len(splits["test"]), "version": splits["train"].dataset_version[:16],
-                 "template": template.template},
+                 "template": template.template, **fitted.record()},
         "steps": cfg.run.steps,
         "coordinator": plan_entry(cfg.coordinator),
         "run_dir": cfg.run.dir,

@@ -111,7 +111,13 @@ class InitialPolicy:
 
 class Reference:
     """A frozen copy of the initial policy in the learner's layout: forward only, and its own logprobs
-    (run through the learner's schedule, so TP/PP/DP and the token budget apply as for the policy)."""
+    (run through the learner's schedule, so TP/PP/DP and the token budget apply as for the policy).
+
+    Its logprobs are taken at the sampling temperature but untruncated (`SamplingConfig.untruncated`:
+    no top-k/top-p), whatever the rollout samples with: the KL penalty compares the policy with the
+    reference's whole distribution, where every token has a probability.  A truncated reference
+    would score each sampled token outside its own top-k/top-p set as -87.3, and one such token
+    dominates a step's KL (grpo/loss.py)."""
 
     def __init__(self, policy: InitialPolicy):
         from megatron_rl.conversion.model_io import fill_from_hf
@@ -124,7 +130,9 @@ class Reference:
         fill_from_hf(self.model, policy.hf_cfg, policy.checkpoint, policy.tp_rank, lc.tensor_parallel_size,
                      policy.padded_vocab)
         self.model.requires_grad_(False)
+        self.sampling = self.learner.sampling.untruncated
 
     def logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T-1] log-probabilities of the tokens under the initial policy (as Learner.forward_logprobs)."""
-        return self.learner.forward_logprobs(tokens_bt, lengths_b, model=[self.model])
+        """[B, T-1] log-probabilities of the tokens under the initial policy, at the sampling
+        temperature and untruncated (as Learner.forward_logprobs, under `self.sampling`)."""
+        return self.learner.forward_logprobs(tokens_bt, lengths_b, model=[self.model], sampling=self.sampling)

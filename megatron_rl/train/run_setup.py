@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from megatron_rl.config import config_hash
 from megatron_rl.data.cursor import DataCursor
 from megatron_rl.data.dataset import Dataset, PromptTemplate
-from megatron_rl.data.tasks import check_encodable, load_task
+from megatron_rl.data.tasks import check_encodable, fit_prompts, load_task
 from megatron_rl.train.config import TrainConfig, data_order_seed, resolved_dict
 from megatron_rl.train.start_model import prepare_model
 
@@ -42,6 +42,8 @@ class RunInputs:
     """{"train", "dev", "test"}: the task's datasets."""
     template: PromptTemplate
     """The PromptTemplate that encodes an example into prompt tokens."""
+    prompts_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Prompts over the run's prompt_token_limit dropped from each split (data/prompt_length.py)."""
 
     @property
     def vocab_size(self) -> int:
@@ -55,7 +57,8 @@ class RunInputs:
 def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
     """What every run (train, sft) does first, before any Ray/vLLM/Megatron start: the run
     directory with its resolved config, seeds, the model to start from, its tokenizer, the data
-    splits (checked encodable), and run_manifest.json (a resume with other inputs is refused).
+    splits (checked encodable; prompts longer than the engine takes dropped and counted), and
+    run_manifest.json (a resume with other inputs is refused).
 
     Returns the RunInputs.
     """
@@ -74,13 +77,16 @@ def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     splits, template = load_task(cfg.data)
     check_encodable(splits, template, tokenizer)
+    fitted = fit_prompts(splits, template, tokenizer, cfg.prompt_token_limit)
+    splits = fitted.splits
     tok_hash = tokenizer_hash(model_dir)
     open_run(run_dir, kind=kind, config_hash=config_hash(cfg),
              resuming=cfg.run.resume and latest_committed(run_dir / "checkpoints") is not None, model_dir=model_dir,
+             prompts=fitted.record(),
              identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
                        "dataset_version": splits["train"].dataset_version,
                        "grader_version": cfg.reward.grader_version()})
-    return RunInputs(run_dir, model_dir, tokenizer, tok_hash, splits, template)
+    return RunInputs(run_dir, model_dir, tokenizer, tok_hash, splits, template, fitted.dropped)
 
 def train_cursor(cfg: TrainConfig, train) -> DataCursor:
     """The data cursor over the training split: its order follows data.seed and run.seed."""
