@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -162,11 +163,26 @@ def run_arm(args, arm: str) -> dict:
     argv = [x for k, v in options.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--arm", arm]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout,
-                          start_new_session=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"arm {arm} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    # Output to files, not pipes: vLLM's engine-core process outlives the arm's os._exit and would hold a
+    # pipe open for ever.  The arm's whole session (that process included) is killed once the arm ends.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            code = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            code = f"killed after {args.timeout} s"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    if code != 0 or not lines:
+        raise SystemExit(f"arm {arm} exited {code}:\n{stderr[-4000:]}")
     return json.loads(lines[-1])
 
 
