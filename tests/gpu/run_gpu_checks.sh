@@ -21,15 +21,16 @@
 # Exit 1 (the reason printed) when: the python does not import torch; nvidia-smi lists GPUs torch does
 # not see; torch sees no GPU (nothing would run); stage 1 fails or prints no passing summary; a part
 # fails; a part's pytest ran no test or skipped one (a check that skipped tested nothing); or a part is
-# left out because a package it needs does not import, unless --allow-skip.  Parts that need more GPUs than the machine has are not run and are
-# listed at the end (the machine cannot run them).  The end lists what ran, what was skipped and why.
+# left out because a package it needs does not import, unless --allow-skip.  Parts that need more
+# GPUs than the machine has are not run and are listed at the end (the machine cannot run them).
+# The end lists what ran, what was skipped and why.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 allow_skip=0
 for arg in "$@"; do
   case "$arg" in
     --allow-skip) allow_skip=1 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "run_gpu_checks.sh: unknown argument '$arg' (known: --allow-skip)" >&2; exit 2 ;;
   esac
 done
