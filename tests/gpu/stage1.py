@@ -44,7 +44,8 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+_HERE = Path(__file__).resolve()
+REPO = _HERE.parents[2] if len(_HERE.parents) > 2 else _HERE.parent  # a checkout, or wherever it was copied
 PARTS = ("learner_step", "checkpoint", "ipc_digest", "metrics")
 BREAKS = ("ipc", "checkpoint")
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 101, "hidden_size": 64, "intermediate_size": 96,
