@@ -122,9 +122,10 @@ def part_learner_step(state: dict) -> str:
 
     learner = state["learner"] = _learner(state["platform"], state["dtype"], SEED)
     params = learner.model[0].module.parameters()
-    kinds = sorted({type(m).__module__.split(".")[0] for m in learner.model[0].module.modules()})
-    if any(k == "transformer_engine" for k in kinds):
-        raise PartFailed(f"the model has Transformer Engine modules ({kinds}); stage 1 is for local layers")
+    te = sorted({type(m).__name__ for m in learner.model[0].module.modules()  # TE's own, or Megatron's TE wrappers
+                 if "transformer_engine" in type(m).__module__})
+    if te:
+        raise PartFailed(f"the model has Transformer Engine modules ({', '.join(te)}); stage 1 is for local layers")
     first = next(params)
     before = first.detach().clone()
     state["batch"] = _batch(learner)
