@@ -328,7 +328,7 @@ def part_metrics(state: dict) -> str:
 # ---- the run -------------------------------------------------------------------------------------
 
 DESCRIBE = {
-    "learner_step": "bf16 learner step, local layers",
+    "learner_step": "{dtype} learner step, local layers",
     "checkpoint": "driver-level checkpoint save, load into a fresh learner, identical next loss",
     "ipc_digest": "two-process export, open and digest check (no vLLM)",
     "metrics": "metric devices: host floats only",
@@ -343,7 +343,7 @@ def _run_parts(state: dict, summary: dict) -> None:
     from megatron_rl.config import ConfigError
 
     for n, name in enumerate(PARTS, 1):
-        title = f"== stage 1 part {n}/{len(PARTS)} {name}: {DESCRIBE[name]}"
+        title = f"== stage 1 part {n}/{len(PARTS)} {name}: {DESCRIBE[name].format(dtype=state['dtype'])}"
         if NEEDS.get(name) == "learner" and state["learner"] is None:
             summary["parts"][name] = {"ok": False, "seconds": 0.0, "detail": "not run: no learner (part 1 failed)"}
             _say(f"{title}: FAILED, not run (no learner: part 1 failed)")
