@@ -22,8 +22,6 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
-
 T = TypeVar("T")
 
 
@@ -155,6 +153,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r}: {part!r} is not a section")
+        import yaml  # here, not at module level: the learner, checkpoint and publish modules import
+        # this one, and a GPU node's stage-1 check (tests/gpu/stage1.py) runs them without PyYAML
+
         try:
             node[parts[-1]] = yaml.safe_load(raw)
         except (yaml.YAMLError, RecursionError) as err:
@@ -164,6 +165,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def read_config_data(path: str | Path | None, overrides: list[str] = ()) -> dict:
     """Plain data of YAML `path` (optional) with dotted `overrides` applied."""
+    import yaml  # see apply_overrides
+
     data: dict = {}
     if path is not None:
         path = Path(path)

@@ -16,7 +16,7 @@ memory would also see the next optimizer step's writes.
 So every publication is copied into blocks allocated once and kept: the same model lands at the
 same offsets every time, each block is exported once (`CudaBlockExports`: torch wraps it once), and a
 tensor's handle is its block's handle with the tensor's own size, stride, offset and dtype.  The
-engine opens it as any reduce_tensor handle (publish/vllm_ipc.py `open_cuda_handle`).  The ref
+engine opens it as any reduce_tensor handle (`open_cuda_handle` below).  The ref
 counter torch attaches to an export means nothing for a block that lives as long as the transport:
 the protocol keeps it alive instead (ipc_route.py `ipc_round`: every engine answers, and drops its
 views at finish_weight_update, before the next publication writes the block again).
@@ -54,6 +54,20 @@ def export_cuda_handle(tensor: torch.Tensor) -> Handle:
 
     _, args = reduce_tensor(tensor)
     return {gpu_uuid(tensor.device.index): args}
+
+
+def open_cuda_handle(handle: Handle, device: torch.device) -> torch.Tensor:
+    """The CUDA step on the engine side: the tensor a handle points at, on this engine's GPU (vllm_ipc.py
+    uses it, and so does tests/gpu/stage1.py, which opens a publication without vLLM)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuid = gpu_uuid(device.index)
+    if uuid not in handle:
+        raise ValueError(f"no IPC handle for this engine's GPU {uuid} (handles are for {sorted(handle)}): no learner "
+                         "rank on this GPU holds a copy of the publication (publish/ipc_route.py)")
+    args = list(handle[uuid])
+    args[6] = device.index  # reduce_tensor's storage device, as numbered in this process
+    return rebuild_cuda_tensor(*args)
 
 
 def retarget(block_args: tuple, view: torch.Tensor) -> tuple:

@@ -57,24 +57,12 @@ from megatron_rl.publish.ipc_route import (  # noqa: F401 -- the trainer's half,
     gpu_uuid,
     pickle_handles,
 )
+from megatron_rl.publish.ipc_staging import open_cuda_handle
 from megatron_rl.publish.manifest import dtype_name
 from megatron_rl.publish.vllm_engine import VerifiedCommit
 from megatron_rl.publish.wire import ReceivedPublication
 
 log = logging.getLogger(__name__)
-
-
-def open_cuda_handle(handle: Handle, device: torch.device) -> torch.Tensor:
-    """The CUDA step on the engine side: the tensor a handle points at, on this engine's GPU."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    uuid = gpu_uuid(device.index)
-    if uuid not in handle:
-        raise ValueError(f"no IPC handle for this engine's GPU {uuid} (handles are for {sorted(handle)}): no learner "
-                         "rank on this GPU holds a copy of the publication (publish/ipc_route.py)")
-    args = list(handle[uuid])
-    args[6] = device.index  # reduce_tensor's storage device, as numbered in this process
-    return rebuild_cuda_tensor(*args)
 
 
 @dataclass

@@ -3,6 +3,10 @@
 #   bash tests/gpu/run_gpu_checks.sh                # budget: <= 8 minutes on one GPU
 #   bash tests/gpu/run_gpu_checks.sh --allow-skip   # accept parts skipped for a package that does not import
 # Needs a CUDA machine with the GPU extra installed (bash launch/install.sh picks it).
+# Stage 1 (first; torch + megatron-core only, <= 3 minutes): python tests/gpu/stage1.py --device cuda,
+#   a bf16 learner step on local layers, the driver-level checkpoint round trip, a two-process CUDA IPC
+#   export + digest check without vLLM, metric devices (README: "GPU stage 1 on a node without network").
+# Stage 2, part by part (where TE, vLLM and Ray are installed):
 #   1 TE vs local layer-spec parity (bf16)                 1 GPU + Transformer Engine
 #   2 NCCL init + bf16 learner step with float/0-dim/[b] loss statistics   1 GPU (TP = GPUs, up to 2)
 #   3 checkpoint save + resume with TE's FusedAdam         1 GPU + Transformer Engine
@@ -15,17 +19,18 @@
 # vLLM engines start eager in these checks (tests/gpu/engine_options.py): seconds, not minutes, each.
 #
 # Exit 1 (the reason printed) when: the python does not import torch; nvidia-smi lists GPUs torch does
-# not see; torch sees no GPU (nothing would run); a part fails; a part's pytest ran no test or skipped
-# one (a check that skipped tested nothing); or a part is left out because a package it needs does not
-# import, unless --allow-skip.  Parts that need more GPUs than the machine has are not run and are
-# listed at the end (the machine cannot run them).  The end lists what ran, what was skipped and why.
+# not see; torch sees no GPU (nothing would run); stage 1 fails or prints no passing summary; a part
+# fails; a part's pytest ran no test or skipped one (a check that skipped tested nothing); or a part is
+# left out because a package it needs does not import, unless --allow-skip.  Parts that need more
+# GPUs than the machine has are not run and are listed at the end (the machine cannot run them).
+# The end lists what ran, what was skipped and why.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 allow_skip=0
 for arg in "$@"; do
   case "$arg" in
     --allow-skip) allow_skip=1 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "run_gpu_checks.sh: unknown argument '$arg' (known: --allow-skip)" >&2; exit 2 ;;
   esac
 done
@@ -103,6 +108,21 @@ part() {  # part NAME NEED_GPUS "MODULES" TEST_PATH
     echo "== $name: ran, FAILED (pytest exit $rc, $(( $(date +%s) - t0 )) s)"; failed+=("$name (pytest exit $rc)")
   fi
 }
+# Stage 1: torch and megatron-core only (tests/gpu/stage1.py; its last line is a JSON summary).
+echo "== stage 1 (torch + megatron-core only): $python tests/gpu/stage1.py --device cuda"
+t0=$(date +%s)
+"$python" tests/gpu/stage1.py --device cuda | tee "$report_dir/stage1.log"
+rc=${PIPESTATUS[0]}
+stage1_summary=$(tail -n 1 "$report_dir/stage1.log")
+if [ "$rc" -eq 0 ] && [[ "$stage1_summary" == *'"passed": true'* ]]; then
+  stage1="passed ($(( $(date +%s) - t0 )) s)"
+else
+  stage1_failed=$(echo "$stage1_summary" | grep -o '"failed": \[[^]]*\]' | sed 's/"failed": //')
+  stage1="FAILED (exit $rc, failed parts ${stage1_failed:-unknown: no summary line})"
+fi
+echo "== stage 1: $stage1"
+
+echo "== stage 2: the parts that need Transformer Engine, vLLM or Ray"
 part "TE vs local parity" 1 "transformer_engine.pytorch" tests/gpu/test_gpu_te_parity.py
 part "NCCL learner step with metrics" 1 "" tests/gpu/test_gpu_nccl.py
 part "checkpoint save + resume (TE FusedAdam)" 1 "transformer_engine.pytorch" tests/gpu/test_gpu_checkpoint_te.py
@@ -112,11 +132,12 @@ part "top-p 0.9 samples reconcile with the learner's semantics" 1 "vllm ray" tes
 part "NCCL disaggregated publication + logprobs after refit" 2 "vllm ray" tests/gpu/test_gpu_publish_nccl.py
 part "colocated IPC on two GPUs (a copy per engine GPU)" 2 "vllm ray" tests/gpu/test_gpu_colocated_ipc_multi.py
 
-echo "== summary ($(( $(date +%s) - start )) s): ${#passed[@]} passed, ${#failed[@]} failed, ${#skipped[@]} skipped, ${#not_run[@]} not run"
+echo "== summary ($(( $(date +%s) - start )) s): stage 1 ${stage1%% *}; stage 2: ${#passed[@]} passed, ${#failed[@]} failed, ${#skipped[@]} skipped, ${#not_run[@]} not run"
+echo "   stage 1: $stage1"
 for line in "${passed[@]}"; do echo "   passed:  $line"; done
 for line in "${failed[@]}"; do echo "   FAILED:  $line"; done
 for line in "${skipped[@]}"; do echo "   skipped: $line"; done
 for line in "${not_run[@]}"; do echo "   not run: $line"; done
 if [ "${#passed[@]}" -eq 0 ]; then echo "run_gpu_checks.sh: FAILED: no part ran" >&2; exit 1; fi
-if [ "${#failed[@]}" -gt 0 ]; then exit 1; fi
+if [ "${#failed[@]}" -gt 0 ] || [ "${stage1%% *}" != passed ]; then exit 1; fi
 exit 0

@@ -5,9 +5,11 @@
 The script is copied into a scratch repository and run with a fake `nvidia-smi` on PATH and one of
 three venv pythons: this one (its torch sees no GPU on this machine), one without torch, and a fake
 that reports one GPU, answers the package probes from the environment and stands in for pytest
-(writing the JUnit report a passing, or an all-skipped, run would write).  Without a GPU it must
+(writing the JUnit report a passing, or an all-skipped, run would write) and for stage 1
+(tests/gpu/stage1.py: a passing or failing JSON summary, or none).  Without a GPU it must
 exit non-zero whatever the flags; with one, a part left out for a missing package fails the run
-unless --allow-skip, a part whose pytest skipped its tests fails, and the end lists every part.
+unless --allow-skip, a part whose pytest skipped its tests fails, stage 1 runs first and its failure
+(or a run that printed no passing summary) fails the whole, and the end lists every part.
 """
 
 import shutil
@@ -35,6 +37,12 @@ case "$1 ${2:-}" in
     skipped=0; [ "${FAKE_PYTEST:-pass}" = skip ] && skipped=2
     echo "<testsuites><testsuite name=\\"pytest\\" tests=\\"2\\" skipped=\\"$skipped\\" failures=\\"0\\" errors=\\"0\\"/></testsuites>" > "$xml"
     exit 0 ;;
+  "tests/gpu/stage1.py --device")  # stage 1's last line is its JSON summary (FAKE_STAGE1=pass|fail|silent)
+    case "${FAKE_STAGE1:-pass}" in
+      pass) echo "== stage 1 part 1/4 learner_step: passed"; echo '{"stage": 1, "passed": true, "failed": []}'; exit 0 ;;
+      fail) echo '{"stage": 1, "passed": false, "failed": ["ipc_digest"]}'; exit 1 ;;
+      silent) exit 0 ;;
+    esac ;;
   "-c import "*) mod="${2#import }"; case " ${FAKE_IMPORTS:-} " in *" $mod "*) exit 0 ;; *) exit 1 ;; esac ;;
   *) exec REAL_PYTHON "$@" ;;
 esac
@@ -107,3 +115,20 @@ def test_a_part_whose_tests_all_skipped_failed(tmp_path):
 def test_unknown_argument_is_refused(tmp_path):
     out = _run(tmp_path, ONE_GPU, "--allow-skips")
     assert out.returncode == 2 and "unknown argument '--allow-skips'" in out.stderr
+
+
+def test_stage_one_runs_first_and_its_failure_fails_the_checks(tmp_path):
+    everything = "transformer_engine.pytorch vllm ray"
+    out = _run(tmp_path, ONE_GPU, FAKE_IMPORTS=everything)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.index("== stage 1 (torch + megatron-core only)") < out.stdout.index("== TE vs local parity")
+    assert "== stage 1 part 1/4 learner_step: passed" in out.stdout and "   stage 1: passed" in out.stdout
+    assert "stage 1 passed; stage 2: 6 passed, 0 failed" in out.stdout, out.stdout
+
+    out = _run(tmp_path, ONE_GPU, FAKE_IMPORTS=everything, FAKE_STAGE1="fail")
+    assert out.returncode == 1, out.stdout
+    assert '   stage 1: FAILED (exit 1, failed parts ["ipc_digest"])' in out.stdout, out.stdout
+    assert "6 passed, 0 failed" in out.stdout  # stage 2 still ran, and says so
+
+    out = _run(tmp_path, ONE_GPU, FAKE_IMPORTS=everything, FAKE_STAGE1="silent")  # exit 0, but no summary
+    assert out.returncode == 1 and "stage 1: FAILED (exit 0, failed parts unknown: no summary line)" in out.stdout
