@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 WEIGHT_TRANSFER = ("auto", "gloo", "nccl", "ipc", "none")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+INFLIGHT_REFIT = ("wait", "recompute", "keep_kv")
 
 
 @dataclass(kw_only=True)
@@ -84,6 +85,15 @@ class RolloutConfig:
     generate_timeout_s: float = 1800.0
     """How long the fleet waits for one generate call of a rollout group; past it the group is marked
     stale and unreachable, and the call's requests are sent to a serving group."""
+    streaming: bool = False
+    """Stream rollouts (rollout/stream_actor.py): each group's vLLM engine is an async engine running many
+    prompt groups at once, a group goes to the learner the moment its last sample ends, and publications
+    land while requests are in flight (`inflight_refit`).  Off: rounds (one generate call per batch)."""
+    inflight_refit: str = "recompute"
+    """How a streaming engine takes a publication with requests in flight (rollout/stream_engine.py):
+    "recompute" (pause, swap, recompute every kept request's KV under the new weights, resume),
+    "keep_kv" (kept requests continue on the KV the old weights computed; recorded per token as its
+    kv version) or "wait" (requests in flight finish on the old weights first).  No token is lost in any."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Passed through to vllm.LLM as keyword arguments (they win over the fields above)."""
 
@@ -113,5 +123,12 @@ class RolloutConfig:
         if self.engine_in_process and self.tensor_parallel_size != 1:
             raise ValueError(f"rollout.engine_in_process needs rollout.tensor_parallel_size 1 (one worker "
                              f"process per rank otherwise), got {self.tensor_parallel_size}")
+        if self.streaming is not True and self.streaming is not False:
+            raise ValueError(f"rollout.streaming must be true or false, got {self.streaming!r}")
+        if self.inflight_refit not in INFLIGHT_REFIT:
+            raise ValueError(f"rollout.inflight_refit {self.inflight_refit!r} is not one of {list(INFLIGHT_REFIT)}")
+        if self.streaming and self.sleep_mode:
+            raise ValueError("rollout.sleep_mode: a streaming engine never sleeps (it generates while the learner "
+                             "learns); set rollout.sleep_mode false or rollout.streaming false")
         if self.weight_transfer not in WEIGHT_TRANSFER:
             raise ValueError(f"rollout.weight_transfer {self.weight_transfer!r} is not one of {list(WEIGHT_TRANSFER)}")

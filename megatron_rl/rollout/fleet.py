@@ -49,6 +49,7 @@ import ray
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.stream_actor import create_stream_worker
 from megatron_rl.rollout.worker import create_rollout_worker
 
 logger = logging.getLogger(__name__)
@@ -89,8 +90,9 @@ def engine_died(err: BaseException) -> bool:
 
 
 def refused_stale(err: BaseException) -> bool:
-    """A stale group refused to generate (it holds no complete version): send elsewhere or later."""
-    return "holds no complete policy version" in str(err)
+    """A stale group refused to generate (it holds no complete version), or a streaming group's request
+    sampled under weights its refit check then refused (rollout/stream_actor.py): send elsewhere or later."""
+    return "holds no complete policy version" in str(err) or "RefusedWeights" in str(err)
 
 
 class RolloutFleet:
@@ -129,15 +131,19 @@ class RolloutFleet:
 
     def _start(self, g: int, stale: bool):
         opts = self.placement(g) if self.placement is not None else {}
-        return create_rollout_worker(self.cfg, stale=stale, **opts)
+        create = create_stream_worker if self.cfg.streaming else create_rollout_worker
+        return create(self.cfg, stale=stale, **opts)
 
     # ---- generation ------------------------------------------------------------------------------
 
-    def submit(self, prompts: list[list[int]], *, n: int, sampling: dict, extra: list[dict]) -> PendingRollout:
+    def submit(self, prompts: list[list[int]], *, n: int, sampling: dict, extra: list[dict],
+               first_group: int = 0) -> PendingRollout:
+        """Send the prompts round-robin over the groups, prompt 0 to `first_group` (a streaming producer
+        sends one prompt's group at a time and spreads them with it)."""
         self.check_returned()
         self.refit(wait_s=0.0)  # a group that answers again (stale) serves only once refitted
         k = len(self.workers)
-        chunks = [Chunk(list(range(g, len(prompts), k)), g) for g in range(k)]
+        chunks = [Chunk(list(range(j, len(prompts), k)), (first_group + j) % k) for j in range(k)]
         pending = PendingRollout([c for c in chunks if c.index], prompts, dict(sampling), extra, n)
         for c in pending.chunks:
             self._send(pending, c)
@@ -202,8 +208,8 @@ class RolloutFleet:
                                "their partial samples were discarded", len(c.index), c.group, c.tries + 1)
                 c.ref = None
 
-    def generate(self, prompts, *, n, sampling, extra) -> list[RolloutSample]:
-        return self.collect(self.submit(prompts, n=n, sampling=sampling, extra=extra))
+    def generate(self, prompts, *, n, sampling, extra, first_group: int = 0) -> list[RolloutSample]:
+        return self.collect(self.submit(prompts, n=n, sampling=sampling, extra=extra, first_group=first_group))
 
     # ---- restart and refit -----------------------------------------------------------------------
 

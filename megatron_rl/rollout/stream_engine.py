@@ -16,12 +16,14 @@ What vLLM 0.32 does across a refit (measured: experiments/kv_refit_findings.md, 
   recomputed from prompt + tokens so far when scheduled again) and empties the prefix cache, or
   raises; `pause_generation(mode="keep", clear_cache=True)` does the same at pause time.
 
-So a refit here is: pause (keep) -> load -> label -> invalidate -> resume, with two modes:
+So a refit here is: pause (keep) -> load -> label -> invalidate -> resume, in one of three modes:
 - "recompute": every kept request's KV is recomputed under the new weights (the reset must
   succeed, else StaleCacheError and the engine stays paused: nothing stale is served).
 - "keep_kv": kept requests continue on their old KV (as PipelineRL); their later tokens are
   recorded with the older `kv_version`.
-In both, no request is aborted and no token is lost, and a request admitted after the refit never
+- "wait": admissions wait while the requests in flight run to their end under the old weights; the
+  swap then happens with nothing running (today's round semantics, without the rounds).
+In all three, no request is aborted and no token is lost, and a request admitted after the refit never
 reuses a block computed for an earlier admission version: every request carries its admission
 version as vLLM's `cache_salt`, which is part of its blocks' hashes.
 
@@ -45,7 +47,7 @@ from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
 
 log = logging.getLogger(__name__)
 
-REFIT_MODES = ("recompute", "keep_kv")
+REFIT_MODES = ("wait", "recompute", "keep_kv")
 WORKER_EXTENSION = "megatron_rl.rollout.stream_worker.StreamWorkerExtension"  # loaded inside vLLM
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos")
 
@@ -77,6 +79,8 @@ class StreamResult:
     segments: list[Segment] = field(default_factory=list)
     num_cached_tokens: int = 0
     """Prompt tokens vLLM took from its prefix cache at admission."""
+    labels: list[tuple[str, int, int]] = field(default_factory=list)
+    """vLLM's weights labels over the response, as (label, start, end) spans."""
 
 
 @dataclass(frozen=True)
@@ -103,10 +107,13 @@ class _Flight:
 class StreamEngine:
     """One AsyncLLM: `generate` streams requests, `refit` swaps weights between two steps."""
 
-    def __init__(self, engine, version: int = 0):
-        """`engine`: a started vllm AsyncLLM serving policy `version` (StreamEngine.start builds one)."""
+    def __init__(self, engine, version: int = 0, label: str | None = None):
+        """`engine`: a started vllm AsyncLLM serving policy `version` (StreamEngine.start builds one);
+        `label`: what vLLM stamps on the tokens these weights sample ("<version>" unless given; its part
+        before the first ":" is the version)."""
         self.engine = engine
         self.version = int(version)
+        self.label = label if label is not None else str(int(version))
         self._flights: dict[str, _Flight] = {}
         self._refit_lock = asyncio.Lock()
         self._serving = asyncio.Event()  # cleared while a refit runs: admissions wait for its version
@@ -115,7 +122,7 @@ class StreamEngine:
         self._broken: StaleCacheError | None = None  # a refit that could not drop old KV: serve nothing more
 
     @classmethod
-    def start(cls, cfg: RolloutConfig, version: int = 0) -> "StreamEngine":
+    def start(cls, cfg: RolloutConfig, version: int = 0, label: str | None = None) -> "StreamEngine":
         """Build the engine from a rollout config (the same arguments as RolloutWorker's LLM).  AsyncLLM
         always runs its engine core in a child process; `engine_in_process` puts the worker in that one
         (the "uni" executor) instead of a third process."""
@@ -128,11 +135,15 @@ class StreamEngine:
         on_gpu = torch.cuda.is_available()
         os.environ.update(engine_env(cfg, on_gpu))
         kwargs = {**llm_kwargs(cfg, on_gpu), "worker_extension_cls": WORKER_EXTENSION}
+        if not on_gpu:
+            # A request resumed after a refit's preemption is prefilled again; split over two steps, vLLM's
+            # CPU runner rewinds its seeded sampler (a CPU torch.Generator has no offset) and the engine dies.
+            kwargs["enable_chunked_prefill"] = False
         kwargs.update(cfg.engine_options)
         started = time.perf_counter()
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         log.info("vLLM async engine for %s up in %.1f s", cfg.model, time.perf_counter() - started)
-        return cls(engine, version)
+        return cls(engine, version, label)
 
     def in_flight(self) -> dict[str, int]:
         """Request id -> response tokens received so far, for every request not finished."""
@@ -169,12 +180,14 @@ class StreamEngine:
                 result.num_cached_tokens = out.num_cached_tokens or 0
                 if out.finished:
                     result.finish_reason = c.finish_reason
+                    result.labels = [(str(w.version), int(w.start), int(w.end)) for w in c.weight_versions or []]
                     result.segments = _segments(c.weight_versions, len(result.response_tokens), flight.kv_epoch)
         finally:
             self._flights.pop(request_id, None)
         return result
 
-    async def refit(self, load: Callable[[], Awaitable[Any]], version: int, mode: str = "recompute") -> RefitRecord:
+    async def refit(self, load: Callable[[], Awaitable[Any]], version: int, mode: str = "recompute",
+                    label: str | None = None) -> RefitRecord:
         """Swap in policy `version` while requests are in flight (module docstring).  `load()` puts the
         new weights into every engine worker or raises having changed nothing (a checked publication's
         all-or-nothing commit); on a raise generation resumes on the old weights and the error propagates."""
@@ -188,7 +201,8 @@ class StreamEngine:
                 raise RuntimeError(f"refit to version {version} refused: {self._broken or 'a newer one came first'}")
             self._serving.clear()
             try:
-                record = await self._refit_paused(load, int(version), mode)
+                record = await self._refit_paused(load, int(version), mode,
+                                                  label if label is not None else str(int(version)))
             except StaleCacheError as err:
                 self._broken = err
                 raise
@@ -199,9 +213,11 @@ class StreamEngine:
                  "salted apart)", record.paused_s)
         return record
 
-    async def _refit_paused(self, load: Callable[[], Awaitable[Any]], version: int, mode: str) -> RefitRecord:
+    async def _refit_paused(self, load: Callable[[], Awaitable[Any]], version: int, mode: str,
+                            label: str) -> RefitRecord:
         paused = time.perf_counter()
-        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        # "wait": requests in flight run to their end first (admissions wait on _serving meanwhile).
+        await self.engine.pause_generation(mode="wait" if mode == "wait" else "keep", clear_cache=False)
         loading = time.perf_counter()
         try:
             await load()
@@ -209,7 +225,8 @@ class StreamEngine:
             await self.engine.resume_generation()
             raise
         load_s = time.perf_counter() - loading
-        await self.engine.update_weight_version(str(version))  # the label of every output from here on
+        await self.engine.update_weight_version(label)  # the label of every output from here on
+        self.label = label
         reset = await self._invalidate(mode)
         kept = list(self._flights.values())
         for f in kept:  # the oldest KV each kept request attends to from here on
@@ -220,7 +237,7 @@ class StreamEngine:
 
     async def _invalidate(self, mode: str) -> bool:
         """Drop old-weight KV as `mode` asks; True when vLLM's prefix cache is now empty."""
-        if mode == "keep_kv":  # succeeds only when no request holds blocks; the salt protects the rest
+        if mode in ("keep_kv", "wait"):  # succeeds when no request holds blocks; the salt protects the rest
             return bool(await self.engine.reset_prefix_cache())
         try:
             reset = await self.engine.reset_prefix_cache(reset_running_requests=True)
@@ -232,11 +249,53 @@ class StreamEngine:
                                   f"(returned {reset!r}); the engine stays paused with the new weights loaded")
         return True
 
+    async def relabel(self, label: str) -> None:
+        """Stamp the tokens sampled from now on with `label` (same weights, same version: e.g. a
+        provisional label confirmed by a check)."""
+        self._labelled = True
+        await self.engine.update_weight_version(label)
+        self.label = label
+
+    async def roll_back(self, reload: Callable[[], Awaitable[Any]], version: int, label: str) -> RefitRecord:
+        """Go back to the weights of `version` (older than the serving one) while requests are in flight:
+        pause (keep), `reload()` them, recompute every kept request's KV, label, resume."""
+        async with self._refit_lock:
+            self._serving.clear()
+            try:
+                paused = time.perf_counter()
+                await self.engine.pause_generation(mode="keep", clear_cache=False)
+                try:
+                    await reload()
+                finally:
+                    await self.engine.update_weight_version(label)
+                    self.label = label
+                    self.version = int(version)
+                    for f in self._flights.values():
+                        f.kv_epoch.setdefault(self.version, self.version)
+                    try:
+                        reset = await self._invalidate("recompute")
+                    except StaleCacheError as err:
+                        self._broken = err
+                        raise
+                    await self.engine.resume_generation()
+            finally:
+                self._serving.set()
+        return RefitRecord(int(version), "rollback", len(self._flights), reset, 0.0, time.perf_counter() - paused)
+
+    async def forget(self, label: str) -> None:
+        """Serve no version of a run any more (an engine handed to the next run): the next refit may
+        bring any version; nothing in flight may remain."""
+        if self._flights:
+            raise RuntimeError(f"{len(self._flights)} request(s) still in flight: cannot hand the engine over")
+        await self.engine.reset_prefix_cache()
+        self.version = -1
+        await self.relabel(label)
+
     async def _ensure_label(self) -> None:
-        """Label the engine's outputs with our version once (vLLM's default label is "default")."""
+        """Label the engine's outputs with our label once (vLLM's default label is "default")."""
         if not self._labelled:
             self._labelled = True
-            await self.engine.update_weight_version(str(self.version))
+            await self.engine.update_weight_version(self.label)
 
     def shutdown(self) -> None:
         engine, self.engine = self.engine, None
@@ -252,7 +311,8 @@ def _segments(spans, num_tokens: int, kv_epoch: dict[int, int]) -> list[Segment]
         raise RuntimeError("vLLM returned no weight-version spans for a finished request: provenance unknown")
     out = []
     for span in spans:
-        version = int(span.version) if str(span.version).isdigit() else None
+        head = str(span.version).split(":", 1)[0]
+        version = int(head) if head.isdigit() else None
         if version not in kv_epoch:
             raise RuntimeError(f"tokens {span.start}-{span.end} carry weight version {span.version!r}, which this "
                                "engine did not commit while the request was in flight: provenance unknown")

@@ -87,7 +87,14 @@ class RolloutSource:
     def __init__(self, fleet: RolloutFleet, prompts: PromptStream, coordinator: Coordinator, scorer: Scorer, *,
                  spec: RoundSpec):
         self.fleet, self.prompts, self.scorer, self.spec = fleet, prompts, scorer, spec
-        self.producer = Producer(coordinator, self.sample_round, steps=spec.steps)
+        if fleet.cfg.streaming:  # groups stream into batches as they finish (stream_producer.py)
+            from megatron_rl.train.stream_producer import StreamProducer
+
+            self.producer = StreamProducer(coordinator, self.prepare_group, scorer.grade, steps=spec.steps,
+                                           groups_per_step=spec.prompts_per_step, group_size=spec.group_size,
+                                           max_groups_in_flight=(coordinator.lookahead + 1) * spec.prompts_per_step)
+        else:
+            self.producer = Producer(coordinator, self.sample_round, steps=spec.steps)
         self._started = False
 
     @property
@@ -131,6 +138,14 @@ class RolloutSource:
                                           sampling={"seed": self.round_seed(r)})
             return samples, {}
         return self._sample_informative(r, self.round_seed(r))
+
+    def prepare_group(self, serial: int) -> Callable[[], list]:
+        """Streaming: draw prompt group `serial`'s prompt now; the returned call generates its G samples
+        (on the rollout groups in turn, seeded like a round of that number)."""
+        prompts, extra = self.prompts.next(serial, 1)
+        seed, k = self.round_seed(serial), len(self.fleet.workers)
+        return lambda: self.fleet.generate(prompts, n=self.spec.group_size, extra=extra, sampling={"seed": seed},
+                                           first_group=serial % k)
 
     def _sample_informative(self, r: int, seed: int) -> tuple[list, dict]:
         """Dynamic sampling (train/dynamic_sampling.py): oversample prompts, grade each group as it

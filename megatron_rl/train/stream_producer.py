@@ -1,0 +1,157 @@
+"""Streaming rollouts: prompt groups generated continuously, a batch = the first groups that finish.
+
+    producer = StreamProducer(coordinator, prepare_group, grade, steps=100, groups_per_step=8, group_size=4,
+                              max_groups_in_flight=16)
+    # prepare_group(serial): draws the group's prompt (in serial order) and returns a call that generates
+    # its G samples (run on a thread of the producer's pool); grade(samples) -> their verifier Scores
+    producer.start(state); rnd = producer.next(step); rounds = producer.pause(); producer.unpause(); producer.stop()
+
+The round producer (producer.py) generates one batch per generate call, so every batch waits for its
+longest sample.  Here each prompt group is admitted by the coordinator on its own (G leases), sent to a
+streaming rollout group (rollout/stream_actor.py, where it joins the engine's continuous batch), graded
+the moment its last sample ends, and kept ready; `next(step)` hands the learner the first
+`groups_per_step` groups that finished, in the order they finished, while the rest keep generating.
+So the admission rule still bounds how far generation runs ahead ((eta + v + 1) x B rollouts
+admitted at most), and publications land while groups are in flight (rollout.inflight_refit): a
+group's tokens can span versions, each one stamped with the version that sampled it; the coordinator
+judges a trajectory by its oldest token (trajectory.Trajectory.policy_version: the minimum), so a
+sequence that spans versions counts as old as its first tokens.
+
+Groups are numbered in the order their prompts are drawn (a group's `round` in its trajectory ids and its
+sampling seed derive from that serial); which groups form which batch depends on timing, so a
+streaming run is not bit-reproducible, and resume is exact only in what it keeps: `pause` (a checkpoint)
+stops admitting, lets every group in flight finish, and returns the finished groups the learner has
+not taken; a resumed run hands them out first.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from megatron_rl.coordinator.client import Coordinator
+from megatron_rl.train.producer import Producer, Round, TrainState
+
+logger = logging.getLogger(__name__)
+
+
+class StreamProducer(Producer):
+    """Admits, generates and grades prompt groups concurrently; rounds are formed from finished groups."""
+
+    def __init__(self, coordinator: Coordinator, prepare_group: Callable[[int], Callable[[], list]],
+                 grade: Callable[[list], list], *, steps: int, groups_per_step: int, group_size: int,
+                 max_groups_in_flight: int):
+        super().__init__(coordinator, self._no_rounds, steps=steps)
+        self.prepare_group, self.grade = prepare_group, grade
+        self.groups_per_step, self.group_size = groups_per_step, group_size
+        self.max_in_flight = max(1, max_groups_in_flight)
+        self._groups: collections.deque = collections.deque()  # finished: (serial, samples, leases, seconds)
+        self._in_flight: dict[int, Future] = {}
+        self._pool = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="stream-group")
+        self._grade_lock = threading.Lock()
+        self._last_handed = time.perf_counter()
+        self.groups_done = 0
+
+    @staticmethod
+    def _no_rounds(r: int):
+        raise AssertionError("a streaming producer samples groups, not rounds")
+
+    def start(self, state: TrainState) -> None:
+        first = 0
+        for rnd in state.rounds:  # finished groups a checkpoint saved, handed out first
+            for k in range(0, len(rnd.samples), self.group_size):
+                self._groups.append((rnd.index, rnd.samples[k:k + self.group_size],
+                                     rnd.leases[k:k + self.group_size], rnd.seconds))
+            first = max(first, rnd.index + 1)
+            self._held.update(rnd.leases)
+        if state.rounds:
+            logger.info("handing out first the %d finished prompt groups the checkpoint saved", len(self._groups))
+        first = max(first, state.step * self.groups_per_step)
+        self._thread = threading.Thread(target=self._run, args=(first,), name="stream-producer", daemon=True)
+        self._thread.start()
+        self._keepalive = threading.Thread(target=self._renew_leases, name="lease-keepalive", daemon=True)
+        self._keepalive.start()
+
+    def _run(self, serial: int) -> None:
+        last = (self.steps + self.coordinator.lookahead) * self.groups_per_step
+        try:
+            while serial < last:
+                with self._cond:
+                    while (self._paused or len(self._in_flight) >= self.max_in_flight) and not self._stop.is_set():
+                        if self._error is not None:
+                            return
+                        self._cond.wait(0.1)
+                    if self._stop.is_set() or self._error is not None:
+                        return
+                leases = self._admit(self.group_size, serial)
+                if leases is None:
+                    continue
+                generate = self.prepare_group(serial)  # the data cursor moves in serial order
+                with self._cond:
+                    self._in_flight[serial] = self._pool.submit(self._one_group, serial, leases, generate)
+                serial += 1
+        except BaseException as err:  # surfaced to the driver on its next call
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+    def _one_group(self, serial: int, leases: list[str], generate: Callable[[], list]) -> None:
+        t0 = time.perf_counter()
+        try:
+            samples = generate()
+            with self._grade_lock:
+                scores = self.grade(samples)
+            for sample, score in zip(samples, scores, strict=True):
+                sample.extra["score"] = score.to_dict()
+            with self._cond:
+                self._groups.append((serial, samples, leases, time.perf_counter() - t0))
+                self.groups_done += 1
+        except BaseException as err:
+            with self._cond:
+                self._error = err
+            raise
+        finally:
+            with self._cond:
+                self._in_flight.pop(serial, None)
+                self._cond.notify_all()
+
+    def next(self, step: int) -> Round:
+        """The first `groups_per_step` groups that finished (waiting for them), as round `step`."""
+        with self._cond:
+            while len(self._groups) < self.groups_per_step:
+                if self._error is not None:
+                    raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
+                if self._thread is None or (not self._thread.is_alive() and not self._in_flight):
+                    raise RuntimeError(f"rollout producer stopped without producing batch {step}")
+                self._cond.wait(1.0)
+            taken = [self._groups.popleft() for _ in range(self.groups_per_step)]
+            samples = [s for g in taken for s in g[1]]
+            leases = [lease for g in taken for lease in g[2]]
+            self._held.difference_update(leases)
+            self._handed = leases
+            in_flight = len(self._in_flight)
+        now = time.perf_counter()
+        seconds, self._last_handed = now - self._last_handed, now
+        spans = [1 + sum(a != b for a, b in zip(s.policy_versions, s.policy_versions[1:])) for s in samples]
+        return Round(step, samples, leases, seconds,
+                     {"system/stream_groups_in_flight": in_flight, "system/stream_group_seconds_max": max(g[3] for g in taken),
+                      "system/stream_segments_per_sample": sum(spans) / max(len(spans), 1),
+                      "system/stream_multi_version_fraction": sum(n > 1 for n in spans) / max(len(spans), 1)})
+
+    def pause(self) -> list[Round]:
+        """Admit nothing more, let every group in flight finish; the finished groups not yet taken."""
+        with self._cond:
+            self._paused = True
+            while self._in_flight and self._error is None:
+                self._cond.wait(0.5)
+            if self._error is not None:
+                raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
+            return [Round(serial, samples, leases, seconds) for serial, samples, leases, seconds in self._groups]
+
+    def stop(self) -> None:
+        super().stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
