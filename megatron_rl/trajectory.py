@@ -106,6 +106,10 @@ class Trajectory:
     weights: dict = dataclasses.field(default_factory=dict)
     """Provenance: each policy version (str) in policy_versions -> the digest of the publication the
     engine sampled it with (rollout/provenance.py); empty for trajectories made before it existed."""
+    segments: list = dataclasses.field(default_factory=list)
+    """Streaming provenance: the response as [start, end, version, kv_version] spans, kv_version the oldest
+    weights behind the KV those tokens attended to (older than `version` after a keep_kv refit:
+    rollout/stream_engine.py); empty for rounds, where every token's KV came from its own version."""
 
     @property
     def reward(self) -> float | None:
@@ -122,6 +126,14 @@ class Trajectory:
     def oldest_version(self) -> int:
         """The oldest policy version that produced any token: what staleness is measured from."""
         return int(self.policy_versions.min())
+
+    @property
+    def kv_versions(self) -> np.ndarray:
+        """int32 [R]: per response token, the oldest weights that computed KV it attended to."""
+        out = self.policy_versions.copy()
+        for start, end, _, kv in self.segments:
+            out[start:end] = kv
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -210,8 +222,9 @@ _CHECKED_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory)
 
 def _checked_json(traj: Trajectory) -> bytes:
     meta = {name: getattr(traj, name) for name in _CHECKED_FIELDS}
-    if not meta["weights"]:  # absent, not {}: trajectories written before provenance keep their checksums
-        del meta["weights"]
+    for name in ("weights", "segments"):  # absent when empty: older trajectories keep their checksums
+        if not meta[name]:
+            del meta[name]
     try:
         return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
     except (TypeError, ValueError, RecursionError) as err:
@@ -329,6 +342,7 @@ def validate(traj: Any, *, tokenizer_hash: str | None = None, current_version: i
     """
     _validate_schema(traj)
     _validate_lengths_and_logprobs(traj)
+    _validate_segments(traj)
     tid = traj.id
     _validate_status(traj)
     oldest, newest = int(traj.policy_versions.min()), int(traj.policy_versions.max())
@@ -351,6 +365,19 @@ def verify_checksum(traj: Trajectory, wire: bytes | None = None) -> None:
     if traj.checksum != expected:
         raise TrajectoryError("checksum", f"trajectory {traj.id!r}: checksum {traj.checksum!r} != content "
                                           f"{expected!r}")
+
+
+def _validate_segments(traj: Trajectory) -> None:
+    """Segments, when present, tile the response in order and agree with its per-token versions."""
+    segs, ok = traj.segments, isinstance(traj.segments, list)
+    if ok and segs:
+        ok = all(isinstance(g, list) and len(g) == 4 and all(type(x) is int for x in g) for g in segs)
+        ok = ok and segs[0][0] == 0 and segs[-1][1] == len(traj.response_tokens) and all(
+            a[1] == b[0] for a, b in zip(segs, segs[1:])) and all(
+            g[0] < g[1] and 0 <= g[3] <= g[2] and bool((traj.policy_versions[g[0]:g[1]] == g[2]).all()) for g in segs)
+    if not ok:
+        raise TrajectoryError("schema", f"trajectory {traj.id!r}: segments must tile the response as [start, end, "
+                                        "version, kv_version] spans with the tokens' versions and kv_version <= version")
 
 
 def _validate_status(traj: Trajectory) -> None:

@@ -153,6 +153,7 @@ class StreamRolloutWorker(RolloutWorker):
             i = int(rid.split("-")[1])
             sample = to_sample(result, {**used, "n": n}, started, finished, dict(extra[i]) if extra else {})
             sample.extra["weights"] = self._checked_weights(result)
+            sample.extra["segments"] = [[g.start, g.end, g.version, g.kv_version] for g in result.segments]
             samples.append(sample)
         return samples
 

@@ -86,5 +86,6 @@ def to_trajectories(samples: list, scores: list, *, tokenizer_hash: str, dataset
             rollout_started_at=s.started_at, scored_at=scored_at,
             status="ok" if sc.ok else ("verifier_timeout" if sc.error == "timeout" else "verifier_error"),
             error_code=sc.error or "", weights=dict(s.extra.get("weights", {})),
+            segments=[list(g) for g in s.extra.get("segments", [])],
         ))
     return trajs

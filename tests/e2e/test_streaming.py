@@ -7,7 +7,8 @@ that generation outlasts a learner step and publications land while requests are
 trains 3 steps and checkpoints with prompt groups in flight (the checkpoint lets them finish and saves
 the finished ones); B resumes the same run directory to step 5.  What must hold:
 - refits happen with requests kept (recompute mode), and no request is lost or trained twice;
-- tokens of one sequence carry more than one version, each version backed by one publication digest;
+- tokens of one sequence carry more than one version, each version backed by one publication digest,
+  recorded as segments whose KV epoch is their own version (recompute);
 - the learner checked every consumed token's digest (train/policy.py check_provenance: a mismatch
   fails the run).
 """
@@ -70,3 +71,7 @@ def test_every_token_names_the_publication_that_sampled_it(run):
     assert all(len(found) == 1 for found in digests.values()), digests  # one publication per version
     assert all(found != {"disk"} for v, found in digests.items() if v != "0"), digests
     assert any(len(set(t.policy_versions.tolist())) > 1 for t in trajs), "no sequence spans two versions"
+    # Segments: one per version switch; in recompute mode every kept request's KV was recomputed.
+    for t in trajs:
+        assert len(t.segments) == 1 + int((t.policy_versions[1:] != t.policy_versions[:-1]).sum()), t.segments
+        assert (t.kv_versions == t.policy_versions).all(), t.segments

@@ -65,3 +65,41 @@ def test_a_batch_is_the_first_groups_that_finish_and_counts_its_version_switches
     assert rnd.stats["system/stream_segments_per_sample"] == pytest.approx(1.5)
     assert rnd.stats["system/stream_multi_version_fraction"] == pytest.approx(0.5)
     assert [g[0] for g in producer._groups] == [5]  # the third group waits for the next batch
+
+
+def _traj(versions: list[int], segments: list) -> "Trajectory":
+    from megatron_rl.trajectory import make_trajectory
+
+    n = len(versions)
+    return make_trajectory(id="r1/p/0", prompt_id="p", dataset_version="d", policy_versions=versions,
+                           tokenizer_hash="t", prompt_tokens=[1, 2], response_tokens=list(range(3, 3 + n)),
+                           behavior_logprobs=[-0.5] * n, reward_components={"correct": 1.0}, grader_version="g",
+                           terminal_reason="length", rollout_started_at=0.0, scored_at=1.0,
+                           weights={str(v): "abc" for v in set(versions)}, segments=segments)
+
+
+def test_segments_travel_with_the_trajectory_and_give_each_tokens_kv_version():
+    from megatron_rl.trajectory import Trajectory, validate
+
+    t = _traj([1, 1, 2, 2, 2], [[0, 2, 1, 1], [2, 5, 2, 1]])  # a keep_kv refit at token 2
+    validate(t, tokenizer_hash="t", current_version=2)
+    back = Trajectory.from_bytes(t.to_bytes())
+    validate(back, tokenizer_hash="t")
+    assert back.segments == [[0, 2, 1, 1], [2, 5, 2, 1]]
+    assert back.kv_versions.tolist() == [1, 1, 1, 1, 1]
+    assert _traj([1, 1], []).kv_versions.tolist() == [1, 1]  # rounds: the KV of the token's own version
+    assert "segments" not in _traj([1, 1], []).to_bytes().decode("latin-1")  # older checksums unchanged
+
+
+@pytest.mark.parametrize("segments", [
+    [[0, 2, 1, 1], [3, 5, 2, 2]],          # a gap
+    [[0, 2, 1, 1], [2, 4, 2, 2]],          # does not reach the end
+    [[0, 2, 1, 1], [2, 5, 3, 3]],          # a version the tokens do not carry
+    [[0, 2, 1, 2], [2, 5, 2, 2]],          # KV newer than the weights that sampled
+    [[0, 5, 1]],                           # not [start, end, version, kv_version]
+])
+def test_segments_that_do_not_describe_the_response_are_refused(segments):
+    from megatron_rl.trajectory import TrajectoryError, validate
+
+    with pytest.raises(TrajectoryError, match="segments must tile the response"):
+        validate(_traj([1, 1, 2, 2, 2], segments))
