@@ -153,7 +153,7 @@ class StreamRolloutWorker(RolloutWorker):
             i = int(rid.split("-")[1])
             sample = to_sample(result, {**used, "n": n}, started, finished, dict(extra[i]) if extra else {})
             sample.extra["weights"] = self._checked_weights(result)
-            sample.extra["segments"] = [[g.start, g.end, g.version, g.kv_version] for g in result.segments]
+            sample.extra["segments"] = _merged(result.segments)
             samples.append(sample)
         return samples
 
@@ -304,6 +304,18 @@ async def _reload_previous(engine) -> None:
     back = await engine.collective_rpc("megatron_rl_rollback_publication")
     if any(not r["ok"] for r in back):
         raise RuntimeError(f"rollback after a refused refit check failed: {back}")
+
+
+def _merged(segments) -> list[list[int]]:
+    """[start, end, version, kv_version] spans, neighbours with the same versions joined (a provisional
+    label and its confirmed one are two vLLM spans of one version)."""
+    out: list[list[int]] = []
+    for g in segments:
+        if out and out[-1][1] == g.start and out[-1][2:] == [g.version, g.kv_version]:
+            out[-1][1] = g.end
+        else:
+            out.append([g.start, g.end, g.version, g.kv_version])
+    return out
 
 
 def create_stream_worker(config: RolloutConfig, stale: bool = False, **ray_options):

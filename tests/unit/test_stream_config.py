@@ -103,3 +103,11 @@ def test_segments_that_do_not_describe_the_response_are_refused(segments):
 
     with pytest.raises(TrajectoryError, match="segments must tile the response"):
         validate(_traj([1, 1, 2, 2, 2], segments))
+
+
+def test_a_provisional_label_and_its_confirmed_one_make_one_segment():
+    from megatron_rl.rollout.stream_actor import _merged
+    from megatron_rl.rollout.stream_engine import Segment
+
+    spans = [Segment(0, 3, 1, 1), Segment(3, 5, 1, 1), Segment(5, 9, 2, 1), Segment(9, 12, 2, 2)]
+    assert _merged(spans) == [[0, 5, 1, 1], [5, 9, 2, 1], [9, 12, 2, 2]]
