@@ -43,7 +43,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-STATUSES = ("ok", "verifier_timeout", "verifier_error")
+STATUSES = ("ok", "verifier_timeout", "verifier_error", "quarantined")  # quarantined: train/policy.py
 # Reasons a record is rejected at enqueue; metric keys are queue/rejected/<reason>.
 REJECT_REASONS = (
     "schema",  # a field of the wrong type / dtype / shape

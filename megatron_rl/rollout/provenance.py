@@ -10,7 +10,7 @@ every bucket's layout and checksum).  vLLM records, per completion, the spans of
 sampled under each label (CompletionOutput.weight_versions).  So a token's version is read back
 from the engine, not assumed from when the call started, and a trajectory carries the digest of
 the bytes behind each of its versions (trajectory.Trajectory.weights), which the policy checks
-against what it published (train/policy.py check_provenance).
+against what it published (train/policy.py quarantine: a mismatch is kept out of the loss).
 
 A generate call runs between publications (rollout/worker.py), so all of its tokens must carry
 the label served when it started; anything else is an error naming the tokens and both labels.

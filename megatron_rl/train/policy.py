@@ -77,7 +77,7 @@ class Policy:
         self.last_publication: dict | None = None
         """The learner's report of the last publication (committed, errors, groups)."""
         self.digests: dict[str, str] = {}
-        """Policy version -> digest of what this process published as it (check_provenance)."""
+        """Policy version -> digest of what this process published as it (quarantine)."""
         self.probe_rows: list[list[int]] | None = None
         """The refit probe: sampled tokens of the last batch learned (train/probe.py)."""
         self._serving_dtype: str | None = None
@@ -119,7 +119,7 @@ class Policy:
 
         t0 = time.perf_counter()
         check_sampling(taken, self.settings.sampling)
-        check_provenance(taken, self.digests)
+        taken, quarantined = quarantine(taken, self.digests)  # out of the loss, counted
         batch, adv_stats = build_batch(taken, pad_id=self.settings.pad_id, loss_cfg=self.settings.loss,
                                        micro_batch_size=self.settings.micro_batch_size)
         out = {f"adv/{k}": v for k, v in adv_stats.items()}
@@ -129,6 +129,7 @@ class Policy:
             self.sleep.before_learn()                        # colocated GPUs: the engines free their memory
         out.update(self.learner.train_step(batch, lr_scale=lr_scale))
         out["dv"] = [version - t.oldest_version for t in taken]
+        out["quarantined_trajectories"] = float(quarantined)
         return out, time.perf_counter() - t0
 
     def publish(self, version: int) -> float:
@@ -296,16 +297,21 @@ def check_sampling(trajs: list, sampling) -> None:
                                f"or restore the settings it was sampled with")
 
 
-def check_provenance(trajs: list, digests: dict[str, str]) -> None:
-    """Refuse trajectories whose tokens the engines labelled with weights this policy never published
-    under that version (rollout/provenance.py): a version's digest must equal the digest of the
-    publication the learner made as that version.  Versions published before this process started
-    (replayed rounds of a resumed run) are not known here and pass; a version republished at resume
-    has the same bytes, hence the same digest, and is checked."""
+def quarantine(trajs: list, digests: dict[str, str]) -> tuple[list, int]:
+    """The batch with every trajectory whose tokens the engines labelled with weights this policy never
+    published under that version (rollout/provenance.py: a version's digest must equal the digest of the
+    learner's publication as that version) marked status "quarantined": it stays in the batch (the
+    batch keeps its shape) but out of the loss and of its group's baseline, like a verifier error, and
+    is counted.  Versions published before this process started (groups a resumed run replays) are not
+    known here and pass; a version republished at resume has the same bytes, hence the same digest."""
+    out, bad = [], 0
     for t in trajs:
-        for version, digest in t.weights.items():
-            known = digests.get(version)
-            if known is not None and digest != known:
-                raise RuntimeError(f"trajectory {t.id}: its version-{version} tokens were sampled by weights with "
-                                   f"digest {digest}, but the learner published version {version} as {known}; "
-                                   "an engine served bytes it was not sent (nothing of this batch was learned)")
+        wrong = [(v, d) for v, d in t.weights.items() if digests.get(v) not in (None, d)]
+        if wrong:
+            (version, digest), bad = wrong[0], bad + 1
+            reason = (f"provenance: its version-{version} tokens were sampled by weights with digest {digest}, "
+                      f"but the learner published version {version} as {digests[version]}")
+            logger.error("trajectory %s quarantined (not trained on): %s", t.id, reason)
+            t = dataclasses.replace(t, status="quarantined", error_code=reason, reward_components={})
+        out.append(t)
+    return out, bad

@@ -9,8 +9,8 @@ the finished ones); B resumes the same run directory to step 5.  What must hold:
 - refits happen with requests kept (recompute mode), and no request is lost or trained twice;
 - tokens of one sequence carry more than one version, each version backed by one publication digest,
   recorded as segments whose KV epoch is their own version (recompute);
-- the learner checked every consumed token's digest (train/policy.py check_provenance: a mismatch
-  fails the run).
+- the learner checked every consumed token's digest (train/policy.py quarantine: a mismatch
+  is kept out of the loss and counted).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_rl.publish.manifest import PublicationManifest, pack_bucket
 from megatron_rl.rollout.provenance import UNSERVED, parse_label, token_provenance, weights_label
-from megatron_rl.train.policy import check_provenance
+from megatron_rl.train.policy import quarantine
 from megatron_rl.trajectory import Trajectory, make_trajectory
 
 pytestmark = pytest.mark.unit
@@ -54,11 +54,18 @@ def _traj(weights: dict) -> Trajectory:
                            weights=weights)
 
 
-def test_the_policy_refuses_tokens_from_bytes_it_never_published():
-    check_provenance([_traj({"3": "cafe"})], {"3": "cafe"})
-    check_provenance([_traj({"3": "cafe"})], {})  # published before this process: not known, passes
-    with pytest.raises(RuntimeError, match="digest beef, but the learner published version 3 as cafe"):
-        check_provenance([_traj({"3": "beef"})], {"3": "cafe"})
+def test_tokens_from_bytes_the_policy_never_published_are_quarantined_not_trained():
+    from megatron_rl.grpo.loss import GRPOLossConfig
+    from megatron_rl.train.batch import build_batch
+
+    good, unknown, forged = _traj({"3": "cafe"}), _traj({"4": "cafe"}), _traj({"3": "beef"})
+    kept, n = quarantine([good, unknown, forged], {"3": "cafe"})  # version 4: before this process, passes
+    assert n == 1 and [t.status for t in kept] == ["ok", "ok", "quarantined"]
+    assert "digest beef, but the learner published version 3 as cafe" in kept[2].error_code
+    assert kept[2].reward is None and not kept[2].in_loss
+    batch, stats = build_batch(kept, pad_id=0, loss_cfg=GRPOLossConfig(), micro_batch_size=1)
+    assert batch["tokens"].shape[0] == 3  # the batch keeps its shape ...
+    assert batch["loss_mask"][2].sum() == 0 and stats["invalid_samples"] == 1.0  # ... the forged row is out
 
 
 def test_digests_travel_with_the_trajectory_and_old_checksums_hold():
