@@ -113,7 +113,7 @@ class Policy:
     def learn(self, taken: list, version: int, lr_scale: float = 1.0) -> tuple[dict, float]:
         """One GRPO step on the taken batch (learned at `version`); its metrics and seconds.
 
-        out["dv"] holds each trajectory's version lag; D_lag (batch-wide and P50/P95/P99 over
+        out["dv"] holds each trajectory's version lag (from its oldest token), out["token_dv"] each token's; D_lag (batch-wide and P50/P95/P99 over
         sequences) comes from the training forward itself (megatron_rl.grpo.step_metrics.grpo_metrics)."""
         from megatron_rl.train.batch import build_batch
 
@@ -129,6 +129,7 @@ class Policy:
             self.sleep.before_learn()                        # colocated GPUs: the engines free their memory
         out.update(self.learner.train_step(batch, lr_scale=lr_scale))
         out["dv"] = [version - t.oldest_version for t in taken]
+        out["token_dv"] = [version - int(v) for t in taken for v in t.policy_versions]  # a sequence can span versions
         out["quarantined_trajectories"] = float(quarantined)
         return out, time.perf_counter() - t0
 

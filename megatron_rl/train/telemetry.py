@@ -58,6 +58,7 @@ class Telemetry:
         # queue/
         out.update({k: float(v) for k, v in queue.items()})
         out.update(percentiles(learn.get("dv", []), "queue/taken_dv"))  # {} when nothing was taken
+        out.update(percentiles(learn.get("token_dv", []), "queue/taken_token_dv"))  # per token (streaming: differs)
         return out
 
 

@@ -112,6 +112,22 @@ def test_learner_metrics_reach_the_learn_panel():
     assert not any(k.startswith("queue/d_lag") for k in metrics)
 
 
+
+def test_a_sequence_that_spans_versions_shows_in_the_per_token_lag():
+    """Streaming: one sequence's tokens from versions 3 and 5, learned at 5: Δv 2 by its oldest token
+    (queue/taken_dv), 2 or 0 per token (queue/taken_token_dv); quarantined trajectories are counted."""
+    samples = [sample([1, 2], [9], "a"), sample([1, 2], [9], "a")]
+    trajs = to_trajectories(samples, [score_response(t, "5", REWARD) for t in ("5", "1")],
+                            tokenizer_hash="h", dataset_version="d")
+    learn = {"loss": 0.1, "grad_norm": 1.0, "dv": [2, 0], "token_dv": [2, 2, 0, 0, 0, 0, 0, 0],
+             "quarantined_trajectories": 1.0}
+    metrics = Telemetry().step_metrics(samples, trajs, trajs, learn, {"rollout": 1.0, "score": 1.0, "learn": 1.0},
+                                       {}, {})
+    assert metrics["queue/taken_dv/p50"] == 1.0 and metrics["queue/taken_token_dv/p50"] == 0.0
+    assert metrics["queue/taken_token_dv/p99"] == pytest.approx(2.0)
+    assert metrics["learn/quarantined_trajectories"] == 1.0
+
+
 def test_missing_metrics_are_absent_not_zero():
     """A metric the step did not measure is absent (so `d_lag p99 < 1e-4` cannot pass on a missing
     lag): telemetry and the loss metrics never fill in 0."""
