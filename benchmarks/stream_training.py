@@ -1,10 +1,12 @@
 """Streaming rollouts vs round-based rollouts in whole training runs, side by side (issue 27).
 
-    flock /tmp/mrl-heavy.lock .venv/bin/python benchmarks/stream_training.py [--steps 10]
+    flock /tmp/mrl-heavy.lock .venv/bin/python benchmarks/stream_training.py [--steps 10] [--stop-tokens 13]
 
 Both arms train the tiny recipe (configs/tiny_cpu_scratch.yaml) in async mode for the same steps with
-the same seed, responses of exactly --tokens tokens (EOS ignored), so both generate the same number of
-tokens; they differ only in rollout.streaming (and with it the rollout actor: one offline generate
+the same seed.  Lengths: by default every response is exactly --tokens tokens (EOS ignored), so both
+arms generate the same number of tokens and no round waits for a straggler; with --stop-tokens K, K
+token ids end a response (about K/128 per token for the random tiny model), so lengths are long-tailed
+up to --tokens (each arm then reports its own token count).  The arms differ only in rollout.streaming (and with it the rollout actor: one offline generate
 call per round, or vLLM's async engine with prompt groups streaming into batches and publications
 landing in flight, rollout.inflight_refit recompute).  Start-up is excluded: the clock runs from the
 first learner step's metrics to the last one's.  Printed: one JSON line per arm (loop seconds, steps,
@@ -30,7 +32,11 @@ def run(streaming: bool, args, root: Path) -> dict:
            f"run.dir={run_dir}", "run.mode=async", f"run.steps={args.steps}", "run.prompts_per_step=4",
            "run.group_size=4", "learner.micro_batch_size=16", "run.eval_every=0", "run.checkpoint_every=0",
            "data.eval_size=8", f"rollout.max_tokens={args.tokens}", f"rollout.max_model_len={args.tokens + 56}",
-           "rollout.ignore_eos=true", f"rollout.streaming={'true' if streaming else 'false'}"]
+           f"rollout.streaming={'true' if streaming else 'false'}"]
+    if args.stop_tokens:
+        cmd += ["rollout.ignore_eos=false", f"rollout.stop_token_ids=[{','.join(str(40 + i) for i in range(args.stop_tokens))}]"]
+    else:
+        cmd += ["rollout.ignore_eos=true"]
     with open(root / f"{run_dir.name}.log", "w") as log:
         proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, timeout=args.timeout)
     if proc.returncode != 0:
@@ -50,6 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=200, help="response length (EOS ignored)")
+    ap.add_argument("--stop-tokens", type=int, default=0, help="token ids that end a response (0: fixed lengths)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per arm")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
