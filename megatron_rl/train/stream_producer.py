@@ -87,13 +87,19 @@ class StreamProducer(Producer):
                         self._cond.wait(0.1)
                     if self._stop.is_set() or self._error is not None:
                         return
-                leases = self._admit(self.group_size, serial)
-                if leases is None:
-                    continue
-                generate = self.prepare_group(serial)  # the data cursor moves in serial order
-                with self._cond:
-                    self._in_flight[serial] = self._pool.submit(self._one_group, serial, leases, generate)
-                serial += 1
+                    self._busy = True  # a checkpoint's pause waits until this group is submitted or given back
+                try:
+                    leases = self._admit(self.group_size, serial)
+                    if leases is None:
+                        continue
+                    generate = self.prepare_group(serial)  # the data cursor moves in serial order
+                    with self._cond:
+                        self._in_flight[serial] = self._pool.submit(self._one_group, serial, leases, generate)
+                    serial += 1
+                finally:
+                    with self._cond:
+                        self._busy = False
+                        self._cond.notify_all()
         except BaseException as err:  # surfaced to the driver on its next call
             with self._cond:
                 self._error = err
@@ -146,7 +152,7 @@ class StreamProducer(Producer):
         """Admit nothing more, let every group in flight finish; the finished groups not yet taken."""
         with self._cond:
             self._paused = True
-            while self._in_flight and self._error is None:
+            while (self._busy or self._in_flight) and self._error is None:
                 self._cond.wait(0.5)
             if self._error is not None:
                 raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error

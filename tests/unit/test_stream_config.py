@@ -111,3 +111,54 @@ def test_a_provisional_label_and_its_confirmed_one_make_one_segment():
 
     spans = [Segment(0, 3, 1, 1), Segment(3, 5, 1, 1), Segment(5, 9, 2, 1), Segment(9, 12, 2, 2)]
     assert _merged(spans) == [[0, 5, 1, 1], [5, 9, 2, 1], [9, 12, 2, 2]]
+
+
+def test_a_checkpoint_waits_for_a_group_admitted_while_it_paused():
+    """The pause of a checkpoint must not return between a group's admission and its submission: that
+    group's prompt would be drawn after the data cursor was saved (a double draw on resume)."""
+    import threading
+
+    from megatron_rl.train.stream_producer import StreamProducer
+
+    admitting, go = threading.Event(), threading.Event()
+
+    class Admission:  # test double of the coordinator: the first grant is slow
+        config = type("C", (), {"lease_ttl_s": 60.0, "batch_size": 4})()
+        lookahead = 0
+        calls = 0
+
+        def try_admit(self, n, **_):
+            Admission.calls += 1
+            if Admission.calls == 1:
+                admitting.set()
+                go.wait(10)
+                return [f"lease{k}" for k in range(n)]
+            return []
+
+        def renew(self, leases):
+            return len(leases)
+
+        def release(self, leases):
+            pass
+
+    class Graded:
+        def to_dict(self):
+            return {}
+
+    drawn = []
+    producer = StreamProducer(Admission(), lambda serial: drawn.append(serial) or (lambda: [_sample([0]), _sample([0])]),
+                              lambda samples: [Graded() for _ in samples], steps=1, groups_per_step=2, group_size=2,
+                              max_groups_in_flight=2)
+    from megatron_rl.train.producer import TrainState
+
+    producer.start(TrainState(step=0, version=0))
+    assert admitting.wait(10)
+    paused: list = []
+    pauser = threading.Thread(target=lambda: paused.append(producer.pause()))
+    pauser.start()
+    pauser.join(0.3)
+    assert pauser.is_alive(), "the pause returned while a group was being admitted"
+    go.set()
+    pauser.join(10)
+    assert drawn == [0] and [r.index for r in paused[0]] == [0]  # the admitted group finished before the save
+    producer.stop()
