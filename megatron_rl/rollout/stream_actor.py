@@ -36,6 +36,7 @@ from typing import Any
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import eos_token_ids, undo_ray_niceness
 from megatron_rl.rollout.provenance import parse_label, weights_label
+from megatron_rl.rollout.stream_engine import BrokenWeights
 from megatron_rl.rollout.stream_groups import to_sample
 from megatron_rl.rollout.worker import SAMPLING_KEYS, RolloutWorker
 
@@ -148,6 +149,9 @@ class StreamRolloutWorker(RolloutWorker):
                 seed = None if params["seed"] is None else params["seed"] + i * n + j
                 jobs.append((f"{call}-{i}-{j}", prompt, {**params, "seed": seed}))
         results = self._run(_gather(self.stream, jobs))
+        if any(result.finish_reason == "abort" for result, _, _ in results):  # a load that could not roll back
+            raise RuntimeError("this rollout group holds no complete policy version (a failed load could not be "
+                               "rolled back; its requests in flight were aborted): sent again")
         samples = []
         for (rid, prompt, used), (result, started, finished) in zip(jobs, results):
             i = int(rid.split("-")[1])
@@ -215,7 +219,8 @@ class StreamRolloutWorker(RolloutWorker):
             if failed:  # some worker did not load: every worker goes back before anything runs
                 back = await engine.collective_rpc("megatron_rl_rollback_publication")
                 if any(not r["ok"] for r in back):
-                    self.version = None
+                    self.version = None  # requests in flight are aborted and sent again (generate)
+                    raise BrokenWeights(f"{failed[0].get('error')}; rollback failed too")
                 raise RuntimeError(failed[0].get("error"))
 
         before, before_label = self.version, self.label

@@ -56,6 +56,12 @@ class StaleCacheError(RuntimeError):
     """vLLM did not drop the old weights' KV in a "recompute" refit: the engine stays paused."""
 
 
+class BrokenWeights(RuntimeError):
+    """A refit's load failed and the old weights could not be restored either: the requests in flight
+    are aborted (nothing runs on those weights) and the engine serves nothing until a refit loads whole
+    weights."""
+
+
 @dataclass(frozen=True)
 class Segment:
     """Response tokens [start, end) sampled by weights `version`, attending to KV of which the oldest
@@ -119,7 +125,7 @@ class StreamEngine:
         self._serving = asyncio.Event()  # cleared while a refit runs: admissions wait for its version
         self._serving.set()
         self._labelled = False
-        self._broken: StaleCacheError | None = None  # a refit that could not drop old KV: serve nothing more
+        self._broken: RuntimeError | None = None  # StaleCacheError: serve nothing more; BrokenWeights: until a refit
 
     @classmethod
     def start(cls, cfg: RolloutConfig, version: int = 0, label: str | None = None) -> "StreamEngine":
@@ -197,10 +203,11 @@ class StreamEngine:
             raise ValueError(f"refit to version {version}: the engine already serves version {self.version}")
         await self._ensure_label()
         async with self._refit_lock:
-            if self._broken is not None or int(version) <= self.version:
+            if isinstance(self._broken, StaleCacheError) or int(version) <= self.version:
                 raise RuntimeError(f"refit to version {version} refused: {self._broken or 'a newer one came first'}")
             self._serving.clear()
             try:
+                self._broken = None if isinstance(self._broken, BrokenWeights) else self._broken
                 record = await self._refit_paused(load, int(version), mode,
                                                   label if label is not None else str(int(version)))
             except StaleCacheError as err:
@@ -221,6 +228,12 @@ class StreamEngine:
         loading = time.perf_counter()
         try:
             await load()
+        except BrokenWeights as err:  # neither the new weights nor the old are whole: nothing runs on them
+            self._broken = err
+            if self._flights:
+                await self.engine.abort(list(self._flights))
+            await self.engine.resume_generation()
+            raise
         except BaseException:
             await self.engine.resume_generation()
             raise

@@ -74,3 +74,45 @@ def test_the_worker_extension_vllm_is_told_to_load_exists():
     module, _, name = WORKER_EXTENSION.rpartition(".")
     ext = getattr(importlib.import_module(module), name)
     assert issubclass(ext, PublicationWorkerExtension) and callable(ext.megatron_rl_load_checkpoint)
+
+
+def test_a_load_that_cannot_roll_back_aborts_the_requests_in_flight_until_whole_weights_load():
+    from megatron_rl.rollout.stream_engine import BrokenWeights, _Flight, StreamResult
+
+    calls = []
+
+    class Engine:  # test double of AsyncLLM: records what the refit asks of it
+        async def pause_generation(self, **kw):
+            calls.append(("pause", kw["mode"]))
+
+        async def resume_generation(self):
+            calls.append(("resume",))
+
+        async def abort(self, ids):
+            calls.append(("abort", sorted(ids)))
+
+        async def update_weight_version(self, label):
+            calls.append(("label", label))
+
+        async def reset_prefix_cache(self, **kw):
+            return True
+
+    stream = StreamEngine(engine=Engine(), version=3)
+    stream._labelled = True
+    stream._flights["r1"] = _Flight(StreamResult("r1", [1]), {3: 3})
+
+    async def broken():
+        raise BrokenWeights("bucket 2 failed to load; rollback failed too")
+
+    with pytest.raises(BrokenWeights):
+        asyncio.run(stream.refit(broken, 4, "recompute"))
+    assert calls == [("pause", "keep"), ("abort", ["r1"]), ("resume",)]  # nothing ran on the broken weights
+    with pytest.raises(RuntimeError, match="stopped serving: bucket 2"):
+        asyncio.run(stream.generate("r2", [1, 2], {"max_tokens": 2}))
+
+    async def whole():
+        calls.append(("load",))
+
+    del stream._flights["r1"]
+    record = asyncio.run(stream.refit(whole, 4, "recompute"))  # whole weights: serving again
+    assert record.version == 4 and stream.version == 4 and stream._broken is None
