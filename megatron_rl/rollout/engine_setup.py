@@ -120,4 +120,6 @@ def engine_identity(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
         with open(model_json) as f:
             shapes = {k: v for k, v in json.load(f).items() if k not in MODEL_FIELDS_IGNORED}
     args = {k: v for k, v in llm_kwargs(cfg, on_gpu).items() if k != "model"}
-    return {"llm": args, "env": engine_env(cfg, on_gpu), "model": shapes, "num_cpus": cfg.num_cpus}
+    # A streaming group is another actor (rollout/stream_actor.py) around another engine (vLLM's async one).
+    return {"llm": args, "env": engine_env(cfg, on_gpu), "model": shapes, "num_cpus": cfg.num_cpus,
+            "streaming": cfg.streaming}
