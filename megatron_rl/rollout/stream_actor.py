@@ -38,7 +38,7 @@ from megatron_rl.rollout.engine_setup import eos_token_ids, undo_ray_niceness
 from megatron_rl.rollout.provenance import parse_label, weights_label
 from megatron_rl.rollout.stream_engine import BrokenWeights
 from megatron_rl.rollout.stream_groups import to_sample
-from megatron_rl.rollout.worker import SAMPLING_KEYS, RolloutWorker
+from megatron_rl.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
 
@@ -128,20 +128,8 @@ class StreamRolloutWorker(RolloutWorker):
                  extra: list[dict] | None = None) -> list:
         """RolloutWorker.generate's contract (len(prompts) * n samples, prompt-major; with a `seed`, sample j
         of prompt i uses seed + i * n + j); the requests join whatever else the engine runs."""
-        unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
-        if unknown:
-            raise ValueError(f"unknown sampling key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if extra is not None and len(extra) != len(prompts):
-            raise ValueError(f"extra has {len(extra)} entries for {len(prompts)} prompts")
-        for i, p in enumerate(prompts):
-            if not p or not all(isinstance(t, int) and t >= 0 for t in p):
-                raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r:.80}")
+        params = self._request_params(prompts, sampling, n, extra)
         self._serving_version()
-        params = {**self.sampling_defaults(), **(sampling or {})}
-        if not params["ignore_eos"]:
-            params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(self.eos_token_ids))
         call = uuid.uuid4().hex[:12]
         jobs = []
         for i, prompt in enumerate(prompts):

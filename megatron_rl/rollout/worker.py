@@ -105,19 +105,7 @@ class RolloutWorker:
         """
         from vllm import SamplingParams
 
-        unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
-        if unknown:
-            raise ValueError(f"unknown sampling key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if extra is not None and len(extra) != len(prompts):
-            raise ValueError(f"extra has {len(extra)} entries for {len(prompts)} prompts")
-        for i, p in enumerate(prompts):
-            if not p or not all(isinstance(t, int) and t >= 0 for t in p):
-                raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r:.80}")
-        params = {**self.sampling_defaults(), **(sampling or {})}
-        if not params["ignore_eos"]:
-            params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(self.eos_token_ids))
+        params = self._request_params(prompts, sampling, n, extra)
         per_prompt = []
         for i in range(len(prompts)):
             seed = None if params["seed"] is None else params["seed"] + i
@@ -145,6 +133,24 @@ class RolloutWorker:
                 ))
         assert version == self.version  # nothing switched the weights during the call
         return samples
+
+    def _request_params(self, prompts: list[list[int]], sampling: dict[str, Any] | None, n: int,
+                        extra: list[dict] | None) -> dict[str, Any]:
+        """generate's arguments checked, and the sampling parameters they ask for (EOS ids added)."""
+        unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"unknown sampling key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if extra is not None and len(extra) != len(prompts):
+            raise ValueError(f"extra has {len(extra)} entries for {len(prompts)} prompts")
+        for i, p in enumerate(prompts):
+            if not p or not all(isinstance(t, int) and t >= 0 for t in p):
+                raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r:.80}")
+        params = {**self.sampling_defaults(), **(sampling or {})}
+        if not params["ignore_eos"]:
+            params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(self.eos_token_ids))
+        return params
 
     def score(self, sequences: list[list[int]]) -> list[list[float | None]]:
         """Teacher-forced logprob of every token given its prefix (first is None) [T]."""
