@@ -97,6 +97,13 @@ class RolloutConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Passed through to vllm.LLM as keyword arguments (they win over the fields above)."""
 
+    @classmethod
+    def of(cls, config: "RolloutConfig | dict") -> "RolloutConfig":
+        """The config itself, or one built from its dict form (as Ray actors receive it), keys checked."""
+        from megatron_rl.config import from_dict
+
+        return config if isinstance(config, cls) else from_dict(cls, config)
+
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:

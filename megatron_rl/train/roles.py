@@ -73,7 +73,8 @@ class Roles:
         fleet = start_fleet(rollout, inputs.model_dir, place.rollout, wait=place.gpu,  # CPU: starts with the learner
                             handed_over=handed)
         source = RolloutSource(fleet, PromptStream(train, inputs.template, inputs.tokenizer, train_cursor(cfg, train)),
-                               coordinator, scorer, spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling))
+                               coordinator, scorer, spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling,
+                                                                             cfg.data.env))
         learners = pool.take_learners(ranks) if pool is not None else None
         policy = Policy.create(cfg.learner, cfg.loss, cfg.run, cfg.sampling,
                                weight_transfer=transport, model_dir=inputs.model_dir,
@@ -85,7 +86,7 @@ class Roles:
         checkpointer = Checkpointer(inputs.run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from)
         reporter = Reporter.create(cfg.stop, steps=cfg.run.steps, eval_size=cfg.data.eval_size, run_dir=inputs.run_dir,
                                    fleet=fleet, verifier=scorer.verifier, splits=inputs.splits,
-                                   template=inputs.template, tokenizer=inputs.tokenizer)
+                                   template=inputs.template, tokenizer=inputs.tokenizer, env=source.spec.env)
         return cls(inputs, coordinator, source, scorer, policy, checkpointer, reporter, place, own_ray, pool)
 
     def close(self) -> None:

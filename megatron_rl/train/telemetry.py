@@ -102,7 +102,8 @@ def _system_metrics(samples: list, taken: list, learn: dict, phases: dict, sampl
     """system/: throughput (generated, learned, effective tokens per second), dynamic sampling, phase times."""
     out: dict[str, float] = {}
     gen_tokens = sum(len(s.response_tokens) for s in samples)
-    out.update({k: float(v) for k, v in sampling.items() if k.startswith("system/stream_")})  # train/stream_producer.py
+    out.update({k: float(v) for k, v in sampling.items()  # train/stream_producer.py, with episodes envs/metrics.py
+                if k.startswith(("system/stream_", "env/"))})
     if "discarded_tokens" in sampling:  # groups dynamic sampling threw away were generated too: ESR counts them
         gen_tokens += sampling["discarded_tokens"]
         out["system/dynamic_kept_fraction"] = sampling["informative_groups"] / max(sampling["sampled_groups"], 1)
