@@ -12,6 +12,7 @@ train/learner_weights.py):
     policy.learner      the Megatron learner (model, optimizer, scheduler; megatron_rl.learner)
     reference           the frozen initial policy and its logprobs (None without a KL term)
     weights             publication and checkpoints (WeightIO)
+    ring                recent versions' weights in host memory, for the audit (None unless audit.every)
 
 `setup` and `rebuild` build the parts from a RankSpec in the same order; a rebuild drops the old
 parts and Megatron's parallel state and builds new ones (torch.distributed stays up).
@@ -28,6 +29,7 @@ from functools import partial
 
 import torch
 
+from megatron_rl.audit.ring import WeightRing
 from megatron_rl.train.learner_build import InitialPolicy, Reference, Rendezvous, seed_everything
 from megatron_rl.train.learner_weights import PublishSettings, WeightIO
 
@@ -47,6 +49,8 @@ class RankSpec:
     threads: int = 1
     sampling: object | None = None
     """The distribution the engines sample from (megatron_rl.learner.config.SamplingConfig); None: plain."""
+    audit_ring: int = 0
+    """Versions of the weights kept in host memory for the audit (audit/ring.py; 0: none)."""
 
 
 class LearnerOutOfMemory(RuntimeError):
@@ -66,6 +70,7 @@ class LearnerWorker:
         self.policy: InitialPolicy | None = None
         self.reference: Reference | None = None
         self.weights: WeightIO | None = None
+        self.ring: WeightRing | None = None
         self.ooms = 0  # drill bookkeeping: injected out-of-memory errors so far
 
     # ---- building ------------------------------------------------------------------------------
@@ -110,13 +115,15 @@ class LearnerWorker:
             self.weights.close()
         if self.policy is not None:
             self.policy.learner.close()
-        self.spec = self.policy = self.reference = self.weights = None
+        self.spec = self.policy = self.reference = self.weights = self.ring = None
 
     def _build(self, spec: RankSpec, platform) -> None:
         self.spec = spec
         self.policy = InitialPolicy.load(spec, platform)
         self.reference = Reference(self.policy) if spec.loss.kl_coef > 0 else None
         self.weights = WeightIO(self.rank, self.policy.learner, self.policy.hf_cfg)
+        self.ring = WeightRing(spec.audit_ring) if spec.audit_ring else None
+        self.keep_version(0)  # a rank is built with the weights the run starts from: version 0
 
     @property
     def learner(self):
@@ -213,6 +220,21 @@ class LearnerWorker:
         if self.reference is None:  # a run without a KL term asks for it (evaluation, tests)
             self.reference = Reference(self.policy)
         return self.reference.logprobs(tokens_bt, lengths_b)
+
+    # ---- the audit's weight ring (audit/ring.py) -------------------------------------------------
+
+    def keep_version(self, version: int) -> None:
+        """The live weights are `version`'s (they are being published as it): keep them, with a ring."""
+        if self.ring is not None:
+            self.ring.keep(version, self.learner.model[0].module)
+
+    def audit_logprobs(self, version: int, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T-1] logprobs (under the sampling transform) with `version`'s weights from the ring."""
+        with self.ring.weights_of(version, self.learner.model[0].module):
+            return self.learner.forward_logprobs(tokens_bt, lengths_b)
+
+    def ring_versions(self) -> list[int]:
+        return self.ring.versions if self.ring is not None else []
 
     # ---- weights in and out (WeightIO) ---------------------------------------------------------
 

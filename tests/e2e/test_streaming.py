@@ -10,7 +10,11 @@ the finished ones); B resumes the same run directory to step 5.  What must hold:
 - tokens of one sequence carry more than one version, each version backed by one publication digest,
   recorded as segments whose KV epoch is their own version (recompute);
 - the learner checked every consumed token's digest (train/policy.py quarantine: a mismatch
-  is kept out of the loss and counted).
+  is kept out of the loss and counted);
+- the audit (megatron_rl/audit/): audit.every=1 re-scores the taken sequences that span versions under
+  their recorded versions with the learner's weight ring, within audit.tolerance; `megatron-rl audit RUN_DIR`
+  re-scores them afterwards from what the run directory keeps (version 0 and the checkpoints' versions),
+  and refuses a directory that is not a run.
 """
 
 from __future__ import annotations
@@ -21,14 +25,15 @@ import sqlite3
 import pytest
 
 from megatron_rl.trajectory import Trajectory
-from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
+from tests.e2e.conftest import REPO, TINY, last_json, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+AUDIT_TOLERANCE = 0.05  # the refit check's float32 bound; measured max |Δ| here is far below (see the asserts)
 STREAM = ["run.mode=async", "run.prompts_per_step=4", "run.group_size=4", "learner.micro_batch_size=16",
           "run.eval_every=0", "run.checkpoint_every=3", "data.eval_size=8", "rollout.streaming=true",
           "rollout.inflight_refit=recompute", "rollout.max_tokens=200", "rollout.max_model_len=256",
-          "rollout.ignore_eos=true"]
+          "rollout.ignore_eos=true", "audit.every=1", f"audit.tolerance={AUDIT_TOLERANCE}"]
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +80,30 @@ def test_every_token_names_the_publication_that_sampled_it(run):
     for t in trajs:
         assert len(t.segments) == 1 + int((t.policy_versions[1:] != t.policy_versions[:-1]).sum()), t.segments
         assert (t.kv_versions == t.policy_versions).all(), t.segments
+
+
+def test_the_audit_inside_training_rescored_spanning_sequences(run):
+    d, _, _ = run
+    audits = [m for m in read_jsonl(d / "metrics" / "metrics.jsonl") if m.get("audit/segments")]
+    assert audits, "no step audited a sequence spanning versions"
+    worst = max(m["audit/worst_abs_delta"] for m in audits)
+    print(f"in-training audit: {len(audits)} step(s), worst max |Δ| {worst:.3g}, per label "
+          f"{ {k: max(m[k] for m in audits if k in m) for k in {k for m in audits for k in m if '/max_abs_delta/' in k}} }")
+    assert worst < AUDIT_TOLERANCE and not any(m["audit/over_tolerance"] for m in audits)
+    assert any("audit/max_abs_delta/recompute" in m for m in audits)  # a segment begun by an in-flight refit
+
+
+def test_the_audit_command_rescores_what_the_run_directory_keeps(run):
+    d, _, _ = run
+    out = last_json(run_cli("audit", str(d), "--sequences", "8", f"--tolerance={AUDIT_TOLERANCE}").stdout)
+    print(f"megatron-rl audit: {out['audited_sequences']} sequence(s), weights of versions {out['weights_versions']}, "
+          f"per label { {k: v['max_abs_delta'] for k, v in out['by_mode'].items()} }")
+    assert out["weights_versions"] == [0, 3, 5] and out["audited_sequences"] >= 1
+    assert out["audit/segments"] >= 1 and out["audit/worst_abs_delta"] < AUDIT_TOLERANCE and not out["failures"]
+    audited = {(s["version"], s["max_abs_delta"] is not None) for s in out["segments"]}
+    assert all(v in (0, 3, 5) for v, done in audited if done)  # only versions whose weights were kept
+
+
+def test_the_audit_command_refuses_a_directory_that_is_not_a_run(tmp_path):
+    proc = run_cli("audit", str(REPO / "configs"), check=False)
+    assert proc.returncode == 2 and "not a training run directory" in proc.stderr, proc.stderr[-2000:]
