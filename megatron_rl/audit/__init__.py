@@ -9,5 +9,7 @@ segment's version, and compare with the logprobs the sampler recorded (issue 27,
     rescore.py    teacher-forced logprobs of trajectories' responses, one scoring call per version
     ring.py       the learner rank's host ring of recent versions' weights
     auditor.py    the in-training check (every N steps, the batch just taken)
-    cli.py        `megatron-rl audit RUN_DIR`: versions with a checkpoint (and version 0)
+    run_dir.py    what a run directory keeps: config, trajectories, weights of version 0 and checkpoints
+    offline.py    a one-rank learner that re-scores with those weights
+    cli.py        `megatron-rl audit RUN_DIR`
 """

@@ -2,13 +2,13 @@
 span policy versions under their recorded versions, with the weights the learner keeps in host memory.
 
     auditor = Auditor(cfg.audit, policy.learner, mode=cfg.rollout.inflight_refit, rows=16, pad_id=0)
-    outcome = auditor.check(step, taken)      # AuditOutcome: metrics (audit/...) and a StopCondition or None
+    outcome = auditor.check(step, taken)      # AuditOutcome: metrics (numerics/audit_*) and a StopCondition or None
 
 The driver calls it between take and learn (train/driver.py); the reporter logs `outcome.metrics` with the
 step's and hands `outcome.condition` to the stop rules, so a failed audit checkpoints and ends the run with
 exit 89 like any stop condition (train/stop.py), its message naming the sequence and segment.  Segments of
 versions the ring no longer holds (older than the take window, or from before a resume) are counted in
-audit/unaudited_segments, never guessed.
+numerics/audit_unaudited_segments, never guessed.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Auditor:
             return AuditOutcome()
         chosen = [t for t in taken if spans_versions(t)][:self.cfg.sequences]
         if not chosen:
-            return AuditOutcome({"audit/segments": 0.0})
+            return AuditOutcome({"numerics/audit_segments": 0.0})
         report = audit_trajectories(chosen, self.learner.audit_logprobs, self.learner.ring_versions(),
                                     rows=self.rows, mode=self.mode, tolerance=self.cfg.tolerance, pad_id=self.pad_id)
         return AuditOutcome(report.metrics(), self._condition(step, report))
@@ -59,5 +59,5 @@ class Auditor:
             logger.error("audit step %d: %s > audit.tolerance %g", step, row.describe(), self.cfg.tolerance)
         worst = failures[0]
         more = f" (and {len(failures) - 1} more segment(s))" if len(failures) > 1 else ""
-        return StopCondition("audit", step, "audit/worst_abs_delta", worst.max_abs_delta,
+        return StopCondition("audit", step, "numerics/audit_worst_abs_delta", worst.max_abs_delta,
                              f"> audit.tolerance {self.cfg.tolerance:g} on {worst.describe()}{more}")

@@ -3,7 +3,7 @@ the weights of each segment's recorded version, and report max |Δ logprob| per 
 
     megatron-rl audit RUN_DIR [--sequences 16] [--seed 0] [--tolerance T] [--json]
 
-Uses what the run directory keeps (audit/offline.py): version 0 and each intact checkpoint's version as
+Uses what the run directory keeps (audit/run_dir.py): version 0 and each intact checkpoint's version as
 weights, the coordinator's log (and the checkpoints' copies) as trajectories.  Of the trajectories whose
 response spans versions and has at least one segment of a kept version, `--sequences` are drawn (seeded);
 the others' segments are counted as unaudited with the reason.  Prints one line per segment, the maximum
@@ -29,7 +29,8 @@ EXIT_AUDIT = EXIT_CODES["audit"]
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from megatron_rl.audit.offline import audit_offline, kept_trajectories, kept_weights, run_config
+    from megatron_rl.audit.offline import audit_offline
+    from megatron_rl.audit.run_dir import kept_trajectories, kept_weights, run_config
     from megatron_rl.cli import CommandError
 
     run_dir = Path(args.run_dir).resolve()

@@ -120,13 +120,13 @@ class AuditReport:
 
     def metrics(self) -> dict[str, float]:
         """audit/ metrics of one audit: the worst judged Δ, per label, the segments audited and not."""
-        out = {"audit/segments": float(len(self.rows) - len(self.unaudited)),
-               "audit/unaudited_segments": float(len(self.unaudited)),
-               "audit/over_tolerance": float(bool(self.failures))}
+        out = {"numerics/audit_segments": float(len(self.rows) - len(self.unaudited)),
+               "numerics/audit_unaudited_segments": float(len(self.unaudited)),
+               "numerics/audit_over_tolerance": float(bool(self.failures))}
         if self.worst is not None:
-            out["audit/worst_abs_delta"] = self.worst.max_abs_delta
+            out["numerics/audit_worst_abs_delta"] = self.worst.max_abs_delta
         for mode, m in self.by_mode().items():
-            out[f"audit/max_abs_delta/{mode}"] = m["max_abs_delta"]
+            out[f"numerics/audit_max_abs_delta/{mode}"] = m["max_abs_delta"]
         return out
 
     def to_dict(self) -> dict:

@@ -272,13 +272,10 @@ class TrainConfig:
                               f"of learner.micro_batch_size ({self.learner.micro_batch_size})")
         self.learner = dataclasses.replace(self.learner, global_batch_size=samples)
         self.coordinator = for_run(self.coordinator, mode=self.run.mode, batch_size=samples)
-        from megatron_rl.publish.transport import placement_problem  # the device part: at start-up
-        from megatron_rl.rollout.sleep import config_problem
+        from megatron_rl.train.placement import config_problem  # the device part: at start-up
 
-        for problem in (placement_problem(self.rollout.weight_transfer, self.run.placement),
-                        config_problem(placement=self.run.placement, mode=self.run.mode, requested=self.rollout.sleep_mode)):
-            if problem:
-                raise ConfigError(problem)
+        if config_problem(self):
+            raise ConfigError(config_problem(self))
         if self.rollout.weight_transfer == "none":
             raise ConfigError("rollout.weight_transfer 'none' cannot train: the policy could never reach the "
                               "rollout engines (use 'gloo', or 'nccl' with run.placement 'disaggregated')")

@@ -11,8 +11,7 @@ train/learner_weights.py):
     rank parts          what it owns
     policy.learner      the Megatron learner (model, optimizer, scheduler; megatron_rl.learner)
     reference           the frozen initial policy and its logprobs (None without a KL term)
-    weights             publication and checkpoints (WeightIO)
-    ring                recent versions' weights in host memory, for the audit (None unless audit.every)
+    weights             publication, checkpoints and the audit's ring of recent versions (WeightIO)
 
 `setup` and `rebuild` build the parts from a RankSpec in the same order; a rebuild drops the old
 parts and Megatron's parallel state and builds new ones (torch.distributed stays up).
@@ -29,7 +28,6 @@ from functools import partial
 
 import torch
 
-from megatron_rl.audit.ring import WeightRing
 from megatron_rl.train.learner_build import InitialPolicy, Reference, Rendezvous, seed_everything
 from megatron_rl.train.learner_weights import PublishSettings, WeightIO
 
@@ -70,7 +68,6 @@ class LearnerWorker:
         self.policy: InitialPolicy | None = None
         self.reference: Reference | None = None
         self.weights: WeightIO | None = None
-        self.ring: WeightRing | None = None
         self.ooms = 0  # drill bookkeeping: injected out-of-memory errors so far
 
     # ---- building ------------------------------------------------------------------------------
@@ -115,15 +112,13 @@ class LearnerWorker:
             self.weights.close()
         if self.policy is not None:
             self.policy.learner.close()
-        self.spec = self.policy = self.reference = self.weights = self.ring = None
+        self.spec = self.policy = self.reference = self.weights = None
 
     def _build(self, spec: RankSpec, platform) -> None:
         self.spec = spec
         self.policy = InitialPolicy.load(spec, platform)
         self.reference = Reference(self.policy) if spec.loss.kl_coef > 0 else None
-        self.weights = WeightIO(self.rank, self.policy.learner, self.policy.hf_cfg)
-        self.ring = WeightRing(spec.audit_ring) if spec.audit_ring else None
-        self.keep_version(0)  # a rank is built with the weights the run starts from: version 0
+        self.weights = WeightIO(self.rank, self.policy.learner, self.policy.hf_cfg, ring=spec.audit_ring)
 
     @property
     def learner(self):
@@ -221,21 +216,6 @@ class LearnerWorker:
             self.reference = Reference(self.policy)
         return self.reference.logprobs(tokens_bt, lengths_b)
 
-    # ---- the audit's weight ring (audit/ring.py) -------------------------------------------------
-
-    def keep_version(self, version: int) -> None:
-        """The live weights are `version`'s (they are being published as it): keep them, with a ring."""
-        if self.ring is not None:
-            self.ring.keep(version, self.learner.model[0].module)
-
-    def audit_logprobs(self, version: int, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T-1] logprobs (under the sampling transform) with `version`'s weights from the ring."""
-        with self.ring.weights_of(version, self.learner.model[0].module):
-            return self.learner.forward_logprobs(tokens_bt, lengths_b)
-
-    def ring_versions(self) -> list[int]:
-        return self.ring.versions if self.ring is not None else []
-
     # ---- weights in and out (WeightIO) ---------------------------------------------------------
 
     def weight_source(self, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -252,6 +232,16 @@ class LearnerWorker:
 
     def save(self, weights_dir: str) -> None:
         self.weights.save(weights_dir)
+
+    def keep_version(self, version: int) -> None:
+        self.weights.keep_version(version)
+
+    def audit_logprobs(self, version: int, tokens_bt: torch.Tensor,
+                       lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+        return self.weights.audit_logprobs(version, tokens_bt, lengths_b)
+
+    def ring_versions(self) -> list[int]:
+        return self.weights.ring.versions if self.weights.ring is not None else []
 
     def load(self, weights_dir: str) -> int:
         return self.weights.load(weights_dir)

@@ -102,6 +102,17 @@ class Placement:
         return "cuda" if self.gpu else "cpu"
 
 
+def config_problem(cfg) -> str | None:
+    """What a run's config asks of its placement that cannot work, before start-up (TrainConfig checks it):
+    rollout.weight_transfer against run.placement (publish/transport.py), rollout.sleep_mode against
+    run.placement and run.mode (rollout/sleep.py); None when both can."""
+    from megatron_rl.publish.transport import placement_problem
+    from megatron_rl.rollout.sleep import config_problem as sleep_problem
+
+    return placement_problem(cfg.rollout.weight_transfer, cfg.run.placement) or sleep_problem(
+        placement=cfg.run.placement, mode=cfg.run.mode, requested=cfg.rollout.sleep_mode)
+
+
 def gpu_path_choices(cfg, device: str) -> tuple[str, bool, str]:
     """(publication transport, vLLM sleep mode on?, why), decided once at start-up from
     (run.placement, device) and the run mode; ConfigError naming the field for a setting that

@@ -19,7 +19,9 @@ the finished ones); B resumes the same run directory to step 5.  What must hold:
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import shutil
 import sqlite3
 
 import pytest
@@ -84,13 +86,13 @@ def test_every_token_names_the_publication_that_sampled_it(run):
 
 def test_the_audit_inside_training_rescored_spanning_sequences(run):
     d, _, _ = run
-    audits = [m for m in read_jsonl(d / "metrics" / "metrics.jsonl") if m.get("audit/segments")]
+    audits = [m for m in read_jsonl(d / "metrics" / "metrics.jsonl") if m.get("numerics/audit_segments")]
     assert audits, "no step audited a sequence spanning versions"
-    worst = max(m["audit/worst_abs_delta"] for m in audits)
+    worst = max(m["numerics/audit_worst_abs_delta"] for m in audits)
     print(f"in-training audit: {len(audits)} step(s), worst max |Δ| {worst:.3g}, per label "
           f"{ {k: max(m[k] for m in audits if k in m) for k in {k for m in audits for k in m if '/max_abs_delta/' in k}} }")
-    assert worst < AUDIT_TOLERANCE and not any(m["audit/over_tolerance"] for m in audits)
-    assert any("audit/max_abs_delta/recompute" in m for m in audits)  # a segment begun by an in-flight refit
+    assert worst < AUDIT_TOLERANCE and not any(m["numerics/audit_over_tolerance"] for m in audits)
+    assert any("numerics/audit_max_abs_delta/recompute" in m for m in audits)  # segments begun by in-flight refits
 
 
 def test_the_audit_command_rescores_what_the_run_directory_keeps(run):
@@ -99,7 +101,8 @@ def test_the_audit_command_rescores_what_the_run_directory_keeps(run):
     print(f"megatron-rl audit: {out['audited_sequences']} sequence(s), weights of versions {out['weights_versions']}, "
           f"per label { {k: v['max_abs_delta'] for k, v in out['by_mode'].items()} }")
     assert out["weights_versions"] == [0, 3, 5] and out["audited_sequences"] >= 1
-    assert out["audit/segments"] >= 1 and out["audit/worst_abs_delta"] < AUDIT_TOLERANCE and not out["failures"]
+    assert out["numerics/audit_segments"] >= 1 and not out["failures"]
+    assert out["numerics/audit_worst_abs_delta"] < AUDIT_TOLERANCE
     audited = {(s["version"], s["max_abs_delta"] is not None) for s in out["segments"]}
     assert all(v in (0, 3, 5) for v, done in audited if done)  # only versions whose weights were kept
 
@@ -107,3 +110,24 @@ def test_the_audit_command_rescores_what_the_run_directory_keeps(run):
 def test_the_audit_command_refuses_a_directory_that_is_not_a_run(tmp_path):
     proc = run_cli("audit", str(REPO / "configs"), check=False)
     assert proc.returncode == 2 and "not a training run directory" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_audit_command_names_a_forged_segment(run, tmp_path):
+    """A copy of the run whose log holds one trajectory with a behaviour logprob moved by 0.01 nat in a segment
+    of a kept version (as a stale KV or a wrong sampler would): the audit exits 89 naming it.  (The checkpoints'
+    copies of the log keep the genuine bytes; the audit takes the run's log first.)"""
+    d, _, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(d, copy, ignore=shutil.ignore_patterns("logs", "export"))
+    with sqlite3.connect(copy / "queue.db") as db:
+        rows = [(seq, Trajectory.from_bytes(blob)) for seq, blob in db.execute("SELECT seq, payload FROM traj")]
+        seq, traj = next((s, t) for s, t in rows if len(t.segments) > 1 and any(g[2] in (3, 5) for g in t.segments))
+        index, (start, *_rest) = next((i, g) for i, g in enumerate(traj.segments) if g[2] in (3, 5))
+        lps = traj.behavior_logprobs.copy()
+        lps[start] -= 0.01
+        forged = dataclasses.replace(traj, behavior_logprobs=lps)
+        forged = dataclasses.replace(forged, checksum=forged.compute_checksum())
+        db.execute("UPDATE traj SET payload = ? WHERE seq = ?", (forged.to_bytes(), seq))
+    proc = run_cli("audit", str(copy), "--sequences", "1000", check=False)
+    assert proc.returncode == 89, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"sequence {traj.id} segment {index} " in proc.stderr, proc.stderr[-2000:]

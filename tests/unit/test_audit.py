@@ -88,7 +88,7 @@ def test_behaviour_logprobs_of_the_recorded_versions_pass():
     report = audit_trajectories(trajs, score, versions={0, 1, 2}, rows=4, mode="recompute", tolerance=1e-4)
     assert not report.failures and report.worst is not None and report.worst.max_abs_delta < 1e-5
     assert sorted(report.by_mode()) == ["initial", "keep_kv", "recompute"]
-    assert report.metrics()["audit/over_tolerance"] == 0.0 and report.metrics()["audit/segments"] == 5
+    assert report.metrics()["numerics/audit_over_tolerance"] == 0.0 and report.metrics()["numerics/audit_segments"] == 5
 
 
 def test_a_segment_scored_by_stale_weights_fails_and_is_named():
@@ -96,8 +96,8 @@ def test_a_segment_scored_by_stale_weights_fails_and_is_named():
     report = audit_trajectories(trajs, score, versions={0, 1, 2}, rows=4, mode="recompute", tolerance=1e-3)
     assert [(r.trajectory_id, r.index, r.mode) for r in report.failures] == [("stale", 1, "recompute")]
     assert "sequence stale segment 1 (tokens [4, 9), version 1" in report.failures[0].describe()
-    assert report.metrics()["audit/over_tolerance"] == 1.0
-    assert report.metrics()["audit/worst_abs_delta"] == report.failures[0].max_abs_delta > 1e-3
+    assert report.metrics()["numerics/audit_over_tolerance"] == 1.0
+    assert report.metrics()["numerics/audit_worst_abs_delta"] == report.failures[0].max_abs_delta > 1e-3
 
 
 def test_a_forged_logprob_fails_even_when_small():
@@ -115,7 +115,7 @@ def test_keep_kv_segments_are_reported_not_judged_and_missing_versions_unaudited
     rows = {r.index: r for r in report.rows}
     assert rows[2].mode == "keep_kv" and not rows[2].judged and rows[2].max_abs_delta > 0.5
     assert rows[1].max_abs_delta is None and report.unaudited == [rows[1]]  # version 1 not available
-    assert not report.failures and report.metrics()["audit/unaudited_segments"] == 1.0
+    assert not report.failures and report.metrics()["numerics/audit_unaudited_segments"] == 1.0
 
 
 def test_a_nan_rescore_fails():
@@ -159,6 +159,6 @@ def test_config_checks_and_the_ring_size():
 
 def test_a_failed_audit_is_a_stop_condition_with_its_own_exit_code():
     rules = StopRules(StopConfig())
-    condition = StopCondition("audit", 4, "audit/worst_abs_delta", 0.3, "> audit.tolerance 0.001 on sequence x")
+    condition = StopCondition("audit", 4, "numerics/audit_worst_abs_delta", 0.3, "> audit.tolerance 0.001 on sequence x")
     assert rules.hold(condition) is condition and rules.triggered.exit_code == 89
     assert json.loads(json.dumps(condition.to_dict()))["stopped"] == "audit"
