@@ -25,9 +25,10 @@ class AuditConfig:
     sequences: int = 4
     """Multi-segment trajectories of that batch re-scored per audit (the first N that span versions)."""
     tolerance: float = 1e-3
-    """Largest max |Δ logprob| a judged segment may have (nats).  The default bounds the float32 CPU
-    path (its no-refit segments measure ~1e-5); serving in bf16 needs a larger one: take a few times
-    the `initial` row of `megatron-rl audit` on a healthy run (see RUNBOOK.md, "Audit failed")."""
+    """Largest max |Δ logprob| a judged segment may have (nats).  The default bounds the float32 CPU path
+    (vLLM's engine against the Megatron learner; measured 2.9e-6 to 3.6e-6 per segment on the tiny recipe,
+    tests/e2e/test_streaming.py); serving in bf16 needs a larger one: take a few times the `initial` row of
+    `megatron-rl audit` on a healthy run (RUNBOOK.md#audit-failed)."""
 
     def __post_init__(self) -> None:
         for name, low in (("every", 0), ("sequences", 1)):

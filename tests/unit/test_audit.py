@@ -162,3 +162,18 @@ def test_a_failed_audit_is_a_stop_condition_with_its_own_exit_code():
     condition = StopCondition("audit", 4, "numerics/audit_worst_abs_delta", 0.3, "> audit.tolerance 0.001 on sequence x")
     assert rules.hold(condition) is condition and rules.triggered.exit_code == 89
     assert json.loads(json.dumps(condition.to_dict()))["stopped"] == "audit"
+
+
+def test_plan_counts_the_weight_ring_in_host_memory():
+    from pathlib import Path
+
+    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.train.config import load_train_config
+
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "qwen2_7b_8gpu_colocated.yaml"  # TP4 x DP2, bf16
+    off = plan_for_config(load_train_config(recipe, []))["resume_host_gib_per_node"]
+    plan = plan_for_config(load_train_config(recipe, ["audit.every=5"]))
+    host = plan["resume_host_gib_per_node"]
+    # 8 ranks on the node x P / TP 4 x 2 bytes x (2 versions kept: max_version_lag 1 + 1; + 1 set aside)
+    assert off["audit_ring"] == 0 and host["audit_ring"] == pytest.approx(8 * plan["model_params"] / 4 * 2 * 3 / 2**30)
+    assert host["total"] == pytest.approx(off["total"] + host["audit_ring"])
