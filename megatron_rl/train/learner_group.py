@@ -108,7 +108,8 @@ class LearnerGroup:
         """Every rank keeps its live weights as `version` in its audit ring (audit/ring.py), if it has one."""
         self._all("keep_version", version)
 
-    def audit_logprobs(self, version: int, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+    def audit_logprobs(self, version: int, tokens_bt: torch.Tensor,
+                       lengths_b: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T-1] logprobs under `version`'s weights from the ranks' rings (the sampling transform)."""
         return self._all("audit_logprobs", version, tokens_bt, lengths_b)[0]
 

@@ -21,7 +21,7 @@ Conditions (the `stop:` config section; all off by default except `nonfinite`):
   entropy_out_of_bounds 84   learn/entropy_estimate                stop.entropy_min / stop.entropy_max
   lag_p95              85    learn/d_lag/p95                       stop.d_lag_p95_max
   verifier_errors      86    latency/verifier_error_rate           stop.verifier_error_rate_max
-  audit                89    numerics/audit_worst_abs_delta                 audit.every, audit.tolerance (megatron_rl/audit/)
+  audit                89    numerics/audit_worst_abs_delta        audit.every, audit.tolerance (megatron_rl/audit/)
 
 Other exit codes of `megatron-rl train`: 0 done, 1 crashed, 2 bad input, 75 stopped by a
 signal after checkpointing (requeue).  Threshold conditions (kl, entropy, lag, verifier) must
