@@ -61,6 +61,8 @@ CHARTS: tuple[Chart, ...] = (
     Chart(panel="numerics", title="Non-finite values", in_report=False,
           series=("numerics/nonfinite_loss", "numerics/nonfinite_grad_norm", "numerics/nonfinite_behavior_logprobs")),
     Chart(panel="numerics", title="Min behavior logprob", series=("numerics/min_behavior_logprob",), in_report=False),
+    Chart(panel="numerics", title="Audit: worst |Δ logprob|", in_report=False,  # megatron_rl/audit/ (audit.every)
+          series=("numerics/audit_worst_abs_delta", r"numerics/audit_max_abs_delta/.*")),
     Chart(panel="system", title="TPS vs effective TPS",
           series=("system/generated_tokens_per_s", "system/effective_tokens_per_s")),
     Chart(panel="system", title="Step time by phase",

@@ -16,6 +16,7 @@ Sections and their owners:
   cluster     ClusterConfig      (here)                  what the planner checks against
   stop        StopConfig         megatron_rl.train.stop  stop conditions and their exit codes
   dynamic_sampling DynamicSamplingConfig  megatron_rl.train.dynamic_sampling  keep only groups whose rewards vary
+  audit       AuditConfig        megatron_rl.audit       re-score sequences spanning versions (every N steps)
 Shared values are set once and derived: run.prompts_per_step x run.group_size is the learner's
 global batch and the coordinator's B, run.mode sets the staleness bound (coordinator/config.py),
 the rollout engines serve the policy the run starts from, and the queue log lives in the run
@@ -36,6 +37,7 @@ from typing import Any, Literal, Optional, Union
 
 from megatron_rl.config import ConfigError, from_dict, read_config_data
 from megatron_rl.data.config import DataConfig
+from megatron_rl.audit.config import AuditConfig
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
 from megatron_rl.coordinator.config import CoordinatorConfig, for_run, run_section
 from megatron_rl.grpo.loss import GRPOLossConfig
@@ -209,6 +211,7 @@ class TrainConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
     def __post_init__(self) -> None:
         # Derived, never written: one batch size for the learner and the coordinator, the staleness
@@ -220,10 +223,9 @@ class TrainConfig:
                               f"of learner.micro_batch_size ({self.learner.micro_batch_size})")
         self.learner = dataclasses.replace(self.learner, global_batch_size=samples)
         self.coordinator = for_run(self.coordinator, mode=self.run.mode, batch_size=samples)
-        from megatron_rl.train.placement import path_problem  # the device part: at start-up
-
-        if path_problem(self):
-            raise ConfigError(path_problem(self))
+        problem = self.rollout.run_problem(placement=self.run.placement, mode=self.run.mode)  # device: at start-up
+        if problem:
+            raise ConfigError(problem)
         if self.rollout.weight_transfer == "none":
             raise ConfigError("rollout.weight_transfer 'none' cannot train: the policy could never reach the "
                               "rollout engines (use 'gloo', or 'nccl' with run.placement 'disaggregated')")

@@ -102,14 +102,6 @@ class Placement:
         return "cuda" if self.gpu else "cpu"
 
 
-def path_problem(cfg) -> str | None:
-    """What no device could make work in the config's publication and sleep settings (checked with the
-    config, train/config.py, before anything starts; the device's part is gpu_path_choices at start-up)."""
-    from megatron_rl.publish.transport import placement_problem
-    from megatron_rl.rollout.sleep import config_problem
-
-    return (placement_problem(cfg.rollout.weight_transfer, cfg.run.placement)
-            or config_problem(placement=cfg.run.placement, mode=cfg.run.mode, requested=cfg.rollout.sleep_mode))
 
 
 def gpu_path_choices(cfg, device: str) -> tuple[str, bool, str]:

@@ -110,13 +110,18 @@ class Reporter:
         return self.last_eval
 
     def log_step(self, step: int, rnd: Round, trajs: list, taken: list, learn: dict, phases: dict, *,
-                 queue: dict, verifier: dict) -> None:
-        """Log one learner step's metrics (panels of train/telemetry.py) and its console line."""
+                 queue: dict, verifier: dict, audit=None) -> None:
+        """Log one learner step's metrics (panels of train/telemetry.py) and its console line; `audit`: the
+        step's AuditOutcome (megatron_rl/audit/auditor.py), whose failure is a stop condition."""
         metrics = self.telemetry.step_metrics(rnd.samples, trajs, taken, learn, phases, queue, verifier,
                                               sampling=rnd.stats or None)
         metrics.update(self.evaluator.fleet.counters())  # engine restarts, retried requests (rollout/fleet.py)
+        if audit is not None:
+            metrics.update(audit.metrics)
         self.metrics.log(step, metrics)
         self.stop_rules.observe(step, metrics)
+        if audit is not None and audit.condition is not None:
+            self.stop_rules.hold(audit.condition)
         self._step_seconds.append(phases["step"])
         progress(progress_line(step, self.steps, metrics, sum(self._step_seconds) / len(self._step_seconds)),
                  step=step, total=self.steps)

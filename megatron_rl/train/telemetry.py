@@ -5,7 +5,8 @@
 
 Panels: learn/ (reward and its components, KL to the reference, entropy estimate, response
 length, clip fraction, grad norm, the batch's D_lag and its P50/P95/P99 over sequences),
-numerics/ (non-finite counts, extreme logprobs, lag quarantines), system/ (generated and
+numerics/ (non-finite counts, extreme logprobs, lag quarantines; the audit's numerics/audit_* come from
+megatron_rl/audit/auditor.py through the reporter), system/ (generated and
 learned tokens/s, ESR and effective TPS, phase times, memory), latency/ (rollout and verifier
 P50/P95/P99 over a sliding window, verifier error counters and this step's share of ungraded
 samples `latency/verifier_error_rate`), queue/ (the coordinator's gauges, plus the
