@@ -2,7 +2,8 @@
 
     python -m pytest tests/e2e/test_drills.py -q
 
-Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts), oom (1), oom_twice
+Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts; a checkpoint at every
+step, its run also the base of tests/e2e/test_bad_checkpoint.py: tests/e2e/conftest.py), oom (1), oom_twice
 (2: the stop, then the rerun with a smaller micro-batch), the shadow-forward check (1 attempt on a copy
 of the oom run, refused at resume), partition (1, two rollout groups, 12 short steps).  The one-run
 drills share runs through `megatron-rl drill together` (each judged on the shared run by its own rules,
@@ -29,16 +30,9 @@ import torch
 from megatron_rl.cli import main
 from megatron_rl.drill.harness import DEFAULT_OVERRIDES
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
+from tests.e2e.conftest import drill as _drill
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def _drill(tmp_path_factory, name, *args):
-    run_dir = tmp_path_factory.mktemp(f"drill_{name}") / "run"
-    proc = run_cli("drill", name, "--config", str(TINY), "--run-dir", str(run_dir), *args, check=False)
-    assert "{" in proc.stdout, proc.stderr[-4000:]
-    record = last_json(proc.stdout)
-    return proc.returncode, record
 
 
 def _together(tmp_path_factory, names, *args):
@@ -77,17 +71,12 @@ def _common(record, redone):
     assert record["time_to_recover_s"] is not None and record["time_to_recover_s"] > 0, record
 
 
-@pytest.fixture(scope="module")
-def worker_crash(tmp_path_factory):
-    return _drill(tmp_path_factory, "worker_crash", "run.learner_timeout_s=60")
-
-
-def test_worker_crash_exits_75_and_resumes(worker_crash):
+def test_worker_crash_exits_75_and_resumes(worker_crash):  # the fixture: tests/e2e/conftest.py
     code, rec = worker_crash
     assert code == 0 and rec["recovered"], rec
     assert rec["first_exit"] == 75 and rec["fail_fast_s"] < 60, rec
     assert "learner rank 0 died" in rec["evidence"], rec
-    assert rec["checkpoint_versions"] == {"2": 2, "4": 4}, rec
+    assert rec["checkpoint_versions"] == {"1": 1, "2": 2, "3": 3, "4": 4}, rec  # run.checkpoint_every=1
     _common(rec, redone=0)  # step 3 never finished before the kill: nothing learned twice
 
 
