@@ -100,3 +100,12 @@ def test_the_env_metrics_are_logged(run):
         assert sum(m[f"env/terminal/{r}"] for r in TERMINAL_REASONS) == pytest.approx(1.0)
         assert {"env/turns_mean", "env/step_seconds/p99", "learn/reward_env"} <= set(m)
     assert max(m["env/turns_mean"] for m in steps) > 1
+
+
+def test_the_report_draws_the_env_panel(run):
+    from megatron_rl.panels import CHARTS
+    from megatron_rl.report import write_report
+
+    d, _, _, _ = run
+    drawn = {p.rsplit("/", 1)[-1] for p in write_report(d)["plots"]}
+    assert {f"{c.slug}.png" for c in CHARTS if c.feature == "env/"} <= drawn
