@@ -62,12 +62,14 @@ class PromptStream:
         self.dataset, self.template, self.tokenizer, self.cursor = dataset, template, tokenizer, cursor
 
     def next(self, round_: int, n: int) -> tuple[list[list[int]], list[dict]]:
-        """The next n prompts (token ids) and their extras (prompt id, answer, round); advances the cursor."""
+        """The next n prompts (token ids) and their extras (prompt id, answer, round, the example's own
+        response budget when it has one); advances the cursor."""
         prompts, extra = [], []
         for idx in self.cursor.next_indices(n):
             ex = self.dataset[idx]
             prompts.append(self.template.encode(ex, self.tokenizer))
-            extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_})
+            extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_}
+                         | ({"max_tokens": ex.max_tokens} if ex.max_tokens is not None else {}))
         return prompts, extra
 
 

@@ -55,6 +55,7 @@ class StreamProducer(Producer):
         self._grade_lock = threading.Lock()
         self._last_handed = time.perf_counter()
         self.groups_done = 0
+        self._spent: collections.Counter = collections.Counter()  # seconds per phase since the last batch
 
     @staticmethod
     def _no_rounds(r: int):
@@ -89,7 +90,10 @@ class StreamProducer(Producer):
                         return
                     self._busy = True  # a checkpoint's pause waits until this group is submitted or given back
                 try:
+                    t0 = time.perf_counter()
                     leases = self._admit(self.group_size, serial)
+                    with self._cond:
+                        self._spent["admit"] += time.perf_counter() - t0
                     if leases is None:
                         continue
                     generate = self.prepare_group(serial)  # the data cursor moves in serial order
@@ -109,13 +113,17 @@ class StreamProducer(Producer):
         t0 = time.perf_counter()
         try:
             samples = generate()
+            t1 = time.perf_counter()
             with self._grade_lock:
                 scores = self.grade(samples)
+            t2 = time.perf_counter()
             for sample, score in zip(samples, scores, strict=True):
                 sample.extra["score"] = score.to_dict()
             with self._cond:
                 self._groups.append((serial, samples, leases, time.perf_counter() - t0))
                 self.groups_done += 1
+                self._spent["generate"] += t1 - t0
+                self._spent["grade"] += t2 - t1
         except BaseException as err:
             with self._cond:
                 self._error = err
@@ -140,13 +148,15 @@ class StreamProducer(Producer):
             self._held.difference_update(leases)
             self._handed = leases
             in_flight = len(self._in_flight)
+            spent, self._spent = self._spent, collections.Counter()
         now = time.perf_counter()
         seconds, self._last_handed = now - self._last_handed, now
         spans = [1 + sum(a != b for a, b in zip(s.policy_versions, s.policy_versions[1:])) for s in samples]
         return Round(step, samples, leases, seconds,
                      {"system/stream_groups_in_flight": in_flight, "system/stream_group_seconds_max": max(g[3] for g in taken),
                       "system/stream_segments_per_sample": sum(spans) / max(len(spans), 1),
-                      "system/stream_multi_version_fraction": sum(n > 1 for n in spans) / max(len(spans), 1)})
+                      "system/stream_multi_version_fraction": sum(n > 1 for n in spans) / max(len(spans), 1),
+                      **{f"system/stream_{k}_s": v for k, v in spent.items()}})
 
     def pause(self) -> list[Round]:
         """Admit nothing more, let every group in flight finish; the finished groups not yet taken."""
