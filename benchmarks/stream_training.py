@@ -36,8 +36,8 @@ def longtail_task(root: Path, args) -> list[str]:
     """A digit_max-like JSONL task whose prompts carry their own response budget: SHORT tokens for 85% of
     them, --tokens for 15% (drawn with a fixed seed); the overrides that train on it."""
     rng, rows = random.Random(args.seed), []
-    for i in range(400):
-        digits = [rng.randrange(10) for _ in range(3)]
+    for number in rng.sample(range(10_000), 400):  # distinct questions: no split shares one
+        digits = [int(c) for c in f"{number:04d}"]
         rows.append({"question": f"max({','.join(map(str, digits))})", "answer": str(max(digits)),
                      "max_tokens": args.tokens if rng.random() < args.long_share else SHORT})
     path = root / "longtail.jsonl"

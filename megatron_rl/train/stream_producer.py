@@ -7,7 +7,8 @@
     producer.start(state); rnd = producer.next(step); rounds = producer.pause(); producer.unpause(); producer.stop()
 
 The round producer (producer.py) generates one batch per generate call, so every batch waits for its
-longest sample.  Here each prompt group is admitted by the coordinator on its own (G leases), sent to a
+longest sample.  Here each prompt group is admitted by the coordinator (G leases; one call asks for as
+many groups as may start now, up to a batch, and takes the whole groups granted), sent to a
 streaming rollout group (rollout/stream_actor.py, where it joins the engine's continuous batch), graded
 the moment its last sample ends, and kept ready; `next(step)` hands the learner the first
 `groups_per_step` groups that finished, in the order they finished, while the rest keep generating.
@@ -34,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
-from megatron_rl.train.producer import Producer, Round, TrainState
+from megatron_rl.train.producer import ADMIT_RETRY_S, Producer, Round, TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -88,18 +89,19 @@ class StreamProducer(Producer):
                         self._cond.wait(0.1)
                     if self._stop.is_set() or self._error is not None:
                         return
-                    self._busy = True  # a checkpoint's pause waits until this group is submitted or given back
+                    free = self.max_in_flight - len(self._in_flight)
+                    self._busy = True  # a checkpoint's pause waits until these groups are submitted or given back
                 try:
                     t0 = time.perf_counter()
-                    leases = self._admit(self.group_size, serial)
+                    leases = self._admit_groups(min(free, last - serial, self.groups_per_step), serial)
                     with self._cond:
                         self._spent["admit"] += time.perf_counter() - t0
-                    if leases is None:
-                        continue
-                    generate = self.prepare_group(serial)  # the data cursor moves in serial order
-                    with self._cond:
-                        self._in_flight[serial] = self._pool.submit(self._one_group, serial, leases, generate)
-                    serial += 1
+                    for k in range(0, len(leases or []), self.group_size):
+                        generate = self.prepare_group(serial)  # the data cursor moves in serial order
+                        with self._cond:
+                            self._in_flight[serial] = self._pool.submit(self._one_group, serial,
+                                                                        leases[k:k + self.group_size], generate)
+                        serial += 1
                 finally:
                     with self._cond:
                         self._busy = False
@@ -108,6 +110,35 @@ class StreamProducer(Producer):
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
+
+    def _admit_groups(self, groups: int, serial: int) -> list[str] | None:
+        """Leases for 1 to `groups` prompt groups (from `serial` on), asked for in one coordinator call:
+        whatever whole groups admission grants now (a grant short of one group waits for the rest);
+        None if paused or stopped first (a partial grant is given back)."""
+        need, leases, attempt = groups * self.group_size, [], 0
+        while len(leases) < self.group_size:
+            if self._stop.is_set() or self._paused:
+                if leases:
+                    self.coordinator.release(leases)
+                    with self._cond:
+                        self._held.difference_update(leases)
+                return None
+            epoch = self.coordinator.admission_epoch
+            # The request id makes a call that Ray retries after a coordinator restart idempotent.
+            granted = self.coordinator.try_admit(need - len(leases), worker="producer",
+                                                 request_id=f"round-{serial}/{attempt}")
+            with self._cond:
+                self._held.update(granted)
+            leases += granted
+            attempt += 1
+            if not granted:  # refused: admission opens with a publication (or a release)
+                self.coordinator.wait_admission(epoch, ADMIT_RETRY_S)
+        whole = len(leases) - len(leases) % self.group_size
+        if whole < len(leases):  # part of a group: given back (grants come in whole groups unless leases expire)
+            self.coordinator.release(leases[whole:])
+            with self._cond:
+                self._held.difference_update(leases[whole:])
+        return leases[:whole]
 
     def _one_group(self, serial: int, leases: list[str], generate: Callable[[], list]) -> None:
         t0 = time.perf_counter()
@@ -162,6 +193,8 @@ class StreamProducer(Producer):
         """Admit nothing more, let every group in flight finish; the finished groups not yet taken."""
         with self._cond:
             self._paused = True
+        self.coordinator.wake_admission()
+        with self._cond:
             while (self._busy or self._in_flight) and self._error is None:
                 self._cond.wait(0.5)
             if self._error is not None:
