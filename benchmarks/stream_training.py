@@ -10,12 +10,14 @@ token ids end a response (about K/128 per token for the random tiny model), so l
 up to --tokens (each arm then reports its own token count).  --longtail is issue 27's workload: a JSONL
 task (written here) whose rows carry their own response budget (`max_tokens`, data/jsonl.py), 85% of
 prompts 8 tokens and 15% --tokens (256), EOS ignored, so every response is exactly its prompt's budget;
-both arms run until the same generated-token budget (stop.max_generated_tokens = --budget) is spent.  The arms differ only in rollout.streaming (and with it the rollout actor: one offline generate
-call per round, or vLLM's async engine with prompt groups streaming into batches and publications
+both arms run until the same generated-token budget (stop.max_generated_tokens = --budget) is spent.
+--set KEY=VALUE adds a config override to both arms.  The arms differ only in rollout.streaming (and with
+it the rollout actor: one offline generate call per round, or vLLM's async engine with prompt groups streaming into batches and publications
 landing in flight, rollout.inflight_refit recompute).  Start-up is excluded: the clock runs from the
 first learner step's metrics to the last one's.  Printed: one JSON line per arm (loop seconds, steps,
 generated tokens, generated tokens per second of loop, mean taken Δv, share of samples spanning
-versions) and the ratio stream / rounds of tokens per second.
+versions, per-step phase seconds) and the ratio stream / rounds of tokens per second; an arm that fails
+prints its error and the steps it ran instead, and there is no ratio.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def run(streaming: bool, args, root: Path) -> dict:
            "run.group_size=4", "learner.micro_batch_size=16", "run.eval_every=0", "run.checkpoint_every=0",
            "data.eval_size=8", f"rollout.max_tokens={args.tokens}", f"rollout.max_model_len={args.tokens + 56}",
            f"rollout.streaming={'true' if streaming else 'false'}", f"run.seed={args.seed}"]
+    cmd += list(args.set)
     if args.longtail:
         cmd += longtail_task(root, args)
     elif args.stop_tokens:
@@ -61,10 +64,13 @@ def run(streaming: bool, args, root: Path) -> dict:
         cmd += ["rollout.ignore_eos=true"]
     with open(root / f"{run_dir.name}.log", "w") as log:
         proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"{run_dir.name} failed (exit {proc.returncode}); see {root / (run_dir.name + '.log')}")
-    rows = [json.loads(line) for line in (run_dir / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    metrics = run_dir / "metrics" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     learn = [r for r in rows if "learn/loss" in r]
+    if proc.returncode != 0:  # reported, not hidden: the error and the steps it ran
+        errors = [line for line in (root / f"{run_dir.name}.log").read_text().splitlines() if "Error:" in line]
+        return {"arm": run_dir.name, "failed": errors[-1] if errors else f"exit {proc.returncode}",
+                "steps": len(learn), "per_step_s": phase_means(learn[1:])}
     loop_s = learn[-1]["time"] - learn[0]["time"]
     tokens = sum(r["system/generated_tokens"] for r in learn[1:])  # generated for the steps inside the clock
     return {"arm": run_dir.name, "loop_s": round(loop_s, 2), "steps": len(learn), "generated_tokens": tokens,
@@ -95,6 +101,8 @@ def main() -> None:
     ap.add_argument("--long-share", type=float, default=0.15, help="share of long prompts (--longtail)")
     ap.add_argument("--budget", type=int, default=12000, help="generated tokens per arm (--longtail)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for both arms, e.g. coordinator.max_staleness=4 (repeatable)")
     ap.add_argument("--keep", type=Path, default=None, help="keep both runs' directories here (profiling)")
     args = ap.parse_args()
     args.tokens = args.tokens or (256 if args.longtail else 200)
@@ -104,6 +112,8 @@ def main() -> None:
         rounds, stream = run(False, args, root), run(True, args, root)
     print(json.dumps(rounds))
     print(json.dumps(stream))
+    if "failed" in rounds or "failed" in stream:
+        raise SystemExit("no ratio: an arm failed (above)")
     print(json.dumps({"ratio_tok_s": round(stream["tok_s"] / rounds["tok_s"], 3),
                       "ratio_loop_s": round(rounds["loop_s"] / stream["loop_s"], 3)}))
 
