@@ -57,6 +57,8 @@ class StreamProducer(Producer):
         self._last_handed = time.perf_counter()
         self.groups_done = 0
         self._spent: collections.Counter = collections.Counter()  # seconds per phase since the last batch
+        self._floor: dict[int, int] = {}  # serial -> version published when the group was admitted (<= its tokens')
+        self._published = self._offset = 0  # the version published (at least); version - step of the run
 
     @staticmethod
     def _no_rounds(r: int):
@@ -73,6 +75,7 @@ class StreamProducer(Producer):
         if state.rounds:
             logger.info("handing out first the %d finished prompt groups the checkpoint saved", len(self._groups))
         first = max(first, state.step * self.groups_per_step)
+        self._published, self._offset = state.version, state.version - state.step
         self._thread = threading.Thread(target=self._run, args=(first,), name="stream-producer", daemon=True)
         self._thread.start()
         self._keepalive = threading.Thread(target=self._renew_leases, name="lease-keepalive", daemon=True)
@@ -99,6 +102,7 @@ class StreamProducer(Producer):
                     for k in range(0, len(leases or []), self.group_size):
                         generate = self.prepare_group(serial)  # the data cursor moves in serial order
                         with self._cond:
+                            self._floor[serial] = self._published
                             self._in_flight[serial] = self._pool.submit(self._one_group, serial,
                                                                         leases[k:k + self.group_size], generate)
                         serial += 1
@@ -164,16 +168,38 @@ class StreamProducer(Producer):
                 self._in_flight.pop(serial, None)
                 self._cond.notify_all()
 
+    def _oldest(self, group: tuple) -> int:
+        """The oldest version among a finished group's tokens (a group without tokens: its admission's)."""
+        versions = [v for s in group[1] for v in s.policy_versions]
+        return min(versions) if versions else self._floor.get(group[0], self._published)
+
+    def _take(self, step: int) -> list[tuple]:
+        """Batch `step`'s groups (under the lock): the first `groups_per_step` that finished, except that a group
+        batch `step + 1` could no longer take (its oldest tokens would fall out of the coordinator's version
+        window) goes into this batch first, and the batch waits for such a group while it generates; so a
+        long group is never starved into the TTL by shorter ones that keep finishing first."""
+        limit = step + self._offset + 1 - self.coordinator.lookahead  # older groups: now or never
+        while (len(self._groups) < self.groups_per_step
+               or any(self._floor.get(g, limit) < limit for g in self._in_flight)):
+            if self._error is not None:
+                raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
+            if self._thread is None or (not self._thread.is_alive() and not self._in_flight):
+                raise RuntimeError(f"rollout producer stopped without producing batch {step}")
+            self._cond.wait(1.0)
+        ordered = sorted(self._groups, key=lambda g: min(self._oldest(g), limit))  # the oldest of those first;
+        # the others in the order they finished (a stable sort)
+        taken = ordered[:self.groups_per_step]
+        self._groups = collections.deque(g for g in self._groups if not any(g is t for t in taken))
+        for g in taken:
+            self._floor.pop(g[0], None)
+        return taken
+
     def next(self, step: int) -> Round:
-        """The first `groups_per_step` groups that finished (waiting for them), as round `step`."""
+        """The first `groups_per_step` groups that finished (waiting for them; those that cannot wait longer
+        first, see _take), as round `step`."""
         with self._cond:
-            while len(self._groups) < self.groups_per_step:
-                if self._error is not None:
-                    raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
-                if self._thread is None or (not self._thread.is_alive() and not self._in_flight):
-                    raise RuntimeError(f"rollout producer stopped without producing batch {step}")
-                self._cond.wait(1.0)
-            taken = [self._groups.popleft() for _ in range(self.groups_per_step)]
+            self._published = max(self._published, step + self._offset)
+            taken = self._take(step)
             samples = [s for g in taken for s in g[1]]
             leases = [lease for g in taken for lease in g[2]]
             self._held.difference_update(leases)
