@@ -110,7 +110,8 @@ def evaluate(fleet, verifier, examples: Sequence, template, tokenizer, decoding:
     """Generate `decoding.samples` responses per example on `fleet`, grade them with `verifier`."""
     prompts = [template.encode(ex, tokenizer) for ex in examples]
     n = decoding.samples
-    samples = fleet.generate(prompts, n=n, sampling=decoding.sampling(), extra=[{} for _ in examples])
+    budgets = [{} if getattr(ex, "max_tokens", None) is None else {"max_tokens": ex.max_tokens} for ex in examples]
+    samples = fleet.generate(prompts, n=n, sampling=decoding.sampling(), extra=budgets)  # each prompt's own budget
     texts = [tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
     answers = [ex.reference for ex in examples for _ in range(n)]
     scores = verifier.score(texts, answers, [len(s.response_tokens) for s in samples])
