@@ -6,7 +6,9 @@
 #   export SLURM_CONF=DIR/slurm.conf; sbatch ...  # use it
 #   bash launch/slurm_cluster.sh stop DIR         # stops exactly the daemons it started (pid files)
 # Every daemon gets its own socket, spool, state and pid file under DIR, so nothing else on the
-# machine is touched and stop never kills by name.
+# machine is touched and stop never kills by name.  KillWait=5: a requeued job's Ray processes linger
+# after SIGTERM until Slurm's SIGKILL, and the job waits in COMPLETING that long before it can restart
+# (30 s of every requeue drill with Slurm's default; the driver has checkpointed on USR1 before then).
 set -euo pipefail
 cmd="${1:?usage: slurm_cluster.sh install|start DIR|stop DIR}"
 
@@ -53,7 +55,7 @@ SlurmctldLogFile=$dir/log/slurmctld.log
 SlurmdLogFile=$dir/log/slurmd.log
 ReturnToService=2
 JobRequeue=1
-KillWait=30
+KillWait=5
 MinJobAge=600
 SchedulerParameters=defer_batch
 NodeName=$host CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN

@@ -256,7 +256,8 @@ def check_throughput(h: History, lim: dict) -> list[Finding]:
 
 
 STOP_LEAF = {"nonfinite": "nonfinite", "dev_eval_falling": "reward-flat", "kl_out_of_bounds": "kl-exploding",
-             "entropy_out_of_bounds": "entropy-collapse", "lag_p95": "lag-rising", "verifier_errors": "verifier-errors"}
+             "entropy_out_of_bounds": "entropy-collapse", "lag_p95": "lag-rising", "verifier_errors": "verifier-errors",
+             "audit": "audit-failed"}
 """The runbook leaf of each stop condition (megatron_rl/train/stop.py)."""
 
 

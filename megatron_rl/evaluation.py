@@ -106,15 +106,24 @@ class EvalResult:
 
 
 def evaluate(fleet, verifier, examples: Sequence, template, tokenizer, decoding: Decoding,
-             split: str = "test") -> EvalResult:
-    """Generate `decoding.samples` responses per example on `fleet`, grade them with `verifier`."""
-    prompts = [template.encode(ex, tokenizer) for ex in examples]
+             split: str = "test", env: dict | None = None) -> EvalResult:
+    """Generate `decoding.samples` responses per example on `fleet`, grade them with `verifier`; with `env`
+    (the `env:` section as a dict) each response is a multi-turn episode, scored by its environment."""
     n = decoding.samples
-    budgets = [{} if getattr(ex, "max_tokens", None) is None else {"max_tokens": ex.max_tokens} for ex in examples]
-    samples = fleet.generate(prompts, n=n, sampling=decoding.sampling(), extra=budgets)  # each prompt's own budget
+    if env is not None:
+        from megatron_rl.rollout.episodes import episode_score
+
+        samples = fleet.generate(list(examples), n=n, sampling=decoding.sampling(), extra=[{} for _ in examples],
+                                 env=env)
+        scores = [episode_score(s.extra["episode"]) for s in samples]
+    else:
+        prompts = [template.encode(ex, tokenizer) for ex in examples]
+        budgets = [{} if getattr(ex, "max_tokens", None) is None else {"max_tokens": ex.max_tokens} for ex in examples]
+        samples = fleet.generate(prompts, n=n, sampling=decoding.sampling(), extra=budgets)  # each prompt's own budget
     texts = [tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
-    answers = [ex.reference for ex in examples for _ in range(n)]
-    scores = verifier.score(texts, answers, [len(s.response_tokens) for s in samples])
+    if env is None:
+        answers = [ex.reference for ex in examples for _ in range(n)]
+        scores = verifier.score(texts, answers, [len(s.response_tokens) for s in samples])
     outcomes = [example_outcome(ex, texts[i * n:(i + 1) * n], scores[i * n:(i + 1) * n])
                 for i, ex in enumerate(examples)]
     return EvalResult(split=split, decoding=decoding, outcomes=outcomes)

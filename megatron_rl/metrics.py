@@ -3,7 +3,8 @@
     with MetricsLogger("runs/exp1/metrics") as log:
         log.log(step, {"learn/loss": 0.3, "queue/depth": 12, **percentiles(lat_s, "latency/rollout_s")})
 
-Keys are grouped by panel prefix: learn/, numerics/, system/, latency/, queue/ (plus eval/
+Keys are grouped by panel prefix: learn/, numerics/, system/, latency/, queue/, env/ (multi-turn
+episodes) (plus eval/
 for held-out evaluation).  A key without a known prefix is a ValueError naming it, raised
 before anything is written.  Values must be real numbers (bools, ints, floats, 0-d
 tensors/arrays).
@@ -34,7 +35,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 logger = logging.getLogger(__name__)
 
-PANELS = ("learn", "numerics", "system", "latency", "queue", "eval", "sft")
+PANELS = ("learn", "numerics", "system", "latency", "queue", "eval", "sft", "env")
 
 
 class Sink(Protocol):

@@ -5,7 +5,7 @@
     tensorboard_layout()   # {"learn": {"D_lag P50/P95/P99": ["Multiline", [...]]}, ...}
 
 Each chart belongs to a panel (the metric key prefix: learn/, numerics/, system/, latency/,
-queue/, eval/) and lists the series it draws as regular expressions over metric keys (full
+queue/, eval/, env/) and lists the series it draws as regular expressions over metric keys (full
 match); percentile charts put P50, P95 and P99 of one quantity on one chart.  A series that no
 logged key matches is "missing": the report names it instead of skipping it.
 """
@@ -27,6 +27,12 @@ class Chart:
     """Regular expressions over metric keys (full match), one per line drawn (or family of lines)."""
     in_report: bool = True
     """Drawn by `megatron-rl report` (every chart is in the TensorBoard layout)."""
+    feature: str = ""
+    """A metric prefix (e.g. "env/"): the report draws the chart only for runs that logged such a key."""
+
+    def wanted(self, keys: Iterable[str]) -> bool:
+        """Whether the report draws this chart for a run that logged `keys`."""
+        return self.in_report and (not self.feature or any(k.startswith(self.feature) for k in keys))
 
     @property
     def slug(self) -> str:
@@ -55,6 +61,8 @@ CHARTS: tuple[Chart, ...] = (
     Chart(panel="numerics", title="Non-finite values", in_report=False,
           series=("numerics/nonfinite_loss", "numerics/nonfinite_grad_norm", "numerics/nonfinite_behavior_logprobs")),
     Chart(panel="numerics", title="Min behavior logprob", series=("numerics/min_behavior_logprob",), in_report=False),
+    Chart(panel="numerics", title="Audit: worst |Δ logprob|", in_report=False,  # megatron_rl/audit/ (audit.every)
+          series=("numerics/audit_worst_abs_delta", r"numerics/audit_max_abs_delta/.*")),
     Chart(panel="system", title="TPS vs effective TPS",
           series=("system/generated_tokens_per_s", "system/effective_tokens_per_s")),
     Chart(panel="system", title="Step time by phase",
@@ -69,6 +77,11 @@ CHARTS: tuple[Chart, ...] = (
           series=("system/stream_segments_per_sample", "system/stream_multi_version_fraction",
                   "system/stream_groups_in_flight")),
     Chart(panel="queue", title="Queue depth and drops", series=("queue/depth", r"queue/dropped.*")),
+    Chart(panel="env", title="Episodes: turns and tool calls", feature="env/",
+          series=("env/turns_mean", "env/tool_calls_per_episode", "env/tool_success_rate")),
+    Chart(panel="env", title="Environment step time P50/P95/P99", series=_pcts("env/step_seconds"), feature="env/"),
+    Chart(panel="env", title="Terminal reasons and env errors", feature="env/",
+          series=(r"env/terminal/.*", "env/env_errors", "env/dropped_groups")),
     Chart(panel="eval", title="Held-out correctness", series=(r"eval/.*_correctness",), in_report=False),
     Chart(panel="eval", title="Held-out reward", series=(r"eval/.*_reward",), in_report=False),
 )

@@ -94,7 +94,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
              f"From `{run_dir / 'metrics' / 'metrics.jsonl'}`: {len(series)} metrics, "
              f"{len(steps)} logged steps ({steps[0] if steps else '-'} to {steps[-1] if steps else '-'}).", ""]
     plots, missing = [], []
-    for chart in (c for c in CHARTS if c.in_report):
+    for chart in (c for c in CHARTS if c.wanted(series)):
         found, absent = chart.matches(series)
         keys = [k for ks in found.values() for k in ks]
         missing += [(chart.title, p) for p in absent]

@@ -20,7 +20,10 @@ from megatron_rl.data.splits import holdout_splits
 
 def load_task(d) -> tuple[dict, PromptTemplate]:
     """The task's train/dev/test splits and its prompt template, from the `data:` section (DataConfig)."""
-    if d.task == "digit_max":
+    if d.task == "env":
+        splits = environment_splits(d, d.env)
+        template = PromptTemplate("{question}")  # episodes render their prompt with the chat format
+    elif d.task == "digit_max":
         splits = make_digit_max(seed=d.seed)
         template = DIGIT_MAX_TEMPLATE
     elif d.task == "reasoning_gym":
@@ -39,6 +42,22 @@ def load_task(d) -> tuple[dict, PromptTemplate]:
     if d.template is not None:
         template = PromptTemplate(d.template)
     return splits, template
+
+
+def environment_splits(d, env) -> dict[str, Dataset]:
+    """train / dev / test examples made by the environment itself (data.seed, seed + 1, seed + 2)."""
+    from megatron_rl.envs.registry import get_environment
+
+    if env is None or not env.enabled:
+        raise DataError("data.task 'env' takes its examples from the environment, but data.env.name is unset")
+    maker = get_environment(env.name, env.options)
+    if not hasattr(maker, "make_examples"):
+        raise DataError(f"environment {env.name!r} makes no examples of its own: give it a task "
+                        f"(data.task reasoning_gym or jsonl)")
+    sizes = {"train": d.train_size, "dev": d.holdout_size, "test": d.holdout_size}
+    return {split: Dataset(name=f"env:{env.name}", split=split,
+                           examples=maker.make_examples(size, seed=d.seed + k, prefix=split))
+            for k, (split, size) in enumerate(sizes.items())}
 
 
 def check_encodable(splits: dict[str, Dataset], template: PromptTemplate, tokenizer) -> None:

@@ -77,10 +77,10 @@ def checkpoint_versions(run_dir: Path) -> dict[int, int]:
     return out
 
 
-def recovery_time(drill) -> float | None:
-    """Seconds from the first injection to the first learner step completed after it (its line in
-    consumed.jsonl), restarts included."""
-    events = drill.injections()
+def recovery_time(drill, fault: str | None = None) -> float | None:
+    """Seconds from the first injection (of `fault`, if given) to the first learner step completed
+    after it (its line in consumed.jsonl), restarts included."""
+    events = drill.injections(fault)
     if not events:
         return None
     t_inj = min(e["time"] for e in events)

@@ -8,6 +8,7 @@ Prints one JSON record (megatron_rl/drill/): fault, injected_at, detected_by, ac
 steps_redone, trajectories_lost, trajectories_duplicated, versions_continuous, time_to_recover_s.
 Exit 0 when the drill ended as its protocol says (recovered, or the documented clean stop), else 1.
 Drills: bad_checkpoint, oom, oom_twice, verifier_timeout, worker_crash, engine_crash, bad_refit (RUNBOOK.md, "Fault drills").
+`megatron-rl drill together --drills a,b,...` runs one-run drills in one training run (drill/together.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,34 @@ def _cmd_drill(args: argparse.Namespace) -> int:
     return 0 if record.get("recovered") and record["trajectories_lost"] == 0 and record["trajectories_duplicated"] == 0 else 1
 
 
+def _cmd_together(args: argparse.Namespace) -> int:
+    from megatron_rl.drill.harness import DrillConfig, clear_run_dir
+    from megatron_rl.drill.together import all_recovered, check_names, run_together
+
+    names = [n.strip() for n in args.drills.split(",") if n.strip()]
+    check_names(names)
+    at_step = args.at_step if args.at_step is not None else 2
+    steps = args.steps if args.steps is not None else max(4, at_step + 1)
+    run_dir = Path(args.run_dir or "runs/drills/together")
+    if not Path(args.config).is_file():
+        raise FileNotFoundError(f"--config: no such file {args.config}")
+    clear_run_dir(run_dir)
+    cfg = DrillConfig(name=names[0], config=args.config, run_dir=str(run_dir), at_step=at_step, steps=steps,
+                      overrides=list(args.overrides), timeout_s=args.timeout)
+    result = run_together(names, cfg)
+    print(json.dumps(result))
+    return 0 if all_recovered(result) else 1
+
+
+def _common_options(d) -> None:
+    d.add_argument("--config", required=True, help="training config YAML (e.g. configs/tiny_cpu_scratch.yaml)")
+    d.add_argument("--at-step", type=int, default=None,
+                   help="learner step (0-based) the fault hits; bad_checkpoint: the checkpoint step to "
+                        "damage (default 2; bad_checkpoint 4)")
+    d.add_argument("--steps", type=int, default=None, help="training steps of the drill run (default max(4, S+1))")
+    d.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit of one training attempt (s)")
+
+
 def register(sub) -> None:
     from megatron_rl.drill.harness import DRILLS
 
@@ -41,16 +70,17 @@ def register(sub) -> None:
     names = p.add_subparsers(dest="name", metavar="NAME", required=True)
     for name in DRILLS:  # one parser per drill, so options and k=v overrides may come in any order after NAME
         d = names.add_parser(name, help=f"the {name} drill")
-        d.add_argument("--config", required=True, help="training config YAML (e.g. configs/tiny_cpu_scratch.yaml)")
-        d.add_argument("--at-step", type=int, default=None,
-                       help="learner step (0-based) the fault hits; bad_checkpoint: the checkpoint step to "
-                            "damage (default 2; bad_checkpoint 4)")
-        d.add_argument("--steps", type=int, default=None, help="training steps of the drill run (default max(4, S+1))")
+        _common_options(d)
         d.add_argument("--variant", default=None,
                        help="bad_checkpoint: flip|truncate|uncommit; verifier_timeout: share of calls that hang")
         d.add_argument("--from-run", default=None,
                        help="bad_checkpoint: damage a copy of this finished run instead of training one first")
         d.add_argument("--run-dir", default=None, help="run directory (default runs/drills/NAME; replaced)")
-        d.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit of one training attempt (s)")
         d.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the training config")
         d.set_defaults(func=_cmd_drill)
+    t = names.add_parser("together", help="several one-run drills in one training run (one record each)")
+    _common_options(t)
+    t.add_argument("--drills", required=True, help="comma-separated one-run drills (drill/together.py TOGETHER)")
+    t.add_argument("--run-dir", default=None, help="run directory (default runs/drills/together; replaced)")
+    t.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the training config")
+    t.set_defaults(func=_cmd_together)

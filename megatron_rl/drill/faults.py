@@ -130,12 +130,15 @@ def oom(drill: Drill, times: int = 1) -> dict:
             "recovered": bool(rerun is not None and resumed and _finished(drill, rerun))}
 
 
-def verifier_timeout(drill: Drill) -> dict:
+def _arm_verifier_timeout(cfg) -> tuple[dict, tuple]:
+    return {"fault": "verifier_timeout", "fraction": float(cfg.variant or 0.05)}, ("reward.timeout_s=0.5",)
+
+
+def _judge_verifier_timeout(drill: Drill, run, cfg) -> dict:
     """A share (variant, default 0.05) of grading calls hang; each must be cut at reward.timeout_s,
     error-coded, excluded from the loss and counted, while the run goes on."""
-    share = float(drill.cfg.variant or 0.05)
-    run = drill.train(fault={"fault": "verifier_timeout", "fraction": share}, extra=("reward.timeout_s=0.5",))
-    hung = len(drill.injections())
+    share = float(cfg.variant or 0.05)
+    hung = len(drill.injections("verifier_timeout"))
     rows = _metric_rows(drill)
     counted = max((r.get("latency/verifier_timeout", 0.0) for r in rows), default=0.0)
 
@@ -171,15 +174,18 @@ def worker_crash(drill: Drill) -> dict:
             "recovered": first.returncode == EXIT_REQUEUE and resumed is not None and _finished(drill, second)}
 
 
-def bad_refit(drill: Drill) -> dict:
+def _arm_bad_refit(cfg) -> tuple[dict, tuple]:
+    return {"fault": "permute_load", "at_version": cfg.at_step + 1}, ()
+
+
+def _judge_bad_refit(drill: Drill, run, cfg) -> dict:
     """Publication at_step+1 verifies byte for byte but is loaded with one matrix's rows reversed: the
     refit check (engine vs learner logprobs on the probe) must refuse it, the group roll back to the
     version before, the version be published again, and the run go on with continuous versions."""
-    cfg = drill.cfg
     version = cfg.at_step + 1
-    run = drill.train(fault={"fault": "permute_load", "at_version": version})
-    detected = _first_line(run.stderr, rf"refit check: version {version} loaded")
-    again = _first_line(run.stderr, rf"publishing version {version} again")
+    log = drill.log()
+    detected = _first_line(log, rf"refit check: version {version} loaded")
+    again = _first_line(log, rf"publishing version {version} again")
     return {"injected_at": {"version": version, "load": "first matrix's rows reversed"},
             "detected_by": "refit check after publication (engine vs learner logprobs on the probe)"
             if detected else None,
@@ -192,17 +198,30 @@ def bad_refit(drill: Drill) -> dict:
 ENGINE_PROCESS = ("rollout.engine_in_process=false",)
 
 
-def engine_crash(drill: Drill) -> dict:
+def _engine_deaths(drill: Drill) -> float:
+    """Engine-core kills armed in the drill's run (drills run together may arm two): one restart each."""
+    return float(sum(f in ("engine_kill", "engine_kill_publish") for f in drill.armed) or 1)
+
+
+def _first_line_after(text: str, anchor: str, pattern: str) -> str | None:
+    """The first line matching `pattern` after the first line matching `anchor`."""
+    m = re.search(anchor, text)
+    return _first_line(text[m.end():], pattern) if m else None
+
+
+def _arm_engine_crash(cfg) -> tuple[dict, tuple]:
+    return {"fault": "engine_kill", "at_step": cfg.at_step}, ENGINE_PROCESS
+
+
+def _judge_engine_crash(drill: Drill, run, cfg) -> dict:
     """SIGKILL of the vLLM engine-core process of the rollout group generating round at_step, with its
     requests in flight: the fleet must restart the group, keep it stale until a publication of the
     current version committed on it (checksums and refit check), retry the in-flight requests, and
     the run go on in the same attempt; no sample stamped with another version than its round's."""
-    cfg = drill.cfg
-    run = drill.train(fault={"fault": "engine_kill", "at_step": cfg.at_step}, extra=ENGINE_PROCESS)
-    events = drill.injections()
+    events = drill.injections("engine_kill")
     log = drill.log()
     detected = _first_line(log, r"vLLM engine died during generation")
-    refitted = _first_line(log, r"refitted: serving policy version \d+")
+    refitted = _first_line_after(log, r"vLLM engine died during generation", r"refitted: serving policy version \d+")
     last = (_metric_rows(drill) or [{}])[-1]
     restarts, retried = last.get("system/engine_restarts"), last.get("system/requests_retried")
     off_version = samples_off_version(drill.run_dir / "queue.db")
@@ -214,22 +233,24 @@ def engine_crash(drill: Drill) -> dict:
             "samples_off_version": off_version,
             "action": "group restarted stale, refitted with the current version before serving, in-flight "
                       "requests retried" if refitted else "none",
-            "recovered": (_finished(drill, run) and bool(in_flight) and restarts == 1.0 and bool(retried)
+            "recovered": (_finished(drill, run) and bool(in_flight) and restarts == _engine_deaths(drill) and bool(retried)
                           and refitted is not None and off_version == 0)}
 
 
 PARTITION_TIMEOUT_S = 6.0  # rollout.publish_timeout_s of the partition drill; the stop lasts longer
 
 
-def engine_crash_publish(drill: Drill) -> dict:
+def _arm_engine_crash_publish(cfg) -> tuple[dict, tuple]:
+    return {"fault": "engine_kill_publish", "at_version": cfg.at_step + 1}, ENGINE_PROCESS
+
+
+def _judge_engine_crash_publish(drill: Drill, run, cfg) -> dict:
     """SIGKILL of a group's vLLM engine-core process as publication at_step+1 begins (issue 30 defect 6):
     the same path as a death during generation -- the group restarted stale, the version published
     again (its refit), the run going on in the same attempt, no sample off its version."""
-    cfg = drill.cfg
-    run = drill.train(fault={"fault": "engine_kill_publish", "at_version": cfg.at_step + 1}, extra=ENGINE_PROCESS)
     log = drill.log()
     detected = _first_line(log, r"vLLM engine died during publication")
-    refitted = _first_line(log, r"refitted: serving policy version \d+")
+    refitted = _first_line_after(log, r"vLLM engine died during publication", r"refitted: serving policy version \d+")
     last = (_metric_rows(drill) or [{}])[-1]
     restarts = last.get("system/engine_restarts")
     off_version = samples_off_version(drill.run_dir / "queue.db")
@@ -237,7 +258,8 @@ def engine_crash_publish(drill: Drill) -> dict:
             "detected_by": "Policy._publish_locked (RolloutFleet.restart_dead: engine_alive False)" if detected else None,
             "evidence": detected, "refit": refitted, "engine_restarts": restarts, "samples_off_version": off_version,
             "action": "group restarted stale, the version published again (its refit)" if refitted else "none",
-            "recovered": (_finished(drill, run) and restarts == 1.0 and refitted is not None and off_version == 0)}
+            "recovered": (_finished(drill, run) and restarts == _engine_deaths(drill) and refitted is not None
+                          and off_version == 0)}
 
 
 def partition(drill: Drill) -> dict:
@@ -277,17 +299,18 @@ def partition(drill: Drill) -> dict:
                           and last.get("system/stale_rollout_groups") == 0.0)}
 
 
-def coordinator_stop(drill: Drill) -> dict:
+def _arm_coordinator_stop(cfg) -> tuple[dict, tuple]:
+    return {"fault": "coordinator_stop", "at_step": cfg.at_step, "seconds": float(cfg.variant or 10.0)}, ()
+
+
+def _judge_coordinator_stop(drill: Drill, run, cfg) -> dict:
     """SIGSTOP of the coordinator actor's process for `variant` seconds (default 10) at the first put of
     round at_step, before it is applied: the producer's put and the learner's take wait on it (Ray calls,
     no timeout below coordinator take_timeout_s); once it continues, the put lands exactly once (put_many
     is idempotent by id, the WAL holds it) and the run finishes in the same attempt."""
-
-    cfg = drill.cfg
     seconds = float(cfg.variant or 10.0)
-    run = drill.train(fault={"fault": "coordinator_stop", "at_step": cfg.at_step, "seconds": seconds})
-    events = drill.injections()
-    waited = recovery_time(drill)
+    events = drill.injections("coordinator_stop")
+    waited = recovery_time(drill, "coordinator_stop")
     return {"injected_at": {"round": cfg.at_step, "signal": f"SIGSTOP, SIGCONT after {seconds:g} s",
                             "process": "coordinator actor", "trajectories_in_the_put":
                                 events[0].get("trajectories") if events else None},
@@ -309,16 +332,31 @@ def samples_off_version(db: Path) -> int | None:
     return sum(1 for tid, version in rows if int(tid.split("/", 1)[0].removeprefix("r")) != int(version))
 
 
+# Drills of one training run with a hook-armed fault: how each arms it (fault spec, extra overrides) and
+# judges the run.  They may also run together in one run (drill/together.py).
+SINGLE_RUN = {
+    "verifier_timeout": (_arm_verifier_timeout, _judge_verifier_timeout),
+    "bad_refit": (_arm_bad_refit, _judge_bad_refit),
+    "engine_crash": (_arm_engine_crash, _judge_engine_crash),
+    "engine_crash_publish": (_arm_engine_crash_publish, _judge_engine_crash_publish),
+    "coordinator_stop": (_arm_coordinator_stop, _judge_coordinator_stop),
+}
+
+
+def _single(name: str):
+    def runner(drill: Drill) -> dict:
+        arm, judge = SINGLE_RUN[name]
+        fault, extra = arm(drill.cfg)
+        return judge(drill, drill.train(fault=fault, extra=extra), drill.cfg)
+    return runner
+
+
 RUNNERS = {
-    "engine_crash": engine_crash,
-    "engine_crash_publish": engine_crash_publish,
+    **{name: _single(name) for name in SINGLE_RUN},
     "partition": partition,
-    "coordinator_stop": coordinator_stop,
-    "bad_refit": bad_refit,
     "bad_checkpoint": bad_checkpoint,
     "oom": oom,
     "oom_twice": lambda d: oom(d, times=2),
-    "verifier_timeout": verifier_timeout,
     "worker_crash": worker_crash,
 }
 

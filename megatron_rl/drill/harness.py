@@ -82,13 +82,19 @@ class Drill:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.attempts: list[Attempt] = []
         self.acknowledged: set[str] = set()
+        self.armed: list[str] = []
+        """The faults armed in the last attempt (several when drills run together)."""
 
-    def train(self, steps: int | None = None, fault: dict | None = None, extra: tuple = ()) -> Attempt:
-        """One `megatron-rl train` attempt; with `fault`, the drill hook is armed for it."""
+    def train(self, steps: int | None = None, fault: dict | list[dict] | None = None, extra: tuple = ()) -> Attempt:
+        """One `megatron-rl train` attempt; with `fault` (one spec, or a list to arm several faults in
+        the one run), the drill hook is armed for it."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
         env.pop("MEGATRON_RL_DRILL", None)
-        if fault is not None:
-            env["MEGATRON_RL_DRILL"] = json.dumps({**fault, "events": str(self.run_dir / EVENTS)})
+        specs = [] if fault is None else fault if isinstance(fault, list) else [fault]
+        self.armed = [f["fault"] for f in specs]
+        if specs:
+            armed = [{**f, "events": str(self.run_dir / EVENTS)} for f in specs]
+            env["MEGATRON_RL_DRILL"] = json.dumps(armed if isinstance(fault, list) else armed[0])
         args = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", self.cfg.config,
                 f"run.dir={self.run_dir}", f"run.steps={steps or self.cfg.steps}", *DEFAULT_OVERRIDES,
                 *extra, *self.cfg.overrides]
@@ -104,9 +110,11 @@ class Drill:
         """Remember every id this attempt's queue acknowledged (a resume replaces queue.db)."""
         self.acknowledged |= wal_ids(self.run_dir / "queue.db")["all"]
 
-    def injections(self) -> list[dict]:
+    def injections(self, fault: str | None = None) -> list[dict]:
+        """The injection events of this drill's run directory (of `fault` only, if given)."""
         path = self.run_dir / EVENTS
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        return [r for r in rows if fault is None or r.get("fault") == fault]
 
     def note_injection(self, fault: str, **extra) -> None:
         with open(self.run_dir / EVENTS, "a") as fh:

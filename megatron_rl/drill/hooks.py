@@ -3,7 +3,8 @@
     MEGATRON_RL_DRILL='{"fault": "oom", "at_step": 2, "events": "/abs/run/drill_events.jsonl"}' \
         megatron-rl train --config configs/tiny_cpu_scratch.yaml
 
-A drill is declared in the environment variable MEGATRON_RL_DRILL (a JSON object) of the training
+A drill is declared in the environment variable MEGATRON_RL_DRILL (a JSON object, or a list of them
+to arm several faults in one run, each fault at most once: `megatron-rl drill together`) of the training
 process; Ray actors and grader processes started by it inherit it.  Without the variable every
 hook is a no-op costing one dict lookup.  The component that fails asks `drill_spec(fault)` and
 injects the fault itself, so a drill exercises the real failure path, not a patched one:
@@ -58,18 +59,22 @@ FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load", "engine_kil
 
 
 def drill_spec(fault: str) -> dict | None:
-    """The active drill's spec if it injects `fault`, else None.  A malformed variable is an error
-    naming it (a drill that silently does not inject would report a false recovery)."""
+    """The armed spec that injects `fault`, else None.  A malformed variable is an error naming it (a
+    drill that silently does not inject would report a false recovery)."""
     raw = os.environ.get(ENV)
     if not raw:
         return None
     try:
-        spec = json.loads(raw)
+        specs = json.loads(raw)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{ENV} is not a JSON object: {err}") from err
-    if not isinstance(spec, dict) or spec.get("fault") not in FAULTS:
-        raise ValueError(f"{ENV}: 'fault' must be one of {FAULTS}, got {raw!r}")
-    return spec if spec["fault"] == fault else None
+        raise ValueError(f"{ENV} is not a JSON object or list: {err}") from err
+    specs = specs if isinstance(specs, list) else [specs]
+    if not specs or not all(isinstance(s, dict) and s.get("fault") in FAULTS for s in specs):
+        raise ValueError(f"{ENV}: every spec's 'fault' must be one of {FAULTS}, got {raw!r}")
+    names = [s["fault"] for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{ENV}: a fault may be armed once per run, got {names}")
+    return next((s for s in specs if s["fault"] == fault), None)
 
 
 def record_injection(spec: dict, **extra) -> None:

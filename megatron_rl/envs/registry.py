@@ -1,4 +1,4 @@
-"""Environments by name: `data.env: <name>` with its section `data.env_config: {...}` (when wired).
+"""Environments by name: `data.env.name: <name>` with its section `data.env.options: {...}` (envs/config.py).
 
     env = get_environment("guess_number", {"low": 1, "high": 50})
     ENVIRONMENTS                # name -> (environment class, its config dataclass)
@@ -25,14 +25,35 @@ ENVIRONMENTS: dict[str, tuple[type[Environment], type]] = {
 }
 
 
-def get_environment(name: str, config: Mapping[str, Any] | Any | None = None) -> Environment:
-    """A new environment `name` built from `config` (a mapping, its config dataclass, or None for defaults)."""
+def register_environment(env_class: type[Environment], config_class: type) -> None:
+    """Add an environment of your own under `env_class.name` (before the run's config is loaded; a rollout
+    worker that plays it must import the module that registers it, e.g. from a `sitecustomize` or the
+    package's `__init__`).  A name already taken is refused."""
+    if not env_class.name or env_class.name in ENVIRONMENTS:
+        raise ConfigError(f"cannot register environment {env_class.name!r}: the name is empty or taken "
+                          f"({sorted(ENVIRONMENTS)})")
+    ENVIRONMENTS[env_class.name] = (env_class, config_class)
+
+
+def environment_config(name: str, config: Mapping[str, Any] | Any | None = None) -> Any:
+    """The config dataclass of environment `name` from a mapping (keys checked by name), itself, or None."""
     if name not in ENVIRONMENTS:
-        raise ConfigError(f"unknown environment {name!r} (data.env); known: {sorted(ENVIRONMENTS)}")
-    env_class, config_class = ENVIRONMENTS[name]
+        raise ConfigError(f"unknown environment {name!r} (data.env.name); known: {sorted(ENVIRONMENTS)}")
+    config_class = ENVIRONMENTS[name][1]
     if config is None or isinstance(config, Mapping):
-        config = from_dict(config_class, dict(config or {}), where="data.env_config")
-    elif not isinstance(config, config_class):
+        try:
+            return from_dict(config_class, dict(config or {}), where="data.env.options")
+        except ConfigError:
+            raise
+        except ValueError as err:  # a value its __post_init__ refuses
+            raise ConfigError(f"data.env.options: {err}") from None
+    if not isinstance(config, config_class):
         raise ConfigError(f"environment {name!r} takes a {config_class.__name__} or a mapping, "
                           f"got {type(config).__name__}")
-    return env_class(config)
+    return config
+
+
+def get_environment(name: str, config: Mapping[str, Any] | Any | None = None) -> Environment:
+    """A new environment `name` built from `config` (a mapping, its config dataclass, or None for defaults)."""
+    config = environment_config(name, config)
+    return ENVIRONMENTS[name][0](config)

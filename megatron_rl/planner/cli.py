@@ -6,7 +6,8 @@ Prints, per role and per GPU, every item of the ledger (see ledger.py for the fo
 compares colocated and disaggregated placements with a fits / does-not-fit verdict and its reason
 (every check that fails, naming the config keys and the numbers: GPUs needed against cluster.gpus,
 a peak against cluster.gpu_memory_gib, the engine against its budget, or cannot-start, naming the
-fields, for a layout Placement.create refuses on GPUs) and the largest item, and the run's length: the steps its token budget allows (stop.max_generated_tokens,
+fields, for a layout Placement.create refuses on GPUs) and the largest item, host memory per node (with the
+audit's weight ring when audit.every is set: host_memory.py), and the run's length: the steps its token budget allows (stop.max_generated_tokens,
 budget.py), and the wall time they take at S seconds per step when --step-seconds is given.
 """
 
@@ -57,7 +58,8 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
                                   sleep_mode=sleeps)
     host = resume_host_memory(model, lay, roll, gpus_per_node=cfg.cluster.gpus_per_node,
                               sleep_mode=sleeps and cfg.run.placement == "colocated",
-                              rollback_copy=rc.keep_rollback_copy)
+                              rollback_copy=rc.keep_rollback_copy,
+                              audit_ring_versions=cfg.audit.ring_versions(cfg.coordinator.max_version_lag))
     return {
         "model_params": model.num_params,
         "model_active_params": model.active_params,

@@ -15,6 +15,11 @@ a rollback copy of the serving weights (rollout.keep_rollback_copy).
     optimizer_load   = ranks per node x P_stage x 12          P_stage = P / (TP x PP), learner ranks
     engine_sleep     = engines per node x P / TP_r x bytes(engine dtype)   (when the engines sleep)
     rollback_copy    = engines per node x P / TP_r x bytes(engine dtype)   (keep_rollback_copy)
+    audit_ring       = ranks per node x P_stage x bytes(learner dtype) x (K + 1)   (audit.every > 0)
+
+The audit's ring (audit/ring.py) is held for the whole run, so it sits next to every other item: each
+learner rank keeps K = coordinator.max_version_lag + 1 versions of its shard (AuditConfig.ring_versions)
+and sets its live weights aside in host memory while an audit scores (the + 1).
 
 A node holds min(GPUs per node, learner GPUs) learner ranks and as many engine GPUs (colocated: one
 learner rank and one engine worker per GPU).  Process overheads (Python, CUDA, Ray) are not
@@ -42,7 +47,7 @@ class HostMemory:
 
 
 def resume_host_memory(model: ModelDims, lay: LearnerLayout, roll: RolloutLayout, *, gpus_per_node: int,
-                       sleep_mode: bool, rollback_copy: bool) -> HostMemory:
+                       sleep_mode: bool, rollback_copy: bool, audit_ring_versions: int = 0) -> HostMemory:
     """The module doc's formulas for the most loaded node."""
     if gpus_per_node < 1:
         raise ValueError(f"cluster.gpus_per_node must be >= 1, got {gpus_per_node}")
@@ -54,6 +59,7 @@ def resume_host_memory(model: ModelDims, lay: LearnerLayout, roll: RolloutLayout
         "optimizer_load": ranks * p_stage * OPTIMIZER_LOAD_BYTES,
         "engine_sleep": engines * engine_weights if sleep_mode else 0.0,
         "rollback_copy": engines * engine_weights if rollback_copy else 0.0,
+        "audit_ring": ranks * p_stage * _bytes(lay.dtype) * (audit_ring_versions + 1) if audit_ring_versions else 0.0,
     })
 
 

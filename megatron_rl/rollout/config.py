@@ -97,6 +97,23 @@ class RolloutConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Passed through to vllm.LLM as keyword arguments (they win over the fields above)."""
 
+    def run_problem(self, *, placement: str, mode: str) -> str | None:
+        """What no device could make work in this section's publication and sleep settings for a run of
+        `placement` and `mode` (checked with the run's config, train/config.py; the device's part is chosen
+        at start-up, train/placement.py gpu_path_choices); None when they may work."""
+        from megatron_rl.publish.transport import placement_problem
+        from megatron_rl.rollout.sleep import config_problem
+
+        return (placement_problem(self.weight_transfer, placement)
+                or config_problem(placement=placement, mode=mode, requested=self.sleep_mode))
+
+    @classmethod
+    def of(cls, config: "RolloutConfig | dict") -> "RolloutConfig":
+        """The config itself, or one built from its dict form (as Ray actors receive it), keys checked."""
+        from megatron_rl.config import from_dict
+
+        return config if isinstance(config, cls) else from_dict(cls, config)
+
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:

@@ -78,6 +78,8 @@ class PendingRollout:
     sampling: dict
     extra: list[dict]
     n: int
+    method: str = "generate"  # the worker method: generate (prompts), or run_episodes (examples, with `env`)
+    env: dict | None = None
 
 
 def engine_died(err: BaseException) -> bool:
@@ -136,15 +138,17 @@ class RolloutFleet:
 
     # ---- generation ------------------------------------------------------------------------------
 
-    def submit(self, prompts: list[list[int]], *, n: int, sampling: dict, extra: list[dict],
-               first_group: int = 0) -> PendingRollout:
+    def submit(self, prompts: list, *, n: int, sampling: dict, extra: list[dict],
+               first_group: int = 0, env: dict | None = None) -> PendingRollout:
         """Send the prompts round-robin over the groups, prompt 0 to `first_group` (a streaming producer
-        sends one prompt's group at a time and spreads them with it)."""
+        sends one prompt's group at a time and spreads them with it).  With `env` (an EnvConfig as a dict),
+        the prompts are data Examples and each sample is a multi-turn episode (rollout/episodes.py)."""
         self.check_returned()
         self.refit(wait_s=0.0)  # a group that answers again (stale) serves only once refitted
         k = len(self.workers)
         chunks = [Chunk(list(range(j, len(prompts), k)), (first_group + j) % k) for j in range(k)]
-        pending = PendingRollout([c for c in chunks if c.index], prompts, dict(sampling), extra, n)
+        pending = PendingRollout([c for c in chunks if c.index], prompts, dict(sampling), extra, n,
+                                 "generate" if env is None else "run_episodes", env)
         for c in pending.chunks:
             self._send(pending, c)
         return pending
@@ -161,7 +165,8 @@ class RolloutFleet:
         s = dict(p.sampling)
         if s.get("seed") is not None:
             s["seed"] = s["seed"] + 1_000_003 * c.seed_group  # groups never share request seeds
-        c.ref = c.worker.generate.remote([p.prompts[i] for i in c.index], s, p.n, [p.extra[i] for i in c.index])
+        args = ([p.prompts[i] for i in c.index], s, p.n, [p.extra[i] for i in c.index])
+        c.ref = getattr(c.worker, p.method).remote(*args, **({} if p.env is None else {"env": p.env}))
         return True
 
     def collect(self, pending: PendingRollout) -> list[RolloutSample]:
@@ -208,8 +213,10 @@ class RolloutFleet:
                                "their partial samples were discarded", len(c.index), c.group, c.tries + 1)
                 c.ref = None
 
-    def generate(self, prompts, *, n, sampling, extra, first_group: int = 0) -> list[RolloutSample]:
-        return self.collect(self.submit(prompts, n=n, sampling=sampling, extra=extra, first_group=first_group))
+    def generate(self, prompts, *, n, sampling, extra, first_group: int = 0, env: dict | None = None
+                 ) -> list[RolloutSample]:
+        return self.collect(self.submit(prompts, n=n, sampling=sampling, extra=extra, first_group=first_group,
+                                        env=env))
 
     # ---- restart and refit -----------------------------------------------------------------------
 

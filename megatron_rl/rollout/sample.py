@@ -32,6 +32,9 @@ class RolloutSample:
     """Wall-clock time it returned."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Caller's passthrough (e.g. prompt id, group index)."""
+    action_mask: list[int] | None = None
+    """1 on tokens the policy sampled, 0 on tokens it did not (a multi-turn episode's observations) [R];
+    None: every response token was sampled."""
 
     @property
     def seconds(self) -> float:
@@ -44,6 +47,8 @@ class RolloutSample:
             raise ValueError(f"behavior_logprobs has {len(self.behavior_logprobs)} entries for {n} response tokens")
         if len(self.policy_versions) != n:
             raise ValueError(f"policy_versions has {len(self.policy_versions)} entries for {n} response tokens")
+        if self.action_mask is not None and (len(self.action_mask) != n or set(self.action_mask) - {0, 1}):
+            raise ValueError(f"action_mask must hold {n} entries of 0 or 1")
         bad = next((i for i, lp in enumerate(self.behavior_logprobs) if not (math.isfinite(lp) and lp <= 0)), None)
         if bad is not None:
             raise ValueError(f"behavior_logprobs[{bad}] = {self.behavior_logprobs[bad]} is not a finite log-probability")

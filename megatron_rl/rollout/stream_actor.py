@@ -82,11 +82,10 @@ class StreamRolloutWorker(RolloutWorker):
     """One vLLM async engine behind RolloutWorker's methods; generate calls run concurrently."""
 
     def __init__(self, config: RolloutConfig | dict, stale: bool = False):  # noqa: D107 -- see RolloutWorker
-        from megatron_rl.config import from_dict
         from megatron_rl.console import configure_worker_logging
 
         configure_worker_logging()
-        self.config = config if isinstance(config, RolloutConfig) else from_dict(RolloutConfig, config)
+        self.config = RolloutConfig.of(config)
         undo_ray_niceness()
         if self.config.weight_transfer != "none":
             import megatron_rl.publish.vllm_engine  # noqa: F401  (registers the backends here too)
@@ -99,6 +98,8 @@ class StreamRolloutWorker(RolloutWorker):
         self._checks = itertools.count()
         self._verdicts: dict[int, tuple[threading.Event, list[bool]]] = {}
         self._probe = None
+        self._players: dict[str, Any] = {}  # (model, turn length, env config) -> EpisodePlayer (rollout/episodes.py)
+        self._players_lock = threading.Lock()
         started = time.perf_counter()
         self.stream = self._run(_start_engine(self.config, -1 if stale else 0, self.label))
         self.llm = _Blocking(self)
@@ -111,10 +112,9 @@ class StreamRolloutWorker(RolloutWorker):
 
     def reset(self, config: RolloutConfig | dict) -> None:
         """Hand this engine to the next run (train/engine_pool.py): stale until its first publication."""
-        from megatron_rl.config import from_dict
         from megatron_rl.rollout.engine_setup import engine_identity
 
-        new = config if isinstance(config, RolloutConfig) else from_dict(RolloutConfig, config)
+        new = RolloutConfig.of(config)
         if engine_identity(new, False) != engine_identity(self.config, False):
             raise ValueError(f"rollout engine for {self.config.model} cannot serve {new.model}: the engine "
                              "arguments or the model's shapes differ")
@@ -149,6 +149,24 @@ class StreamRolloutWorker(RolloutWorker):
             sample.extra["segments"] = _merged(result.segments)
             samples.append(sample)
         return samples
+
+    def run_episodes(self, examples: list, sampling: dict[str, Any] | None = None, n: int = 1,
+                     extra: list[dict] | None = None, env: dict | None = None) -> list:
+        """n multi-turn episodes of each example (data Examples) with environment `env` (an EnvConfig as a
+        dict), prompt-major and seeded as generate's samples; rollout/episodes.py plays them."""
+        from megatron_rl.rollout.episodes import EpisodePlayer
+
+        params = self._request_params([[0]] * len(examples), sampling, n, extra)
+        self._serving_version()
+        key = repr((self.config.model, params["max_tokens"], sorted((env or {}).items())))
+        with self._players_lock:
+            if key not in self._players:
+                self._players[key] = EpisodePlayer(env or {}, self.config.model,
+                                                   max_tokens_per_turn=params["max_tokens"])
+            player = self._players[key]
+        extra = [dict(e) for e in extra] if extra else [{} for _ in examples]
+        return self._run(player.group(self.stream, uuid.uuid4().hex[:12], examples, params, n, extra,
+                                      self._checked_weights))
 
     def _checked_weights(self, result) -> dict[str, str]:
         """{version: digest} of the weights that sampled the result's tokens; provisional labels wait for

@@ -25,7 +25,6 @@ import threading
 import time
 from typing import Any
 
-from megatron_rl.config import from_dict
 from megatron_rl.drill.hooks import maybe_kill_engine, maybe_kill_engine_in_publication, maybe_stop_group
 from megatron_rl.platform.priority import with_normal_priority
 from megatron_rl.rollout.config import RolloutConfig
@@ -51,7 +50,7 @@ class RolloutWorker:
 
         configure_worker_logging()
 
-        self.config = config if isinstance(config, RolloutConfig) else from_dict(RolloutConfig, config)
+        self.config = RolloutConfig.of(config)
         undo_ray_niceness()
         on_gpu = torch.cuda.is_available()
         os.environ.update(engine_env(self.config, on_gpu))
@@ -76,7 +75,7 @@ class RolloutWorker:
         (its initial weights, version 0) committed on it, checksums and refit check included."""
         import torch
 
-        new = config if isinstance(config, RolloutConfig) else from_dict(RolloutConfig, config)
+        new = RolloutConfig.of(config)
         on_gpu = torch.cuda.is_available()
         if engine_identity(new, on_gpu) != engine_identity(self.config, on_gpu):
             raise ValueError(f"rollout engine for {self.config.model} cannot serve {new.model}: the engine "

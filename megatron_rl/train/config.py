@@ -10,11 +10,13 @@ Sections and their owners:
   coordinator CoordinatorConfig  megatron_rl.coordinator queue, admission, TTL, WAL
   loss        GRPOLossConfig     megatron_rl.grpo        clipped surrogate, KL, lag guard
   reward      RewardConfig       megatron_rl.reward      verifier and reward components
-  data        DataConfig         (here)                  built-in task or JSONL file
+  data        DataConfig         megatron_rl.data        built-in task, JSONL file, generator; data.env:
+                                                             multi-turn episodes (EnvConfig, megatron_rl.envs)
   run         RunConfig          (here)                  mode, steps, placement, checkpoints
   cluster     ClusterConfig      (here)                  what the planner checks against
   stop        StopConfig         megatron_rl.train.stop  stop conditions and their exit codes
   dynamic_sampling DynamicSamplingConfig  megatron_rl.train.dynamic_sampling  keep only groups whose rewards vary
+  audit       AuditConfig        megatron_rl.audit       re-score sequences spanning versions (every N steps)
 Shared values are set once and derived: run.prompts_per_step x run.group_size is the learner's
 global batch and the coordinator's B, run.mode sets the staleness bound (coordinator/config.py),
 the rollout engines serve the policy the run starts from, and the queue log lives in the run
@@ -34,6 +36,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from megatron_rl.config import ConfigError, from_dict, read_config_data
+from megatron_rl.data.config import DataConfig
+from megatron_rl.audit.config import AuditConfig
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
 from megatron_rl.coordinator.config import CoordinatorConfig, for_run, run_section
 from megatron_rl.grpo.loss import GRPOLossConfig
@@ -68,57 +72,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.path, self.tiny, self.init_from)) != 1:
             raise ConfigError("model: set exactly one of model.path, model.tiny or model.init_from")
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    task: Literal["digit_max", "jsonl", "reasoning_gym"] = "digit_max"
-    """Built-in verifiable task, a JSONL file of math problems, or a reasoning-gym generator."""
-    generator: Optional[str] = None
-    """reasoning-gym dataset name, e.g. chain_sum, basic_arithmetic, countdown (task=reasoning_gym)."""
-    generator_config: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the reasoning-gym generator (task=reasoning_gym)."""
-    train_size: int = 2000
-    """Training examples drawn from the generator (task=reasoning_gym)."""
-    holdout_size: int = 200
-    """Examples drawn for each of dev and test (task=reasoning_gym)."""
-    seed: int = 0
-    """Seed that freezes the task's train/dev/test split (the order training visits examples
-    follows run.seed, so runs of different seeds share the held-out sets)."""
-    train_file: Optional[str] = None
-    """JSONL training file (task=jsonl)."""
-    dev_file: Optional[str] = None
-    """JSONL dev split, evaluated during training (task=jsonl); None carves it from train_file."""
-    test_file: Optional[str] = None
-    """JSONL hidden test split, evaluated at the start and end only (task=jsonl); None carves it from train_file."""
-    holdout_fraction: float = 0.1
-    """Share of train_file carved (with data.seed) into each held-out split that has no file."""
-    question_field: str = "question"
-    """JSONL field holding the problem text."""
-    answer_field: str = "answer"
-    """JSONL field holding the reference answer."""
-    template: Optional[str] = None
-    """Prompt template with {question}; None takes the task's own."""
-    eval_size: int = 100
-    """Held-out examples scored at each evaluation (<= the split's size)."""
-    max_prompt_tokens: Optional[int] = None
-    """Longest prompt kept, in tokens as the rollout encodes it (template applied); longer ones are
-    dropped from every split before the run, counted per split in the log, the run manifest and
-    `--dry-run`.  None: rollout.max_model_len - rollout.max_tokens (the room a prompt has next to a
-    whole response); a larger value is refused."""
-
-    def __post_init__(self) -> None:
-        if self.task == "jsonl" and not self.train_file:
-            raise ConfigError("data.train_file is required when data.task is 'jsonl'")
-        if self.task == "reasoning_gym" and not self.generator:
-            raise ConfigError("data.generator (a reasoning-gym dataset name) is required when data.task is "
-                              "'reasoning_gym'")
-        if self.eval_size < 1:
-            raise ConfigError(f"data.eval_size must be >= 1, got {self.eval_size}")
-        if not 0 < self.holdout_fraction < 0.5:
-            raise ConfigError(f"data.holdout_fraction must be in (0, 0.5), got {self.holdout_fraction}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ConfigError(f"data.max_prompt_tokens must be >= 1 (or unset), got {self.max_prompt_tokens}")
 
 
 @dataclass(kw_only=True)
@@ -258,6 +211,7 @@ class TrainConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
     def __post_init__(self) -> None:
         # Derived, never written: one batch size for the learner and the coordinator, the staleness
@@ -269,16 +223,9 @@ class TrainConfig:
                               f"of learner.micro_batch_size ({self.learner.micro_batch_size})")
         self.learner = dataclasses.replace(self.learner, global_batch_size=samples)
         self.coordinator = for_run(self.coordinator, mode=self.run.mode, batch_size=samples)
-        from megatron_rl.publish.transport import placement_problem  # the device part: at start-up
-
-        if placement_problem(self.rollout.weight_transfer, self.run.placement):
-            raise ConfigError(placement_problem(self.rollout.weight_transfer, self.run.placement))
-        from megatron_rl.rollout.sleep import config_problem
-
-        sleep_problem = config_problem(placement=self.run.placement, mode=self.run.mode,
-                                       requested=self.rollout.sleep_mode)
-        if sleep_problem:
-            raise ConfigError(sleep_problem)
+        problem = self.rollout.run_problem(placement=self.run.placement, mode=self.run.mode)  # device: at start-up
+        if problem:
+            raise ConfigError(problem)
         if self.rollout.weight_transfer == "none":
             raise ConfigError("rollout.weight_transfer 'none' cannot train: the policy could never reach the "
                               "rollout engines (use 'gloo', or 'nccl' with run.placement 'disaggregated')")
@@ -337,6 +284,7 @@ class TrainConfig:
         if ro.temperature < MIN_TEMPERATURE:
             raise ConfigError(f"rollout.temperature {ro.temperature} is greedy decoding (vLLM treats < "
                               f"{MIN_TEMPERATURE} as argmax): no distribution to learn from; use a temperature > 0")
+        self._check_env()
         if ro.streaming and self.dynamic_sampling.enabled:
             raise ConfigError("dynamic_sampling needs rollout rounds: set rollout.streaming false or turn it off")
         if "logprobs_mode" in ro.engine_options:
@@ -347,6 +295,18 @@ class TrainConfig:
                 f"rollout.logprobs_mode 'raw_logprobs' records the raw model's logprobs, but samples are drawn with "
                 f"rollout.temperature={ro.temperature}, top_p={ro.top_p}, top_k={ro.top_k}: the behavior logprobs "
                 f"would not be the sampling distribution; use 'processed_logprobs'")
+
+    def _check_env(self) -> None:
+        """Multi-turn episodes run on the streaming engine and fit its context (envs/config.py)."""
+        env = self.data.env
+        if not env.enabled:
+            return
+        if not self.rollout.streaming:
+            raise ConfigError(f"data.env.name {env.name!r}: multi-turn episodes run on the streaming engine; "
+                              "set rollout.streaming true")
+        if env.max_total_tokens > self._context_len:
+            raise ConfigError(f"data.env.max_total_tokens ({env.max_total_tokens}) is more than "
+                              f"rollout.max_model_len ({self._context_len}): an episode could outgrow the engine's context")
 
     @property
     def sampling(self) -> SamplingConfig:

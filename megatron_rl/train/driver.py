@@ -1,9 +1,9 @@
-"""The GRPO driver: rollout -> score -> enqueue -> take -> learn -> publish -> checkpoint.
+"""The GRPO driver: rollout -> score -> enqueue -> take -> (audit) -> learn -> publish -> checkpoint.
 
     megatron-rl train --config configs/tiny_cpu.yaml [dotted.key=value ...]
 
 `train(cfg)` builds the roles (`Roles.build`, train/roles.py: the rollout source, the scorer, the
-coordinator, the policy, the checkpointer and the reporter), resumes from the newest COMMITTED
+coordinator, the policy, the checkpointer, the reporter and the auditor), resumes from the newest COMMITTED
 checkpoint if there is one, and runs the loop below; everything else lives in the component that
 owns it.
 
@@ -96,6 +96,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
             trajs, t_score = scorer.score(rnd.samples)                   # verifier pool
             coordinator.put(trajs, rnd.leases)                           # queue (WAL)
             taken = coordinator.take_for_step(step, state.version)      # version window
+            audit = roles.auditor.check(step + 1, taken)                 # every audit.every steps (audit/)
             canary = step == resumed_at                                  # the first step after a restart
             learn, t_learn = policy.learn(taken, state.version, lr_scale=cfg.run.canary_lr_scale if canary else 1.0)
             if canary:
@@ -107,7 +108,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
             coordinator.set_version(state.version)                       # admission moves on
             state.step = step + 1
             report.log_step(step + 1, rnd, trajs, taken, learn, queue=coordinator.metrics(),
-                            verifier=scorer.counters(),
+                            verifier=scorer.counters(), audit=audit,
                             phases=dict(rollout=rnd.seconds, score=t_score, learn=t_learn, publish=t_pub,
                                         step=time.perf_counter() - t0))
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0 and step + 1 < cfg.run.steps:

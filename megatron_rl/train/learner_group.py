@@ -104,6 +104,18 @@ class LearnerGroup:
     def reference_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
         return self._all("reference_logprobs", tokens_bt, lengths_b)[0]
 
+    def keep_version(self, version: int) -> None:
+        """Every rank keeps its live weights as `version` in its audit ring (audit/ring.py), if it has one."""
+        self._all("keep_version", version)
+
+    def audit_logprobs(self, version: int, tokens_bt: torch.Tensor,
+                       lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T-1] logprobs under `version`'s weights from the ranks' rings (the sampling transform)."""
+        return self._all("audit_logprobs", version, tokens_bt, lengths_b)[0]
+
+    def ring_versions(self) -> list[int]:
+        return self._all("ring_versions")[0]
+
     def hf_state(self) -> dict[str, torch.Tensor]:
         return self._all("hf_state")[0]
 

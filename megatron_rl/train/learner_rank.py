@@ -11,7 +11,7 @@ train/learner_weights.py):
     rank parts          what it owns
     policy.learner      the Megatron learner (model, optimizer, scheduler; megatron_rl.learner)
     reference           the frozen initial policy and its logprobs (None without a KL term)
-    weights             publication and checkpoints (WeightIO)
+    weights             publication, checkpoints and the audit's ring of recent versions (WeightIO)
 
 `setup` and `rebuild` build the parts from a RankSpec in the same order; a rebuild drops the old
 parts and Megatron's parallel state and builds new ones (torch.distributed stays up).
@@ -47,6 +47,8 @@ class RankSpec:
     threads: int = 1
     sampling: object | None = None
     """The distribution the engines sample from (megatron_rl.learner.config.SamplingConfig); None: plain."""
+    audit_ring: int = 0
+    """Versions of the weights kept in host memory for the audit (audit/ring.py; 0: none)."""
 
 
 class LearnerOutOfMemory(RuntimeError):
@@ -116,7 +118,7 @@ class LearnerWorker:
         self.spec = spec
         self.policy = InitialPolicy.load(spec, platform)
         self.reference = Reference(self.policy) if spec.loss.kl_coef > 0 else None
-        self.weights = WeightIO(self.rank, self.policy.learner, self.policy.hf_cfg)
+        self.weights = WeightIO(self.rank, self.policy.learner, self.policy.hf_cfg, ring=spec.audit_ring)
 
     @property
     def learner(self):
@@ -230,6 +232,16 @@ class LearnerWorker:
 
     def save(self, weights_dir: str) -> None:
         self.weights.save(weights_dir)
+
+    def keep_version(self, version: int) -> None:
+        self.weights.keep_version(version)
+
+    def audit_logprobs(self, version: int, tokens_bt: torch.Tensor,
+                       lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+        return self.weights.audit_logprobs(version, tokens_bt, lengths_b)
+
+    def ring_versions(self) -> list[int]:
+        return self.weights.ring.versions if self.weights.ring is not None else []
 
     def load(self, weights_dir: str) -> int:
         return self.weights.load(weights_dir)

@@ -4,11 +4,14 @@
     io.connect_rollout(engines, PublishSettings(transport="gloo", bucket_bytes=b, timeout_s=t, checksum="blocksum"))
     io.publish(version)
     io.save(weights_dir); io.load(weights_dir)
+    io = WeightIO(rank, learner, hf_cfg, ring=3)   # audit.every: the newest 3 versions kept in host memory
+    io.keep_version(version); io.audit_logprobs(version, tokens_bt, lengths_b)
 
 Publication streams HF-named tensors group by group (publish/source.py): every rank takes part in
 the gathers, rank 0 sends the checksummed buckets through the run's transport (publish/transports.py),
 the others follow.  Checkpoints are Megatron distributed checkpoints of model + optimizer, plus
-per-rank scheduler state.
+per-rank scheduler state.  With a ring (audit/ring.py), the weights published as each version are
+kept in host memory, version 0 (the weights a rank is built with) first, for the in-training audit.
 """
 
 from __future__ import annotations
@@ -35,11 +38,27 @@ class PublishSettings:
 class WeightIO:
     """The weights of one rank's learner, out to the engines and to and from checkpoints."""
 
-    def __init__(self, rank: int, learner, hf_cfg):
+    def __init__(self, rank: int, learner, hf_cfg, ring: int = 0):
+        from megatron_rl.audit.ring import WeightRing
+
         self.rank, self.learner, self.hf_cfg = rank, learner, hf_cfg
         self.transport = None  # publish/transports.py, once connected
         self.publisher = None  # rank 0, once connected
         self.dtype = torch.float32  # the engines' dtype once connected
+        self.ring = WeightRing(ring) if ring else None
+        """The audit's ring of recent versions (RankSpec.audit_ring of them), or None."""
+        self.keep_version(0)  # a rank is built with the weights the run starts from: version 0
+
+    def keep_version(self, version: int) -> None:
+        """The live weights are `version`'s (they are being published as it): keep them, with a ring."""
+        if self.ring is not None:
+            self.ring.keep(version, self.learner.model[0].module)
+
+    def audit_logprobs(self, version: int, tokens_bt: torch.Tensor,
+                       lengths_b: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T-1] logprobs (under the sampling transform) with `version`'s weights from the ring."""
+        with self.ring.weights_of(version, self.learner.model[0].module):
+            return self.learner.forward_logprobs(tokens_bt, lengths_b)
 
     def source(self, device: str = "cpu", dtype: torch.dtype = torch.float32):
         """This rank's view of the policy as HF tensors in `dtype`, streamed group by group (publish.source)."""

@@ -102,6 +102,8 @@ class Placement:
         return "cuda" if self.gpu else "cpu"
 
 
+
+
 def gpu_path_choices(cfg, device: str) -> tuple[str, bool, str]:
     """(publication transport, vLLM sleep mode on?, why), decided once at start-up from
     (run.placement, device) and the run mode; ConfigError naming the field for a setting that

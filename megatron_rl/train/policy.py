@@ -59,6 +59,8 @@ class PolicySettings:
     """A number, "auto" (the serving dtype's bound: rollout/refit_check.py) or None (no refit check)."""
     vocab_size: int
     pad_id: int
+    audit_ring: int = 0
+    """Versions of the weights the learner ranks keep for the audit (audit/ring.py; 0: none)."""
 
 
 class Policy:
@@ -88,20 +90,24 @@ class Policy:
     def create(cls, learner: LearnerConfig, loss: GRPOLossConfig, run: RunConfig, sampling: SamplingConfig, *,
                weight_transfer: str, model_dir: Path, fleet: RolloutFleet, placement: Callable[[int], dict] | None,
                vocab_size: int, pad_id: int,
-               sleep: tuple[bool, str] = (False, "off"), handed_over: list | None = None) -> "Policy":
+               sleep: tuple[bool, str] = (False, "off"), handed_over: list | None = None,
+               audit_ring: int = 0) -> "Policy":
         """The learner group (the learner and loss sections, the run's determinism, timeout and
         publication settings) started from `model_dir`, attached to the fleet it publishes to once
         its engines are up (they may still be starting while the learner does).
-        `sleep`: (on, why) of vLLM sleep mode, chosen at start-up (train/placement.py)."""
+        `sleep`: (on, why) of vLLM sleep mode, chosen at start-up (train/placement.py).  `audit_ring`: versions
+        of the weights every rank keeps in host memory for the audit (AuditConfig.ring_versions)."""
         spec = RankSpec(learner=learner, loss=loss, hf_dir=str(model_dir), seed=learner.seed,
-                        deterministic=run.deterministic, threads=run.torch_threads, sampling=sampling)
+                        deterministic=run.deterministic, threads=run.torch_threads, sampling=sampling,
+                        audit_ring=audit_ring)
         group = LearnerGroup(spec, placement=placement, call_timeout_s=run.learner_timeout_s, handed_over=handed_over)
         fleet.wait_ready()
         publishing = PublishSettings(transport=weight_transfer, bucket_bytes=run.publish_bucket_mib << 20,
                                      timeout_s=fleet.cfg.publish_timeout_s, checksum=run.publish_checksum)
         settings = PolicySettings(loss=loss, sampling=sampling, micro_batch_size=learner.micro_batch_size,
                                   probe_rows=learner.micro_batch_size * learner.data_parallel_size,
-                                  refit_tolerance=run.refit_tolerance, vocab_size=vocab_size, pad_id=pad_id)
+                                  refit_tolerance=run.refit_tolerance, vocab_size=vocab_size, pad_id=pad_id,
+                                  audit_ring=audit_ring)
         return cls(group, fleet, settings, publishing,
                    SleepCycle(lambda: fleet.workers, enabled=sleep[0], reason=sleep[1]))
 
@@ -141,6 +147,8 @@ class Policy:
         self._expect_probe(version)
         with self.learner.lock:
             self._publish_locked(version)
+            if self.settings.audit_ring:
+                self.learner.keep_version(version)  # the audit's ring: these weights are `version` now
         return time.perf_counter() - t0
 
     def refit(self, wait_s: float = 1.0) -> bool:

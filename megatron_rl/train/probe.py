@@ -27,7 +27,8 @@ import torch
 
 from megatron_rl.rollout.refit_check import refit_tolerance, sampled_probe
 
-__all__ = ["probe_sequences", "on_policy", "reconcile_sampled", "refit_tolerance"]
+__all__ = ["probe_sequences", "on_policy", "pack_sequences", "reconcile_sampled", "refit_tolerance",
+           "response_logprobs"]
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +53,11 @@ def reconcile_sampled(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tens
     chosen = on_policy(taken, version)[:rows]
     if not chosen:
         return {}
-    batch = [chosen[i % len(chosen)] for i in range(rows)]
-    width = max(len(t.prompt_tokens) + len(t.response_tokens) for t in batch)
-    tokens_bt = torch.full((rows, width), pad_id, dtype=torch.long)
-    lengths_b = torch.zeros(rows, dtype=torch.long)
-    for i, t in enumerate(batch):
-        seq = torch.as_tensor([*map(int, t.prompt_tokens), *map(int, t.response_tokens)], dtype=torch.long)
-        tokens_bt[i, :len(seq)], lengths_b[i] = seq, len(seq)
-    learner_bt = forward(tokens_bt, lengths_b)  # [rows, width-1]
+    learner_bt = forward(*pack_sequences(chosen, rows, pad_id))  # [rows, width-1]
     deltas: list[float] = []
     for i, t in enumerate(chosen):
-        start = len(t.prompt_tokens) - 1  # position predicting the first response token
         mask = torch.as_tensor(t.action_mask, dtype=torch.bool)
-        got = learner_bt[i, start:start + len(t.response_tokens)][mask]
+        got = response_logprobs(learner_bt[i], t)[mask]
         want = torch.as_tensor(t.behavior_logprobs, dtype=torch.float32)[mask]
         deltas.extend((got.float() - want).abs().tolist())
     if not deltas:
@@ -81,3 +74,23 @@ def reconcile_sampled(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tens
                     stats["numerics/reconcile_median_abs"], tolerance, stats["numerics/reconcile_mean_abs"],
                     stats["numerics/reconcile_max_abs"])
     return stats
+
+
+def pack_sequences(trajs: Sequence, rows: int, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens_bt [rows, T], lengths_b [rows]): each trajectory's prompt + response tokens, right-padded;
+    `rows` rows are always sent (the trajectories repeated), as the learner's batch plan needs a multiple
+    of micro_batch_size x data-parallel size."""
+    batch = [trajs[i % len(trajs)] for i in range(rows)]
+    width = max(len(t.prompt_tokens) + len(t.response_tokens) for t in batch)
+    tokens_bt = torch.full((rows, width), pad_id, dtype=torch.long)
+    lengths_b = torch.zeros(rows, dtype=torch.long)
+    for i, t in enumerate(batch):
+        seq = torch.as_tensor([*map(int, t.prompt_tokens), *map(int, t.response_tokens)], dtype=torch.long)
+        tokens_bt[i, :len(seq)], lengths_b[i] = seq, len(seq)
+    return tokens_bt, lengths_b
+
+
+def response_logprobs(logprobs_t: torch.Tensor, traj) -> torch.Tensor:
+    """[R]: the logprobs of `traj`'s response tokens out of its row of a forward's [T-1] logprobs."""
+    start = len(traj.prompt_tokens) - 1  # position predicting the first response token
+    return logprobs_t[start:start + len(traj.response_tokens)]

@@ -44,8 +44,8 @@ class Evaluator:
 
     def __init__(self, fleet: RolloutFleet, verifier: VerifierPool, splits: dict, template: PromptTemplate,
                  tokenizer: PreTrainedTokenizerBase, *,
-                 eval_size: int, out_dir: Path):
-        self.fleet, self.verifier, self.splits = fleet, verifier, splits
+                 eval_size: int, out_dir: Path, env: dict | None = None):
+        self.fleet, self.verifier, self.splits, self.env = fleet, verifier, splits, env
         self.template, self.tokenizer, self.eval_size, self.out_dir = template, tokenizer, eval_size, out_dir
 
     def run(self, step: int, split: str) -> dict:
@@ -55,7 +55,8 @@ class Evaluator:
 
         ds = self.splits[split]
         examples = [ds[i] for i in range(min(self.eval_size, len(ds)))]
-        result = evaluate(self.fleet, self.verifier, examples, self.template, self.tokenizer, Decoding(), split=split)
+        result = evaluate(self.fleet, self.verifier, examples, self.template, self.tokenizer, Decoding(), split=split,
+                          env=self.env)
         if split == "test":
             result.write(self.out_dir / f"test_step_{step:06d}.jsonl")
         summary = result.summary()
@@ -82,10 +83,11 @@ class Reporter:
     @classmethod
     def create(cls, stop: StopConfig, *, steps: int, eval_size: int, run_dir: Path, fleet: RolloutFleet,
                verifier: VerifierPool, splits: dict, template: PromptTemplate,
-               tokenizer: PreTrainedTokenizerBase) -> "Reporter":
-        """Metrics under run_dir/metrics, the `stop:` section's rules, evals of `eval_size` examples."""
+               tokenizer: PreTrainedTokenizerBase, env: dict | None = None) -> "Reporter":
+        """Metrics under run_dir/metrics, the `stop:` section's rules, evals of `eval_size` examples (multi-turn
+        episodes with `env`, the `env:` section as a dict)."""
         evaluator = Evaluator(fleet, verifier, splits, template, tokenizer, eval_size=eval_size,
-                              out_dir=run_dir / "eval")
+                              out_dir=run_dir / "eval", env=env)
         return cls(run_dir, MetricsLogger(run_dir / "metrics"), StopRules(stop), evaluator, steps=steps)
 
     def rewind(self, step: int) -> None:
@@ -108,13 +110,18 @@ class Reporter:
         return self.last_eval
 
     def log_step(self, step: int, rnd: Round, trajs: list, taken: list, learn: dict, phases: dict, *,
-                 queue: dict, verifier: dict) -> None:
-        """Log one learner step's metrics (panels of train/telemetry.py) and its console line."""
+                 queue: dict, verifier: dict, audit=None) -> None:
+        """Log one learner step's metrics (panels of train/telemetry.py) and its console line; `audit`: the
+        step's AuditOutcome (megatron_rl/audit/auditor.py), whose failure is a stop condition."""
         metrics = self.telemetry.step_metrics(rnd.samples, trajs, taken, learn, phases, queue, verifier,
                                               sampling=rnd.stats or None)
         metrics.update(self.evaluator.fleet.counters())  # engine restarts, retried requests (rollout/fleet.py)
+        if audit is not None:
+            metrics.update(audit.metrics)
         self.metrics.log(step, metrics)
         self.stop_rules.observe(step, metrics)
+        if audit is not None and audit.condition is not None:
+            self.stop_rules.hold(audit.condition)
         self._step_seconds.append(phases["step"])
         progress(progress_line(step, self.steps, metrics, sum(self._step_seconds) / len(self._step_seconds)),
                  step=step, total=self.steps)

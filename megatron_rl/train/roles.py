@@ -12,6 +12,7 @@ Who owns what:
   policy        Policy (policy.py)                     learner group, publication to the fleet
   checkpointer  Checkpointer (checkpointing.py)        resume and checkpoints
   reporter      Reporter (reporting.py)                metrics, evals, progress, stop rules
+  auditor       Auditor (audit/auditor.py)             re-scores sequences spanning versions (audit.every)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from megatron_rl.audit.auditor import Auditor
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, restore_queue_snapshot
 from megatron_rl.train.engine_pool import EnginePool
@@ -26,7 +28,7 @@ from megatron_rl.train.placement import Placement, gpu_path_choices
 from megatron_rl.train.policy import Policy
 from megatron_rl.train.reporting import Reporter
 from megatron_rl.train.rollout_source import PromptStream, RolloutSource, RoundSpec, start_fleet
-from megatron_rl.train.run_setup import RunInputs, open_run_dir, start_ray, train_cursor
+from megatron_rl.train.run_setup import RunInputs, close_run_dir, open_run_dir, start_ray, train_cursor
 from megatron_rl.train.scoring import Scorer
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class Roles:
     policy: Policy
     checkpointer: Checkpointer
     reporter: Reporter
+    auditor: Auditor
     placement: Placement
     own_ray: bool
     pool: EnginePool | None = None
@@ -73,25 +76,27 @@ class Roles:
         fleet = start_fleet(rollout, inputs.model_dir, place.rollout, wait=place.gpu,  # CPU: starts with the learner
                             handed_over=handed)
         source = RolloutSource(fleet, PromptStream(train, inputs.template, inputs.tokenizer, train_cursor(cfg, train)),
-                               coordinator, scorer, spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling))
+                               coordinator, scorer, spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling,
+                                                                             cfg.data.env))
         learners = pool.take_learners(ranks) if pool is not None else None
         policy = Policy.create(cfg.learner, cfg.loss, cfg.run, cfg.sampling,
                                weight_transfer=transport, model_dir=inputs.model_dir,
                                fleet=fleet, placement=place.learner,
                                vocab_size=inputs.vocab_size, pad_id=inputs.pad_id,
-                               sleep=(sleep_on, sleep_why), handed_over=learners)
+                               sleep=(sleep_on, sleep_why), handed_over=learners,
+                               audit_ring=cfg.audit.ring_versions(cfg.coordinator.max_version_lag))
         if fleet.handed_over:  # an earlier run's engines: they serve once this run's weights are on them
             policy.publish(0)
         checkpointer = Checkpointer(inputs.run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from)
         reporter = Reporter.create(cfg.stop, steps=cfg.run.steps, eval_size=cfg.data.eval_size, run_dir=inputs.run_dir,
                                    fleet=fleet, verifier=scorer.verifier, splits=inputs.splits,
-                                   template=inputs.template, tokenizer=inputs.tokenizer)
-        return cls(inputs, coordinator, source, scorer, policy, checkpointer, reporter, place, own_ray, pool)
+                                   template=inputs.template, tokenizer=inputs.tokenizer, env=source.spec.env)
+        auditor = Auditor(cfg.audit, policy.learner, mode=cfg.rollout.inflight_refit, rows=policy.settings.probe_rows,
+                          pad_id=inputs.pad_id)
+        return cls(inputs, coordinator, source, scorer, policy, checkpointer, reporter, auditor, place, own_ray, pool)
 
     def close(self) -> None:
         import ray
-
-        from megatron_rl.run_manifest import close_run
 
         for closer in (self.source.stop, self.reporter.close, self.scorer.close, self._park, self.source.close,
                        self.policy.close, self._remove_placement):
@@ -101,7 +106,7 @@ class Roles:
                 logger.warning("while closing: %s", err)
         if self.own_ray:
             ray.shutdown()
-        close_run(self.inputs.run_dir)
+        close_run_dir(self.inputs.run_dir)
 
     def _park(self) -> None:
         """Inside the experiment runner: engines and learner actors kept for the next run (before they close)."""

@@ -47,11 +47,13 @@ class RoundSpec:
     steps: int
     seed: int
     dynamic: DynamicSamplingConfig
+    env: dict | None = None
+    """The `env:` section as a dict when samples are multi-turn episodes (envs/config.py), else None."""
 
     @classmethod
-    def from_sections(cls, run: RunConfig, dynamic: DynamicSamplingConfig) -> "RoundSpec":
+    def from_sections(cls, run: RunConfig, dynamic: DynamicSamplingConfig, env=None) -> "RoundSpec":
         return cls(prompts_per_step=run.prompts_per_step, group_size=run.group_size, steps=run.steps, seed=run.seed,
-                   dynamic=dynamic)
+                   dynamic=dynamic, env=dataclasses.asdict(env) if env is not None and env.enabled else None)
 
 
 class PromptStream:
@@ -61,13 +63,14 @@ class PromptStream:
                  cursor: DataCursor):
         self.dataset, self.template, self.tokenizer, self.cursor = dataset, template, tokenizer, cursor
 
-    def next(self, round_: int, n: int) -> tuple[list[list[int]], list[dict]]:
-        """The next n prompts (token ids) and their extras (prompt id, answer, round, the example's own
-        response budget when it has one); advances the cursor."""
+    def next(self, round_: int, n: int, *, examples: bool = False) -> tuple[list, list[dict]]:
+        """The next n prompts (token ids; with `examples`, the data Examples an episode starts from) and
+        their extras (prompt id, answer, round, the example's own response budget when it has one);
+        advances the cursor."""
         prompts, extra = [], []
         for idx in self.cursor.next_indices(n):
             ex = self.dataset[idx]
-            prompts.append(self.template.encode(ex, self.tokenizer))
+            prompts.append(ex if examples else self.template.encode(ex, self.tokenizer))
             extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_}
                          | ({"max_tokens": ex.max_tokens} if ex.max_tokens is not None else {}))
         return prompts, extra
@@ -144,10 +147,11 @@ class RolloutSource:
     def prepare_group(self, serial: int) -> Callable[[], list]:
         """Streaming: draw prompt group `serial`'s prompt now; the returned call generates its G samples
         (on the rollout groups in turn, seeded like a round of that number)."""
-        prompts, extra = self.prompts.next(serial, 1)
+        env = self.spec.env  # multi-turn: the prompt is the example an episode starts from
+        prompts, extra = self.prompts.next(serial, 1, examples=env is not None)
         seed, k = self.round_seed(serial), len(self.fleet.workers)
         return lambda: self.fleet.generate(prompts, n=self.spec.group_size, extra=extra, sampling={"seed": seed},
-                                           first_group=serial % k)
+                                           first_group=serial % k, env=env)
 
     def _sample_informative(self, r: int, seed: int) -> tuple[list, dict]:
         """Dynamic sampling (train/dynamic_sampling.py): oversample prompts, grade each group as it

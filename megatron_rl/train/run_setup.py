@@ -88,6 +88,13 @@ def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
                        "grader_version": cfg.reward.grader_version()})
     return RunInputs(run_dir, model_dir, tokenizer, tok_hash, splits, template, fitted.dropped)
 
+def close_run_dir(run_dir: Path) -> None:
+    """The end of this attempt, in run_manifest.json (open_run_dir began it)."""
+    from megatron_rl.run_manifest import close_run
+
+    close_run(run_dir)
+
+
 def train_cursor(cfg: TrainConfig, train) -> DataCursor:
     """The data cursor over the training split: its order follows data.seed and run.seed."""
     return DataCursor(len(train), seed=data_order_seed(cfg), dataset_version=train.dataset_version)

@@ -36,7 +36,12 @@ class Scorer:
         return cls(VerifierPool(reward), tokenizer, tokenizer_hash=tokenizer_hash, dataset_version=dataset_version)
 
     def grade(self, samples: list) -> list:
-        """The verifier pool's Score of every sample (decoded response vs the prompt's answer)."""
+        """The verifier pool's Score of every sample (decoded response vs the prompt's answer); a multi-turn
+        episode's Score is its environment's reward (episode_score)."""
+        if samples and all("episode" in s.extra for s in samples):
+            from megatron_rl.rollout.episodes import episode_score
+
+            return [episode_score(s.extra["episode"]) for s in samples]
         texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
         answers, lengths = [s.extra["answer"] for s in samples], [len(s.response_tokens) for s in samples]
         return self.verifier.score(texts, answers, lengths)
@@ -82,7 +87,8 @@ def to_trajectories(samples: list, scores: list, *, tokenizer_hash: str, dataset
             id=f"{key}/{i}", prompt_id=s.extra["prompt_id"], dataset_version=dataset_version,
             policy_versions=s.policy_versions, tokenizer_hash=tokenizer_hash, prompt_tokens=s.prompt_tokens,
             response_tokens=s.response_tokens, behavior_logprobs=s.behavior_logprobs, sampling_config=s.sampling,
-            reward_components=components, grader_version=sc.grader_version, terminal_reason=s.finish_reason,
+            reward_components=components, grader_version=sc.grader_version, action_mask=s.action_mask,
+            terminal_reason=s.extra["episode"]["terminal_reason"] if "episode" in s.extra else s.finish_reason,
             rollout_started_at=s.started_at, scored_at=scored_at,
             status="ok" if sc.ok else ("verifier_timeout" if sc.error == "timeout" else "verifier_error"),
             error_code=sc.error or "", weights=dict(s.extra.get("weights", {})),

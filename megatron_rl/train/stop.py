@@ -21,6 +21,7 @@ Conditions (the `stop:` config section; all off by default except `nonfinite`):
   entropy_out_of_bounds 84   learn/entropy_estimate                stop.entropy_min / stop.entropy_max
   lag_p95              85    learn/d_lag/p95                       stop.d_lag_p95_max
   verifier_errors      86    latency/verifier_error_rate           stop.verifier_error_rate_max
+  audit                89    numerics/audit_worst_abs_delta        audit.every, audit.tolerance (megatron_rl/audit/)
 
 Other exit codes of `megatron-rl train`: 0 done, 1 crashed, 2 bad input, 75 stopped by a
 signal after checkpointing (requeue).  Threshold conditions (kl, entropy, lag, verifier) must
@@ -49,6 +50,7 @@ EXIT_CODES = {
     "entropy_out_of_bounds": 84,
     "lag_p95": 85,
     "verifier_errors": 86,
+    "audit": 89,
 }
 """The exit code of each stop condition (distinct from 0, 1, 2 = bad input and 75 = requeue)."""
 BUDGETS = ("max_generated_tokens",)
@@ -191,6 +193,13 @@ class StopRules:
                     self.triggered = condition
                     logger.log(logging.INFO if condition.ends_run else logging.ERROR, "%s", condition.describe())
                     break
+        return self.triggered
+
+    def hold(self, condition: StopCondition) -> StopCondition:
+        """A condition a component judged on its own evidence (the audit, megatron_rl/audit/auditor.py)."""
+        if self.triggered is None:
+            self.triggered = condition
+            logger.error("%s", condition.describe())
         return self.triggered
 
     def _evaluate(self, step: int, m: Mapping[str, float]):

@@ -59,6 +59,7 @@ class StreamProducer(Producer):
         self._spent: collections.Counter = collections.Counter()  # seconds per phase since the last batch
         self._floor: dict[int, int] = {}  # serial -> version published when the group was admitted (<= its tokens')
         self._published = self._offset = 0  # the version published (at least); version - step of the run
+        self.groups_dropped = 0  # multi-turn groups whose environment failed at reset (released, counted)
 
     @staticmethod
     def _no_rounds(r: int):
@@ -149,6 +150,14 @@ class StreamProducer(Producer):
         try:
             samples = generate()
             t1 = time.perf_counter()
+            if any(not s.response_tokens for s in samples):  # an environment failed at reset: nothing to train
+                self.coordinator.release(leases)
+                with self._cond:
+                    self.groups_dropped += 1
+                    self._floor.pop(serial, None)
+                logger.warning("prompt group %d dropped: its environment failed at reset (%s)", serial,
+                               next(s.extra["episode"]["error"] for s in samples if not s.response_tokens))
+                return
             with self._grade_lock:
                 scores = self.grade(samples)
             t2 = time.perf_counter()
@@ -209,11 +218,16 @@ class StreamProducer(Producer):
         now = time.perf_counter()
         seconds, self._last_handed = now - self._last_handed, now
         spans = [1 + sum(a != b for a, b in zip(s.policy_versions, s.policy_versions[1:])) for s in samples]
-        return Round(step, samples, leases, seconds,
-                     {"system/stream_groups_in_flight": in_flight, "system/stream_group_seconds_max": max(g[3] for g in taken),
-                      "system/stream_segments_per_sample": sum(spans) / max(len(spans), 1),
-                      "system/stream_multi_version_fraction": sum(n > 1 for n in spans) / max(len(spans), 1),
-                      **{f"system/stream_{k}_s": v for k, v in spent.items()}})
+        stats = {"system/stream_groups_in_flight": in_flight, "system/stream_group_seconds_max": max(g[3] for g in taken),
+                 "system/stream_segments_per_sample": sum(spans) / max(len(spans), 1),
+                 "system/stream_multi_version_fraction": sum(n > 1 for n in spans) / max(len(spans), 1),
+                 **{f"system/stream_{k}_s": v for k, v in spent.items()}}
+        if samples and "episode" in samples[0].extra:  # multi-turn: turns, tools, env time, terminal reasons
+            from megatron_rl.envs.metrics import summary_metrics
+
+            stats.update(summary_metrics([s.extra["episode"] for s in samples]), **{"env/dropped_groups":
+                                                                                    self.groups_dropped})
+        return Round(step, samples, leases, seconds, stats)
 
     def pause(self) -> list[Round]:
         """Admit nothing more, let every group in flight finish; the finished groups not yet taken."""

@@ -5,7 +5,8 @@
 
 Panels: learn/ (reward and its components, KL to the reference, entropy estimate, response
 length, clip fraction, grad norm, the batch's D_lag and its P50/P95/P99 over sequences),
-numerics/ (non-finite counts, extreme logprobs, lag quarantines), system/ (generated and
+numerics/ (non-finite counts, extreme logprobs, lag quarantines; the audit's numerics/audit_* come from
+megatron_rl/audit/auditor.py through the reporter), system/ (generated and
 learned tokens/s, ESR and effective TPS, phase times, memory), latency/ (rollout and verifier
 P50/P95/P99 over a sliding window, verifier error counters and this step's share of ungraded
 samples `latency/verifier_error_rate`), queue/ (the coordinator's gauges, plus the
@@ -102,7 +103,8 @@ def _system_metrics(samples: list, taken: list, learn: dict, phases: dict, sampl
     """system/: throughput (generated, learned, effective tokens per second), dynamic sampling, phase times."""
     out: dict[str, float] = {}
     gen_tokens = sum(len(s.response_tokens) for s in samples)
-    out.update({k: float(v) for k, v in sampling.items() if k.startswith("system/stream_")})  # train/stream_producer.py
+    out.update({k: float(v) for k, v in sampling.items()  # train/stream_producer.py, with episodes envs/metrics.py
+                if k.startswith(("system/stream_", "env/"))})
     if "discarded_tokens" in sampling:  # groups dynamic sampling threw away were generated too: ESR counts them
         gen_tokens += sampling["discarded_tokens"]
         out["system/dynamic_kept_fraction"] = sampling["informative_groups"] / max(sampling["sampled_groups"], 1)

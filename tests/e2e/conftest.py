@@ -1,4 +1,8 @@
-"""Helpers for end-to-end tests that run the real `megatron-rl` CLI in a subprocess."""
+"""Helpers for end-to-end tests that run the real `megatron-rl` CLI in a subprocess, and the one run
+two modules share (`worker_crash`).
+
+    python -m pytest tests/e2e -q
+"""
 
 from __future__ import annotations
 
@@ -33,3 +37,21 @@ def last_json(stdout: str) -> dict:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def drill(tmp_path_factory, name: str, *args: str) -> tuple[int, dict]:
+    """`megatron-rl drill NAME` on the tiny recipe in a fresh directory: (exit code, its JSON record)."""
+    run_dir = tmp_path_factory.mktemp(f"drill_{name}") / "run"
+    proc = run_cli("drill", name, "--config", str(TINY), "--run-dir", str(run_dir), *args, check=False)
+    assert "{" in proc.stdout, proc.stderr[-4000:]
+    return proc.returncode, last_json(proc.stdout)
+
+
+@pytest.fixture(scope="session")
+def worker_crash(tmp_path_factory):
+    """The worker_crash drill with a checkpoint at every step: learner rank 0 SIGKILLed in step 3 of 4, the
+    rerun resumed from step 2.  Its steps 1-4 are those of an uninterrupted run (resume is exact;
+    tests/e2e/test_drills.py checks both), so tests/e2e/test_bad_checkpoint.py damages copies of it
+    instead of training a run of its own: one start-up less in the suite."""
+    return drill(tmp_path_factory, "worker_crash", "run.learner_timeout_s=60", "run.checkpoint_every=1",
+                 "run.keep_checkpoints=4")

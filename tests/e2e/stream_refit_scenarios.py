@@ -199,6 +199,59 @@ async def groups_in_completion_order(rig: Rig) -> dict:
     return {"version": rig.stream.version, "lengths": lengths, "order": order}
 
 
+async def episode_across_refit(rig: Rig) -> dict:
+    """A two-turn episode (rollout/episodes.py) whose environment step waits while the weights change:
+    its second turn is a new request on the new weights, the first stays the old weights' own."""
+    import dataclasses
+    import threading
+
+    from megatron_rl.envs.config import EnvConfig
+    from megatron_rl.envs.protocol import Environment, StepResult
+    from megatron_rl.envs.registry import ENVIRONMENTS, register_environment
+    from megatron_rl.rollout.episodes import EpisodePlayer
+
+    loop, wanted, refitted = asyncio.get_running_loop(), asyncio.Event(), threading.Event()
+
+    @dataclasses.dataclass(kw_only=True)
+    class GateConfig:
+        pass
+
+    class Gate(Environment):  # a test environment: its first step holds until the refit is done
+        name = "refit_gate"
+        observation_role = "user"
+
+        def __init__(self, config):
+            self.steps = 0
+
+        def reset(self, example) -> str:
+            return example
+
+        def step(self, action: str) -> StepResult:
+            self.steps += 1
+            if self.steps == 1:
+                loop.call_soon_threadsafe(wanted.set)
+                assert refitted.wait(120), "the refit never came"
+                return StepResult("go on")
+            return StepResult("", reward=1.0, done=True)
+
+    if "refit_gate" not in ENVIRONMENTS:
+        register_environment(Gate, GateConfig)
+    v0, (old, new, load) = rig.stream.version, rig.swap()
+    player = EpisodePlayer(EnvConfig(name="refit_gate", chat_template="plain", max_total_tokens=200),
+                           rig.dirs[old], max_tokens_per_turn=12)
+    params = {"temperature": 0.0, "ignore_eos": True, "seed": None}
+    task = asyncio.create_task(player.one(rig.stream, "episode", "count to ten", params, {}, lambda r: {}))
+    await wanted.wait()
+    record = await rig.stream.refit(load, v0 + 1, "recompute")
+    refitted.set()
+    sample = await task
+    player.close()
+    return {"v0": v0, "old": old, "new": new, "record": record_json(record), "prompt": sample.prompt_tokens,
+            "response_tokens": sample.response_tokens, "logprobs": sample.behavior_logprobs,
+            "versions": sample.policy_versions, "mask": sample.action_mask, "segments": sample.extra["segments"],
+            "episode": sample.extra["episode"]}
+
+
 SCENARIOS = {  # in the order the tests are written: each swaps A and B
     "keep_raw": keep_raw,
     "prefix_reuse": prefix_reuse,
@@ -208,6 +261,7 @@ SCENARIOS = {  # in the order the tests are written: each swaps A and B
     "silent_reset": silent_reset,
     "failed_load": failed_load,
     "groups": groups_in_completion_order,
+    "episode": episode_across_refit,
 }
 
 

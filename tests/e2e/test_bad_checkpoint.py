@@ -2,7 +2,9 @@
 
     python -m pytest tests/e2e/test_bad_checkpoint.py -q
 
-One real tiny run of 4 steps leaves a checkpoint at every step.  Three kinds of damage: (a) bytes
+One real tiny run of 4 steps leaves a checkpoint at every step: the worker_crash drill's run
+(tests/e2e/conftest.py), whose steps 1-4 are those of an uninterrupted run (resume is exact,
+tests/e2e/test_drills.py), so no start-up of its own.  Three kinds of damage: (a) bytes
 flipped in a weights file, (b) queue_snapshot.db truncated, (c) COMMITTED deleted.  Per kind, on a
 copy whose newest checkpoint (step 4) is damaged, `checkpoint verify` and `train --dry-run` report
 it and point at step 3 (in-process, cheap).  Then one real resume covers all three kinds at once:
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -29,9 +32,10 @@ STEPS = ["step_000001", "step_000002", "step_000003", "step_000004"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bad_ckpt") / "run"
-    run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=4", *COMMON)
+def base(worker_crash):
+    code, rec = worker_crash
+    assert code == 0 and rec["recovered"], rec
+    d = Path(rec["run_dir"])
     assert sorted(p.name for p in (d / "checkpoints").iterdir()) == STEPS
     return d
 

@@ -2,11 +2,14 @@
 
     python -m pytest tests/e2e/test_drills.py -q
 
-Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts), engine_crash
-and engine_crash_publish (1 each, plus one engine restart of ~30 s), oom (1), oom_twice (2: the stop, then the rerun with a
-smaller micro-batch), verifier_timeout (1), bad_refit (1), and the shadow-forward check (1 attempt
-on a copy of the oom run, refused at resume), partition (1, two rollout groups, 12 short steps), coordinator_stop
-(1, 3 steps): 12 start-ups of ~70 s.  The bad_checkpoint drill's
+Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts; a checkpoint at every
+step, its run also the base of tests/e2e/test_bad_checkpoint.py: tests/e2e/conftest.py), oom (1), oom_twice
+(2: the stop, then the rerun with a smaller micro-batch), the shadow-forward check (1 attempt on a copy
+of the oom run, refused at resume), partition (1, two rollout groups, 12 short steps).  The one-run
+drills share runs through `megatron-rl drill together` (each judged on the shared run by its own rules,
+timed from its own injection): engine_crash and engine_crash_publish in one run (the engine dies while
+generating round 1, then again as publication 2 begins: two engine restarts of ~30 s), verifier_timeout,
+bad_refit and coordinator_stop in another.  9 start-ups of ~70 s.  The bad_checkpoint drill's
 fallback is the resume path that tests/e2e/test_bad_checkpoint.py drives for each kind of
 damage (`megatron-rl drill bad_checkpoint` wraps it).  Every record must show what the protocol promises: recovered (or the documented clean stop), 0 trajectories lost,
 0 duplicated, continuous versions.  The oom run is also compared with the worker_crash run, whose
@@ -27,16 +30,33 @@ import torch
 from megatron_rl.cli import main
 from megatron_rl.drill.harness import DEFAULT_OVERRIDES
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
+from tests.e2e.conftest import drill as _drill
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def _drill(tmp_path_factory, name, *args):
-    run_dir = tmp_path_factory.mktemp(f"drill_{name}") / "run"
-    proc = run_cli("drill", name, "--config", str(TINY), "--run-dir", str(run_dir), *args, check=False)
+def _together(tmp_path_factory, names, *args):
+    """One training run for the one-run drills `names`: (exit code, {drill: record})."""
+    run_dir = tmp_path_factory.mktemp("drills_together") / "run"
+    proc = run_cli("drill", "together", "--drills", ",".join(names), "--config", str(TINY), "--run-dir", str(run_dir),
+                   *args, check=False)
     assert "{" in proc.stdout, proc.stderr[-4000:]
-    record = last_json(proc.stdout)
-    return proc.returncode, record
+    result = last_json(proc.stdout)
+    assert result["together"] == list(names) and sorted(result["records"]) == sorted(names), result
+    return proc.returncode, result["records"]
+
+
+@pytest.fixture(scope="module")
+def one_run_drills(tmp_path_factory):
+    """verifier_timeout, bad_refit and coordinator_stop in one run of 3 steps, the faults at step 1."""
+    return _together(tmp_path_factory, ("verifier_timeout", "bad_refit", "coordinator_stop"),
+                     "--at-step", "1", "--steps", "3")
+
+
+@pytest.fixture(scope="module")
+def engine_crashes(tmp_path_factory):
+    """The engine core killed while generating round 1, then again as publication 2 begins: one run."""
+    return _together(tmp_path_factory, ("engine_crash", "engine_crash_publish"), "--at-step", "1", "--steps", "3")
 
 
 def _losses(run_dir):
@@ -51,17 +71,12 @@ def _common(record, redone):
     assert record["time_to_recover_s"] is not None and record["time_to_recover_s"] > 0, record
 
 
-@pytest.fixture(scope="module")
-def worker_crash(tmp_path_factory):
-    return _drill(tmp_path_factory, "worker_crash", "run.learner_timeout_s=60")
-
-
-def test_worker_crash_exits_75_and_resumes(worker_crash):
+def test_worker_crash_exits_75_and_resumes(worker_crash):  # the fixture: tests/e2e/conftest.py
     code, rec = worker_crash
     assert code == 0 and rec["recovered"], rec
     assert rec["first_exit"] == 75 and rec["fail_fast_s"] < 60, rec
     assert "learner rank 0 died" in rec["evidence"], rec
-    assert rec["checkpoint_versions"] == {"2": 2, "4": 4}, rec
+    assert rec["checkpoint_versions"] == {"1": 1, "2": 2, "3": 3, "4": 4}, rec  # run.checkpoint_every=1
     _common(rec, redone=0)  # step 3 never finished before the kill: nothing learned twice
 
 
@@ -94,9 +109,11 @@ def test_oom_twice_stops_cleanly_then_resumes_smaller(tmp_path_factory):
     _common(rec, redone=0)  # the failed step applied nothing and logged nothing
 
 
-def test_verifier_timeout_is_counted_and_excluded(tmp_path_factory):
-    code, rec = _drill(tmp_path_factory, "verifier_timeout", "--variant", "0.05", "--steps", "3")
+def test_verifier_timeout_is_counted_and_excluded(one_run_drills):
+    code, records = one_run_drills
+    rec = records["verifier_timeout"]
     assert code == 0 and rec["recovered"], rec
+    assert rec["injected_at"]["share_of_grading_calls"] == 0.05, rec
     assert 1 <= rec["timeouts_counted"] <= rec["injected_at"]["hung_calls"], rec
     assert rec["verifier_error_rate"] > 0, rec
     assert rec["effective_tps"] < rec["raw_tps"], rec
@@ -143,36 +160,40 @@ def test_shadow_forward_refuses_altered_weights_with_matching_manifest(oom, tmp_
     assert not (run / "checkpoints" / "step_000005").exists()
 
 
-def test_refit_check_catches_permuted_load(tmp_path_factory):
-    code, rec = _drill(tmp_path_factory, "bad_refit", "--at-step", "1", "--steps", "3")
+def test_refit_check_catches_permuted_load(one_run_drills):
+    code, records = one_run_drills
+    rec = records["bad_refit"]
     assert code == 0 and rec["recovered"], rec
     assert rec["detected_by"] and "refit check: version 2 loaded" in rec["evidence"], rec
     assert rec["action"].startswith("group rolled back to version 1"), rec
     _common(rec, redone=0)
 
 
-def test_engine_crash_restarts_refits_and_retries(tmp_path_factory):
-    code, rec = _drill(tmp_path_factory, "engine_crash", "--at-step", "1", "--steps", "3")
+def test_engine_crash_restarts_refits_and_retries(engine_crashes):
+    code, records = engine_crashes
+    rec = records["engine_crash"]
     assert code == 0 and rec["recovered"], rec
     assert [a["exit"] for a in rec["attempts"]] == [0], rec  # recovered inside the run, no rerun
     assert rec["injected_at"]["requests_in_flight"] > 0, rec  # killed mid-generation
     assert "vLLM engine died during generation" in rec["evidence"], rec
     assert "rollout group 0 refitted: serving policy version 1" in rec["refit"], rec  # the version round 1 needs
     assert "refit check passed" in rec["refit"], rec
-    assert rec["engine_restarts"] == 1.0 and rec["requests_retried"] == 8.0, rec  # 8 prompts of round 1
+    # one restart per death (this run's second death is engine_crash_publish's); 8 prompts of round 1 retried
+    assert rec["engine_restarts"] == 2.0 and rec["requests_retried"] == 8.0, rec
     assert rec["samples_off_version"] == 0, rec  # no sample of the restarted engine's disk weights
     _common(rec, redone=0)
 
 
-def test_engine_crash_during_publication_restarts_and_refits(tmp_path_factory):
+def test_engine_crash_during_publication_restarts_and_refits(engine_crashes):
     """Issue 30 defect 6: an engine-core SIGKILL as publication 2 begins takes the restart path of a
     death during generation (group restarted stale, the version published again), not a traceback."""
-    code, rec = _drill(tmp_path_factory, "engine_crash_publish", "--at-step", "1", "--steps", "3")
+    code, records = engine_crashes
+    rec = records["engine_crash_publish"]
     assert code == 0 and rec["recovered"], rec
     assert [a["exit"] for a in rec["attempts"]] == [0], rec  # recovered inside the run, no rerun
     assert "vLLM engine died during publication" in rec["evidence"], rec
     assert "rollout group 0 refitted: serving policy version 2" in rec["refit"], rec
-    assert rec["engine_restarts"] == 1.0 and rec["samples_off_version"] == 0, rec
+    assert rec["engine_restarts"] == 2.0 and rec["samples_off_version"] == 0, rec  # one restart per death
     _common(rec, redone=0)
 
 
@@ -189,9 +210,10 @@ def test_partition_leaves_a_stopped_group_out_and_refits_it(tmp_path_factory):
     _common(rec, redone=0)
 
 
-def test_coordinator_stop_waits_and_loses_nothing(tmp_path_factory):
+def test_coordinator_stop_waits_and_loses_nothing(one_run_drills):
     # The coordinator actor SIGSTOPped 10 s at the first put of round 1, before that put is applied.
-    code, rec = _drill(tmp_path_factory, "coordinator_stop", "--at-step", "1", "--steps", "3")
+    code, records = one_run_drills
+    rec = records["coordinator_stop"]
     assert code == 0 and rec["recovered"], rec
     assert [a["exit"] for a in rec["attempts"]] == [0], rec
     assert rec["injected_at"]["trajectories_in_the_put"] == 64, rec  # a whole round's put was held

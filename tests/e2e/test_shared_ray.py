@@ -5,11 +5,19 @@
 The test process starts the cluster the way `megatron-rl experiment` does
 (experiment.shared_ray_cluster) and launches two tiny GRPO runs at the same time against it
 (run.use_existing_ray, vLLM in the rollout actor): A samples at temperature 1.0 under a
-generated-token budget, B at 0.7 for 2 steps.  Each run's queue (its WAL in its own run dir)
-must hold only its own trajectories, both runs must be jobs of the one cluster, and A must stop
-on its budget: exit 0, checkpointed, its final test eval done, "stopped" in its final JSON line.
-A is then rerun: it resumes with its budget spent, runs no step, and its final test eval is in
-metrics.jsonl and TensorBoard once.
+generated-token budget, B at 0.7 for 6 steps in async mode with backpressure on staleness.  Each
+run's queue (its WAL in its own run dir) must hold only its own trajectories, both runs must be jobs
+of the one cluster, and A must stop on its budget: exit 0, checkpointed, its final test eval done,
+"stopped" in its final JSON line.  A is then rerun: it resumes with its budget spent, runs no step,
+and its final test eval is in metrics.jsonl and TensorBoard once.
+
+Backpressure (B): the learner's D_lag P95 report throttles admission, so the producer stops sampling
+ahead and later rounds are fresh.  coordinator.max_staleness=2 lets the producer sample rounds 0-2
+with version 0 before the first update.  coordinator.backpressure_d_lag_p95=0 puts backpressure on
+from the first learner report (fp32 CPU D_lag is ~1e-6 > 0), so admission uses eta 0: round r can
+only be admitted once accepted + running + B <= (v + 1) B, i.e. at version v >= r, and every round
+from 3 on is learned with Δv = 0, whatever the timing.  Without the throttle the producer may sample
+round 3 with version 1 (Δv 2).  (B shares A's start-up instead of a run of its own.)
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from tests.e2e.conftest import REPO, TINY, last_json, read_jsonl
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 COMMON = ["run.eval_every=0", "data.eval_size=8", "run.use_existing_ray=true", "rollout.engine_in_process=true"]
+BACKPRESSURE = ["run.mode=async", "coordinator.max_staleness=2", "coordinator.max_version_lag=2",
+                "coordinator.backpressure_d_lag_p95=0"]
 
 
 def wal_trajectories(run_dir) -> list[Trajectory]:
@@ -43,7 +53,7 @@ def two_runs(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("shared")
     runs = {"a": ["rollout.temperature=1.0", "run.seed=0", "run.steps=8", "stop.max_generated_tokens=250"],
-            "b": ["rollout.temperature=0.7", "run.seed=1", "run.steps=2"]}
+            "b": ["rollout.temperature=0.7", "run.seed=1", "run.steps=6", *BACKPRESSURE]}
     with shared_ray_cluster(SimpleNamespace(shared_ray=True, base=str(TINY), overrides=[])) as address:
         env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
         procs = {name: subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(TINY),
@@ -71,7 +81,20 @@ def test_runs_in_one_cluster_do_not_see_each_others_trajectories(two_runs):
         temps = {t.sampling_config["temperature"] for t in trajs}
         assert temps == {temperature}, f"run {name}'s queue holds trajectories sampled at {temps}"
     steps_b = [r["step"] for r in read_jsonl(two_runs.dir / "b" / "metrics" / "metrics.jsonl") if "learn/loss" in r]
-    assert steps_b == [1, 2]
+    assert steps_b == [1, 2, 3, 4, 5, 6]
+
+
+def test_learner_lag_report_throttles_the_producer(two_runs):
+    stdout, stderr = two_runs.outs["b"]
+    assert last_json(stdout)["steps"] == 6
+    assert "backpressure on (d_lag_p95)" in stderr
+    rows = {r["step"]: r for r in read_jsonl(two_runs.dir / "b" / "metrics" / "metrics.jsonl") if "learn/loss" in r}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    for step, row in rows.items():
+        assert row["queue/backpressure"] == 1 and row["queue/backpressure_d_lag"] == 1, step
+        assert row["queue/admission_eta"] == 0, step
+    for step in (4, 5, 6):  # rounds 3, 4, 5: admitted under eta 0
+        assert rows[step]["queue/taken_dv/p99"] == 0, (step, rows[step]["queue/taken_dv/p99"])
 
 
 def test_a_generated_token_budget_ends_the_run_checkpointed_with_its_final_eval(two_runs):

@@ -6,7 +6,9 @@ One job of the tiny recipe with two Slurm tasks (two Ray nodes: head + worker, o
 machine) is submitted with `megatron-rl submit`.  Once it has committed a checkpoint it gets
 USR1 (what Slurm sends before the time limit or on preemption): the driver checkpoints and
 exits 75, the script requeues the job, and the next attempt resumes from the newest COMMITTED
-checkpoint.  The job must end COMPLETED with its step numbers continuing across attempts.
+checkpoint (the one USR1 made: checkpoints are every 2 steps otherwise).  The job must end COMPLETED
+with its step numbers continuing across attempts.  The test cluster's KillWait is 5 s
+(launch/slurm_cluster.sh), so the requeued job leaves COMPLETING within seconds.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def test_sbatch_two_ray_nodes_requeue_and_resume(slurm, tmp_path):
     steps = 24  # long enough that the signal, sent once step 2 is committed, lands mid-run even on a loaded machine
     proc = run_cli("submit", "--config", str(TINY), "--run-dir", str(run_dir), "--nodes", "1",
                    "--tasks-per-node", "2", "--cpus-per-task", "1", "--time", "00:30:00",
-                   f"run.steps={steps}", "run.checkpoint_every=1", "run.eval_every=0", "run.keep_checkpoints=10")
+                   f"run.steps={steps}", "run.checkpoint_every=2", "run.eval_every=0", "run.keep_checkpoints=10")
     job = proc.stdout.strip().splitlines()[-1]
     assert job.isdigit(), proc.stdout
 

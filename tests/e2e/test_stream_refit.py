@@ -200,3 +200,29 @@ def test_groups_arrive_in_completion_order(rig):
     for o in got["order"]:
         assert o["lengths"] == got["lengths"][o["group"]] and o["samples"] == [0, 1]
         assert o["versions"] == [[got["version"]]] * 2
+
+
+# ---- multi-turn episodes: a refit between two turns ------------------------------------------------
+
+def test_a_refit_between_turns_applies_to_the_next_turn(rig):
+    """The episode's first turn is sampled by the old weights; its environment step holds while the new
+    ones load, so the second turn is a new request on them: every one of its logprobs is a full recompute
+    under the new weights (no block of the first turn's KV reused), and the segments and per-token versions
+    say which weights produced what.  The observation between the turns is masked and carries the first
+    turn's version."""
+    got = scenario(rig, "episode")
+    v0, old, new, mask, versions = got["v0"], got["old"], got["new"], got["mask"], got["versions"]
+    assert got["episode"]["terminal_reason"] == "done" and got["episode"]["turns"] == 2
+    assert got["record"]["version"] == v0 + 1 and got["record"]["in_flight"] == 0
+    first, second = mask.index(0), len(mask) - mask[::-1].index(0)  # the observation is [first, second)
+    assert first == 12 and len(mask) == second + 12 and set(mask[first:second]) == {0}
+    assert versions == [v0] * second + [v0 + 1] * 12
+    assert got["segments"] == [[0, second, v0, v0], [second, second + 12, v0 + 1, v0 + 1]]
+    seq, n = got["prompt"] + got["response_tokens"], len(got["prompt"])
+    lps = torch.tensor(got["logprobs"], dtype=torch.float64)
+    fresh_old = fresh_logprobs(rig[1][old], seq)[n - 1:]
+    fresh_new = fresh_logprobs(rig[1][new], seq)[n - 1:]
+    assert float((lps[:first] - fresh_old[:first]).abs().max()) <= SAME
+    assert float((lps[second:] - fresh_new[second:]).abs().max()) <= SAME
+    assert float((lps[second:] - fresh_old[second:]).abs().max()) > DIFFERENT
+    assert set(got["logprobs"][first:second]) == {0.0}

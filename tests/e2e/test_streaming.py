@@ -10,25 +10,33 @@ the finished ones); B resumes the same run directory to step 5.  What must hold:
 - tokens of one sequence carry more than one version, each version backed by one publication digest,
   recorded as segments whose KV epoch is their own version (recompute);
 - the learner checked every consumed token's digest (train/policy.py quarantine: a mismatch
-  is kept out of the loss and counted).
+  is kept out of the loss and counted);
+- the audit (megatron_rl/audit/): audit.every=1 re-scores the taken sequences that span versions under
+  their recorded versions with the learner's weight ring, within audit.tolerance; `megatron-rl audit RUN_DIR`
+  re-scores them afterwards from what the run directory keeps (version 0 and the checkpoints' versions),
+  and refuses a directory that is not a run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import shutil
 import sqlite3
 
 import pytest
 
+from megatron_rl.audit.config import AuditConfig
 from megatron_rl.trajectory import Trajectory
-from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
+from tests.e2e.conftest import REPO, TINY, last_json, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+AUDIT_TOLERANCE = AuditConfig().tolerance  # the default; the run measures ~4e-6 (printed by the audit tests)
 STREAM = ["run.mode=async", "run.prompts_per_step=4", "run.group_size=4", "learner.micro_batch_size=16",
           "run.eval_every=0", "run.checkpoint_every=3", "data.eval_size=8", "rollout.streaming=true",
           "rollout.inflight_refit=recompute", "rollout.max_tokens=200", "rollout.max_model_len=256",
-          "rollout.ignore_eos=true"]
+          "rollout.ignore_eos=true", "audit.every=1"]
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +83,53 @@ def test_every_token_names_the_publication_that_sampled_it(run):
     for t in trajs:
         assert len(t.segments) == 1 + int((t.policy_versions[1:] != t.policy_versions[:-1]).sum()), t.segments
         assert (t.kv_versions == t.policy_versions).all(), t.segments
+
+
+def test_the_audit_inside_training_rescored_spanning_sequences(run):
+    d, _, _ = run
+    audits = [m for m in read_jsonl(d / "metrics" / "metrics.jsonl") if m.get("numerics/audit_segments")]
+    assert audits, "no step audited a sequence spanning versions"
+    worst = max(m["numerics/audit_worst_abs_delta"] for m in audits)
+    labels = {k for m in audits for k in m if k.startswith("numerics/audit_max_abs_delta/")}
+    print(f"in-training audit: {len(audits)} step(s), worst max |Δ| {worst:.3g}, per label "
+          f"{ {k.rpartition('/')[2]: max(m[k] for m in audits if k in m) for k in labels} }")
+    assert worst < AUDIT_TOLERANCE and not any(m["numerics/audit_over_tolerance"] for m in audits)
+    assert any("numerics/audit_max_abs_delta/recompute" in m for m in audits)  # segments begun by in-flight refits
+
+
+def test_the_audit_command_rescores_what_the_run_directory_keeps(run):
+    d, _, _ = run
+    out = last_json(run_cli("audit", str(d), "--sequences", "8").stdout)  # the run's audit.tolerance
+    print(f"megatron-rl audit: {out['audited_sequences']} sequence(s), weights of versions {out['weights_versions']}, "
+          f"per label { {k: v['max_abs_delta'] for k, v in out['by_mode'].items()} }")
+    assert out["weights_versions"] == [0, 3, 5] and out["audited_sequences"] >= 1
+    assert out["numerics/audit_segments"] >= 1 and not out["failures"]
+    assert out["numerics/audit_worst_abs_delta"] < AUDIT_TOLERANCE
+    audited = {(s["version"], s["max_abs_delta"] is not None) for s in out["segments"]}
+    assert all(v in (0, 3, 5) for v, done in audited if done)  # only versions whose weights were kept
+
+
+def test_the_audit_command_refuses_a_directory_that_is_not_a_run(tmp_path):
+    proc = run_cli("audit", str(REPO / "configs"), check=False)
+    assert proc.returncode == 2 and "not a training run directory" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_audit_command_names_a_forged_segment(run, tmp_path):
+    """A copy of the run whose log holds one trajectory with a behaviour logprob moved by 0.01 nat in a segment
+    of a kept version (as a stale KV or a wrong sampler would): the audit exits 89 naming it.  (The checkpoints'
+    copies of the log keep the genuine bytes; the audit takes the run's log first.)"""
+    d, _, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(d, copy, ignore=shutil.ignore_patterns("logs", "export"))
+    with sqlite3.connect(copy / "queue.db") as db:
+        rows = [(seq, Trajectory.from_bytes(blob)) for seq, blob in db.execute("SELECT seq, payload FROM traj")]
+        seq, traj = next((s, t) for s, t in rows if len(t.segments) > 1 and any(g[2] in (3, 5) for g in t.segments))
+        index, (start, *_rest) = next((i, g) for i, g in enumerate(traj.segments) if g[2] in (3, 5))
+        lps = traj.behavior_logprobs.copy()
+        lps[start] -= 0.01
+        forged = dataclasses.replace(traj, behavior_logprobs=lps)
+        forged = dataclasses.replace(forged, checksum=forged.compute_checksum())
+        db.execute("UPDATE traj SET payload = ? WHERE seq = ?", (forged.to_bytes(), seq))
+    proc = run_cli("audit", str(copy), "--sequences", "1000", f"--tolerance={AUDIT_TOLERANCE}", check=False)
+    assert proc.returncode == 89, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"sequence {traj.id} segment {index} " in proc.stderr, proc.stderr[-2000:]

@@ -1,21 +1,28 @@
-"""The main job end to end on CPU: reward rises, panels reach TensorBoard, resume is exact.
+"""The main job end to end on CPU: reward rises, panels reach TensorBoard, a stop condition ends a run,
+resume is exact.
 
     python -m pytest tests/e2e/test_train.py -q
 
 Three real training runs (and one reconcile) of the tiny recipe (Megatron learner over gloo, vLLM CPU engine,
 Ray coordinator with its WAL, verifier pool): A runs 4 steps uninterrupted (colocated
-placement); B runs 2 steps, stops, and resumes from its checkpoint to step 4, with the
-disaggregated placement.  Placement moves actors, not numbers: A and B must agree exactly.
+placement); B, with the disaggregated placement, is ended at step 1 by a stop condition
+(stop.d_lag_p95_max=0: any learner/behaviour lag at all, and fp32 CPU gives ~1e-6), which must
+checkpoint step 1, exit 85 (lag_p95) naming the condition in the log and in its final JSON line, and
+leave a run `megatron-rl doctor` points at the lag leaf of the runbook; then B resumes from that
+checkpoint without the condition to step 4.  Placement moves actors, not numbers: A and B must
+agree exactly.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from megatron_rl.train.stop import EXIT_CODES
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -142,17 +149,47 @@ def test_every_queued_token_names_the_weights_that_sampled_it(run_a):
     assert all(len(next(iter(d))) == 16 for d in seen.values()), seen
 
 
-def test_resume_is_exact(run_a, tmp_path):
+@pytest.fixture(scope="module")
+def run_b(tmp_path_factory):
+    """B: stopped at step 1 by stop.d_lag_p95_max=0 (what it left then, and doctor on it), then resumed to 4."""
+    b = tmp_path_factory.mktemp("run_b")
+    args = ("train", "--config", str(TINY), f"run.dir={b}", "run.steps=4", "run.placement=disaggregated", *COMMON)
+    stopped = run_cli(*args, "stop.d_lag_p95_max=0", check=False)
+    ckpts = sorted((b / "checkpoints").iterdir()) if (b / "checkpoints").is_dir() else []
+    at_stop = SimpleNamespace(
+        proc=stopped, ckpts=[c.name for c in ckpts], committed=[(c / "COMMITTED").is_file() for c in ckpts],
+        steps=[r["step"] for r in read_jsonl(b / "metrics" / "metrics.jsonl") if "learn/loss" in r],
+        condition=json.loads((b / "stop_condition.json").read_text()) if (b / "stop_condition.json").is_file() else None,
+        doctor=run_cli("doctor", str(b), "--json", check=False))
+    resumed = run_cli(*args) if stopped.returncode == EXIT_CODES["lag_p95"] else None
+    return b, at_stop, resumed
+
+
+def test_lag_p95_stop_checkpoints_and_exits_with_its_code(run_b):
+    _, at_stop, _ = run_b
+    proc = at_stop.proc
+    assert proc.returncode == EXIT_CODES["lag_p95"] == 85, proc.stderr[-4000:]
+    final = last_json(proc.stdout)
+    assert final["stopped"] == "lag_p95" and final["exit_code"] == 85 and final["checkpointed"] is True
+    assert final["step"] == 1 and final["metric"] == "learn/d_lag/p95" and final["value"] > 0
+    assert "stop condition lag_p95 at step 1" in proc.stderr
+    assert at_stop.ckpts == ["step_000001"] and at_stop.committed == [True]  # checkpoint_every=2: the stop's own
+    assert at_stop.steps == [1]  # stopped: no step 2
+    assert at_stop.doctor.returncode == 1
+    leaves = {f["leaf"] for f in json.loads(at_stop.doctor.stdout)["findings"]}
+    assert "lag-rising" in leaves and "publication-refused" not in leaves, at_stop.doctor.stdout
+    assert at_stop.condition["stopped"] == "lag_p95"
+
+
+def test_resume_is_exact(run_a, run_b):
     a, _ = run_a
-    b = tmp_path / "run_b"
-    disagg = "run.placement=disaggregated"
-    run_cli("train", "--config", str(TINY), f"run.dir={b}", "run.steps=2", disagg, *COMMON)
-    proc = run_cli("train", "--config", str(TINY), f"run.dir={b}", "run.steps=4", disagg, *COMMON)
-    assert "resumed from" in proc.stderr
+    b, _, proc = run_b
+    assert proc is not None, "run B did not stop at step 1 (test_lag_p95_stop_checkpoints_and_exits_with_its_code)"
+    assert "resumed from" in proc.stderr and "step_000001" in proc.stderr  # the stop's checkpoint
     rows_a = {r["step"]: r for r in read_jsonl(a / "metrics" / "metrics.jsonl") if "learn/loss" in r}
     rows_b = {r["step"]: r for r in read_jsonl(b / "metrics" / "metrics.jsonl") if "learn/loss" in r}
     assert sorted(rows_b) == [1, 2, 3, 4]  # steps continue after the resume; nothing recomputed from 1
-    for step in (3, 4):
+    for step in (1, 2, 3, 4):
         for key in ("learn/loss", "learn/grad_norm", "learn/reward_mean"):
             assert rows_a[step][key] == rows_b[step][key], (step, key)
     wa, wb = _weights(a / "checkpoints" / "step_000004"), _weights(b / "checkpoints" / "step_000004")

@@ -90,3 +90,55 @@ def test_hang_share_is_roughly_the_fraction():
     spec = {"fraction": 0.25}
     share = sum(hangs(spec, str(i), "7") for i in range(4000)) / 4000
     assert 0.2 < share < 0.3
+
+
+def test_several_faults_armed_in_one_run(monkeypatch):
+    """`megatron-rl drill together`: MEGATRON_RL_DRILL holds a list; each hook finds its own spec."""
+    specs = [{"fault": "engine_kill", "at_step": 1}, {"fault": "engine_kill_publish", "at_version": 2}]
+    monkeypatch.setenv(ENV, json.dumps(specs))
+    assert drill_spec("engine_kill")["at_step"] == 1 and drill_spec("engine_kill_publish")["at_version"] == 2
+    assert drill_spec("oom") is None
+    monkeypatch.setenv(ENV, json.dumps(specs + [{"fault": "engine_kill", "at_step": 2}]))
+    with pytest.raises(ValueError, match="armed once per run"):
+        drill_spec("engine_kill")
+    monkeypatch.setenv(ENV, json.dumps([specs[0], {"fault": "meteor"}]))
+    with pytest.raises(ValueError, match="'fault' must be one of"):
+        drill_spec("engine_kill")
+
+
+def test_drills_together_are_timed_from_their_own_injection(tmp_path):
+    from megatron_rl.drill.accounting import recovery_time
+
+    drill = _run(tmp_path, [{"step": 1, "time": 10.0, "ids": ["a"]}, {"step": 2, "time": 30.0, "ids": ["b"]}],
+                 enqueued=["a", "b"])
+    events = [{"fault": "verifier_timeout", "time": 5.0}, {"fault": "coordinator_stop", "time": 12.0},
+              {"fault": "verifier_timeout", "time": 13.0}]
+    (drill.run_dir / "drill_events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert len(drill.injections()) == 3 and len(drill.injections("verifier_timeout")) == 2
+    assert recovery_time(drill) == 5.0 and recovery_time(drill, "coordinator_stop") == 18.0
+    assert recovery_time(drill, "engine_kill") is None
+
+
+def test_drills_together_names_are_checked():
+    from megatron_rl.drill.together import TOGETHER, check_names
+
+    assert {"engine_crash", "engine_crash_publish", "verifier_timeout", "bad_refit", "coordinator_stop"} == set(TOGETHER)
+    check_names(["engine_crash", "engine_crash_publish"])
+    for names, msg in ((["oom", "bad_refit"], "oom cannot share a run"), (["bad_refit", "bad_refit"], "named twice"),
+                       ([], "names no drill")):
+        with pytest.raises(ValueError, match=msg):
+            check_names(names)
+
+
+def test_each_engine_death_is_judged_by_the_refit_after_it():
+    from megatron_rl.drill.faults import _first_line_after
+
+    log = ("x WARNING rollout group 0 refitted: serving policy version 0 (bytes verified)\n"
+           "x ERROR vLLM engine died during generation of round 1\n"
+           "x WARNING rollout group 0 refitted: serving policy version 1 (bytes verified)\n"
+           "x ERROR vLLM engine died during publication of version 2\n"
+           "x WARNING rollout group 0 refitted: serving policy version 2 (bytes verified)\n")
+    refit = r"refitted: serving policy version \d+"
+    assert _first_line_after(log, "died during generation", refit).endswith("version 1 (bytes verified)")
+    assert _first_line_after(log, "died during publication", refit).endswith("version 2 (bytes verified)")
+    assert _first_line_after(log, "died while asleep", refit) is None

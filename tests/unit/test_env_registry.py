@@ -31,10 +31,10 @@ def test_environments_by_name_with_their_config():
 
 
 def test_bad_names_and_configs_are_clear_errors():
-    with pytest.raises(ConfigError, match=r"unknown environment 'chess' \(data.env\); known: \['calculator', "
+    with pytest.raises(ConfigError, match=r"unknown environment 'chess' \(data.env.name\); known: \['calculator', "
                                           r"'guess_number', 'python'\]"):
         get_environment("chess")
-    with pytest.raises(ConfigError, match="unknown config key 'data.env_config.hgh'"):
+    with pytest.raises(ConfigError, match="unknown config key 'data.env.options.hgh'"):
         get_environment("guess_number", {"hgh": 10})
     with pytest.raises(ConfigError, match="high must be > low"):
         get_environment("guess_number", {"low": 10, "high": 3})

@@ -128,6 +128,7 @@ class _Roles:
         self.run_dir = run_dir
         self.policy = _Policy(learner, fleet, learn_error)
         self.source, self.scorer, self.coordinator, self.reporter = _Source(), _Scorer(), _Anything(), _Anything()
+        self.auditor = _Anything()
         self.source.error = producer_error
         self.checkpointer = _Checkpointer()
         self.closed = False

@@ -41,7 +41,7 @@ def test_report_draws_every_chart_with_data_and_names_missing_series(tmp_path):
     write_run(tmp_path)
     result = write_report(tmp_path)
     out = tmp_path / "report"
-    report_charts = [c for c in CHARTS if c.in_report]
+    report_charts = [c for c in CHARTS if c.in_report and not c.feature]  # a single-turn run: no env/ charts
     drawn = {Path(p).name for p in result["plots"]}
     # Clip fraction has no data at all: no PNG for it, every other chart drawn.
     assert drawn == {f"{c.slug}.png" for c in report_charts if c.title != "Clip fraction"}
@@ -54,6 +54,22 @@ def test_report_draws_every_chart_with_data_and_names_missing_series(tmp_path):
     assert "![Δv P50/P95/P99](dv_p50_p95_p99.png)" in summary
     assert "| `queue/taken_dv/p50` | 5 | 1 | 1 |" in summary
     assert "| `learn/reward_mean` | 5 | 0.1 | 0.5 | 0.1 | 0.5 |" in summary
+
+
+def test_a_feature_s_charts_are_drawn_only_for_runs_that_use_it(tmp_path):
+    from megatron_rl.envs.metrics import summary_metrics
+
+    write_run(tmp_path / "single")
+    assert not any("episodes" in p or "environment" in p for p in write_report(tmp_path / "single")["plots"])
+    episode = {"env": "guess_number", "terminal_reason": "done", "reward": 1.0, "error": "", "turns": 3,
+               "tool_calls": 1, "tool_errors": 0, "step_seconds": [0.01, 0.02]}
+    with MetricsLogger(tmp_path / "multi" / "metrics") as log:
+        for s in range(1, 4):
+            log.log(s, summary_metrics([episode, {**episode, "terminal_reason": "max_turns", "reward": 0.0}]))
+    result = write_report(tmp_path / "multi")
+    env_charts = {f"{c.slug}.png" for c in CHARTS if c.feature == "env/"}
+    assert len(env_charts) == 3 and env_charts <= {Path(p).name for p in result["plots"]}
+    assert "| `env/terminal/max_turns` | 3 | 0.5 | 0.5 |" in (tmp_path / "multi" / "report" / "summary.md").read_text()
 
 
 def test_load_series_keeps_steps_in_order_and_skips_torn_lines(tmp_path):

@@ -1,0 +1,63 @@
+"""The in-training audit: every `audit.every` learner steps, re-score the batch just taken's sequences that
+span policy versions under their recorded versions, with the weights the learner keeps in host memory.
+
+    auditor = Auditor(cfg.audit, policy.learner, mode=cfg.rollout.inflight_refit, rows=16, pad_id=0)
+    outcome = auditor.check(step, taken)      # AuditOutcome: metrics (numerics/audit_*) and a StopCondition or None
+
+The driver calls it between take and learn (train/driver.py); the reporter logs `outcome.metrics` with the
+step's and hands `outcome.condition` to the stop rules, so a failed audit checkpoints and ends the run with
+exit 89 like any stop condition (train/stop.py), its message naming the sequence and segment.  Segments of
+versions the ring no longer holds (older than the take window, or from before a resume) are counted in
+numerics/audit_unaudited_segments, never guessed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from megatron_rl.audit.compare import AuditReport, spans_versions
+from megatron_rl.audit.config import AuditConfig
+from megatron_rl.audit.rescore import audit_trajectories
+from megatron_rl.train.stop import StopCondition
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AuditOutcome:
+    """What one step's audit reports: its metrics, and the stop condition when a segment failed it."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    condition: StopCondition | None = None
+
+
+class Auditor:
+    """Owns the audit section; scores through the learner group's weight ring (LearnerGroup.audit_logprobs)."""
+
+    def __init__(self, cfg: AuditConfig, learner, *, mode: str, rows: int, pad_id: int):
+        self.cfg, self.learner, self.mode, self.rows, self.pad_id = cfg, learner, mode, rows, pad_id
+
+    def check(self, step: int, taken: list) -> AuditOutcome:
+        """Audit learner step `step`'s batch when it is due; an empty outcome otherwise."""
+        if not self.cfg.due(step):
+            return AuditOutcome()
+        chosen = [t for t in taken if spans_versions(t)][:self.cfg.sequences]
+        if not chosen:
+            return AuditOutcome({"numerics/audit_segments": 0.0})
+        report = audit_trajectories(chosen, self.learner.audit_logprobs, self.learner.ring_versions(),
+                                    rows=self.rows, mode=self.mode, tolerance=self.cfg.tolerance, pad_id=self.pad_id)
+        return AuditOutcome(report.metrics(), self._condition(step, report))
+
+    def _condition(self, step: int, report: AuditReport) -> StopCondition | None:
+        for row in report.unaudited:
+            logger.info("audit step %d: %s (its weights are not in the learner's ring)", step, row.describe())
+        failures = report.failures
+        if not failures:
+            return None
+        for row in failures:
+            logger.error("audit step %d: %s > audit.tolerance %g", step, row.describe(), self.cfg.tolerance)
+        worst = failures[0]
+        more = f" (and {len(failures) - 1} more segment(s))" if len(failures) > 1 else ""
+        return StopCondition("audit", step, "numerics/audit_worst_abs_delta", worst.max_abs_delta,
+                             f"> audit.tolerance {self.cfg.tolerance:g} on {worst.describe()}{more}")

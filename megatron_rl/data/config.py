@@ -1,0 +1,74 @@
+"""The `data:` section: which task a run trains on and how its prompts are made.
+
+    data:
+      task: reasoning_gym            # digit_max (built in), jsonl, reasoning_gym, or env (the environment's own)
+      generator: basic_arithmetic
+      env: {name: calculator}        # multi-turn episodes with a tool (envs/config.py); unset: single-turn
+
+Read by data/tasks.py `load_task`; the root config (train/config.py) checks it against the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from megatron_rl.config import ConfigError
+from megatron_rl.envs.config import EnvConfig
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    task: Literal["digit_max", "jsonl", "reasoning_gym", "env"] = "digit_max"
+    """Built-in verifiable task, a JSONL file of math problems, a reasoning-gym generator, or examples the
+    environment makes itself (env.name's make_examples, e.g. guess_number's hidden numbers)."""
+    generator: Optional[str] = None
+    """reasoning-gym dataset name, e.g. chain_sum, basic_arithmetic, countdown (task=reasoning_gym)."""
+    generator_config: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the reasoning-gym generator (task=reasoning_gym)."""
+    train_size: int = 2000
+    """Training examples drawn from the generator (task=reasoning_gym or env)."""
+    holdout_size: int = 200
+    """Examples drawn for each of dev and test (task=reasoning_gym or env)."""
+    seed: int = 0
+    """Seed that freezes the task's train/dev/test split (the order training visits examples
+    follows run.seed, so runs of different seeds share the held-out sets)."""
+    train_file: Optional[str] = None
+    """JSONL training file (task=jsonl)."""
+    dev_file: Optional[str] = None
+    """JSONL dev split, evaluated during training (task=jsonl); None carves it from train_file."""
+    test_file: Optional[str] = None
+    """JSONL hidden test split, evaluated at the start and end only (task=jsonl); None carves it from train_file."""
+    holdout_fraction: float = 0.1
+    """Share of train_file carved (with data.seed) into each held-out split that has no file."""
+    question_field: str = "question"
+    """JSONL field holding the problem text."""
+    answer_field: str = "answer"
+    """JSONL field holding the reference answer."""
+    template: Optional[str] = None
+    """Prompt template with {question}; None takes the task's own."""
+    eval_size: int = 100
+    """Held-out examples scored at each evaluation (<= the split's size)."""
+    max_prompt_tokens: Optional[int] = None
+    """Longest prompt kept, in tokens as the rollout encodes it (template applied); longer ones are
+    dropped from every split before the run, counted per split in the log, the run manifest and
+    `--dry-run`.  None: rollout.max_model_len - rollout.max_tokens (the room a prompt has next to a
+    whole response); a larger value is refused."""
+
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes with an environment (envs/config.py): off while data.env.name is unset."""
+
+    def __post_init__(self) -> None:
+        if self.task == "env" and not self.env.enabled:
+            raise ConfigError("data.task 'env' takes its examples from the environment, but data.env.name is unset")
+        if self.task == "jsonl" and not self.train_file:
+            raise ConfigError("data.train_file is required when data.task is 'jsonl'")
+        if self.task == "reasoning_gym" and not self.generator:
+            raise ConfigError("data.generator (a reasoning-gym dataset name) is required when data.task is "
+                              "'reasoning_gym'")
+        if self.eval_size < 1:
+            raise ConfigError(f"data.eval_size must be >= 1, got {self.eval_size}")
+        if not 0 < self.holdout_fraction < 0.5:
+            raise ConfigError(f"data.holdout_fraction must be in (0, 0.5), got {self.holdout_fraction}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"data.max_prompt_tokens must be >= 1 (or unset), got {self.max_prompt_tokens}")

@@ -1,0 +1,172 @@
+"""Multi-turn episodes on a streaming rollout engine (issue 28, scheduling): turns are requests, tools run off the loop.
+
+    spec = EpisodeSpec.from_config(env_cfg)                       # envs/config.py EnvConfig, as a plain dict on the wire
+    play = EpisodePlayer(spec, tokenizer_dir, max_tokens_per_turn=64)
+    samples = await play.group(stream, examples, params, n, extra, checked_weights)   # on the engine's loop
+
+An episode (envs/runner.py) is one token sequence.  Each assistant turn is one request to the engine with the
+whole sequence so far as its prompt (token-in/token-out: nothing is re-rendered), so its prefix comes from
+vLLM's prefix cache while the weights stay the same; a refit between two turns applies to the next turn,
+and its segments say so.  The environment's steps run on a thread pool, never on the engine's event loop,
+so a slow tool stalls only its own episode.  Sample j of example i is seeded like a single-turn request
+(seed + i * n + j), each turn t of it with that seed + 7919 * t.
+
+What comes back per episode is a RolloutSample: the response is everything after the prompt (assistant
+turns with mask 1, their logprobs and versions; observations with mask 0), `segments` tile it
+([start, end, version, kv_version]; an observation carries the version of the turn before it), and
+`extra["episode"]` holds the reward, terminal reason and counters (graded by train/scoring.py, measured
+by envs/metrics.py).  An episode whose environment failed at reset has no tokens to train on: it is
+returned with an empty response and terminal reason env_error, and the producer drops its group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from megatron_rl.envs.chat_format import ChatFormat
+from megatron_rl.envs.config import EnvConfig
+from megatron_rl.envs.episode import Episode
+from megatron_rl.envs.registry import get_environment
+from megatron_rl.envs.runner import EpisodeRunner
+from megatron_rl.rollout.sample import RolloutSample
+
+TURN_SEED_STRIDE = 7919
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSummary:
+    """What the scorer and the metrics need of a finished episode (RolloutSample.extra["episode"])."""
+
+    env: str
+    terminal_reason: str
+    reward: float | None
+    error: str
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    step_seconds: list[float]
+
+    @classmethod
+    def of(cls, env: str, ep: Episode) -> "EpisodeSummary":
+        return cls(env, ep.terminal_reason, ep.reward, ep.error, ep.turns, ep.tool_calls, ep.tool_errors,
+                   list(ep.step_seconds))
+
+
+class EpisodePlayer:
+    """Plays one environment's episodes on a StreamEngine; one per rollout worker and env config."""
+
+    def __init__(self, env: EnvConfig | dict, tokenizer_dir: str, *, max_tokens_per_turn: int, workers: int = 16):
+        from transformers import AutoTokenizer
+
+        from megatron_rl.config import from_dict
+
+        self.cfg = env if isinstance(env, EnvConfig) else from_dict(EnvConfig, env, where="env")
+        if not self.cfg.enabled:
+            raise ValueError("EpisodePlayer needs env.name")
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if self.cfg.template is not None:
+            self.tokenizer.chat_template = self.cfg.template
+        probe = self.new_environment()
+        system = probe.system_prompt if self.cfg.system_prompt is None else (self.cfg.system_prompt or None)
+        self.chat = ChatFormat(self.tokenizer, system=system, tools=probe.tools,
+                               observation_role=probe.observation_role)
+        probe.close()
+        self.limits = self.cfg.limits()
+        self.max_tokens_per_turn = max_tokens_per_turn
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="env-step")
+
+    def new_environment(self):
+        return get_environment(self.cfg.name, self.cfg.options)
+
+    async def group(self, stream, request_id: str, examples: list, params: dict, n: int, extra: list[dict],
+                    weights_of: Callable[[Any], dict]) -> list[RolloutSample]:
+        """n episodes of every example, prompt-major, played concurrently on `stream`."""
+        jobs = []
+        for i, example in enumerate(examples):
+            for j in range(n):
+                seed = None if params.get("seed") is None else params["seed"] + i * n + j
+                jobs.append(self.one(stream, f"{request_id}-{i}-{j}", example, {**params, "seed": seed},
+                                     {**extra[i], "n": n}, weights_of))
+        return list(await asyncio.gather(*jobs))
+
+    async def one(self, stream, rid: str, example, params: dict, extra: dict,
+                  weights_of: Callable[[Any], dict]) -> RolloutSample:
+        """One episode to its end: reset, then generate / step until a terminal reason."""
+        loop = asyncio.get_running_loop()
+        env = self.new_environment()
+        runner = EpisodeRunner(env, self.chat, self.limits)
+        started = time.time()
+        weights: dict[str, str] = {}
+        segments: list[list[int]] = []
+        try:
+            ep = await loop.run_in_executor(self.pool, runner.start, example)
+            turn = 0
+            while not ep.finished:
+                room = ep.remaining_tokens
+                if room < 1:
+                    runner.out_of_room(ep)
+                    break
+                seed = None if params.get("seed") is None else params["seed"] + TURN_SEED_STRIDE * turn
+                turn_params = {**params, "seed": seed, "max_tokens": min(self.max_tokens_per_turn, room)}
+                result = await stream.generate(f"{rid}-t{turn}", ep.tokens, turn_params)
+                if result.finish_reason == "abort":
+                    raise RuntimeError("this rollout group holds no complete policy version (a failed load could "
+                                       "not be rolled back; its requests in flight were aborted): sent again")
+                # weights_of may wait for a refit check's verdict, which needs this loop running: off the loop
+                weights.update(await loop.run_in_executor(self.pool, weights_of, result))
+                offset = len(ep.response_tokens)
+                versions = [g.version for g in result.segments for _ in range(g.end - g.start)]
+                await loop.run_in_executor(self.pool, runner.assistant_turn, ep, result.response_tokens,
+                                           result.logprobs, versions)
+                segments += [[offset + g.start, offset + g.end, g.version, g.kv_version] for g in result.segments]
+                if len(ep.response_tokens) > segments[-1][1]:  # the observation appended after this turn
+                    segments.append([segments[-1][1], len(ep.response_tokens), *segments[-1][2:]])
+                turn += 1
+        finally:
+            await loop.run_in_executor(self.pool, env.close)
+        return self._sample(ep, params, extra, started, weights, segments)
+
+    def _sample(self, ep: Episode, params: dict, extra: dict, started: float, weights: dict,
+                segments: list[list[int]]) -> RolloutSample:
+        summary = EpisodeSummary.of(self.cfg.name, ep)
+        return RolloutSample(
+            prompt_tokens=list(ep.prompt_tokens), response_tokens=list(ep.response_tokens),
+            behavior_logprobs=list(ep.behavior_logprobs), policy_versions=list(ep.policy_versions),
+            action_mask=list(ep.action_mask), sampling={**params, "max_tokens": self.max_tokens_per_turn},
+            finish_reason="stop" if ep.terminal_reason == "done" else "length",
+            started_at=started, finished_at=time.time(),
+            extra={**extra, "episode": dataclasses.asdict(summary), "weights": weights, "segments": _joined(segments)})
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def episode_score(episode: dict):
+    """The Score of a multi-turn episode (rollout/episodes.py EpisodeSummary as a dict): the sum of its
+    environment's rewards; its format is 1.0 when the environment ended it (terminal reason done: the policy
+    followed the protocol to its end) and 0.0 at a turn or token limit; an episode ended by env_error or
+    timeout is not scored (excluded, counted)."""
+    from megatron_rl.reward.math_verifier import Score
+
+    grader = f"env:{episode['env']}"
+    if episode["reward"] is None:
+        error = "timeout" if episode["terminal_reason"] == "timeout" else "env_error"
+        return Score.failed(error, grader, detail=episode["error"][:300])
+    reward = float(episode["reward"])
+    return Score(reward=reward, correctness=reward, format=float(episode["terminal_reason"] == "done"), overlong=None,
+                 error=None, grader_version=grader, components={"env": reward})
+
+
+def _joined(segments: list[list[int]]) -> list[list[int]]:
+    """Neighbouring spans with the same (version, kv_version) as one."""
+    out: list[list[int]] = []
+    for seg in segments:
+        if out and out[-1][1] == seg[0] and out[-1][2:] == seg[2:]:
+            out[-1][1] = seg[1]
+        else:
+            out.append(list(seg))
+    return out

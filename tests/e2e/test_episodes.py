@@ -1,0 +1,101 @@
+"""Multi-turn episodes in a real training run: guess_number on the streaming engine, then resumed (issue 28).
+
+    python -m pytest tests/e2e/test_episodes.py -q
+
+The tiny random model plays `guess_number` (1..8, 3 guesses) with the plain chat template: each
+assistant turn is at most 6 tokens, an episode at most 3 turns and 200 tokens.  Run A trains 2 steps
+(async, streaming, a checkpoint at step 2 with episodes in flight: they finish before the save); B
+resumes the run directory to step 3.  What must hold:
+- every trajectory is one token sequence: assistant turns (mask 1, the sampler's logprobs) and the
+  environment's observations between them (mask 0, logprob 0, the chat template's separators around
+  the environment's own text), with segments tiling it and a terminal reason of the episode;
+- the reward is the environment's (grader env:guess_number), and the env/ metrics are logged;
+- the held-out evals played episodes too (greedy), and nothing was trained twice across the resume.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from megatron_rl.envs.protocol import TERMINAL_REASONS
+from megatron_rl.models.tokenizer import build_tokenizer
+from megatron_rl.trajectory import Trajectory
+from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+EPISODES = ["run.mode=async", "run.prompts_per_step=4", "run.group_size=4", "learner.micro_batch_size=16",
+            "run.eval_every=0", "run.checkpoint_every=2", "data.eval_size=4", "data.train_size=64",
+            "data.holdout_size=8", "rollout.streaming=true", "rollout.max_tokens=6", "rollout.max_model_len=256",
+            "data.task=env", "data.env.name=guess_number", "data.env.options={low: 1, high: 8, max_guesses: 3}",
+            "data.env.chat_template=plain", "data.env.max_turns=3", "data.env.max_total_tokens=200"]
+FEEDBACK = ("higher", "lower", "No guess found", "is outside the range", "Correct!", "Out of guesses")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("episodes") / "run"
+    a = last_json(run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=2", *EPISODES).stdout)
+    b = last_json(run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=3", *EPISODES).stdout)
+    with sqlite3.connect(d / "queue.db") as db:
+        trajs = [Trajectory.from_bytes(row[0]) for row in db.execute("SELECT payload FROM traj")]
+    return d, a, b, trajs
+
+
+def test_the_run_trains_on_episodes_and_resumes(run):
+    d, a, b, _ = run
+    assert (a["steps"], b["steps"], b["version"]) == (2, 3, 3)
+    consumed = [i for row in read_jsonl(d / "consumed.jsonl") for i in row["ids"]]
+    assert len(consumed) == 3 * 16 and len(set(consumed)) == len(consumed)
+    assert set(b) >= {"initial_test_correctness", "final_test_correctness"}  # evals played episodes
+    evals = read_jsonl(d / "eval" / "test_step_000003.jsonl")
+    assert len(evals) == 4 and all(o["errors"] == 0 and o["correctness"][0] in (0.0, 1.0) for o in evals)
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal mask values."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((mask[start], start, i))
+            start = i
+    return out
+
+
+def test_every_trajectory_is_one_sequence_with_masked_observations(run):
+    _, _, _, trajs = run
+    tok = build_tokenizer()
+    assert len(trajs) >= 3 * 16
+    multi = 0
+    for t in trajs:
+        mask, lps = t.action_mask.tolist(), t.behavior_logprobs.tolist()
+        runs = _runs(mask)
+        assert runs[0][0] == 1 and runs[-1][0] == 1, (t.id, runs)  # begins and ends with the policy's turn
+        assert t.terminal_reason in TERMINAL_REASONS and t.grader_version == "env:guess_number"
+        assert set(t.reward_components) == {"env"} and t.reward in (0.0, 1.0)
+        assert sum(e - s for _, s, e in t.segments) == len(mask) and t.segments[0][0] == 0
+        turns = [r for r in runs if r[0] == 1]
+        assert len(turns) <= 3 and all(e - s <= 6 for _, s, e in turns)
+        for value, s, e in runs:
+            if value == 0:  # an observation: the template's separators around the environment's text
+                text = tok.decode(t.response_tokens[s:e].tolist())
+                assert text.startswith(("</s>\nU: ", "\nU: ")) and text.endswith("\nA: "), text
+                assert any(f in text for f in FEEDBACK), text
+                assert set(lps[s:e]) == {0.0}
+            else:
+                assert all(x < 0 or x == 0.0 for x in lps[s:e])
+        multi += len(turns) > 1
+    assert multi > 0, "no episode had a second turn"
+
+
+def test_the_env_metrics_are_logged(run):
+    d, _, _, _ = run
+    steps = [m for m in read_jsonl(d / "metrics" / "metrics.jsonl") if "learn/loss" in m]
+    assert len(steps) == 3
+    for m in steps:
+        assert m["env/episodes"] == 16 and m["env/env_errors"] == 0
+        assert sum(m[f"env/terminal/{r}"] for r in TERMINAL_REASONS) == pytest.approx(1.0)
+        assert {"env/turns_mean", "env/step_seconds/p99", "learn/reward_env"} <= set(m)
+    assert max(m["env/turns_mean"] for m in steps) > 1
