@@ -30,7 +30,8 @@ EPISODES = ["run.mode=async", "run.prompts_per_step=4", "run.group_size=4", "lea
             "run.eval_every=0", "run.checkpoint_every=2", "data.eval_size=4", "data.train_size=64",
             "data.holdout_size=8", "rollout.streaming=true", "rollout.max_tokens=6", "rollout.max_model_len=256",
             "data.task=env", "data.env.name=guess_number", "data.env.options={low: 1, high: 8, max_guesses: 3}",
-            "data.env.chat_template=plain", "data.env.max_turns=3", "data.env.max_total_tokens=200"]
+            "data.env.chat_template=plain", 'data.env.system_prompt=""', "data.env.max_turns=3",
+            "data.env.max_total_tokens=200"]
 FEEDBACK = ("higher", "lower", "No guess found", "is outside the range", "Correct!", "Out of guesses")
 
 
@@ -75,7 +76,7 @@ def test_every_trajectory_is_one_sequence_with_masked_observations(run):
         assert runs[0][0] == 1 and runs[-1][0] == 1, (t.id, runs)  # begins and ends with the policy's turn
         assert t.terminal_reason in TERMINAL_REASONS and t.grader_version == "env:guess_number"
         assert set(t.reward_components) == {"env"} and t.reward in (0.0, 1.0)
-        assert sum(e - s for _, s, e in t.segments) == len(mask) and t.segments[0][0] == 0
+        assert sum(e - s for s, e, *_ in t.segments) == len(mask) and t.segments[0][0] == 0
         turns = [r for r in runs if r[0] == 1]
         assert len(turns) <= 3 and all(e - s <= 6 for _, s, e in turns)
         for value, s, e in runs:
