@@ -1,68 +1,119 @@
 """Streaming rollouts vs round-based rollouts in whole training runs, side by side (issue 27).
 
     flock /tmp/mrl-heavy.lock .venv/bin/python benchmarks/stream_training.py [--steps 10] [--stop-tokens 13]
+    flock /tmp/mrl-heavy.lock .venv/bin/python benchmarks/stream_training.py --longtail [--budget 12000]
 
 Both arms train the tiny recipe (configs/tiny_cpu_scratch.yaml) in async mode for the same steps with
 the same seed.  Lengths: by default every response is exactly --tokens tokens (EOS ignored), so both
 arms generate the same number of tokens and no round waits for a straggler; with --stop-tokens K, K
 token ids end a response (about K/128 per token for the random tiny model), so lengths are long-tailed
-up to --tokens (each arm then reports its own token count).  The arms differ only in rollout.streaming (and with it the rollout actor: one offline generate
-call per round, or vLLM's async engine with prompt groups streaming into batches and publications
+up to --tokens (each arm then reports its own token count).  --longtail is issue 27's workload: a JSONL
+task (written here) whose rows carry their own response budget (`max_tokens`, data/jsonl.py), 85% of
+prompts 8 tokens and 15% --tokens (256), EOS ignored, so every response is exactly its prompt's budget;
+both arms run until the same generated-token budget (stop.max_generated_tokens = --budget) is spent.
+--set KEY=VALUE adds a config override to both arms.  The arms differ only in rollout.streaming (and with
+it the rollout actor: one offline generate call per round, or vLLM's async engine with prompt groups streaming into batches and publications
 landing in flight, rollout.inflight_refit recompute).  Start-up is excluded: the clock runs from the
 first learner step's metrics to the last one's.  Printed: one JSON line per arm (loop seconds, steps,
 generated tokens, generated tokens per second of loop, mean taken Δv, share of samples spanning
-versions) and the ratio stream / rounds of tokens per second.
+versions, per-step phase seconds) and the ratio stream / rounds of tokens per second; an arm that fails
+prints its error and the steps it ran instead, and there is no ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SHORT = 8  # tokens of a short response (--longtail)
+
+
+def longtail_task(root: Path, args) -> list[str]:
+    """A digit_max-like JSONL task whose prompts carry their own response budget: SHORT tokens for 85% of
+    them, --tokens for 15% (drawn with a fixed seed); the overrides that train on it."""
+    rng, rows = random.Random(args.seed), []
+    for number in rng.sample(range(10_000), 400):  # distinct questions: no split shares one
+        digits = [int(c) for c in f"{number:04d}"]
+        rows.append({"question": f"max({','.join(map(str, digits))})", "answer": str(max(digits)),
+                     "max_tokens": args.tokens if rng.random() < args.long_share else SHORT})
+    path = root / "longtail.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["data.task=jsonl", f"data.train_file={path}", f"stop.max_generated_tokens={args.budget}",
+            "rollout.ignore_eos=true"]
 
 
 def run(streaming: bool, args, root: Path) -> dict:
     run_dir = root / ("stream" if streaming else "rounds")
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(REPO / "configs" / "tiny_cpu_scratch.yaml"),
-           f"run.dir={run_dir}", "run.mode=async", f"run.steps={args.steps}", "run.prompts_per_step=4",
+           f"run.dir={run_dir}", "run.mode=async", f"run.steps={args.steps * (10 if args.longtail else 1)}", "run.prompts_per_step=4",
            "run.group_size=4", "learner.micro_batch_size=16", "run.eval_every=0", "run.checkpoint_every=0",
            "data.eval_size=8", f"rollout.max_tokens={args.tokens}", f"rollout.max_model_len={args.tokens + 56}",
-           f"rollout.streaming={'true' if streaming else 'false'}"]
-    if args.stop_tokens:
+           f"rollout.streaming={'true' if streaming else 'false'}", f"run.seed={args.seed}"]
+    cmd += list(args.set)
+    if args.longtail:
+        cmd += longtail_task(root, args)
+    elif args.stop_tokens:
         cmd += ["rollout.ignore_eos=false", f"rollout.stop_token_ids=[{','.join(str(40 + i) for i in range(args.stop_tokens))}]"]
     else:
         cmd += ["rollout.ignore_eos=true"]
     with open(root / f"{run_dir.name}.log", "w") as log:
         proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"{run_dir.name} failed (exit {proc.returncode}); see {root / (run_dir.name + '.log')}")
-    rows = [json.loads(line) for line in (run_dir / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    metrics = run_dir / "metrics" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     learn = [r for r in rows if "learn/loss" in r]
+    if proc.returncode != 0:  # reported, not hidden: the error and the steps it ran
+        errors = [line for line in (root / f"{run_dir.name}.log").read_text().splitlines() if "Error:" in line]
+        return {"arm": run_dir.name, "failed": errors[-1] if errors else f"exit {proc.returncode}",
+                "steps": len(learn), "per_step_s": phase_means(learn[1:])}
     loop_s = learn[-1]["time"] - learn[0]["time"]
     tokens = sum(r["system/generated_tokens"] for r in learn[1:])  # generated for the steps inside the clock
     return {"arm": run_dir.name, "loop_s": round(loop_s, 2), "steps": len(learn), "generated_tokens": tokens,
             "tok_s": round(tokens / loop_s, 1),
             "taken_dv_mean": round(sum(r["queue/taken_dv/p50"] for r in learn) / len(learn), 2),
             "multi_version_fraction": round(sum(r.get("system/stream_multi_version_fraction", 0.0) for r in learn)
-                                            / len(learn), 3)}
+                                            / len(learn), 3),
+            "per_step_s": phase_means(learn[1:])}
+
+
+def phase_means(rows: list[dict]) -> dict:
+    """Mean seconds per step inside the clock: the driver's phases (step, score, learn, publish; the rest of
+    a step is waiting for the batch) and, streaming, the producer's summed per-group admit/generate/grade."""
+    keys = [f"system/time_{k}_s" for k in ("step", "score", "learn", "publish")]
+    keys += [f"system/stream_{k}_s" for k in ("admit", "generate", "grade")]
+    return {k.removeprefix("system/").removesuffix("_s"): round(sum(r.get(k, 0.0) for r in rows) / max(len(rows), 1), 4)
+            for k in keys if any(k in r for r in rows)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--tokens", type=int, default=200, help="response length (EOS ignored)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="response length (EOS ignored); --longtail: the long responses' (default 200, longtail 256)")
     ap.add_argument("--stop-tokens", type=int, default=0, help="token ids that end a response (0: fixed lengths)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per arm")
+    ap.add_argument("--longtail", action="store_true", help=f"85%% of prompts {SHORT} tokens, the rest --tokens")
+    ap.add_argument("--long-share", type=float, default=0.15, help="share of long prompts (--longtail)")
+    ap.add_argument("--budget", type=int, default=12000, help="generated tokens per arm (--longtail)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for both arms, e.g. coordinator.max_staleness=4 (repeatable)")
+    ap.add_argument("--keep", type=Path, default=None, help="keep both runs' directories here (profiling)")
     args = ap.parse_args()
+    args.tokens = args.tokens or (256 if args.longtail else 200)
     with tempfile.TemporaryDirectory() as tmp:
-        rounds, stream = run(False, args, Path(tmp)), run(True, args, Path(tmp))
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        rounds, stream = run(False, args, root), run(True, args, root)
     print(json.dumps(rounds))
     print(json.dumps(stream))
+    if "failed" in rounds or "failed" in stream:
+        raise SystemExit("no ratio: an arm failed (above)")
     print(json.dumps({"ratio_tok_s": round(stream["tok_s"] / rounds["tok_s"], 3),
                       "ratio_loop_s": round(rounds["loop_s"] / stream["loop_s"], 3)}))
 

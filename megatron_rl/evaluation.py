@@ -118,7 +118,8 @@ def evaluate(fleet, verifier, examples: Sequence, template, tokenizer, decoding:
         scores = [episode_score(s.extra["episode"]) for s in samples]
     else:
         prompts = [template.encode(ex, tokenizer) for ex in examples]
-        samples = fleet.generate(prompts, n=n, sampling=decoding.sampling(), extra=[{} for _ in examples])
+        budgets = [{} if getattr(ex, "max_tokens", None) is None else {"max_tokens": ex.max_tokens} for ex in examples]
+        samples = fleet.generate(prompts, n=n, sampling=decoding.sampling(), extra=budgets)  # each prompt's own budget
     texts = [tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
     if env is None:
         answers = [ex.reference for ex in examples for _ in range(n)]

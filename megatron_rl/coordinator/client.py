@@ -15,6 +15,7 @@ on the actor (actor.py), which runs them one at a time.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +36,9 @@ class Coordinator:
         self.actor = actor
         self.config = config
         self.take_timeout_s = take_timeout_s
+        self._opened = threading.Condition()
+        self.admission_epoch = 0
+        """Counts this client's calls that may open admission (set_version, release, report_lag)."""
 
     @classmethod
     def start(cls, config: CoordinatorConfig, *, wal_path: str | Path, tokenizer_hash: str,
@@ -60,11 +64,24 @@ class Coordinator:
     def try_admit(self, n: int, *, worker: str = "producer", request_id: str | None = None) -> list[str]:
         return self._get(self.actor.try_admit.remote(n, worker=worker, request_id=request_id))
 
+    def wait_admission(self, epoch: int, timeout: float) -> None:
+        """Wait (at most `timeout` s) until a call of this client may have opened admission since
+        `admission_epoch` was `epoch`: a producer refused admission waits here instead of polling."""
+        with self._opened:
+            self._opened.wait_for(lambda: self.admission_epoch != epoch, timeout)
+
+    def wake_admission(self) -> None:
+        """Wake producers waiting in wait_admission (a pause or stop, or admission may have opened)."""
+        with self._opened:
+            self.admission_epoch += 1
+            self._opened.notify_all()
+
     def renew(self, leases: list[str]) -> int:
         return self._get(self.actor.renew.remote(leases))
 
     def release(self, leases: list[str]) -> None:
         self._get(self.actor.release.remote(leases))
+        self.wake_admission()
 
     # ---- the queue ---------------------------------------------------------------------------------
 
@@ -106,6 +123,7 @@ class Coordinator:
     def set_version(self, version: int) -> None:
         """The learner published `version`: admission and the TTL move with it."""
         self._get(self.actor.set_version.remote(version))
+        self.wake_admission()
 
     def report_lag(self, dv: list[float], d_lag_p95: float | None) -> None:
         """The lag the learner's last batch showed (version lags dv, D_lag P95); past the
@@ -115,6 +133,7 @@ class Coordinator:
         dv_p95 = percentiles(dv or [0.0], "dv", qs=(95,))["dv/p95"]
         self._get(self.actor.report_lag.remote(dv_p95=float(dv_p95),
                                                d_lag_p95=None if d_lag_p95 is None else float(d_lag_p95)))
+        self.wake_admission()
 
     def metrics(self) -> dict[str, float]:
         return self._get(self.actor.metrics.remote())

@@ -30,6 +30,14 @@ class Example:
     """Reference final answer the verifier compares against."""
     metadata: str = ""
     """Generator metadata as JSON (reasoning-gym tasks; their scorers may read it), else empty."""
+    max_tokens: int | None = None
+    """This prompt's response budget in tokens (a JSONL row's `max_tokens`): its samples stop after
+    min(max_tokens, rollout.max_tokens) tokens.  None: rollout.max_tokens alone."""
+
+    def __post_init__(self) -> None:
+        budget = self.max_tokens
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise DataError(f"example {self.id!r}: max_tokens must be an int >= 1 (or unset), got {budget!r}")
 
     @property
     def reference(self) -> str:
@@ -45,6 +53,7 @@ def content_hash(examples: Sequence[Example]) -> str:
     h = hashlib.sha256()
     for ex in examples:
         fields = [ex.id, ex.question, ex.answer] + ([ex.metadata] if ex.metadata else [])
+        fields += [{"max_tokens": ex.max_tokens}] if ex.max_tokens is not None else []
         h.update(json.dumps(fields, ensure_ascii=False).encode())
         h.update(b"\n")
     return h.hexdigest()

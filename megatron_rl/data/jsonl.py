@@ -5,7 +5,9 @@
     ds.dataset_version   # sha256 of the loaded examples
 
 Field names are configurable; `answer_delimiter` keeps only the text after its last
-occurrence (GSM8K writes the reasoning, then "#### 42").  Blank lines are skipped.  A line
+occurrence (GSM8K writes the reasoning, then "#### 42").  An optional `max_tokens` (int >= 1) is the
+prompt's own response budget: its samples stop after min(max_tokens, rollout.max_tokens) tokens
+(e.g. a length curriculum; benchmarks/stream_training.py sets long-tailed lengths with it).  Blank lines are skipped.  A line
 that is not a JSON object, or lacks a field, is an error naming the file, the line number
 and the field; nothing is loaded partially.
 """
@@ -64,7 +66,11 @@ def load_jsonl(
             if not answer:
                 raise DataError(f"{where}: field {answer_field!r} is empty")
             ex_id = _field(record, id_field, where) if id_field else str(lineno)
-            examples.append(Example(id=ex_id, question=question, answer=answer))
+            budget = record.get("max_tokens")
+            if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+                raise DataError(f"{where}: field 'max_tokens' must be an int >= 1 (the prompt's response budget), "
+                                f"got {budget!r}")
+            examples.append(Example(id=ex_id, question=question, answer=answer, max_tokens=budget))
     if not examples:
         raise DataError(f"{path}: no examples (file is empty)")
     return Dataset(name=name or path.stem, split=split, examples=examples)

@@ -38,7 +38,7 @@ from megatron_rl.rollout.engine_setup import eos_token_ids, undo_ray_niceness
 from megatron_rl.rollout.provenance import parse_label, weights_label
 from megatron_rl.rollout.stream_engine import BrokenWeights
 from megatron_rl.rollout.stream_groups import to_sample
-from megatron_rl.rollout.worker import RolloutWorker
+from megatron_rl.rollout.worker import RolloutWorker, prompt_params  # sample.py's, as worker.py uses it
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +133,10 @@ class StreamRolloutWorker(RolloutWorker):
         call = uuid.uuid4().hex[:12]
         jobs = []
         for i, prompt in enumerate(prompts):
+            own = prompt_params(params, extra, i)
             for j in range(n):
-                seed = None if params["seed"] is None else params["seed"] + i * n + j
-                jobs.append((f"{call}-{i}-{j}", prompt, {**params, "seed": seed}))
+                seed = None if own["seed"] is None else own["seed"] + i * n + j
+                jobs.append((f"{call}-{i}-{j}", prompt, {**own, "seed": seed}))
         results = self._run(_gather(self.stream, jobs))
         if any(result.finish_reason == "abort" for result, _, _ in results):  # a load that could not roll back
             raise RuntimeError("this rollout group holds no complete policy version (a failed load could not be "

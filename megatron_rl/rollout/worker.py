@@ -31,7 +31,7 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import (engine_env, engine_identity, eos_token_ids, llm_kwargs, transfer_path,
                                               undo_ray_niceness)
 from megatron_rl.rollout.provenance import token_provenance, weights_label
-from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.sample import RolloutSample, prompt_params
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class RolloutWorker:
 
         `sampling` overrides the config defaults (keys: temperature, top_p, top_k,
         max_tokens, seed, stop_token_ids, ignore_eos).  With a `seed`, prompt i uses
-        seed + i, so results are reproducible and prompts differ.
+        seed + i, so results are reproducible and prompts differ; extra[i]["max_tokens"] caps prompt i's.
         """
         from vllm import SamplingParams
 
@@ -108,7 +108,8 @@ class RolloutWorker:
         per_prompt = []
         for i in range(len(prompts)):
             seed = None if params["seed"] is None else params["seed"] + i
-            per_prompt.append(SamplingParams(n=n, logprobs=0, detokenize=False, **{**params, "seed": seed}))
+            per_prompt.append(SamplingParams(n=n, logprobs=0, detokenize=False,
+                                             **{**prompt_params(params, extra, i), "seed": seed}))
         version = self._serving_version()
         started = time.time()
         maybe_kill_engine(self.llm, extra)  # drill hook (engine_kill); no-op without MEGATRON_RL_DRILL
@@ -117,7 +118,7 @@ class RolloutWorker:
         finished = time.time()
         samples = []
         for i, out in enumerate(outputs):
-            used = {**params, "seed": per_prompt[i].seed, "n": n}
+            used = {**prompt_params(params, extra, i), "seed": per_prompt[i].seed, "n": n}
             for c in out.outputs:
                 tokens = list(c.token_ids)
                 logprobs = [float(c.logprobs[j][t].logprob) for j, t in enumerate(tokens)]

@@ -48,6 +48,8 @@ from megatron_rl.coordinator.client import Coordinator
 
 logger = logging.getLogger(__name__)
 
+ADMIT_RETRY_S = 0.25  # a refused producer asks again this often at least (leases expire, other processes)
+
 
 @dataclasses.dataclass
 class Round:
@@ -119,8 +121,9 @@ class Producer:
                 except Exception as err:  # the next beat retries; expiry is the coordinator's safety net
                     logger.warning("could not renew %d rollout leases: %s", len(leases), err)
 
-    def _admit(self, need: int, round_: int) -> list[str] | None:
-        """Block until the coordinator admits `need` rollouts; None if stopped or paused first."""
+    def _admit(self, need: int, round_: int, prefix: str = "round") -> list[str] | None:
+        """Block until the coordinator admits `need` rollouts; None if stopped or paused first.  Refused,
+        it asks again when this process publishes (or releases leases), at the latest after ADMIT_RETRY_S."""
         leases: list[str] = []
         attempt = 0
         while len(leases) < need:
@@ -131,14 +134,15 @@ class Producer:
                         self._held.difference_update(leases)
                 return None
             # The request id makes a call that Ray retries after a coordinator restart idempotent.
+            epoch = self.coordinator.admission_epoch
             granted = self.coordinator.try_admit(need - len(leases), worker="producer",
-                                                 request_id=f"round-{round_}/{attempt}")
+                                                 request_id=f"{prefix}-{round_}/{attempt}")
             with self._cond:
                 self._held.update(granted)
             leases += granted
             attempt += 1
-            if len(leases) < need:
-                time.sleep(0.02)
+            if len(leases) < need and not granted:  # refused: admission opens with a publication (or a release)
+                self.coordinator.wait_admission(epoch, ADMIT_RETRY_S)
         return leases
 
     def _run(self, first_round: int) -> None:
@@ -189,6 +193,8 @@ class Producer:
         """Start no new round, let the one in flight finish; the finished rounds not yet taken."""
         with self._cond:
             self._paused = True
+        self.coordinator.wake_admission()
+        with self._cond:
             while self._busy and self._error is None and self._thread is not None and self._thread.is_alive():
                 self._cond.wait(0.5)
             if self._error is not None:
@@ -202,6 +208,7 @@ class Producer:
 
     def stop(self) -> None:
         self._stop.set()
+        self.coordinator.wake_admission()
         with self._cond:
             self._cond.notify_all()
         for thread in (self._thread, self._keepalive):

@@ -65,12 +65,14 @@ class PromptStream:
 
     def next(self, round_: int, n: int, *, examples: bool = False) -> tuple[list, list[dict]]:
         """The next n prompts (token ids; with `examples`, the data Examples an episode starts from) and
-        their extras (prompt id, answer, round); advances the cursor."""
+        their extras (prompt id, answer, round, the example's own response budget when it has one);
+        advances the cursor."""
         prompts, extra = [], []
         for idx in self.cursor.next_indices(n):
             ex = self.dataset[idx]
             prompts.append(ex if examples else self.template.encode(ex, self.tokenizer))
-            extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_})
+            extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_}
+                         | ({"max_tokens": ex.max_tokens} if ex.max_tokens is not None else {}))
         return prompts, extra
 
 

@@ -7,7 +7,8 @@
     producer.start(state); rnd = producer.next(step); rounds = producer.pause(); producer.unpause(); producer.stop()
 
 The round producer (producer.py) generates one batch per generate call, so every batch waits for its
-longest sample.  Here each prompt group is admitted by the coordinator on its own (G leases), sent to a
+longest sample.  Here each prompt group is admitted by the coordinator (G leases; one call asks for as
+many groups as may start now, up to a batch, and takes the whole groups granted), sent to a
 streaming rollout group (rollout/stream_actor.py, where it joins the engine's continuous batch), graded
 the moment its last sample ends, and kept ready; `next(step)` hands the learner the first
 `groups_per_step` groups that finished, in the order they finished, while the rest keep generating.
@@ -34,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
-from megatron_rl.train.producer import Producer, Round, TrainState
+from megatron_rl.train.producer import ADMIT_RETRY_S, Producer, Round, TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class StreamProducer(Producer):
         self._grade_lock = threading.Lock()
         self._last_handed = time.perf_counter()
         self.groups_done = 0
+        self._spent: collections.Counter = collections.Counter()  # seconds per phase since the last batch
+        self._floor: dict[int, int] = {}  # serial -> version published when the group was admitted (<= its tokens')
+        self._published = self._offset = 0  # the version published (at least); version - step of the run
         self.groups_dropped = 0  # multi-turn groups whose environment failed at reset (released, counted)
 
     @staticmethod
@@ -72,6 +76,7 @@ class StreamProducer(Producer):
         if state.rounds:
             logger.info("handing out first the %d finished prompt groups the checkpoint saved", len(self._groups))
         first = max(first, state.step * self.groups_per_step)
+        self._published, self._offset = state.version, state.version - state.step
         self._thread = threading.Thread(target=self._run, args=(first,), name="stream-producer", daemon=True)
         self._thread.start()
         self._keepalive = threading.Thread(target=self._renew_leases, name="lease-keepalive", daemon=True)
@@ -88,15 +93,20 @@ class StreamProducer(Producer):
                         self._cond.wait(0.1)
                     if self._stop.is_set() or self._error is not None:
                         return
-                    self._busy = True  # a checkpoint's pause waits until this group is submitted or given back
+                    free = self.max_in_flight - len(self._in_flight)
+                    self._busy = True  # a checkpoint's pause waits until these groups are submitted or given back
                 try:
-                    leases = self._admit(self.group_size, serial)
-                    if leases is None:
-                        continue
-                    generate = self.prepare_group(serial)  # the data cursor moves in serial order
+                    t0 = time.perf_counter()
+                    leases = self._admit_groups(min(free, last - serial, self.groups_per_step), serial)
                     with self._cond:
-                        self._in_flight[serial] = self._pool.submit(self._one_group, serial, leases, generate)
-                    serial += 1
+                        self._spent["admit"] += time.perf_counter() - t0
+                    for k in range(0, len(leases or []), self.group_size):
+                        generate = self.prepare_group(serial)  # the data cursor moves in serial order
+                        with self._cond:
+                            self._floor[serial] = self._published
+                            self._in_flight[serial] = self._pool.submit(self._one_group, serial,
+                                                                        leases[k:k + self.group_size], generate)
+                        serial += 1
                 finally:
                     with self._cond:
                         self._busy = False
@@ -106,24 +116,58 @@ class StreamProducer(Producer):
                 self._error = err
                 self._cond.notify_all()
 
+    def _admit_groups(self, groups: int, serial: int) -> list[str] | None:
+        """Leases for 1 to `groups` prompt groups (from `serial` on), asked for in one coordinator call:
+        whatever whole groups admission grants now (a grant short of one group waits for the rest);
+        None if paused or stopped first (a partial grant is given back)."""
+        need, leases, attempt = groups * self.group_size, [], 0
+        while len(leases) < self.group_size:
+            if self._stop.is_set() or self._paused:
+                if leases:
+                    self.coordinator.release(leases)
+                    with self._cond:
+                        self._held.difference_update(leases)
+                return None
+            epoch = self.coordinator.admission_epoch
+            # The request id makes a call that Ray retries after a coordinator restart idempotent.
+            granted = self.coordinator.try_admit(need - len(leases), worker="producer",
+                                                 request_id=f"round-{serial}/{attempt}")
+            with self._cond:
+                self._held.update(granted)
+            leases += granted
+            attempt += 1
+            if not granted:  # refused: admission opens with a publication (or a release)
+                self.coordinator.wait_admission(epoch, ADMIT_RETRY_S)
+        whole = len(leases) - len(leases) % self.group_size
+        if whole < len(leases):  # part of a group: given back (grants come in whole groups unless leases expire)
+            self.coordinator.release(leases[whole:])
+            with self._cond:
+                self._held.difference_update(leases[whole:])
+        return leases[:whole]
+
     def _one_group(self, serial: int, leases: list[str], generate: Callable[[], list]) -> None:
         t0 = time.perf_counter()
         try:
             samples = generate()
+            t1 = time.perf_counter()
             if any(not s.response_tokens for s in samples):  # an environment failed at reset: nothing to train
                 self.coordinator.release(leases)
                 with self._cond:
                     self.groups_dropped += 1
+                    self._floor.pop(serial, None)
                 logger.warning("prompt group %d dropped: its environment failed at reset (%s)", serial,
                                next(s.extra["episode"]["error"] for s in samples if not s.response_tokens))
                 return
             with self._grade_lock:
                 scores = self.grade(samples)
+            t2 = time.perf_counter()
             for sample, score in zip(samples, scores, strict=True):
                 sample.extra["score"] = score.to_dict()
             with self._cond:
                 self._groups.append((serial, samples, leases, time.perf_counter() - t0))
                 self.groups_done += 1
+                self._spent["generate"] += t1 - t0
+                self._spent["grade"] += t2 - t1
         except BaseException as err:
             with self._cond:
                 self._error = err
@@ -133,27 +177,51 @@ class StreamProducer(Producer):
                 self._in_flight.pop(serial, None)
                 self._cond.notify_all()
 
+    def _oldest(self, group: tuple) -> int:
+        """The oldest version among a finished group's tokens (a group without tokens: its admission's)."""
+        versions = [v for s in group[1] for v in s.policy_versions]
+        return min(versions) if versions else self._floor.get(group[0], self._published)
+
+    def _take(self, step: int) -> list[tuple]:
+        """Batch `step`'s groups (under the lock): the first `groups_per_step` that finished, except that a group
+        batch `step + 1` could no longer take (its oldest tokens would fall out of the coordinator's version
+        window) goes into this batch first, and the batch waits for such a group while it generates; so a
+        long group is never starved into the TTL by shorter ones that keep finishing first."""
+        limit = step + self._offset + 1 - self.coordinator.lookahead  # older groups: now or never
+        while (len(self._groups) < self.groups_per_step
+               or any(self._floor.get(g, limit) < limit for g in self._in_flight)):
+            if self._error is not None:
+                raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
+            if self._thread is None or (not self._thread.is_alive() and not self._in_flight):
+                raise RuntimeError(f"rollout producer stopped without producing batch {step}")
+            self._cond.wait(1.0)
+        ordered = sorted(self._groups, key=lambda g: min(self._oldest(g), limit))  # the oldest of those first;
+        # the others in the order they finished (a stable sort)
+        taken = ordered[:self.groups_per_step]
+        self._groups = collections.deque(g for g in self._groups if not any(g is t for t in taken))
+        for g in taken:
+            self._floor.pop(g[0], None)
+        return taken
+
     def next(self, step: int) -> Round:
-        """The first `groups_per_step` groups that finished (waiting for them), as round `step`."""
+        """The first `groups_per_step` groups that finished (waiting for them; those that cannot wait longer
+        first, see _take), as round `step`."""
         with self._cond:
-            while len(self._groups) < self.groups_per_step:
-                if self._error is not None:
-                    raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
-                if self._thread is None or (not self._thread.is_alive() and not self._in_flight):
-                    raise RuntimeError(f"rollout producer stopped without producing batch {step}")
-                self._cond.wait(1.0)
-            taken = [self._groups.popleft() for _ in range(self.groups_per_step)]
+            self._published = max(self._published, step + self._offset)
+            taken = self._take(step)
             samples = [s for g in taken for s in g[1]]
             leases = [lease for g in taken for lease in g[2]]
             self._held.difference_update(leases)
             self._handed = leases
             in_flight = len(self._in_flight)
+            spent, self._spent = self._spent, collections.Counter()
         now = time.perf_counter()
         seconds, self._last_handed = now - self._last_handed, now
         spans = [1 + sum(a != b for a, b in zip(s.policy_versions, s.policy_versions[1:])) for s in samples]
         stats = {"system/stream_groups_in_flight": in_flight, "system/stream_group_seconds_max": max(g[3] for g in taken),
                  "system/stream_segments_per_sample": sum(spans) / max(len(spans), 1),
-                 "system/stream_multi_version_fraction": sum(n > 1 for n in spans) / max(len(spans), 1)}
+                 "system/stream_multi_version_fraction": sum(n > 1 for n in spans) / max(len(spans), 1),
+                 **{f"system/stream_{k}_s": v for k, v in spent.items()}}
         if samples and "episode" in samples[0].extra:  # multi-turn: turns, tools, env time, terminal reasons
             from megatron_rl.envs.metrics import summary_metrics
 
@@ -165,6 +233,8 @@ class StreamProducer(Producer):
         """Admit nothing more, let every group in flight finish; the finished groups not yet taken."""
         with self._cond:
             self._paused = True
+        self.coordinator.wake_admission()
+        with self._cond:
             while (self._busy or self._in_flight) and self._error is None:
                 self._cond.wait(0.5)
             if self._error is not None:

@@ -3,6 +3,7 @@ naming the key, and a streaming run's batch and provenance bookkeeping hold (iss
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,39 @@ def test_a_batch_is_the_first_groups_that_finish_and_counts_its_version_switches
     assert rnd.stats["system/stream_segments_per_sample"] == pytest.approx(1.5)
     assert rnd.stats["system/stream_multi_version_fraction"] == pytest.approx(0.5)
     assert [g[0] for g in producer._groups] == [5]  # the third group waits for the next batch
+
+
+def test_a_group_that_would_fall_out_of_the_version_window_goes_into_this_batch():
+    """Shorter groups keep finishing first; a long group admitted at version 0 would be out of the take window
+    (versions [v - 1, v]) after batch 1, so batch 1 waits for it and takes it first (starved, it was dropped)."""
+    import threading
+
+    from megatron_rl.train.stream_producer import StreamProducer
+
+    class Admission:
+        config = type("C", (), {"lease_ttl_s": 60.0, "batch_size": 2})()
+        lookahead = 1
+
+    producer = StreamProducer(Admission(), prepare_group=None, grade=None, steps=3, groups_per_step=1, group_size=2,
+                              max_groups_in_flight=4)
+    producer._thread = threading.current_thread()
+    producer._in_flight, producer._floor = {0: None}, {0: 0}  # the long group 0, admitted when version 0 served
+    for serial in (1, 2, 3):
+        producer._groups.append((serial, [_sample([1]), _sample([1])], [f"l{serial}a", f"l{serial}b"], 1.0))
+    assert producer.next(0).leases == ["l1a", "l1b"]  # batch 0 may still leave group 0 for batch 1
+    got: list = []
+    taker = threading.Thread(target=lambda: got.append(producer.next(1)))
+    taker.start()
+    taker.join(0.3)
+    assert taker.is_alive(), "batch 1 went ahead without the group that cannot wait for batch 2"
+    with producer._cond:
+        producer._groups.append((0, [_sample([0, 1]), _sample([0, 1])], ["l0a", "l0b"], 9.0))
+        producer._in_flight.pop(0)
+        producer._cond.notify_all()
+    taker.join(10)
+    assert got[0].leases == ["l0a", "l0b"] and [g[0] for g in producer._groups] == [2, 3]
+    producer._groups.append((4, [_sample([0]), _sample([0])], ["l4a", "l4b"], 1.0))  # finished last, oldest
+    assert producer.next(2).leases == ["l4a", "l4b"]  # out of the window next: before groups 2 and 3
 
 
 def _traj(versions: list[int], segments: list) -> "Trajectory":
@@ -141,6 +175,14 @@ def test_a_checkpoint_waits_for_a_group_admitted_while_it_paused():
         def release(self, leases):
             pass
 
+        admission_epoch = 0
+
+        def wait_admission(self, epoch, timeout):
+            time.sleep(timeout)
+
+        def wake_admission(self):
+            pass
+
     class Graded:
         def to_dict(self):
             return {}
@@ -160,5 +202,6 @@ def test_a_checkpoint_waits_for_a_group_admitted_while_it_paused():
     assert pauser.is_alive(), "the pause returned while a group was being admitted"
     go.set()
     pauser.join(10)
-    assert drawn == [0] and [r.index for r in paused[0]] == [0]  # the admitted group finished before the save
+    # the one call admitted both groups of the batch: both were drawn and finished before the save
+    assert drawn == [0, 1] and sorted(r.index for r in paused[0]) == [0, 1]  # in the order they finished
     producer.stop()
