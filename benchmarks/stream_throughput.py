@@ -14,7 +14,8 @@ tokens, on the same engine settings (one engine-core process with its worker ins
   submitted as soon as one finishes.
 Each arm runs in a process of its own (a fresh engine, warmed up before the clock starts; the process
 ends with os._exit, so no zmq context of vLLM is finalized).  Occupancy is the time-weighted mean of
-the engine's running requests over --capacity, sampled at every engine step (vLLM's scheduler stats).
+the engine's running requests over --capacity, sampled at every engine step (vLLM's scheduler stats;
+benchmarks/engine_occupancy.py).
 Prints one JSON line: each arm's wall time, generated tokens, tok/s, occupancy; ratio = stream/round.
 """
 
@@ -31,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from engine_occupancy import Occupancy  # benchmarks/engine_occupancy.py (run this file as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,31 +63,6 @@ def rollout_config(args):
                          engine_in_process=False, engine_options={"distributed_executor_backend": "uni",
                                                                   "max_num_seqs": args.capacity,
                                                                   "disable_log_stats": False})
-
-
-class Occupancy:
-    """Wraps an engine's stat-logger manager: (time, running requests) at every engine step."""
-
-    def __init__(self, engine):
-        self.samples: list[tuple[float, int]] = []
-        manager = engine.logger_manager
-        record = manager.record
-
-        def recording(*a, scheduler_stats=None, **kw):
-            if scheduler_stats is not None:
-                self.samples.append((time.perf_counter(), scheduler_stats.num_running_reqs))
-            return record(*a, scheduler_stats=scheduler_stats, **kw)
-
-        manager.record = recording
-
-    def mean(self, start: float, end: float, capacity: int) -> float:
-        """Time-weighted mean of running/capacity over [start, end] (each sample holds until the next)."""
-        pts = [(t, n) for t, n in self.samples if start <= t <= end]
-        if not pts:
-            return 0.0
-        pts.append((end, pts[-1][1]))
-        area = sum(n * (t1 - t0) for (t0, n), (t1, _) in zip(pts, pts[1:]))
-        return area / max(end - pts[0][0], 1e-9) / capacity
 
 
 def run_round(args, reqs: list[dict]) -> dict:

@@ -7,8 +7,10 @@
 An episode (envs/runner.py) is one token sequence.  Each assistant turn is one request to the engine with the
 whole sequence so far as its prompt (token-in/token-out: nothing is re-rendered), so its prefix comes from
 vLLM's prefix cache while the weights stay the same; a refit between two turns applies to the next turn,
-and its segments say so.  The environment's steps run on a thread pool, never on the engine's event loop,
-so a slow tool stalls only its own episode.  Sample j of example i is seeded like a single-turn request
+and its segments say so.  The environment's steps run on a thread of the episode's own, never on the
+engine's event loop and never queued behind another episode's step, so a slow tool stalls only its own
+episode (a shared pool of N threads serialised the tool calls of more than N episodes in flight:
+benchmarks/multiturn_throughput.md).  Sample j of example i is seeded like a single-turn request
 (seed + i * n + j), each turn t of it with that seed + 7919 * t.
 
 What comes back per episode is a RolloutSample: the response is everything after the prompt (assistant
@@ -59,7 +61,7 @@ class EpisodeSummary:
 class EpisodePlayer:
     """Plays one environment's episodes on a StreamEngine; one per rollout worker and env config."""
 
-    def __init__(self, env: EnvConfig | dict, tokenizer_dir: str, *, max_tokens_per_turn: int, workers: int = 16):
+    def __init__(self, env: EnvConfig | dict, tokenizer_dir: str, *, max_tokens_per_turn: int):
         from transformers import AutoTokenizer
 
         from megatron_rl.config import from_dict
@@ -77,7 +79,6 @@ class EpisodePlayer:
         probe.close()
         self.limits = self.cfg.limits()
         self.max_tokens_per_turn = max_tokens_per_turn
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="env-step")
 
     def new_environment(self):
         return get_environment(self.cfg.name, self.cfg.options)
@@ -97,13 +98,14 @@ class EpisodePlayer:
                   weights_of: Callable[[Any], dict]) -> RolloutSample:
         """One episode to its end: reset, then generate / step until a terminal reason."""
         loop = asyncio.get_running_loop()
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"env-{rid}")  # this episode's: its steps wait for no other
         env = self.new_environment()
         runner = EpisodeRunner(env, self.chat, self.limits)
         started = time.time()
         weights: dict[str, str] = {}
         segments: list[list[int]] = []
         try:
-            ep = await loop.run_in_executor(self.pool, runner.start, example)
+            ep = await loop.run_in_executor(pool, runner.start, example)
             turn = 0
             while not ep.finished:
                 room = ep.remaining_tokens
@@ -117,17 +119,18 @@ class EpisodePlayer:
                     raise RuntimeError("this rollout group holds no complete policy version (a failed load could "
                                        "not be rolled back; its requests in flight were aborted): sent again")
                 # weights_of may wait for a refit check's verdict, which needs this loop running: off the loop
-                weights.update(await loop.run_in_executor(self.pool, weights_of, result))
+                weights.update(await loop.run_in_executor(pool, weights_of, result))
                 offset = len(ep.response_tokens)
                 versions = [g.version for g in result.segments for _ in range(g.end - g.start)]
-                await loop.run_in_executor(self.pool, runner.assistant_turn, ep, result.response_tokens,
+                await loop.run_in_executor(pool, runner.assistant_turn, ep, result.response_tokens,
                                            result.logprobs, versions)
                 segments += [[offset + g.start, offset + g.end, g.version, g.kv_version] for g in result.segments]
                 if len(ep.response_tokens) > segments[-1][1]:  # the observation appended after this turn
                     segments.append([segments[-1][1], len(ep.response_tokens), *segments[-1][2:]])
                 turn += 1
         finally:
-            await loop.run_in_executor(self.pool, env.close)
+            await loop.run_in_executor(pool, env.close)
+            pool.shutdown(wait=False)
         return self._sample(ep, params, extra, started, weights, segments)
 
     def _sample(self, ep: Episode, params: dict, extra: dict, started: float, weights: dict,
@@ -140,9 +143,6 @@ class EpisodePlayer:
             finish_reason="stop" if ep.terminal_reason == "done" else "length",
             started_at=started, finished_at=time.time(),
             extra={**extra, "episode": dataclasses.asdict(summary), "weights": weights, "segments": _joined(segments)})
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def episode_score(episode: dict):

@@ -23,6 +23,7 @@ import sys
 import traceback
 
 PROMPT_LEN, MAX_TOKENS, PAUSE_AFTER, BLOCK = 40, 64, 8, 32
+EPISODES_AT_ONCE = 24  # more than the 16 threads EpisodePlayer once shared between all its episodes
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -245,11 +246,50 @@ async def episode_across_refit(rig: Rig) -> dict:
     record = await rig.stream.refit(load, v0 + 1, "recompute")
     refitted.set()
     sample = await task
-    player.close()
     return {"v0": v0, "old": old, "new": new, "record": record_json(record), "prompt": sample.prompt_tokens,
             "response_tokens": sample.response_tokens, "logprobs": sample.behavior_logprobs,
             "versions": sample.policy_versions, "mask": sample.action_mask, "segments": sample.extra["segments"],
             "episode": sample.extra["episode"]}
+
+
+async def episodes_step_at_once(rig: Rig) -> dict:
+    """EPISODES_AT_ONCE episodes whose first environment step waits until every one of them is in its step
+    (a barrier): they end done only if no episode's step waits for a thread another episode's step holds."""
+    import dataclasses
+    import threading
+
+    from megatron_rl.envs.config import EnvConfig
+    from megatron_rl.envs.protocol import Environment, StepResult
+    from megatron_rl.envs.registry import ENVIRONMENTS, register_environment
+    from megatron_rl.rollout.episodes import EpisodePlayer
+
+    barrier = threading.Barrier(EPISODES_AT_ONCE, timeout=30)
+
+    @dataclasses.dataclass(kw_only=True)
+    class BarrierConfig:
+        pass
+
+    class AllAtOnce(Environment):  # a test environment: a tool that returns once every episode called it
+        name = "all_at_once"
+
+        def __init__(self, config):
+            pass
+
+        def reset(self, example) -> str:
+            return example
+
+        def step(self, action: str) -> StepResult:
+            barrier.wait()  # BrokenBarrierError after 30 s: env_error
+            return StepResult("", reward=1.0, done=True)
+
+    if "all_at_once" not in ENVIRONMENTS:
+        register_environment(AllAtOnce, BarrierConfig)
+    player = EpisodePlayer(EnvConfig(name="all_at_once", chat_template="plain", max_total_tokens=200,
+                                     step_timeout_s=60), rig.dirs[rig.serving], max_tokens_per_turn=4)
+    examples = [f"tool call {i}" for i in range(EPISODES_AT_ONCE)]
+    samples = await player.group(rig.stream, "at-once", examples, {**GREEDY, "max_tokens": 4}, 1,
+                                 [{} for _ in examples], lambda r: {})
+    return {"episodes": [s.extra["episode"] for s in samples]}
 
 
 SCENARIOS = {  # in the order the tests are written: each swaps A and B
@@ -262,6 +302,7 @@ SCENARIOS = {  # in the order the tests are written: each swaps A and B
     "failed_load": failed_load,
     "groups": groups_in_completion_order,
     "episode": episode_across_refit,
+    "episodes_at_once": episodes_step_at_once,
 }
 
 

@@ -31,7 +31,7 @@ import torch
 
 from megatron_rl.models.tiny import make_tiny_model
 from megatron_rl.rollout.stream_engine import Segment
-from tests.e2e.stream_refit_scenarios import BLOCK, MAX_TOKENS
+from tests.e2e.stream_refit_scenarios import BLOCK, EPISODES_AT_ONCE, MAX_TOKENS
 from tests.reference import fresh_logprobs, stale_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -226,3 +226,12 @@ def test_a_refit_between_turns_applies_to_the_next_turn(rig):
     assert float((lps[second:] - fresh_new[second:]).abs().max()) <= SAME
     assert float((lps[second:] - fresh_old[second:]).abs().max()) > DIFFERENT
     assert set(got["logprobs"][first:second]) == {0.0}
+
+
+def test_episodes_take_their_environment_steps_at_the_same_time(rig):
+    """A slow tool stalls only its own episode: EPISODES_AT_ONCE episodes' steps all run at once (each waits
+    for all the others at a barrier), so none ends with env_error or timeout."""
+    got = scenario(rig, "episodes_at_once")
+    assert len(got["episodes"]) == EPISODES_AT_ONCE
+    assert [e["terminal_reason"] for e in got["episodes"]] == ["done"] * EPISODES_AT_ONCE, got["episodes"][:2]
+    assert all(e["reward"] == 1.0 and e["turns"] == 1 for e in got["episodes"])

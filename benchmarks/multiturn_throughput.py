@@ -1,0 +1,199 @@
+"""Multi-turn episodes with a slow tool vs single-turn generation, one streaming engine (issue 28, benchmark).
+
+    flock /tmp/mrl-heavy.lock timeout 900 python benchmarks/multiturn_throughput.py   # a tiny random llama
+    python benchmarks/multiturn_throughput.py --model DIR --episodes 256 --turns 4 --turn-tokens 16 --tool-ms 50
+
+One StreamEngine (vLLM's AsyncLLM, engine core in a process of its own with its worker inside, max_num_seqs
+--capacity, prefix caching on, KV blocks of --block-size) serves both arms one after the other, after an
+untimed warm-up; both generate exactly --episodes x --turns x --turn-tokens tokens (ignore_eos, fixed
+max_tokens; temperature 1, seeded):
+- single: --episodes requests of --turns x --turn-tokens tokens each, all submitted at once.
+- multi: --episodes episodes at once, played by rollout/episodes.py's EpisodePlayer (as the rollout actor
+  plays them) with the `sleep_tool` environment registered here: --turns assistant turns of --turn-tokens
+  tokens, each but the last followed by a tool call that sleeps --tool-ms ms off the event loop and answers
+  a short observation.  Every turn is one engine request with the whole episode so far as its prompt.
+Occupancy (engine_occupancy.py): time-weighted running requests / --capacity over the arm, and for multi
+over the time at least one tool call sleeps.  Prints one JSON line per arm (with prompt tokens prefilled
+and taken from the prefix cache) and one with ratio = multi tok/s / single tok/s (goal >= 0.7: tool
+latency overlapped, not serialised).  Ends with os._exit: no finalizer of vLLM's zmq context runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from engine_occupancy import Occupancy, union  # benchmarks/engine_occupancy.py (run this file as a script)
+
+from megatron_rl.envs.protocol import Environment, StepResult
+
+TOOL_CALLS: list[tuple[float, float]] = []  # (start, end) of every tool call; list.append is atomic
+
+
+@dataclasses.dataclass(kw_only=True)
+class SleepToolConfig:
+    """The benchmark's environment: a fixed number of turns, a tool call after each but the last."""
+
+    turns: int = 4
+    """Assistant turns per episode; the last one ends the episode."""
+    tool_ms: float = 50.0
+    """Milliseconds every tool call sleeps (in the environment's step, off the engine's event loop)."""
+
+    def __post_init__(self) -> None:
+        if self.turns < 1:
+            raise ValueError(f"turns must be >= 1, got {self.turns}")
+        if self.tool_ms < 0:
+            raise ValueError(f"tool_ms must be >= 0, got {self.tool_ms}")
+
+
+class SleepTool(Environment):
+    """After each assistant turn but the last, a tool call: sleeps, then answers `result <turn>`."""
+
+    name = "sleep_tool"
+
+    def __init__(self, config: SleepToolConfig):
+        self.config, self.turn = config, 0
+
+    def reset(self, example) -> str:
+        self.turn = 0
+        return example
+
+    def step(self, action: str) -> StepResult:
+        self.turn += 1
+        if self.turn >= self.config.turns:
+            return StepResult("", reward=1.0, done=True)
+        started = time.perf_counter()
+        time.sleep(self.config.tool_ms / 1000)
+        TOOL_CALLS.append((started, time.perf_counter()))
+        return StepResult(f"result {self.turn}", info={"tool_calls": 1})
+
+
+class Turns:
+    """The engine as the player sees it, keeping (prompt tokens, of them from the prefix cache) per turn."""
+
+    def __init__(self, stream):
+        self.stream, self.seen = stream, []
+
+    async def generate(self, request_id: str, prompt: list[int], sampling: dict):
+        result = await self.stream.generate(request_id, prompt, sampling)
+        self.seen.append((len(prompt), result.num_cached_tokens))
+        return result
+
+
+def texts(rng: random.Random, n: int) -> list[str]:
+    return [" ".join("".join(rng.choices("abcdefghij", k=4)) for _ in range(5)) for _ in range(n)]
+
+
+async def single_arm(args, stream, prompts: list[list[int]], occupancy: Occupancy) -> dict:
+    sampling = {"temperature": 1.0, "ignore_eos": True, "max_tokens": args.turns * args.turn_tokens}
+    start = time.perf_counter()
+    results = await asyncio.gather(*(stream.generate(f"single-{i}", p, {**sampling, "seed": args.seed + i})
+                                     for i, p in enumerate(prompts)))
+    end = time.perf_counter()
+    tokens = sum(len(r.response_tokens) for r in results)
+    return {"arm": "single", "wall_s": end - start, "tokens": tokens, "tok_s": tokens / (end - start),
+            "occupancy": occupancy.mean(start, end, args.capacity),
+            "prefill_tokens": sum(len(p) - r.num_cached_tokens for p, r in zip(prompts, results)),
+            "cached_tokens": sum(r.num_cached_tokens for r in results)}
+
+
+async def multi_arm(args, stream, player, examples: list[str], occupancy: Occupancy, tag: str) -> dict:
+    params = {"temperature": 1.0, "ignore_eos": True, "seed": args.seed}
+    TOOL_CALLS.clear()
+    start = time.perf_counter()
+    turns = Turns(stream)
+    samples = await player.group(turns, tag, examples, params, 1, [{} for _ in examples], lambda result: {})
+    end = time.perf_counter()
+    reasons = {s.extra["episode"]["terminal_reason"] for s in samples}
+    assert reasons == {"done"}, f"episodes ended with {reasons}, not all done: raise --max-model-len"
+    tokens = sum(sum(s.action_mask) for s in samples)
+    busy = union(TOOL_CALLS)
+    events = sorted([(t0, 1) for t0, _ in TOOL_CALLS] + [(t1, -1) for _, t1 in TOOL_CALLS])
+    return {"arm": "multi", "wall_s": end - start, "tokens": tokens, "tok_s": tokens / (end - start),
+            "occupancy": occupancy.mean(start, end, args.capacity),
+            "occupancy_while_tools": occupancy.mean_over(TOOL_CALLS, args.capacity),
+            "tool_calls": len(TOOL_CALLS), "tool_time_share": sum(b - a for a, b in busy) / (end - start),
+            "max_concurrent_tools": max(itertools.accumulate(d for _, d in events), default=0),
+            "prefill_tokens": sum(n - c for n, c in turns.seen), "cached_tokens": sum(c for _, c in turns.seen),
+            "episode_tokens": sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples) / len(samples)}
+
+
+async def run(args, model_dir: str) -> list[dict]:
+    from megatron_rl.envs.config import EnvConfig
+    from megatron_rl.envs.registry import register_environment
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.episodes import EpisodePlayer
+    from megatron_rl.rollout.stream_engine import StreamEngine
+
+    register_environment(SleepTool, SleepToolConfig)
+    env = EnvConfig(name="sleep_tool", options={"turns": args.turns, "tool_ms": args.tool_ms}, max_turns=args.turns,
+                    max_total_tokens=args.max_model_len, chat_template="plain", system_prompt="")
+    player = EpisodePlayer(env, model_dir, max_tokens_per_turn=args.turn_tokens)
+    options = {"distributed_executor_backend": "uni", "max_num_seqs": args.capacity, "enable_prefix_caching": True,
+               "block_size": args.block_size, "disable_log_stats": False}
+    cfg = RolloutConfig(model=model_dir, dtype="float32", max_model_len=args.max_model_len, weight_transfer="none",
+                        engine_in_process=False, engine_options=options)
+    stream = StreamEngine.start(cfg)
+    occupancy = Occupancy(stream.engine)
+    rng = random.Random(args.seed)
+    warm, episodes, singles = (texts(rng, n) for n in (args.capacity, args.episodes, args.episodes))
+    await multi_arm(args, stream, player, warm, occupancy, "warm")  # untimed: first steps allocate, compile
+    single = await single_arm(args, stream, [player.chat.prompt_tokens(x) for x in singles], occupancy)
+    multi = await multi_arm(args, stream, player, episodes, occupancy, "multi")
+    stream.shutdown()
+    return [single, multi]
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="HF checkpoint directory (default: a tiny random llama, seed 0)")
+    ap.add_argument("--size", default="tiny", choices=["tiny", "small"], help="the random llama's size")
+    ap.add_argument("--episodes", type=int, default=256, help="concurrent episodes (and single-turn requests)")
+    ap.add_argument("--turns", type=int, default=4, help="assistant turns per episode (tool calls: one fewer)")
+    ap.add_argument("--turn-tokens", type=int, default=16, help="tokens per assistant turn")
+    ap.add_argument("--tool-ms", type=float, default=50.0)
+    ap.add_argument("--capacity", type=int, default=256, help="the engine's max_num_seqs")
+    ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=32, help="KV block (vLLM's CPU default 128 caches no prefix "
+                                                               "shorter than 128 tokens: every turn prefilled whole)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
+    code = 1
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            if not args.model:
+                from megatron_rl.models.tiny import make_tiny_model
+
+                args.model = str(make_tiny_model(Path(tmp) / "tiny", arch="llama", size=args.size, seed=0))
+            single, multi = asyncio.run(run(args, args.model))
+        assert single["tokens"] == multi["tokens"] == args.episodes * args.turns * args.turn_tokens, (single, multi)
+        for arm in (single, multi):
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in arm.items()}), flush=True)
+        print(json.dumps({"episodes": args.episodes, "turns": args.turns, "turn_tokens": args.turn_tokens,
+                          "tool_ms": args.tool_ms, "capacity": args.capacity,
+                          "ratio": round(multi["tok_s"] / single["tok_s"], 3)}), flush=True)
+        code = 0
+    except BaseException:  # noqa: BLE001 -- printed, then the hard exit below
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # vLLM's zmq context is never finalized (tests/e2e/stream_refit_scenarios.py says why)
+
+
+if __name__ == "__main__":
+    main()
