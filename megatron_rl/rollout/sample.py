@@ -37,6 +37,11 @@ class RolloutSample:
     None: every response token was sampled."""
 
     @property
+    def generated_tokens(self) -> int:
+        """Tokens the policy sampled: the response less a multi-turn episode's observations."""
+        return len(self.response_tokens) if self.action_mask is None else int(sum(self.action_mask))
+
+    @property
     def seconds(self) -> float:
         return self.finished_at - self.started_at
 

@@ -102,7 +102,7 @@ def _numerics_metrics(learn: dict, logps: np.ndarray) -> dict[str, float]:
 def _system_metrics(samples: list, taken: list, learn: dict, phases: dict, sampling: dict) -> dict[str, float]:
     """system/: throughput (generated, learned, effective tokens per second), dynamic sampling, phase times."""
     out: dict[str, float] = {}
-    gen_tokens = sum(len(s.response_tokens) for s in samples)
+    gen_tokens = sum(s.generated_tokens for s in samples)  # an episode's observations were not generated
     out.update({k: float(v) for k, v in sampling.items()  # train/stream_producer.py, with episodes envs/metrics.py
                 if k.startswith(("system/stream_", "env/"))})
     if "discarded_tokens" in sampling:  # groups dynamic sampling threw away were generated too: ESR counts them

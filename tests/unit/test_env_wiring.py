@@ -82,6 +82,7 @@ def test_an_episode_becomes_a_trajectory_with_its_mask_segments_and_terminal_rea
                            extra={"round": 3, "prompt_id": "p1", "episode": episode("done", 1.0),
                                   "segments": [[0, 5, 4, 4], [5, 7, 5, 5]], "weights": {"4": "aa", "5": "bb"}})
     sample.check()
+    assert sample.generated_tokens == 4  # the observation's 3 tokens were not sampled
     [traj] = to_trajectories([sample], [episode_score(sample.extra["episode"])], tokenizer_hash="h", dataset_version="d")
     validate(traj, tokenizer_hash="h", current_version=5)
     assert traj.action_mask.tolist() == [1, 1, 0, 0, 0, 1, 1] and traj.terminal_reason == "done"
