@@ -156,7 +156,7 @@ class StreamRolloutWorker(RolloutWorker):
         dict), prompt-major and seeded as generate's samples; rollout/episodes.py plays them."""
         from megatron_rl.rollout.episodes import EpisodePlayer
 
-        params = self._request_params([[0]] * len(examples), sampling, n, extra)
+        params = self._call_params(len(examples), sampling, n, extra)
         self._serving_version()
         key = repr((self.config.model, params["max_tokens"], sorted((env or {}).items())))
         with self._players_lock:

@@ -137,16 +137,21 @@ class RolloutWorker:
     def _request_params(self, prompts: list[list[int]], sampling: dict[str, Any] | None, n: int,
                         extra: list[dict] | None) -> dict[str, Any]:
         """generate's arguments checked, and the sampling parameters they ask for (EOS ids added)."""
+        for i, p in enumerate(prompts):
+            if not p or not all(isinstance(t, int) and t >= 0 for t in p):
+                raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r:.80}")
+        return self._call_params(len(prompts), sampling, n, extra)
+
+    def _call_params(self, count: int, sampling: dict[str, Any] | None, n: int,
+                     extra: list[dict] | None) -> dict[str, Any]:
+        """The checks and sampling parameters of a call on `count` prompts (or episode examples), n each."""
         unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
         if unknown:
             raise ValueError(f"unknown sampling key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        if extra is not None and len(extra) != len(prompts):
-            raise ValueError(f"extra has {len(extra)} entries for {len(prompts)} prompts")
-        for i, p in enumerate(prompts):
-            if not p or not all(isinstance(t, int) and t >= 0 for t in p):
-                raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r:.80}")
+        if extra is not None and len(extra) != count:
+            raise ValueError(f"extra has {len(extra)} entries for {count} prompts")
         params = {**self.sampling_defaults(), **(sampling or {})}
         if not params["ignore_eos"]:
             params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(self.eos_token_ids))
