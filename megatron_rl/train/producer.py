@@ -121,17 +121,16 @@ class Producer:
                 except Exception as err:  # the next beat retries; expiry is the coordinator's safety net
                     logger.warning("could not renew %d rollout leases: %s", len(leases), err)
 
-    def _admit(self, need: int, round_: int, prefix: str = "round") -> list[str] | None:
-        """Block until the coordinator admits `need` rollouts; None if stopped or paused first.  Refused,
-        it asks again when this process publishes (or releases leases), at the latest after ADMIT_RETRY_S."""
+    def _admit(self, need: int, round_: int, prefix: str = "round", at_least: int | None = None) -> list[str] | None:
+        """Block until the coordinator admits `need` rollouts (or, with `at_least`, as many as it grants once
+        that many are in hand: up to `need`); None if stopped or paused first.  Refused, it asks again when this
+        process publishes (or releases leases), at the latest after ADMIT_RETRY_S."""
         leases: list[str] = []
         attempt = 0
-        while len(leases) < need:
+        while len(leases) < (need if at_least is None else at_least):
             if self._stop.is_set() or self._paused:
                 if leases:  # a checkpoint is waiting: give a partial grant back, ask again afterwards
-                    self.coordinator.release(leases)
-                    with self._cond:
-                        self._held.difference_update(leases)
+                    self._give_back(leases)
                 return None
             # The request id makes a call that Ray retries after a coordinator restart idempotent.
             epoch = self.coordinator.admission_epoch
@@ -141,9 +140,15 @@ class Producer:
                 self._held.update(granted)
             leases += granted
             attempt += 1
-            if len(leases) < need and not granted:  # refused: admission opens with a publication (or a release)
+            if not granted:  # refused: admission opens with a publication (or a release)
                 self.coordinator.wait_admission(epoch, ADMIT_RETRY_S)
         return leases
+
+    def _give_back(self, leases: list[str]) -> None:
+        """Release admitted leases this producer will not use."""
+        self.coordinator.release(leases)
+        with self._cond:
+            self._held.difference_update(leases)
 
     def _run(self, first_round: int) -> None:
         need = self.coordinator.config.batch_size  # one round = one learner batch

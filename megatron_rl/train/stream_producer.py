@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
-from megatron_rl.train.producer import ADMIT_RETRY_S, Producer, Round, TrainState
+from megatron_rl.train.producer import Producer, Round, TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -120,29 +120,12 @@ class StreamProducer(Producer):
         """Leases for 1 to `groups` prompt groups (from `serial` on), asked for in one coordinator call:
         whatever whole groups admission grants now (a grant short of one group waits for the rest);
         None if paused or stopped first (a partial grant is given back)."""
-        need, leases, attempt = groups * self.group_size, [], 0
-        while len(leases) < self.group_size:
-            if self._stop.is_set() or self._paused:
-                if leases:
-                    self.coordinator.release(leases)
-                    with self._cond:
-                        self._held.difference_update(leases)
-                return None
-            epoch = self.coordinator.admission_epoch
-            # The request id makes a call that Ray retries after a coordinator restart idempotent.
-            granted = self.coordinator.try_admit(need - len(leases), worker="producer",
-                                                 request_id=f"round-{serial}/{attempt}")
-            with self._cond:
-                self._held.update(granted)
-            leases += granted
-            attempt += 1
-            if not granted:  # refused: admission opens with a publication (or a release)
-                self.coordinator.wait_admission(epoch, ADMIT_RETRY_S)
+        leases = self._admit(groups * self.group_size, serial, at_least=self.group_size)
+        if leases is None:
+            return None
         whole = len(leases) - len(leases) % self.group_size
         if whole < len(leases):  # part of a group: given back (grants come in whole groups unless leases expire)
-            self.coordinator.release(leases[whole:])
-            with self._cond:
-                self._held.difference_update(leases[whole:])
+            self._give_back(leases[whole:])
         return leases[:whole]
 
     def _one_group(self, serial: int, leases: list[str], generate: Callable[[], list]) -> None:
@@ -151,7 +134,7 @@ class StreamProducer(Producer):
             samples = generate()
             t1 = time.perf_counter()
             if any(not s.response_tokens for s in samples):  # an environment failed at reset: nothing to train
-                self.coordinator.release(leases)
+                self._give_back(leases)  # out of the keep-alive's renewals too
                 with self._cond:
                     self.groups_dropped += 1
                     self._floor.pop(serial, None)
