@@ -31,7 +31,8 @@ EXTRAS = {
     # torch, so launch/install.sh installs it in a second step (GPU_TE_REQUIREMENT below, with
     # --no-build-isolation).  benchmarks/gpu_install_resolution.txt: the resolution, proven.
     "gpu": ["torch==2.13.0", "vllm==0.32.*"],
-    "test": ["pytest>=8", "hypothesis>=6"],
+    # peft (and the accelerate it imports): tests load an exported LoRA adapter as transformers + PEFT would.
+    "test": ["pytest>=8", "hypothesis>=6", "peft==0.21.2", "accelerate>=1.0"],
 }
 
 # Megatron-Core 0.16.1 declares transformer-engine[core_cu13,pytorch] >=2.9,<2.12 (its "dev" extra;
