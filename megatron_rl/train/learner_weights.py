@@ -121,18 +121,26 @@ class WeightIO:
                             "error": r.get("error")} for r in report.results]}
 
     def save(self, weights_dir: str) -> None:
-        """Megatron distributed checkpoint of model + optimizer + scheduler (collective)."""
+        """Megatron distributed checkpoint of model + optimizer + scheduler (collective); with learner.lora
+        the adapters and their optimizer state, and weights/lora.json saying so."""
         from megatron.core import dist_checkpointing
+
+        from megatron_rl.models.lora_checkpoint import write_adapter_record
 
         Path(weights_dir).mkdir(parents=True, exist_ok=True)
         sd = self.learner.sharded_state_dict()
         extra = {"scheduler": sd.pop("scheduler"), "step": sd.pop("step")}
         dist_checkpointing.save(sd, weights_dir)
+        if self.rank == 0 and self.learner.cfg.lora.enabled:
+            write_adapter_record(weights_dir, self.learner.cfg.lora)
         torch.save(extra, Path(weights_dir) / f"extra_rank{self.rank:05d}.pt")
 
     def load(self, weights_dir: str) -> int:
         from megatron.core import dist_checkpointing
 
+        from megatron_rl.models.lora_checkpoint import check_adapter_record
+
+        check_adapter_record(weights_dir, self.learner.cfg.lora)  # every rank, before any collective
         sd = self.learner.sharded_state_dict(is_loading=True)
         sd.pop("scheduler"), sd.pop("step")
         state = dist_checkpointing.load(sd, weights_dir, strict="raise_all")

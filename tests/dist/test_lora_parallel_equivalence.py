@@ -10,6 +10,11 @@ Learner step (Adam, weight decay, clip_grad, distributed optimizer).  Against TP
 logprobs before and after the step, loss, grad norm and the updated adapters.  Also: each layout's
 own freshly initialised adapters are the shards of TP1's (one seeding rule for every layout), and
 the base weights do not move.
+
+Checkpoints, in the same launch: the TP2 learner saves after its step (WeightIO.save: adapters and their
+optimizer state only, models/lora_checkpoint.py) and a fresh TP1 DP2 learner on the same base loads it
+and takes a second step, which matches TP1's own second step within 1e-5 (the adapters and Adam's
+moments came back, resharded on their split axes); the saved tensors are the adapters' alone.
 """
 
 import pytest
@@ -61,7 +66,41 @@ def _full_start(cfg, platform):
     return initial, start
 
 
-def _equivalence(rank, world):
+def _where(cfg, tp, pp):
+    from megatron.core import parallel_state as ps
+
+    return dict(tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), pp=pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
+                num_layers=cfg.num_layers, tie_word_embeddings=cfg.tie_word_embeddings, vocab_size=cfg.vocab_size)
+
+
+def _resumed_step(cfg, platform, start, ckpt_dir, tokens):
+    """A fresh TP1 DP2 learner on `start`'s base (its adapters fresh) loads `ckpt_dir` and steps once."""
+    from megatron_rl.models.lora import adapter_parameters
+    from megatron_rl.platform.reshard import shard_state_dict
+    from megatron_rl.train.learner_weights import WeightIO
+
+    learner = _learner(cfg, platform, 1, 1)
+    module = learner.model[0].module
+    adapters = adapter_parameters(module)
+    module.load_state_dict({k: v for k, v in shard_state_dict(start, **_where(cfg, 1, 1)).items()
+                            if k not in adapters}, strict=False)
+    learner.optimizer.reload_model_params()
+    WeightIO(torch.distributed.get_rank(), learner, cfg).load(str(ckpt_dir))
+    out = {"loaded_logprobs": learner.forward_logprobs(tokens)}
+    learner.train_step({"tokens": tokens}, _nll)
+    out.update(logprobs2=learner.forward_logprobs(tokens),
+               adapters2={n: p.detach().clone() for n, p in adapters.items()})
+    learner.close()
+    return out
+
+
+def _saved_keys(ckpt_dir):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return sorted(FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata)
+
+
+def _equivalence(rank, world, ckpt_dir):
     from megatron.core import parallel_state as ps
 
     from megatron_rl.models.hf_config import load_hf_config
@@ -75,9 +114,7 @@ def _equivalence(rank, world):
     for tp, pp in LAYOUTS:
         learner = _learner(cfg, platform, tp, pp)
         module = learner.model[0].module
-        where = dict(tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(), pp=pp,
-                     pp_rank=ps.get_pipeline_model_parallel_rank(), num_layers=cfg.num_layers,
-                     tie_word_embeddings=cfg.tie_word_embeddings, vocab_size=cfg.vocab_size)
+        where = _where(cfg, tp, pp)
         adapters = adapter_parameters(module)
         own_init = shard_state_dict(initial, **where)
         result = {"init_diff": max((p - own_init[n]).abs().max().item() for n, p in adapters.items()),
@@ -95,17 +132,34 @@ def _equivalence(rank, world):
                                 and not torch.equal(p, base_before[n])]
         if expected_after is None:  # TP1 PP1: every rank holds the whole model
             expected_after = {k: v.detach().clone() for k, v in module.state_dict().items() if k in start}
+            learner.train_step({"tokens": tokens}, _nll)  # the second step a resumed learner must repeat
+            step2 = {"logprobs2": learner.forward_logprobs(tokens),
+                     "adapters2": {n: p.detach().clone() for n, p in adapters.items()}}
+            module.load_state_dict(expected_after, strict=False)  # back to after step 1 for the checks below
+        if (tp, pp) == (2, 1):
+            from megatron_rl.train.learner_weights import WeightIO
+
+            import multiprocessing
+
+            proc = multiprocessing.current_process()
+            daemon, proc.daemon = proc.daemon, False  # save starts a Manager; spawned ranks are daemonic
+            try:
+                WeightIO(rank, learner, cfg).save(str(ckpt_dir))
+            finally:
+                proc.daemon = daemon
         expected = shard_state_dict(expected_after, **where)
         result["max_adapter_diff"] = max((p - expected[n]).abs().max().item() for n, p in adapters.items())
         result["min_adapter_step"] = min((p - local[n]).abs().max().item() for n, p in adapters.items())
         learner.close()
         out[(tp, pp)] = result
+    out["resumed"] = _resumed_step(cfg, platform, start, ckpt_dir, tokens)
+    out["step2"], out["saved_keys"] = step2, _saved_keys(ckpt_dir)
     return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_distributed(_equivalence, 2, timeout=600)
+def runs(tmp_path_factory):
+    return run_distributed(_equivalence, 2, tmp_path_factory.mktemp("lora_ckpt") / "weights", timeout=600)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda l: f"tp{l[0]}pp{l[1]}")
@@ -130,3 +184,21 @@ def test_adapters_start_alike_train_and_the_base_stays(runs, layout):
         assert got["min_adapter_step"] > 1e-5  # the step moved every adapter tensor, A's too (B is not zero)
         assert got["base_moved"] == []
         assert not torch.equal(got["logprobs_after"], got["logprobs"])
+
+
+def test_checkpoint_holds_the_adapters_alone(runs):
+    keys = runs[0]["saved_keys"]
+    model_keys = [k for k in keys if not k.startswith("optimizer.")]
+    assert model_keys and all(".adapter.lora_" in k for k in model_keys), model_keys
+    optimizer_tensors = [k for k in keys if k.startswith("optimizer.") and ("decoder" in k or "embedding" in k)]
+    assert optimizer_tensors and all(".adapter.lora_" in k for k in optimizer_tensors), optimizer_tensors
+
+
+def test_resume_at_another_layout_repeats_the_second_step(runs):
+    for rank, out in enumerate(runs):
+        got, want = out["resumed"], out["step2"]
+        assert not torch.equal(got["loaded_logprobs"], out[LAYOUTS[0]]["logprobs"])  # trained adapters came back
+        torch.testing.assert_close(got["loaded_logprobs"], out[LAYOUTS[0]]["logprobs_after"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got["logprobs2"], want["logprobs2"], atol=1e-5, rtol=0)
+        for name, tensor in want["adapters2"].items():
+            torch.testing.assert_close(got["adapters2"][name], tensor, atol=1e-5, rtol=0, msg=f"rank {rank} {name}")
