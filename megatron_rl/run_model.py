@@ -2,6 +2,7 @@
 directory, whichever way it started (model.tiny, model.path, model.init_from of any run).
 
     model_dir = run_model_dir("runs/tiny_cpu")     # eval --run, convert mcore-to-hf, init_from
+    model_dir = training_checkpoint_model_dir(ckpt)  # the same for RUN_DIR/checkpoints/step_N, its files verified
 
 A run records it in RUN_DIR/run_manifest.json (`model_dir`); runs written before that are
 followed through their resolved config.json.
@@ -59,3 +60,21 @@ def _recorded_model_dir(run_dir: Path) -> Path | None:
 
 def _recorded_note(recorded: Path | None) -> str:
     return f" (and {recorded}, recorded in its {MANIFEST}, has no config.json)" if recorded is not None else ""
+
+
+def training_checkpoint_model_dir(ckpt_dir: Path) -> Path:
+    """The HF directory whose config and tokenizer a training checkpoint's weights belong to.
+
+    Verifies the checkpoint's files against its manifest and the tokenizer against the hash the
+    checkpoint recorded; errors name the file or field.
+    """
+    from megatron_rl.checkpoint import load_checkpoint
+    from megatron_rl.models.tokenizer import tokenizer_hash
+
+    run_dir = ckpt_dir.resolve().parent.parent
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{ckpt_dir} looks like a training checkpoint but {run_dir / 'config.json'} (the "
+                                f"run's resolved config, which names its model) is missing")
+    model_dir = run_model_dir(run_dir)  # model.tiny, model.path or model.init_from: the run's own start
+    load_checkpoint(ckpt_dir, tokenizer_hash=tokenizer_hash(model_dir))  # sha256 of every file, tokenizer match
+    return model_dir

@@ -2,6 +2,8 @@
 
     megatron-rl convert hf-to-mcore --hf MODEL_DIR --out MCORE_DIR --tp 2 --pp 2 [--dtype bf16] [--force]
     megatron-rl convert mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--dtype fp32] [--force]
+    megatron-rl convert lora-export --mcore RUN_DIR/checkpoints/step_N --out ADAPTER_DIR [--merged HF_DIR]
+        [--base MODEL_DIR] [--dtype bf16] [--force]     # a LoRA run's adapters: PEFT layout and/or merged
     megatron-rl convert verify --hf MODEL_DIR --mcore MCORE_DIR [--tp N --pp N --ep N]   # one JSON line
         exit 1 when max |Δlogit| > --tolerance (default by stored dtype: fp32 1e-3, bf16 1.0, fp16 0.25)
 
@@ -59,6 +61,31 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_lora_export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mcore", required=True, help="a committed checkpoint of a LoRA run (RUN_DIR/checkpoints/step_N)")
+    p.add_argument("--out", default=None,
+                   help="PEFT adapter directory to write (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--merged", default=None, help="also (or only) write the base with the adapters merged in, "
+                                                  "as a full HF model directory")
+    p.add_argument("--base", default=None, help="the base model's HF directory (default: the one the run started "
+                                                "from); its digest must be the checkpoint's")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="merged model's dtype (default: the base's)")
+    p.add_argument("--force", action="store_true", help="replace existing output directories once done")
+    p.set_defaults(func=_lora_export)
+
+
+def _lora_export(args: argparse.Namespace) -> int:
+    from megatron_rl.conversion.hf_to_mcore import TORCH_DTYPES
+    from megatron_rl.conversion.lora_io import export_lora_checkpoint
+
+    if args.out is None and args.merged is None:
+        raise ConfigError("convert lora-export: give --out (PEFT adapter), --merged (full HF model) or both")
+    for path in export_lora_checkpoint(args.mcore, args.out, merged=args.merged, base=args.base,
+                                       dtype=TORCH_DTYPES[args.dtype] if args.dtype else None, force=args.force):
+        print(path)
+    return 0
+
+
 def _verify(args: argparse.Namespace) -> int:
     from megatron_rl.conversion.verify import verify_conversion
 
@@ -82,6 +109,8 @@ def register(subparsers) -> None:
     sub = conv.add_subparsers(dest="convert_command", metavar="WHAT", required=True)
     add_hf_to_mcore_args(sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron-Core distributed checkpoint"))
     add_mcore_to_hf_args(sub.add_parser("mcore-to-hf", help="Megatron-Core distributed checkpoint -> HF safetensors"))
+    add_lora_export_args(sub.add_parser("lora-export", help="a LoRA checkpoint's adapters -> PEFT directory "
+                                                            "and/or a merged full HF model"))
     v = sub.add_parser("verify", help="compare transformers and Megatron logits on the same tokens (one JSON line)")
     v.add_argument("--hf", required=True, help="Hugging Face model directory")
     v.add_argument("--mcore", required=True, help="Megatron directory written by hf-to-mcore")

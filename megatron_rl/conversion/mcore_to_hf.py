@@ -17,7 +17,8 @@ A training checkpoint (a committed `RUN_DIR/checkpoints/step_N`) exports the sam
 are verified against its COMMITTED manifest, the HF config and tokenizer come from the model the
 run started from (megatron_rl/run_model.py run_model_dir: the directory RUN_DIR/run_manifest.json
 records, else the one RUN_DIR/config.json leads to; its tokenizer must hash to the checkpoint's),
-and only the policy's weights are read from `weights/` (the optimizer state stays behind).
+and only the policy's weights are read from `weights/` (the optimizer state stays behind).  A LoRA
+run's checkpoint holds adapters only: it exports as its base with the adapters merged in (lora_io.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from megatron_rl.conversion.hf_to_mcore import DTYPE_CHOICES, TORCH_DTYPES, Grou
 from megatron_rl.checkpoint import MANIFEST as COMMITTED
 from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, read_manifest
 from megatron_rl.config import ConfigError
+from megatron_rl.run_model import training_checkpoint_model_dir  # noqa: F401  (its home before run_model.py)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,11 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, dtype: st
     mcore_dir, out_dir = Path(mcore_dir), Path(out_dir)
     if out_dir.exists() and not force:
         raise FileExistsError(f"output directory {out_dir} already exists (use --force to replace it)")
+    if (mcore_dir / COMMITTED).is_file() and (mcore_dir / WEIGHTS_DIR / "lora.json").is_file():
+        from megatron_rl.conversion.lora_io import export_lora_checkpoint  # adapters only: merge into the base
+
+        return export_lora_checkpoint(mcore_dir, merged=out_dir, dtype=TORCH_DTYPES[dtype] if dtype else None,
+                                      force=force)[0]
     if (mcore_dir / COMMITTED).is_file():
         hf_dir = training_checkpoint_model_dir(mcore_dir)
         manifest = {}
@@ -97,25 +104,6 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, dtype: st
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     logger.info("wrote %s (%.1f MB %s) in %.1fs", out_dir, total / 1e6, out_dtype, time.monotonic() - t0)
     return out_dir
-
-
-def training_checkpoint_model_dir(ckpt_dir: Path) -> Path:
-    """The HF directory whose config and tokenizer a training checkpoint's weights belong to.
-
-    Verifies the checkpoint's files against its manifest and the tokenizer against the hash the
-    checkpoint recorded; errors name the file or field.
-    """
-    from megatron_rl.checkpoint import load_checkpoint
-    from megatron_rl.models.tokenizer import tokenizer_hash
-    from megatron_rl.run_model import run_model_dir
-
-    run_dir = ckpt_dir.resolve().parent.parent
-    if not (run_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{ckpt_dir} looks like a training checkpoint but {run_dir / 'config.json'} (the "
-                                f"run's resolved config, which names its model) is missing")
-    model_dir = run_model_dir(run_dir)  # model.tiny, model.path or model.init_from: the run's own start
-    load_checkpoint(ckpt_dir, tokenizer_hash=tokenizer_hash(model_dir))  # sha256 of every file, tokenizer match
-    return model_dir
 
 
 def export_run_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None) -> Path:

@@ -317,14 +317,12 @@ class Learner:
     OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                                "distrib_optim_fully_reshardable_mem_efficient": True}
 
-    def sharded_state_dict(self, is_loading: bool = False) -> dict:
-        """Megatron dist_checkpointing form (save at one layout, load at another).  With learner.lora: the
-        adapters and their optimizer state only, the base being frozen (models/lora_checkpoint.py)."""
-        model_sd = self.model[0].module.sharded_state_dict()
-        if self.cfg.lora.enabled:
-            from megatron_rl.models.lora_checkpoint import adapter_sharded_state_dict
-
-            model_sd = adapter_sharded_state_dict(model_sd)
+    def sharded_state_dict(self, is_loading: bool = False, model_sd: dict | None = None) -> dict:
+        """Megatron dist_checkpointing form (save at one layout, load at another).  `model_sd`: the model's
+        entries to save, default all of them; with learner.lora, WeightIO passes the adapters' alone
+        (models/lora_checkpoint.py), and the optimizer state that goes with them is theirs."""
+        if model_sd is None:
+            model_sd = self.model[0].module.sharded_state_dict()
         if is_loading:
             self._materialize_optimizer_state()
         if self.cfg.use_distributed_optimizer:

@@ -5,6 +5,7 @@ which adapters on which base they are.
     write_adapter_record(weights_dir, lora_cfg)                     # weights/lora.json (rank 0)
     check_adapter_record(weights_dir, lora_cfg)                     # before loading: ConfigError naming the field
     digest = base_digest(model_dir)                                 # the frozen base the adapters belong to
+    check_base_digest(ckpt_dir, manifest, digest, model_dir)        # CheckpointError: adapters of another base
 
 The base is frozen, so a checkpoint keeps only the adapter tensors and (Learner.sharded_state_dict
 hands this model state to the optimizer) their optimizer state.  Megatron's linear layers take a
@@ -16,8 +17,9 @@ for linear_fc1.weight), A of linear_proj / linear_fc2 on dim 1.  With those axes
 at another TP / PP, like the base weights.
 
 The base's digest (blake3 over the weight files of the HF directory the learner filled its base
-from, conversion/hf_io.py) goes into the checkpoint's COMMITTED manifest (checkpoint.py
-`base_digest`): a resume on another base is refused there, before anything is loaded.
+from, conversion/hf_io.py) goes into the checkpoint's COMMITTED manifest (`extra.lora_base_digest`,
+train/checkpointing.py): a resume on another base is refused before anything is loaded, and
+`megatron-rl convert` checks the base it merges into.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pathlib import Path
 from megatron_rl.config import ConfigError
 
 RECORD = "lora.json"
+BASE_DIGEST = "lora_base_digest"
+"""The key of the base's digest in a checkpoint manifest's `extra`."""
 _SPLIT_AXIS = {"linear_qkv.adapter.lora_b": 0, "linear_fc1.adapter.lora_b": 0,
                "linear_proj.adapter.lora_a": 1, "linear_fc2.adapter.lora_a": 1}
 """Adapter tensors split over TP -> their split axis (before the prepended layer axis)."""
@@ -63,6 +67,14 @@ def adapter_sharded_state_dict(model_sd: dict) -> dict:
 def adapter_record(lora_cfg) -> dict:
     """What lora.json says: the adapters' shape and scale (what convert and a resume need)."""
     return {"rank": lora_cfg.rank, "alpha": float(lora_cfg.alpha), "target_modules": list(lora_cfg.target_modules)}
+
+
+def lora_config_of(record: dict):
+    """The LoraConfig (enabled) a checkpoint's lora.json describes."""
+    from megatron_rl.models.lora import LoraConfig
+
+    return LoraConfig(enabled=True, rank=int(record["rank"]), alpha=float(record["alpha"]),
+                      target_modules=list(record["target_modules"]))
 
 
 def write_adapter_record(weights_dir: str | Path, lora_cfg) -> None:
@@ -108,3 +120,20 @@ def base_digest(model_dir: str | Path) -> str:
     from megatron_rl.models.hf_config import load_hf_config
 
     return "blake3:" + HFCheckpoint(Path(model_dir), load_hf_config(model_dir)).content_hash()
+
+
+def check_base_digest(ckpt_dir: str | Path, manifest: dict, digest: str | None, model_dir: str | Path) -> None:
+    """Refuse (CheckpointError) adapters saved on another base than `digest` (that of `model_dir`).
+    `digest` None: the run trains every parameter (check_adapter_record refuses adapters then)."""
+    from megatron_rl.checkpoint import CheckpointError
+
+    if digest is None:
+        return
+    saved = (manifest.get("extra") or {}).get(BASE_DIGEST)
+    if saved is None:
+        raise CheckpointError(f"cannot resume {ckpt_dir} with learner.lora.enabled: it records no LoRA base digest "
+                              "(a full-parameter checkpoint); start the LoRA run from it with model.init_from instead")
+    if saved != digest:
+        raise CheckpointError(f"cannot resume {ckpt_dir}: its LoRA adapters were trained on the base with digest "
+                              f"{saved}, but this run's base {model_dir} has digest {digest}; resume with the model "
+                              "the adapters belong to, or start a new run directory")

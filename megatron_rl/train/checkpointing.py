@@ -23,6 +23,7 @@ from pathlib import Path
 from megatron_rl import __version__
 from megatron_rl.config import config_hash
 from megatron_rl.coordinator.client import Coordinator
+from megatron_rl.models.lora_checkpoint import BASE_DIGEST, base_digest, check_base_digest
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.policy import Policy
 from megatron_rl.train.producer import Round, TrainState
@@ -39,8 +40,10 @@ class Checkpointer:
     """Saves and restores every part of a run's state; the checkpoint to resume was chosen (and
     verified) by restore_queue_snapshot before the coordinator started."""
 
-    def __init__(self, run_dir: Path, cfg: TrainConfig, *, tokenizer_hash: str, resume_from: Path | None):
+    def __init__(self, run_dir: Path, cfg: TrainConfig, *, tokenizer_hash: str, resume_from: Path | None,
+                 base_digest: str | None = None):
         self.run_dir = run_dir
+        self.base_digest = base_digest  # learner.lora: the frozen base's (lora_base_digest), recorded per checkpoint
         self.config_hash = config_hash(cfg)
         self.tokenizer_hash = tokenizer_hash
         self.resume_from = resume_from
@@ -101,7 +104,8 @@ class Checkpointer:
                 save_fn=save_fn, tokenizer_hash=self.tokenizer_hash, data_cursor=source.cursor.state_dict(),
                 coordinator_log_position=position, rng_states=learner.rng_states(),
                 extra={"initial_test_eval": initial_eval, "package_version": __version__,
-                       "pending_rounds": [r.index for r in rounds], "learner_world": self.learner_world},
+                       "pending_rounds": [r.index for r in rounds], "learner_world": self.learner_world,
+                       **({BASE_DIGEST: self.base_digest} if self.base_digest else {})},
             )
         finally:
             source.unpause()
@@ -151,19 +155,28 @@ def check_resume_world(cfg: TrainConfig) -> None:
             f"{now['pipeline']}, {now['data']}); per-rank RNG and scheduler state cannot be carried over. "
             "Use the same layout, or start a new run directory (run.resume=false ignores the checkpoint)")
 
-def restore_queue_snapshot(run_dir: Path, cfg: TrainConfig, tokenizer_hash: str | None = None) -> Path | None:
+def lora_base_digest(cfg: TrainConfig, model_dir: Path) -> str | None:
+    """With learner.lora: the digest of the frozen base (the run's model directory) its checkpoints
+    record and a resume must match; None for a full-parameter run."""
+    return base_digest(model_dir) if cfg.learner.lora.enabled else None
+
+
+def restore_queue_snapshot(run_dir: Path, cfg: TrainConfig, tokenizer_hash: str | None = None,
+                           base_digest: str | None = None, model_dir: Path | None = None) -> Path | None:
     """Put the queue back as it was at the checkpoint we resume from (if any); returns that checkpoint.
 
     The checkpoint is the newest one whose every file matches its COMMITTED manifest (sha256):
     a corrupt or uncommitted newer one is skipped (the warning names the file) before the live
     queue.db is touched, so nothing of it ever reaches the run directory; so is a checkpoint of
-    another tokenizer refused (CheckpointError) with the live queue left as it is.
+    another tokenizer refused (CheckpointError) with the live queue left as it is, and one whose LoRA
+    adapters belong to another base than `base_digest` (that of `model_dir`, lora_base_digest).
     """
     from megatron_rl.checkpoint import load_checkpoint, resume_checkpoint
 
     ckpt = resume_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
     if ckpt is not None:
-        load_checkpoint(ckpt, tokenizer_hash=tokenizer_hash, verify=False)  # files verified just above
+        manifest = load_checkpoint(ckpt, tokenizer_hash=tokenizer_hash, verify=False)  # files verified just above
+        check_base_digest(ckpt, manifest, base_digest, model_dir)
     live = run_dir / QUEUE_DB
     for suffix in ("", "-wal", "-shm"):
         Path(str(live) + suffix).unlink(missing_ok=True)

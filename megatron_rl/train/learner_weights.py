@@ -128,12 +128,21 @@ class WeightIO:
         from megatron_rl.models.lora_checkpoint import write_adapter_record
 
         Path(weights_dir).mkdir(parents=True, exist_ok=True)
-        sd = self.learner.sharded_state_dict()
+        sd = self.learner.sharded_state_dict(model_sd=self._model_state())
         extra = {"scheduler": sd.pop("scheduler"), "step": sd.pop("step")}
         dist_checkpointing.save(sd, weights_dir)
         if self.rank == 0 and self.learner.cfg.lora.enabled:
             write_adapter_record(weights_dir, self.learner.cfg.lora)
         torch.save(extra, Path(weights_dir) / f"extra_rank{self.rank:05d}.pt")
+
+    def _model_state(self) -> dict | None:
+        """The model entries a checkpoint holds: with learner.lora the adapters alone (the base is frozen
+        and comes from the run's model), else None (the whole model)."""
+        if not self.learner.cfg.lora.enabled:
+            return None
+        from megatron_rl.models.lora_checkpoint import adapter_sharded_state_dict
+
+        return adapter_sharded_state_dict(self.learner.model[0].module.sharded_state_dict())
 
     def load(self, weights_dir: str) -> int:
         from megatron.core import dist_checkpointing
@@ -141,7 +150,7 @@ class WeightIO:
         from megatron_rl.models.lora_checkpoint import check_adapter_record
 
         check_adapter_record(weights_dir, self.learner.cfg.lora)  # every rank, before any collective
-        sd = self.learner.sharded_state_dict(is_loading=True)
+        sd = self.learner.sharded_state_dict(is_loading=True, model_sd=self._model_state())
         sd.pop("scheduler"), sd.pop("step")
         state = dist_checkpointing.load(sd, weights_dir, strict="raise_all")
         self.learner.load_sharded_state_dict(state)

@@ -22,7 +22,7 @@ import logging
 
 from megatron_rl.audit.auditor import Auditor
 from megatron_rl.coordinator.client import Coordinator
-from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, restore_queue_snapshot
+from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, lora_base_digest, restore_queue_snapshot
 from megatron_rl.train.engine_pool import EnginePool
 from megatron_rl.train.placement import Placement, gpu_path_choices
 from megatron_rl.train.policy import Policy
@@ -61,7 +61,8 @@ class Roles:
         it, and go back to it at close); None, the run starts and ends its own."""
         inputs = open_run_dir(cfg, kind="train")
         own_ray = start_ray(cfg.run)
-        resume_from = restore_queue_snapshot(inputs.run_dir, cfg, inputs.tokenizer_hash)
+        base_digest = lora_base_digest(cfg, inputs.model_dir)  # learner.lora: adapters resume on their own base only
+        resume_from = restore_queue_snapshot(inputs.run_dir, cfg, inputs.tokenizer_hash, base_digest, inputs.model_dir)
         coordinator = Coordinator.start(cfg.coordinator, wal_path=inputs.run_dir / QUEUE_DB,
                                         tokenizer_hash=inputs.tokenizer_hash, take_timeout_s=cfg.run.take_timeout_s)
         lc = cfg.learner
@@ -87,7 +88,8 @@ class Roles:
                                audit_ring=cfg.audit.ring_versions(cfg.coordinator.max_version_lag))
         if fleet.handed_over:  # an earlier run's engines: they serve once this run's weights are on them
             policy.publish(0)
-        checkpointer = Checkpointer(inputs.run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from)
+        checkpointer = Checkpointer(inputs.run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from,
+                                    base_digest=base_digest)
         reporter = Reporter.create(cfg.stop, steps=cfg.run.steps, eval_size=cfg.data.eval_size, run_dir=inputs.run_dir,
                                    fleet=fleet, verifier=scorer.verifier, splits=inputs.splits,
                                    template=inputs.template, tokenizer=inputs.tokenizer, env=source.spec.env)

@@ -15,6 +15,11 @@ Checkpoints, in the same launch: the TP2 learner saves after its step (WeightIO.
 optimizer state only, models/lora_checkpoint.py) and a fresh TP1 DP2 learner on the same base loads it
 and takes a second step, which matches TP1's own second step within 1e-5 (the adapters and Adam's
 moments came back, resharded on their split axes); the saved tensors are the adapters' alone.
+
+Export, from that checkpoint: rank 0 writes the base as an HF directory; wrapped as a committed run
+checkpoint that records the base's digest, `megatron-rl convert lora-export` writes the PEFT adapter and
+the merged model, and transformers + PEFT (and the merged model alone) give the TP1 learner's logprobs
+after its step within 1e-4.  Another base is refused by digest.
 """
 
 import pytest
@@ -94,6 +99,25 @@ def _resumed_step(cfg, platform, start, ckpt_dir, tokens):
     return out
 
 
+def _write_hf_base(cfg, start, out):
+    """The base of `start` (no adapters) as an HF directory: config.json, model.safetensors, a tokenizer.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatron_rl.conversion import mapping
+
+    canon = {mapping.to_canonical_name(k): v for k, v in start.items() if ".adapter." not in k}
+    hf = {}
+    for group in mapping.groups(cfg):
+        hf.update({n: t.contiguous().clone() for n, t in mapping.mcore_to_hf_group(cfg, group, canon)})
+    out.mkdir(parents=True)
+    save_file(hf, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**TINY, "model_type": "qwen3", "torch_dtype": "float32",
+                                                 "tie_word_embeddings": False}))
+    (out / "tokenizer.json").write_text('{"model": "none"}')
+
+
 def _saved_keys(ckpt_dir):
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -152,6 +176,8 @@ def _equivalence(rank, world, ckpt_dir):
         result["min_adapter_step"] = min((p - local[n]).abs().max().item() for n, p in adapters.items())
         learner.close()
         out[(tp, pp)] = result
+    if rank == 0:
+        _write_hf_base(cfg, start, ckpt_dir.parent / "hf_base")
     out["resumed"] = _resumed_step(cfg, platform, start, ckpt_dir, tokens)
     out["step2"], out["saved_keys"] = step2, _saved_keys(ckpt_dir)
     return out
@@ -159,7 +185,10 @@ def _equivalence(rank, world, ckpt_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_distributed(_equivalence, 2, tmp_path_factory.mktemp("lora_ckpt") / "weights", timeout=600)
+    root = tmp_path_factory.mktemp("lora_ckpt")
+    out = run_distributed(_equivalence, 2, root / "weights", timeout=600)
+    out[0]["dir"] = root
+    return out
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda l: f"tp{l[0]}pp{l[1]}")
@@ -202,3 +231,64 @@ def test_resume_at_another_layout_repeats_the_second_step(runs):
         torch.testing.assert_close(got["logprobs2"], want["logprobs2"], atol=1e-5, rtol=0)
         for name, tensor in want["adapters2"].items():
             torch.testing.assert_close(got["adapters2"][name], tensor, atol=1e-5, rtol=0, msg=f"rank {rank} {name}")
+
+
+@pytest.fixture(scope="module")
+def run_checkpoint(runs):
+    """RUN_DIR/checkpoints/step_000001: the TP2 learner's saved adapters, committed with the base's digest."""
+    import json
+    import shutil
+
+    from megatron_rl.checkpoint import save_checkpoint
+    from megatron_rl.models.lora_checkpoint import BASE_DIGEST, base_digest
+
+    root = runs[0]["dir"]
+    run_dir = root / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"model": {"path": str(root / "hf_base")}}))
+    return save_checkpoint(run_dir / "checkpoints", 1, policy_version=1, config_hash="test",
+                           save_fn=lambda tmp: shutil.copytree(root / "weights", tmp / "weights"),
+                           extra={BASE_DIGEST: base_digest(root / "hf_base")})
+
+
+def _hf_logprobs(model, tokens):
+    with torch.no_grad():
+        logits = model(tokens).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def test_exported_adapter_and_merged_model_compute_the_learner(runs, run_checkpoint):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from megatron_rl.cli import main
+
+    out = runs[0]["dir"]
+    assert main(["convert", "lora-export", "--mcore", str(run_checkpoint), "--out", str(out / "peft"),
+                 "--merged", str(out / "merged")]) == 0
+    assert main(["convert", "mcore-to-hf", "--mcore", str(run_checkpoint), "--out", str(out / "merged2")]) == 0
+    tokens, want = _tokens(), runs[0][LAYOUTS[0]]["logprobs_after"]  # TP1 after its step = the TP2 save
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(out / "hf_base")).eval()
+    assert (_hf_logprobs(base, tokens) - want).abs().max() > 1e-3  # the adapters matter
+    adapted = peft.PeftModel.from_pretrained(base, str(out / "peft")).eval()
+    torch.testing.assert_close(_hf_logprobs(adapted, tokens), want, atol=1e-4, rtol=0)
+    for merged in ("merged", "merged2"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(out / merged)).eval()
+        torch.testing.assert_close(_hf_logprobs(model, tokens), want, atol=1e-4, rtol=0)
+
+
+def test_export_onto_another_base_is_refused_by_digest(runs, run_checkpoint):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_rl.config import ConfigError
+    from megatron_rl.conversion.lora_io import export_lora_checkpoint
+
+    other = runs[0]["dir"] / "other_base"
+    shutil.copytree(runs[0]["dir"] / "hf_base", other)
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.norm.weight"] += 1.0
+    save_file(weights, str(other / "model.safetensors"))
+    with pytest.raises(ConfigError, match="trained on the base with digest blake3:.* has digest blake3:"):
+        export_lora_checkpoint(run_checkpoint, runs[0]["dir"] / "refused", base=other)
+    assert not (runs[0]["dir"] / "refused").exists()
