@@ -20,7 +20,8 @@ from megatron_rl.learner.config import uses_sequence_parallel
 from megatron_rl.planner.budget import budget_plan, render_budget
 from megatron_rl.planner.host_memory import host_memory_problem, resume_host_memory
 from megatron_rl.planner.ledger import (
-    GIB, LearnerLayout, RolloutLayout, as_dict, compare_placements, dims_from_hf, learner_ledger, rollout_ledger,
+    GIB, LearnerLayout, RolloutLayout, adapter_params, as_dict, compare_placements, dims_from_hf, learner_ledger,
+    rollout_ledger,
 )
 from megatron_rl.publish.transport import whole_model_per_gpu
 from megatron_rl.rollout.sleep import choose_sleep
@@ -40,7 +41,9 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
         seq_length=rc.max_model_len, activation_checkpointing=lc.recompute_activations,
         sequence_parallel=uses_sequence_parallel(hf.moe is not None, lc.tensor_parallel_size),
         reference_model=cfg.loss.kl_coef > 0, publish_dtype="fp32" if rc.dtype == "float32" else "bf16",
-        publish_whole_model=whole_model_per_gpu(cfg.run.placement, rc.weight_transfer))
+        publish_whole_model=whole_model_per_gpu(cfg.run.placement, rc.weight_transfer),
+        lora_rank=lc.lora.rank if lc.lora.enabled else 0,
+        lora_targets=tuple(lc.lora.target_modules) if lc.lora.enabled else ())
     max_seqs = int(rc.engine_options.get("max_num_seqs", cfg.samples_per_step // cfg.rollout.data_parallel_size or 1))
     roll = RolloutLayout(tp=rc.tensor_parallel_size, groups=cfg.rollout.data_parallel_size,
                          dtype="fp32" if rc.dtype == "float32" else "bf16",
@@ -62,6 +65,8 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
                               audit_ring_versions=cfg.audit.ring_versions(cfg.coordinator.max_version_lag))
     return {
         "model_params": model.num_params,
+        "lora": {"rank": lay.lora_rank, "target_modules": list(lay.lora_targets),
+                 "adapter_params_per_gpu": adapter_params(model, lay)} if lay.lora_rank else None,
         "model_active_params": model.active_params,
         "gpu_memory_gib": cfg.cluster.gpu_memory_gib,
         "learner_gib_per_gpu": {k: v / GIB for k, v in led.items.items()} | {"total": led.total / GIB},
@@ -85,6 +90,11 @@ def render(plan: dict) -> str:
     active = plan.get("model_active_params", plan["model_params"])
     moe = f" ({active / 1e9:.2f} B active per token)" if active != plan["model_params"] else ""
     lines = [f"model: {plan['model_params'] / 1e9:.3f} B parameters{moe}; GPU memory {plan['gpu_memory_gib']:.0f} GiB"]
+    if plan.get("lora"):
+        lora = plan["lora"]
+        lines.append(f"LoRA: rank {lora['rank']} on {', '.join(lora['target_modules'])}; the base is frozen, "
+                     f"{lora['adapter_params_per_gpu'] / 1e6:.2f} M adapter parameters per GPU train (grads, "
+                     "optimizer state)")
     for role in ("learner", "rollout"):
         items = plan[f"{role}_gib_per_gpu"]
         extra = (f" (engine budget {plan['rollout_budget_gib']:.2f} GiB = gpu_memory_utilization x GPU memory; "

@@ -13,6 +13,7 @@ engine keeps its weights in host memory while it sleeps (vLLM sleep level 1, rol
 a rollback copy of the serving weights (rollout.keep_rollback_copy).
 
     optimizer_load   = ranks per node x P_stage x 12          P_stage = P / (TP x PP), learner ranks
+                       (LoRA: A_stage, the adapters' share of the GPU, ledger.py, instead of P_stage)
     engine_sleep     = engines per node x P / TP_r x bytes(engine dtype)   (when the engines sleep)
     rollback_copy    = engines per node x P / TP_r x bytes(engine dtype)   (keep_rollback_copy)
     audit_ring       = ranks per node x P_stage x bytes(learner dtype) x (K + 1)   (audit.every > 0)
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.planner.ledger import GIB, LearnerLayout, ModelDims, RolloutLayout, _bytes
+from megatron_rl.planner.ledger import GIB, LearnerLayout, ModelDims, RolloutLayout, _bytes, adapter_params
 
 OPTIMIZER_LOAD_BYTES = 12  # fp32 master + Adam m + v, per parameter of the rank's stage
 
@@ -56,7 +57,7 @@ def resume_host_memory(model: ModelDims, lay: LearnerLayout, roll: RolloutLayout
     p_stage = model.num_params / (lay.tp * lay.pp)
     engine_weights = model.num_params / roll.tp * _bytes(roll.dtype)
     return HostMemory({
-        "optimizer_load": ranks * p_stage * OPTIMIZER_LOAD_BYTES,
+        "optimizer_load": ranks * (adapter_params(model, lay) if lay.lora_rank else p_stage) * OPTIMIZER_LOAD_BYTES,
         "engine_sleep": engines * engine_weights if sleep_mode else 0.0,
         "rollback_copy": engines * engine_weights if rollback_copy else 0.0,
         "audit_ring": ranks * p_stage * _bytes(lay.dtype) * (audit_ring_versions + 1) if audit_ring_versions else 0.0,

@@ -39,6 +39,12 @@ Every number is a closed-form estimate, documented next to its formula, in bytes
                    (the k routed copies of each token and the experts' SwiGLU intermediates; the
                    dense-MLP part of the activation formula is left in, a small overcount); with
                    full activation checkpointing one layer's worth: s x b x k x (...)
+  LoRA learners (learner.lora: rank r on the target modules, the base frozen): only the adapters train.
+    A_stage = L_stage x r x (per target: in + out / TP of a column-parallel layer (qkv, fc1), in / TP + out
+    of a row-parallel one (proj, fc2)), the adapters' share of one GPU (models/lora.py's TP split), so
+    grads, master_weights, optimizer_states = A_stage x (bytes(grad), 4 / DP_opt, 8 / DP_opt), the DDP
+    buckets hold at most A_stage, weights = (P_stage + A_stage) x bytes(dtype), and the experts' grads,
+    master weights and optimizer states are 0 (they take no adapters).
   rollout (per GPU of one vLLM group with tensor parallel TP_r):
     weights      = P / TP_r x bytes(dtype)
     kv cache     = M_KV = 2 x B x L x H_kv x d x T x bytes(dtype) / TP_r
@@ -147,6 +153,10 @@ class LearnerLayout:
     """Activations split over TP along the sequence too (the learner's rule: MoE at TP > 1)."""
     reference_model: bool = True
     ddp_bucket_params: int = 40_000_000
+    lora_rank: int = 0
+    """learner.lora.rank when adapters train on a frozen base; 0: every parameter trains."""
+    lora_targets: tuple[str, ...] = ()
+    """learner.lora.target_modules (qkv, proj, fc1, fc2)."""
 
     @property
     def gpus(self) -> int:
@@ -201,6 +211,14 @@ def _bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
+def adapter_params(model: ModelDims, lay: LearnerLayout) -> float:
+    """A_stage: the LoRA adapter parameters on one GPU of a pipeline stage (0 without LoRA)."""
+    h, f, tp, q = model.hidden_size, model.intermediate_size, lay.tp, model.num_heads * model.head_dim
+    qkv_out = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    per_target = {"qkv": h + qkv_out / tp, "proj": q / tp + h, "fc1": h + 2 * f / tp, "fc2": f / tp + h}
+    return model.num_layers / lay.pp * lay.lora_rank * sum(per_target[t] for t in lay.lora_targets)
+
+
 def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float) -> Ledger:
     """Per-GPU memory of the most loaded learner rank (first pipeline stage, last for logits)."""
     if model.num_experts and (model.num_experts % lay.ep or lay.dp % lay.ep):
@@ -217,15 +235,17 @@ def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float
         act = layers_stage * inflight * 2 * s * b * h / (lay.tp if lay.sequence_parallel else 1) + full_layer
     else:
         act = layers_stage * inflight * full_layer
+    adapters = adapter_params(model, lay)
+    trained = adapters if lay.lora_rank else p_stage  # LoRA: the base is frozen, the adapters train
     items = {
-        "weights": p_stage * w,
-        "grads": p_stage * grad_b,
-        "master_weights": 0.0 if lay.dtype == "fp32" else p_stage * 4 / dp_opt,
-        "optimizer_states": p_stage * 8 / dp_opt,
+        "weights": (p_stage + adapters) * w,
+        "grads": trained * grad_b,
+        "master_weights": 0.0 if lay.dtype == "fp32" else trained * 4 / dp_opt,
+        "optimizer_states": trained * 8 / dp_opt,
         "reference_model": p_stage * w if lay.reference_model else 0.0,
         "activations": act,
         "logits": b * s * model.vocab_size / lay.tp * 4 * 2,
-        "comm_buffers": 2 * lay.ddp_bucket_params * grad_b,
+        "comm_buffers": 2 * (min(lay.ddp_bucket_params, adapters) if lay.lora_rank else lay.ddp_bucket_params) * grad_b,
         "cuda_context": lay.cuda_context_gib * GIB,
     }
     if lay.publish_whole_model:
@@ -246,11 +266,12 @@ def _expert_items(model: ModelDims, lay: LearnerLayout, grad_b: int, layer_passe
     w = _bytes(lay.dtype)
     expert_dp = (lay.dp // lay.ep) if lay.use_distributed_optimizer else 1
     s, b, h = lay.seq_length, lay.micro_batch_size, model.hidden_size
+    trained = 0.0 if lay.lora_rank else e_shard  # LoRA: the experts are frozen base weights
     return {
         "expert_weights": e_shard * w,
-        "expert_grads": e_shard * grad_b,
-        "expert_master_weights": 0.0 if lay.dtype == "fp32" else e_shard * 4 / expert_dp,
-        "expert_optimizer_states": e_shard * 8 / expert_dp,
+        "expert_grads": trained * grad_b,
+        "expert_master_weights": 0.0 if lay.dtype == "fp32" else trained * 4 / expert_dp,
+        "expert_optimizer_states": trained * 8 / expert_dp,
         "expert_reference_model": e_shard * w if lay.reference_model else 0.0,
         "moe_dispatch": layer_passes * s * b * model.moe_top_k * (2 * h + 3 * model.moe_ffn_hidden_size / lay.tp) * w,
     }

@@ -203,3 +203,12 @@ def test_adapter_dropout_acts_in_training_only(trained):
     first, second = trained["dropout_logits"]
     assert not torch.equal(first, second) and not torch.equal(first, trained["logits2"])
     assert torch.equal(trained["eval_logits"], trained["logits2"])
+
+
+@pytest.mark.slow
+def test_the_planner_counts_the_adapters_the_model_has(trained):
+    from megatron_rl.models.hf_config import load_hf_config
+    from megatron_rl.planner.ledger import LearnerLayout, adapter_params, dims_from_hf
+
+    lay = LearnerLayout(lora_rank=4, lora_targets=("qkv", "proj", "fc1", "fc2"))
+    assert adapter_params(dims_from_hf(load_hf_config(TINY)), lay) == trained["adapter_numel"]

@@ -1,5 +1,6 @@
 """Planner ledger against numbers computed by hand (see the comments for each step)."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -376,3 +377,52 @@ def test_plan_refuses_a_recipe_over_the_nodes_host_memory(capsys):
     assert main(["plan", "--config", recipe, "cluster.host_memory_gib=1024"]) == 0
     assert main(["plan", "--config", recipe, "cluster.host_memory_gib=128"]) == 1
     assert "host memory per node at resume" in capsys.readouterr().out
+
+
+def test_lora_counts_gradients_and_optimizer_state_of_the_adapters_alone():
+    from megatron_rl.planner.ledger import adapter_params
+
+    lay = LearnerLayout(tp=2, pp=1, dp=2, dtype="bf16", seq_length=16, ddp_bucket_params=1000,
+                        lora_rank=8, lora_targets=("qkv", "proj", "fc1", "fc2"))
+    # per layer and TP rank, x r = 8: qkv 64 + (4+2*2)*16/2 = 128; proj 4*16/2 + 64 = 96; fc1 64 + 2*128/2 = 192;
+    # fc2 128/2 + 64 = 128 -> 544 x 8 x 2 layers
+    a = 544 * 8 * 2
+    assert adapter_params(SMALL, lay) == a
+    items = learner_ledger(SMALL, lay, 0.0).items
+    p_stage = SMALL.num_params / 2
+    assert items["weights"] == (p_stage + a) * 2  # the frozen base and the adapters
+    assert items["grads"] == a * 4 and items["master_weights"] == a * 4 / 2 and items["optimizer_states"] == a * 8 / 2
+    assert items["comm_buffers"] == 2 * 1000 * 4  # a bucket of 1000 params; with fewer adapters, fewer
+    small_bucket = learner_ledger(SMALL, LearnerLayout(lora_rank=1, lora_targets=("proj",), ddp_bucket_params=10**9),
+                                  0.0).items
+    assert small_bucket["comm_buffers"] == 2 * (64 + 64) * 2 * 4
+    full = learner_ledger(SMALL, dataclasses.replace(lay, lora_rank=0, lora_targets=()), 0.0).items
+    assert full["optimizer_states"] == p_stage * 8 / 2 and full["weights"] == p_stage * 2
+    assert adapter_params(SMALL, LearnerLayout()) == 0
+
+
+def test_lora_on_a_moe_model_freezes_the_experts():
+    lay = LearnerLayout(tp=1, pp=2, dp=4, ep=4, seq_length=16, lora_rank=4, lora_targets=("qkv", "proj"))
+    items = learner_ledger(MOE, lay, 0.0).items
+    assert items["expert_weights"] > 0
+    assert items["expert_grads"] == items["expert_master_weights"] == items["expert_optimizer_states"] == 0
+
+
+def test_the_plan_of_a_lora_run_trains_the_adapters_only(capsys):
+    from megatron_rl.models.lora import LoraConfig
+    from megatron_rl.planner.cli import plan_for_config, render
+    from megatron_rl.train.config import load_train_config
+
+    cfg = load_train_config(REPO / "configs/qwen2_1.5b_1gpu.yaml", [])
+    full = plan_for_config(cfg)
+    cfg.learner.lora = LoraConfig(enabled=True, rank=16, target_modules=["qkv", "proj", "fc1", "fc2"])
+    lora = plan_for_config(cfg)
+    assert full["lora"] is None and lora["lora"]["rank"] == 16
+    a = lora["lora"]["adapter_params_per_gpu"]
+    assert 0 < a < full["model_params"] / 50
+    opt = lora["learner_gib_per_gpu"]["optimizer_states"] * GIB
+    assert opt == pytest.approx(a * 8 / cfg.learner.data_parallel_size)
+    assert lora["learner_gib_per_gpu"]["total"] < full["learner_gib_per_gpu"]["total"] / 2
+    assert "LoRA: rank 16 on qkv, proj, fc1, fc2" in render(lora)
+    host = lora["resume_host_gib_per_node"]["optimizer_load"]
+    assert host < full["resume_host_gib_per_node"]["optimizer_load"] / 50
