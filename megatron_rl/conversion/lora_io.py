@@ -18,6 +18,7 @@ the merge are conversion/lora_export.py's.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -72,24 +73,31 @@ def write_peft(adapters: dict[str, torch.Tensor], lora_cfg, hf_cfg, base_name: s
 @torch.no_grad()
 def write_merged(base_dir: str | Path, adapters: dict[str, torch.Tensor], lora_cfg, out_dir: str | Path, *,
                  dtype: torch.dtype | None = None, force: bool = False, max_shard_bytes: int = 4 << 30) -> Path:
-    """A full HF model: the base's weights with (alpha / r) B A added to each adapted one, its config and
-    tokenizer; `dtype` None keeps each tensor's own."""
+    """A full HF model: the base's weights with (alpha / r) B A added to each adapted one (in fp32), its
+    config and tokenizer; `dtype` None: the base's (config.json's torch_dtype)."""
     from megatron_rl.conversion.hf_io import HFCheckpoint, HFWriter, atomic_output_dir, copy_model_side_files
     from megatron_rl.models.hf_config import load_hf_config
 
     base_dir = Path(base_dir)
-    cfg = load_hf_config(base_dir)
+    cfg = load_hf_config(base_dir)  # the merged model's config.json is the base's, dtype included
     tensors = lora_export.peft_tensors(adapters, lora_cfg, cfg)
     base = HFCheckpoint(base_dir, cfg)
     names = [h for e in mapping.name_table(cfg) for h in e.hf]
     shapes = mapping.hf_shapes(cfg)
     with atomic_output_dir(out_dir, force=force) as tmp:
-        layout = {h: (shapes[h], dtype or base.read(h).dtype) for h in names}
+        out_dtype = dtype or getattr(torch, cfg.torch_dtype, None)
+        if not isinstance(out_dtype, torch.dtype):
+            raise ConfigError(f"{base_dir}/config.json: torch_dtype {cfg.torch_dtype!r} is not a torch dtype; pass --dtype")
+        layout = {h: (shapes[h], out_dtype) for h in names}
         writer = HFWriter(tmp, layout, max_shard_bytes=max_shard_bytes)
         for h in names:
             writer.add(h, lora_export.merge_into_hf(h, base.read(h), tensors, lora_cfg).to(layout[h][1]))
         writer.close()
         copy_model_side_files(base_dir, tmp)
+        if dtype is not None:  # the config says what the files hold
+            config = json.loads((tmp / "config.json").read_text())
+            config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return Path(out_dir)
 
 

@@ -11,12 +11,12 @@ logprobs before and after the step, loss, grad norm and the updated adapters.  A
 own freshly initialised adapters are the shards of TP1's (one seeding rule for every layout), and
 the base weights do not move.
 
-Checkpoints, in the same launch: the TP2 learner saves after its step (WeightIO.save: adapters and their
-optimizer state only, models/lora_checkpoint.py) and a fresh TP1 DP2 learner on the same base loads it
-and takes a second step, which matches TP1's own second step within 1e-5 (the adapters and Adam's
-moments came back, resharded on their split axes); the saved tensors are the adapters' alone.
+Checkpoints, in the same launch: the TP2 and PP2 learners save after their step (WeightIO.save: adapters
+and their optimizer state only, models/lora_checkpoint.py) and a fresh TP1 DP2 learner on the same base
+loads each and takes a second step, which matches TP1's own second step within 1e-5 (the adapters and
+Adam's moments came back, resharded on their split axes); the saved tensors are the adapters' alone.
 
-Export, from that checkpoint: rank 0 writes the base as an HF directory; wrapped as a committed run
+Export, from the TP2 checkpoint: rank 0 writes the base as an HF directory; wrapped as a committed run
 checkpoint that records the base's digest, `megatron-rl convert lora-export` writes the PEFT adapter and
 the merged model, and transformers + PEFT (and the merged model alone) give the TP1 learner's logprobs
 after its step within 1e-4.  Another base is refused by digest.
@@ -36,6 +36,7 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) on 2 ranks; the first (TP1, DP2) 
 OPT = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, clip_grad=0.1)
 LORA = dict(enabled=True, rank=4, alpha=8.0, target_modules=["qkv", "proj", "fc1", "fc2"], seed=11)
 SEED = 7
+SAVED = {(2, 1): "weights", (1, 2): "weights_pp2"}  # layouts that save after their step, and where
 
 
 def _tokens():
@@ -124,7 +125,7 @@ def _saved_keys(ckpt_dir):
     return sorted(FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata)
 
 
-def _equivalence(rank, world, ckpt_dir):
+def _equivalence(rank, world, root):
     from megatron.core import parallel_state as ps
 
     from megatron_rl.models.hf_config import load_hf_config
@@ -160,7 +161,7 @@ def _equivalence(rank, world, ckpt_dir):
             step2 = {"logprobs2": learner.forward_logprobs(tokens),
                      "adapters2": {n: p.detach().clone() for n, p in adapters.items()}}
             module.load_state_dict(expected_after, strict=False)  # back to after step 1 for the checks below
-        if (tp, pp) == (2, 1):
+        if (tp, pp) in SAVED:
             from megatron_rl.train.learner_weights import WeightIO
 
             import multiprocessing
@@ -168,7 +169,7 @@ def _equivalence(rank, world, ckpt_dir):
             proc = multiprocessing.current_process()
             daemon, proc.daemon = proc.daemon, False  # save starts a Manager; spawned ranks are daemonic
             try:
-                WeightIO(rank, learner, cfg).save(str(ckpt_dir))
+                WeightIO(rank, learner, cfg).save(str(root / SAVED[(tp, pp)]))
             finally:
                 proc.daemon = daemon
         expected = shard_state_dict(expected_after, **where)
@@ -177,16 +178,17 @@ def _equivalence(rank, world, ckpt_dir):
         learner.close()
         out[(tp, pp)] = result
     if rank == 0:
-        _write_hf_base(cfg, start, ckpt_dir.parent / "hf_base")
-    out["resumed"] = _resumed_step(cfg, platform, start, ckpt_dir, tokens)
-    out["step2"], out["saved_keys"] = step2, _saved_keys(ckpt_dir)
+        _write_hf_base(cfg, start, root / "hf_base")
+    out["resumed"] = {layout: _resumed_step(cfg, platform, start, root / name, tokens)
+                      for layout, name in SAVED.items()}
+    out["step2"], out["saved_keys"] = step2, _saved_keys(root / SAVED[(2, 1)])
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_ckpt")
-    out = run_distributed(_equivalence, 2, root / "weights", timeout=600)
+    out = run_distributed(_equivalence, 2, root, timeout=600)
     out[0]["dir"] = root
     return out
 
@@ -223,9 +225,10 @@ def test_checkpoint_holds_the_adapters_alone(runs):
     assert optimizer_tensors and all(".adapter.lora_" in k for k in optimizer_tensors), optimizer_tensors
 
 
-def test_resume_at_another_layout_repeats_the_second_step(runs):
+@pytest.mark.parametrize("saved", list(SAVED), ids=lambda l: f"saved_tp{l[0]}pp{l[1]}")
+def test_resume_at_another_layout_repeats_the_second_step(runs, saved):
     for rank, out in enumerate(runs):
-        got, want = out["resumed"], out["step2"]
+        got, want = out["resumed"][saved], out["step2"]
         assert not torch.equal(got["loaded_logprobs"], out[LAYOUTS[0]]["logprobs"])  # trained adapters came back
         torch.testing.assert_close(got["loaded_logprobs"], out[LAYOUTS[0]]["logprobs_after"], atol=1e-5, rtol=0)
         torch.testing.assert_close(got["logprobs2"], want["logprobs2"], atol=1e-5, rtol=0)
@@ -266,6 +269,10 @@ def test_exported_adapter_and_merged_model_compute_the_learner(runs, run_checkpo
     assert main(["convert", "lora-export", "--mcore", str(run_checkpoint), "--out", str(out / "peft"),
                  "--merged", str(out / "merged")]) == 0
     assert main(["convert", "mcore-to-hf", "--mcore", str(run_checkpoint), "--out", str(out / "merged2")]) == 0
+    assert main(["convert", "lora-export", "--mcore", str(run_checkpoint), "--merged", str(out / "merged_bf16"),
+                 "--dtype", "bf16"]) == 0
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged_bf16"))
+    assert bf16.dtype == torch.bfloat16 and not (out / "merged_bf16" / "adapter_config.json").exists()
     tokens, want = _tokens(), runs[0][LAYOUTS[0]]["logprobs_after"]  # TP1 after its step = the TP2 save
     base = transformers.AutoModelForCausalLM.from_pretrained(str(out / "hf_base")).eval()
     assert (_hf_logprobs(base, tokens) - want).abs().max() > 1e-3  # the adapters matter
