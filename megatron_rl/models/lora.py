@@ -55,6 +55,7 @@ Not yet (issue 29; train/config.py refuses learner.lora.enabled until then):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -111,6 +112,12 @@ class LoraConfig:
             raise ValueError(f"learner.lora.target_modules names a module twice: {targets}")
         self.target_modules = targets
 
+    def serving(self, versions: int) -> dict:
+        """What the rollout engines of a run with these adapters serve (RolloutConfig.adapter): each version
+        an adapter on the base, the newest `versions` kept (the coordinator's admissible window)."""
+        return {"rank": self.rank, "alpha": float(self.alpha), "target_modules": list(self.target_modules),
+                "versions": int(versions)}
+
     @property
     def scaling(self) -> float:
         """alpha / r, the factor on B A x."""
@@ -141,6 +148,7 @@ class LoraAdapter(torch.nn.Module):
         self.lora_a = torch.nn.Parameter(lora_a)  # [r, in_k] (row) or [r, in] (column)
         self.lora_b = torch.nn.Parameter(lora_b)  # [out_k, r] (column) or [out, r] (row)
         self.parallel, self.scaling, self.dropout, self.tp_group = parallel, scaling, dropout, tp_group
+        self.active = True  # False inside adapters_off: the layer computes its base alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -162,9 +170,26 @@ class LoraAdapter(torch.nn.Module):
 
 
 def _add_adapter_output(linear, args, output):
-    """Forward hook of an adapted linear layer: its (output, bias) with the adapter's term added."""
+    """Forward hook of an adapted linear layer: its (output, bias) with the adapter's term added
+    (unless `adapters_off` holds the adapters back: the base layer's output as it is)."""
+    if not linear.adapter.active:
+        return output
     out, bias = output
     return out + linear.adapter(args[0]), bias
+
+
+@contextlib.contextmanager
+def adapters_off(*models):
+    """Within the block, `models` (model chunks, any wrapper) compute their base: every adapter's term is
+    left out.  The reference of a LoRA run is its own policy model under this: no second copy of the weights."""
+    adapters = [m for model in models for m in model.modules() if isinstance(m, LoraAdapter)]
+    for adapter in adapters:
+        adapter.active = False
+    try:
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.active = True
 
 
 def attach_adapters(model, lora: LoraConfig, *, tp: int, tp_rank: int) -> int:
@@ -199,6 +224,20 @@ def attach_adapters(model, lora: LoraConfig, *, tp: int, tp_rank: int) -> int:
 def _adapter_seed(seed: int, layer_number: int, target: str) -> int:
     """One generator seed per (lora.seed, global layer number, target module)."""
     return (seed * 1_000_003 + layer_number * len(TARGET_MODULES) + list(TARGET_MODULES).index(target)) % 2**63
+
+
+def canonical_adapters(model) -> dict[str, torch.nn.Parameter]:
+    """This stage's adapter parameters under canonical names, with the global layer index:
+    `decoder.layers.{i}.self_attention.linear_qkv.adapter.lora_a`, ... (conversion/lora_export.py's input)."""
+    while hasattr(model, "module"):
+        model = model.module
+    out = {}
+    for local, layer in enumerate(model.decoder.layers):
+        prefix = f"decoder.layers.{local}."
+        for name, param in layer.named_parameters(prefix=prefix.rstrip(".")):
+            if ".adapter.lora_" in name:
+                out[f"decoder.layers.{layer.layer_number - 1}.{name[len(prefix):]}"] = param
+    return out
 
 
 def adapter_parameters(model) -> dict[str, torch.nn.Parameter]:

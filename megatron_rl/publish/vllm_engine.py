@@ -39,6 +39,7 @@ import torch
 
 from megatron_rl.publish.manifest import dtype_name
 from megatron_rl.publish.transports import GlooTransport, IpcTransport, NcclTransport
+from megatron_rl.publish.vllm_reload import checkpoint_tensors, reload_weights
 from megatron_rl.publish.wire import ReceivedPublication, StagingBuffers, open_group, receive_publication
 
 log = logging.getLogger(__name__)
@@ -135,14 +136,16 @@ class VerifiedCommit:
         self.rollback_tensors: list[tuple[str, torch.Tensor]] | None = None  # host copy of the serving version
         self.rollback_from_disk = True  # nothing published yet: the serving version is the checkpoint
         self.fail_load_after: int | None = None  # drills: the next load raises after this many tensors
+        self.adapters = None  # a LoRA run's AdapterStore (publish/vllm_adapters.py): versions are adapters
 
     def _stage(self, got: ReceivedPublication, version: int) -> None:
         """Keep `got` for finish_weight_update if it is `version` and exactly the model's tensors."""
         if got.ok and got.manifest.version != version:
             got = ReceivedPublication(got.manifest,
                                       error=f"manifest version {got.manifest.version} != announced {version}")
-        if got.ok and self.expected is not None:
-            problem = got.manifest.coverage_problem(self.expected)
+        expected = self.adapters.shapes if self.adapters is not None else self.expected
+        if got.ok and expected is not None:
+            problem = got.manifest.coverage_problem(expected)
             if problem is not None:
                 got = ReceivedPublication(got.manifest, error=problem)
         if got.ok and self.serving_dtype is not None:  # None only for engines built without a model
@@ -193,6 +196,9 @@ class VerifiedCommit:
         self.status["committed"] = True
 
     def _load(self, tensors) -> None:
+        if self.adapters is not None:  # a LoRA run: the version is an adapter beside the unchanged base
+            self.adapters.install(self.status["version"], self._feed(tensors))
+            return
         reload_weights(self.model, self.model_config, self._feed(tensors))
 
     def _feed(self, tensors):
@@ -238,7 +244,7 @@ class VerifiedCommit:
         failed load rolls back to (kept as a host copy, or not at all when keep_copy is off)."""
         loaded, self.loaded = self.loaded, None
         self.rollback_from_disk = False
-        if not keep_copy or loaded is None:
+        if not keep_copy or loaded is None or self.adapters is not None:  # adapters: the last ones stay kept
             self.rollback_tensors = None
             return
         names = [n for n, _ in loaded]
@@ -249,8 +255,12 @@ class VerifiedCommit:
             dst.copy_(src)
 
     def rollback(self) -> None:
-        """Reload the version served before the failed publication (raises if none is kept)."""
+        """Reload the version served before the failed publication (raises if none is kept).  A LoRA
+        run drops the new adapter: the versions before it were never unloaded."""
         self.loaded = None
+        if self.adapters is not None:
+            self.adapters.remove(self.status["version"])
+            return
         if self.rollback_tensors is not None:
             source = iter(self.rollback_tensors)
         elif self.rollback_from_disk:
@@ -258,41 +268,6 @@ class VerifiedCommit:
         else:
             raise RuntimeError("no rollback copy is kept (rollout.keep_rollback_copy is false)")
         self._load(source)
-
-
-def reload_weights(model: torch.nn.Module, model_config, tensors) -> None:
-    """Load (HF name, tensor) pairs into a serving vLLM model through its layerwise reload,
-    with the MoE kernels re-prepared from the new weights (publish/vllm_moe.py)."""
-    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    from megatron_rl.publish.vllm_moe import disarm_moe_kernels, rearm_moe_kernels
-
-    disarm_moe_kernels(model)
-    initialize_layerwise_reload(model)
-    with disable_mtp_completeness_check():
-        model.load_weights(tensors)
-    finalize_layerwise_reload(model, model_config)
-    rearm_moe_kernels(model)
-    if torch.cuda.is_available():
-        # The staged tensors may live on other streams (NCCL path): finish every copy out of
-        # them before they are freed and their memory reused.
-        torch.cuda.synchronize()
-
-
-def checkpoint_tensors(model_dir: str):
-    """(name, tensor) of every tensor in a HF checkpoint directory's safetensors files."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir} to roll back to")
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 class GlooWeightTransferEngine(VerifiedCommit, _engine_base()):
@@ -349,6 +324,18 @@ class PublicationWorkerExtension:
             raise RuntimeError(f"weight transfer backend is not {NCCL_BACKEND}: nothing to verify")
         engine.verify(manifest)
         return dict(engine.status)
+
+    def megatron_rl_serve_adapters(self, spec: dict) -> None:
+        """A LoRA run: from now on each publication is an adapter (publish/vllm_adapters.py adapter_spec)."""
+        from megatron_rl.publish.vllm_adapters import AdapterStore
+
+        self._commit_engine().adapters = AdapterStore(getattr(self.model_runner, "lora_manager", None), spec)
+
+    def megatron_rl_restore_adapters(self) -> None:
+        """A LoRA run: the kept adapters back into vLLM's cache, which every weight update session empties."""
+        engine = self._commit_engine()
+        if engine.adapters is not None:
+            engine.adapters.restore()
 
     def megatron_rl_drop_publication(self) -> None:
         """Discard a staged publication (another worker of the group refused it)."""

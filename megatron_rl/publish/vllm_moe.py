@@ -1,6 +1,6 @@
 """vLLM's CPU MoE layers across a weight reload: the experts are re-prepared from the new weights.
 
-Used by publish/vllm_engine.reload_weights (every publication, rollback and refit):
+Used by publish/vllm_reload.reload_weights (every publication, rollback and refit):
 
     disarm_moe_kernels(model); <layerwise reload>; rearm_moe_kernels(model)
 

@@ -94,6 +94,10 @@ class RolloutConfig:
     "recompute" (pause, swap, recompute every kept request's KV under the new weights, resume),
     "keep_kv" (kept requests continue on the KV the old weights computed; recorded per token as its
     kv version) or "wait" (requests in flight finish on the old weights first).  No token is lost in any."""
+    adapter: Optional[dict[str, Any]] = None
+    """Set by a LoRA run (learner.lora), never by a config: the engines serve each published version as a
+    LoRA adapter on the unchanged base (publish/vllm_adapters.py): {"rank", "alpha", "target_modules" (the
+    learner's names), "versions" (how many versions' adapters each engine keeps)}.  None: full weights."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Passed through to vllm.LLM as keyword arguments (they win over the fields above)."""
 
@@ -147,5 +151,8 @@ class RolloutConfig:
         if self.streaming and self.sleep_mode:
             raise ValueError("rollout.sleep_mode: a streaming engine never sleeps (it generates while the learner "
                              "learns); set rollout.sleep_mode false or rollout.streaming false")
+        if self.adapter is not None and set(self.adapter) != {"rank", "alpha", "target_modules", "versions"}:
+            raise ValueError(f"rollout.adapter needs exactly rank, alpha, target_modules and versions, got "
+                             f"{sorted(self.adapter)}")
         if self.weight_transfer not in WEIGHT_TRANSFER:
             raise ValueError(f"rollout.weight_transfer {self.weight_transfer!r} is not one of {list(WEIGHT_TRANSFER)}")

@@ -68,6 +68,10 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
         kwargs["weight_transfer_config"] = {"backend": transfer_path(cfg).vllm_backend}
     if cfg.sleep_mode:  # resolved at start-up (rollout/sleep.py); unset here means off
         kwargs["enable_sleep_mode"] = True
+    if cfg.adapter is not None:  # a LoRA run: versions are adapters (publish/vllm_adapters.py)
+        from megatron_rl.publish.vllm_adapters import adapter_engine_options
+
+        kwargs.update(adapter_engine_options(cfg.adapter))
     kwargs.update(cfg.engine_options)
     return kwargs
 
@@ -121,5 +125,34 @@ def engine_identity(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
             shapes = {k: v for k, v in json.load(f).items() if k not in MODEL_FIELDS_IGNORED}
     args = {k: v for k, v in llm_kwargs(cfg, on_gpu).items() if k != "model"}
     # A streaming group is another actor (rollout/stream_actor.py) around another engine (vLLM's async one).
+    # A LoRA run's engine keeps the base it loaded (only adapters are published): the base must be the same.
     return {"llm": args, "env": engine_env(cfg, on_gpu), "model": shapes, "num_cpus": cfg.num_cpus,
-            "streaming": cfg.streaming}
+            "streaming": cfg.streaming, "lora_base": cfg.model if cfg.adapter is not None else None}
+
+
+def watched(llm, call):
+    """`call()` (it waits for the outputs of vllm.LLM `llm`), raising vLLM's EngineDeadError if the
+    engine-core process dies meanwhile.  vLLM's synchronous client marks the engine dead and stops its
+    output thread without waking a caller that waits for outputs, so the call would wait forever."""
+    import threading
+
+    client = llm.llm_engine.engine_core
+    resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+    if resources is None or outputs is None:  # an in-process engine: its errors raise directly
+        return call()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            if resources.engine_dead:
+                from vllm.v1.engine.exceptions import EngineDeadError
+
+                log.error("the vLLM engine-core process of this rollout group died")
+                outputs.put_nowait(EngineDeadError())
+                return
+
+    threading.Thread(target=watch, name="engine-watch", daemon=True).start()
+    try:
+        return call()
+    finally:
+        done.set()

@@ -9,7 +9,8 @@ whole HF checkpoint directory, used by tests and experiments/kv_refit_probe.py t
 
 from __future__ import annotations
 
-from megatron_rl.publish.vllm_engine import PublicationWorkerExtension, checkpoint_tensors, reload_weights
+from megatron_rl.publish.vllm_engine import PublicationWorkerExtension
+from megatron_rl.publish.vllm_reload import checkpoint_tensors, reload_weights
 
 
 class StreamWorkerExtension(PublicationWorkerExtension):

@@ -21,15 +21,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from typing import Any
 
 from megatron_rl.drill.hooks import maybe_kill_engine, maybe_kill_engine_in_publication, maybe_stop_group
 from megatron_rl.platform.priority import with_normal_priority
+from megatron_rl.publish.vllm_adapters import ServedAdapters
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import (engine_env, engine_identity, eos_token_ids, llm_kwargs, transfer_path,
-                                              undo_ray_niceness)
+                                              undo_ray_niceness, watched)
 from megatron_rl.rollout.provenance import token_provenance, weights_label
 from megatron_rl.rollout.sample import RolloutSample, prompt_params
 
@@ -63,6 +63,8 @@ class RolloutWorker:
         started = time.perf_counter()
         self.llm = LLM(**llm_kwargs(self.config, on_gpu))
         self.version = None if stale else 0
+        self.adapters = ServedAdapters(self.config.adapter)  # a LoRA run: versions are adapters
+        self.adapters.start(self.llm, self.config.model)
         self._set_label(None)
         # Without a tokenizer vLLM does not know EOS: stop on the checkpoint's eos ids.
         self.eos_token_ids = eos_token_ids(self.config.model)
@@ -81,6 +83,7 @@ class RolloutWorker:
             raise ValueError(f"rollout engine for {self.config.model} cannot serve {new.model}: the engine "
                              "arguments or the model's shapes differ")
         self.config, self.version, self._probe = new, None, None
+        self.adapters = ServedAdapters(new.adapter)
         self.eos_token_ids = eos_token_ids(new.model)
         self.llm.reset_prefix_cache()
         self._set_label(None)
@@ -113,8 +116,9 @@ class RolloutWorker:
         version = self._serving_version()
         started = time.time()
         maybe_kill_engine(self.llm, extra)  # drill hook (engine_kill); no-op without MEGATRON_RL_DRILL
+        lora = self.adapters.request(version)
         outputs = self._watched(lambda: self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt,
-                                                          use_tqdm=False))
+                                                          use_tqdm=False, lora_request=lora))
         finished = time.time()
         samples = []
         for i, out in enumerate(outputs):
@@ -157,40 +161,21 @@ class RolloutWorker:
             params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(self.eos_token_ids))
         return params
 
-    def score(self, sequences: list[list[int]]) -> list[list[float | None]]:
-        """Teacher-forced logprob of every token given its prefix (first is None) [T]."""
+    def score(self, sequences: list[list[int]], version: int | None = None) -> list[list[float | None]]:
+        """Teacher-forced logprob of every token given its prefix (first is None) [T], under the serving
+        version (a LoRA run: under `version`'s adapter when given, e.g. one being checked)."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
+        lora = self.adapters.request(self.version if version is None else version, installed=version is not None)
         outs = self._watched(lambda: self.llm.generate([{"prompt_token_ids": s} for s in sequences], params,
-                                                       use_tqdm=False))
+                                                       use_tqdm=False, lora_request=lora))
         return [[None] + [float(lp[t].logprob) for lp, t in zip(o.prompt_logprobs[1:], s[1:])]
                 for o, s in zip(outs, sequences)]
 
     def _watched(self, call):
-        """`call()` (it waits for the engine's outputs), raising vLLM's EngineDeadError if the engine-core
-        process dies meanwhile.  vLLM's synchronous client marks the engine dead and stops its output
-        thread without waking a caller that waits for outputs, so the call would wait forever."""
-        client = self.llm.llm_engine.engine_core
-        resources, outputs = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
-        if resources is None or outputs is None:  # an in-process engine: its errors raise directly
-            return call()
-        done = threading.Event()
-
-        def watch() -> None:
-            while not done.wait(0.2):
-                if resources.engine_dead:
-                    from vllm.v1.engine.exceptions import EngineDeadError
-
-                    log.error("the vLLM engine-core process of this rollout group died")
-                    outputs.put_nowait(EngineDeadError())
-                    return
-
-        threading.Thread(target=watch, name="engine-watch", daemon=True).start()
-        try:
-            return call()
-        finally:
-            done.set()
+        """`call()`, raising vLLM's EngineDeadError if the engine-core process dies meanwhile (engine_setup.watched)."""
+        return watched(self.llm, call)
 
     # ---- weight publication (receive side) ----------------------------------------------
     def policy_version(self) -> int:
@@ -268,7 +253,7 @@ class RolloutWorker:
         except Exception:
             # Close the update session either way, or the next publication cannot start.
             self.llm.collective_rpc("megatron_rl_drop_publication")
-            self.llm.finish_weight_update()
+            self._finish_update()
             raise
         return self._commit(int(manifest.get("version", -1)), statuses)
 
@@ -284,7 +269,7 @@ class RolloutWorker:
                     "error": "vLLM did not reset its prefix cache (requests running?): publication not loaded"}]
         if bad:
             self.llm.collective_rpc("megatron_rl_drop_publication")
-        self.llm.finish_weight_update()
+        self._finish_update()
         if not bad:
             loaded = self.llm.collective_rpc("megatron_rl_publication_status")
             bad = [s for s in loaded if not s.get("committed")]
@@ -297,6 +282,7 @@ class RolloutWorker:
                 self.llm.collective_rpc("megatron_rl_accept_publication", args=(self.config.keep_rollback_copy,))
                 self.version = int(version)
                 self._set_label(statuses[0].get("digest") if statuses else None)
+                self.adapters.committed(self.version)
         if bad:
             log.warning("refused publication %d, serving version %s: %s", version, self.version, bad[0]["error"])
         return {
@@ -326,7 +312,7 @@ class RolloutWorker:
             return None
         _, sequences, expected, configured = probe
         tolerance = refit_tolerance(self.serving_dtype(), configured)
-        stats, problem = probe_verdict(self.score(sequences), expected, tolerance)
+        stats, problem = probe_verdict(self.score(sequences, version), expected, tolerance)
         if problem is None:
             log.info("refit check of version %d: median |Δ logprob| %.3g (mean %.3g) over %d probe tokens",
                      version, stats["median"], stats["mean"], stats["tokens"])
@@ -334,6 +320,11 @@ class RolloutWorker:
         return {"ok": False, "committed": False, "bad_bucket": None,
                 "error": f"refit check: version {version} loaded, but its logprobs on the probe differ from the "
                          f"learner's: {problem} (run.refit_tolerance {configured}; tensors laid out wrongly?)"}
+
+    def _finish_update(self) -> None:
+        """Close the weight update session (a LoRA run: vLLM empties its adapter cache then; put them back)."""
+        self.llm.finish_weight_update()
+        self.adapters.session_closed(self.llm)
 
     def _roll_back(self, version: int, failed: list[dict[str, Any]]) -> None:
         """A worker failed to load `version` after others may have: every worker reloads the

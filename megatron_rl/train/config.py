@@ -244,11 +244,15 @@ class TrainConfig:
         self._check_prompt_room()
 
     def _check_lora(self) -> None:
-        """What runs cannot do with LoRA adapters yet (the learner side is models/lora.py)."""
-        if self.learner.lora.enabled:
-            raise ConfigError("learner.lora.enabled: the learner trains adapters (megatron_rl/models/lora.py), but "
-                              "runs cannot publish or checkpoint them yet, so the rollout engines would keep sampling "
-                              "the base model; use learner.lora.enabled false")
+        """What runs cannot do with LoRA adapters yet (models/lora.py; publication: publish/vllm_adapters.py)."""
+        if not self.learner.lora.enabled:
+            return
+        if self.rollout.streaming:
+            raise ConfigError("learner.lora.enabled with rollout.streaming: streaming engines do not serve adapters "
+                              "yet; use rollout.streaming false")
+        if self.rollout.sleep_mode:
+            raise ConfigError("learner.lora.enabled with rollout.sleep_mode: a sleeping engine drops the adapters it "
+                              "keeps; use rollout.sleep_mode false")
 
     def _check_prompt_room(self) -> None:
         """A prompt must fit the engine's context next to a whole response (data.max_prompt_tokens)."""
@@ -330,6 +334,7 @@ DERIVED = {
                                  "sft.global_batch_size)",
     "rollout.model": "the engines serve the policy the run starts from: set model.path, model.tiny or "
                      "model.init_from",
+    "rollout.adapter": "a LoRA run sets it from learner.lora (its engines serve adapters): set learner.lora",
 }
 """Keys a training run sets itself (coordinator/config.py lists the coordinator's)."""
 

@@ -125,14 +125,24 @@ class Reference:
 
         self.learner = policy.learner
         lc = self.learner.cfg
+        self.sampling = self.learner.sampling.untruncated
+        if lc.lora.enabled:
+            # The policy is the frozen initial policy plus adapters: without them it is the reference
+            # (models/lora.py adapters_off), and no second copy of the weights is built.
+            self.model = None
+            return
         self.model = build_gpt_model(policy.hf_cfg, platform=self.learner.platform, tp=lc.tensor_parallel_size,
                                      pp=lc.pipeline_parallel_size, config=self.learner.config)
         fill_from_hf(self.model, policy.hf_cfg, policy.checkpoint, policy.tp_rank, lc.tensor_parallel_size,
                      policy.padded_vocab)
         self.model.requires_grad_(False)
-        self.sampling = self.learner.sampling.untruncated
 
     def logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T-1] log-probabilities of the tokens under the initial policy, at the sampling
         temperature and untruncated (as Learner.forward_logprobs, under `self.sampling`)."""
+        if self.model is None:
+            from megatron_rl.models.lora import adapters_off
+
+            with adapters_off(*self.learner.model):
+                return self.learner.forward_logprobs(tokens_bt, lengths_b, sampling=self.sampling)
         return self.learner.forward_logprobs(tokens_bt, lengths_b, model=[self.model], sampling=self.sampling)

@@ -61,9 +61,15 @@ class WeightIO:
             return self.learner.forward_logprobs(tokens_bt, lengths_b)
 
     def source(self, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        """This rank's view of the policy as HF tensors in `dtype`, streamed group by group (publish.source)."""
+        """This rank's view of the policy as HF tensors in `dtype`, streamed group by group (publish.source);
+        of a LoRA learner, its adapters only, PEFT-named (publish/adapter_source.py)."""
         from megatron_rl.publish.source import MegatronWeightSource
 
+        if self.learner.cfg.lora.enabled:
+            from megatron_rl.publish.adapter_source import AdapterSource
+
+            return AdapterSource(self.learner.model[0].module, self.hf_cfg, self.learner.cfg.lora, dtype=dtype,
+                                 device=device)
         return MegatronWeightSource(self.learner.model[0].module, self.hf_cfg, dtype=dtype, device=device)
 
     @torch.no_grad()

@@ -103,9 +103,11 @@ def sft(cfg, pool=None) -> dict:
 
 
 def _sft_learner_config(cfg):
-    """The learner's config with sft.lr and sft.global_batch_size where they are set."""
+    """The learner's config with sft.lr and sft.global_batch_size where they are set.  SFT trains every
+    parameter, also before a LoRA run: its result is the base the run's adapters sit on."""
     return dataclasses.replace(cfg.learner, lr=cfg.sft.lr if cfg.sft.lr is not None else cfg.learner.lr,
-                               global_batch_size=cfg.sft.global_batch_size or cfg.learner.global_batch_size)
+                               global_batch_size=cfg.sft.global_batch_size or cfg.learner.global_batch_size,
+                               lora=dataclasses.replace(cfg.learner.lora, enabled=False))
 
 
 def _resume(resume_from: Path, inputs, learner, cursor) -> int:

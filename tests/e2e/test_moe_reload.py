@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     from vllm import LLM, SamplingParams
-    from megatron_rl.publish.vllm_engine import checkpoint_tensors, reload_weights
+    from megatron_rl.publish.vllm_reload import checkpoint_tensors, reload_weights
 
     def score(llm, prompts):
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)

@@ -72,10 +72,15 @@ def test_bad_lora_value_in_a_run_config_is_a_config_error():
         _train_config(["learner.lora.target_modules=[qkv,down_proj]"])
 
 
-def test_runs_refuse_lora_until_adapters_are_published():
+def test_lora_runs_are_accepted_and_what_they_cannot_do_is_refused_by_name():
     assert not _train_config([]).learner.lora.enabled
-    with pytest.raises(ConfigError, match="cannot publish or checkpoint them yet"):
-        _train_config(["learner.lora.enabled=true"])
+    assert _train_config(["learner.lora.enabled=true"]).learner.lora.enabled
+    with pytest.raises(ConfigError, match="learner.lora.enabled with rollout.streaming"):
+        _train_config(["learner.lora.enabled=true", "rollout.streaming=true", "run.mode=async"])
+    with pytest.raises(ConfigError, match="learner.lora.enabled with rollout.sleep_mode"):
+        _train_config(["learner.lora.enabled=true", "rollout.sleep_mode=true"])
+    with pytest.raises(ConfigError, match="rollout.adapter"):
+        _train_config(["rollout.adapter={rank: 8}"])
 
 
 def _model(moe=None, sequence_parallel=False, use_te=False):
@@ -123,8 +128,9 @@ def _learner_with_adapters(rank, world):
     from megatron_rl.learner import Learner, LearnerConfig
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.hf_config import load_hf_config
-    from megatron_rl.models.lora import adapter_parameters
+    from megatron_rl.models.lora import adapter_parameters, adapters_off, canonical_adapters
     from megatron_rl.platform import detect_platform
+    from megatron_rl.publish.adapter_source import AdapterSource, adapter_shapes
 
     hf, platform = load_hf_config(TINY), detect_platform("cpu")
     tokens = torch.randint(0, TINY["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(3))
@@ -167,6 +173,14 @@ def _learner_with_adapters(rank, world):
         out["dropout_logits"] = [module(tokens, pos, attention_mask=None) for _ in range(2)]
         module.eval()
         out["eval_logits"] = module(tokens, pos, attention_mask=None)
+        with adapters_off(*learner.model):  # the reference of a LoRA run: the same model without its adapters
+            out["off_logits"] = module(tokens, pos, attention_mask=None)
+        out["on_again_logits"] = module(tokens, pos, attention_mask=None)
+    # What a LoRA run publishes: PEFT-named TP1 adapters, exactly the tensors an engine expects.
+    published = dict(AdapterSource(learner.model[0].module, hf, lora))
+    out["published"] = {n: t.clone() for n, t in published.items()}
+    out["expected_shapes"] = adapter_shapes(lora, hf)
+    out["canonical"] = {n: p.detach().clone() for n, p in canonical_adapters(module).items()}
     learner.close()
     return out
 
@@ -203,6 +217,26 @@ def test_adapter_dropout_acts_in_training_only(trained):
     first, second = trained["dropout_logits"]
     assert not torch.equal(first, second) and not torch.equal(first, trained["logits2"])
     assert torch.equal(trained["eval_logits"], trained["logits2"])
+
+
+@pytest.mark.slow
+def test_adapters_off_gives_the_base_and_on_again_the_policy(trained):
+    assert torch.equal(trained["off_logits"], trained["base_logits"])
+    assert torch.equal(trained["on_again_logits"], trained["logits2"])
+
+
+@pytest.mark.slow
+def test_publication_is_the_peft_adapter_the_engine_expects(trained):
+    published, canonical = trained["published"], trained["canonical"]
+    assert {n: tuple(t.shape) for n, t in published.items()} == trained["expected_shapes"]
+    prefix = "base_model.model.model.layers.1."
+    qkv = "decoder.layers.1.self_attention.linear_qkv.adapter."
+    for module in ("q_proj", "k_proj", "v_proj"):  # one A serves q, k and v
+        assert torch.equal(published[f"{prefix}self_attn.{module}.lora_A.weight"], canonical[qkv + "lora_a"])
+    b = canonical["decoder.layers.1.mlp.linear_fc1.adapter.lora_b"]  # [gate; up]
+    assert torch.equal(published[f"{prefix}mlp.gate_proj.lora_B.weight"], b[:b.shape[0] // 2])
+    assert torch.equal(published[f"{prefix}mlp.up_proj.lora_B.weight"], b[b.shape[0] // 2:])
+    assert float(published[f"{prefix}mlp.up_proj.lora_B.weight"].abs().max()) > 0  # trained, not the zero init
 
 
 @pytest.mark.slow

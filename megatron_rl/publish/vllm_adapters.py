@@ -1,0 +1,168 @@
+"""The engine side of an adapter-only publication (a LoRA run): each policy version is a LoRA adapter.
+
+    kwargs.update(adapter_engine_options(serving))          # vllm.LLM(..., enable_lora=True, max_loras=...)
+    llm.collective_rpc("megatron_rl_serve_adapters", args=(adapter_spec(serving, model_dir),))
+    llm.generate(prompts, params, lora_request=adapter_request(version))   # None for version 0
+
+A LoRA run's engines load the frozen base once, from disk, and never change it.  Each publication
+carries only the adapters (publish/adapter_source.py), through the same checked path as full weights:
+staged, verified bucket by bucket, checked to be exactly the adapter's tensors (names and shapes from
+`adapter_shapes`), and only then installed -- by `AdapterStore.install`, from the staged tensors in memory,
+as vLLM LoRA adapter `version + 1` (vLLM's ids start at 1).  Nothing goes through a disk.
+
+The engine keeps the adapters of the last `versions` policy versions (plus the one being installed): a request names its adapter
+(`adapter_request`) and keeps it to its end, whatever is published meanwhile, as long as its version
+stays admissible.  A failed install or refit check drops only the new adapter; the ones before still
+serve.  Version 0 of a LoRA run is its base (every B starts at zero), served with no adapter until the
+first publication installs one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts as max_lora_rank (its LoRAConfig)."""
+
+
+def adapter_engine_options(serving: dict[str, Any]) -> dict[str, Any]:
+    """vllm.LLM keyword arguments of an engine serving `serving` (RolloutConfig.adapter): LoRA on, one
+    slot per kept version, and one for a version being installed, in a batch and in the adapter cache."""
+    rank = int(serving["rank"])
+    fits = [r for r in _VLLM_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"learner.lora.rank {rank}: vLLM serves adapters of rank <= {_VLLM_RANKS[-1]}")
+    slots = int(serving["versions"]) + 1
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": slots, "max_cpu_loras": slots}
+
+
+def adapter_spec(serving: dict[str, Any], model_dir: str) -> dict[str, Any]:
+    """What each engine worker needs to check and install adapters: the PEFT config, every tensor's
+    shape (from the base's config.json) and how many versions to keep."""
+    from megatron_rl.conversion.lora_export import peft_config
+    from megatron_rl.models.hf_config import load_hf_config
+    from megatron_rl.models.lora import LoraConfig
+    from megatron_rl.publish.adapter_source import adapter_shapes
+
+    lora = LoraConfig(enabled=True, rank=int(serving["rank"]), alpha=float(serving["alpha"]),
+                      target_modules=list(serving["target_modules"]))
+    shapes = adapter_shapes(lora, load_hf_config(model_dir))
+    return {"peft_config": peft_config(lora, model_dir), "versions": int(serving["versions"]),
+            "shapes": {name: list(shape) for name, shape in shapes.items()}}
+
+
+def adapter_request(version: int | None, installed: bool = True):
+    """vLLM's LoRARequest naming policy `version`'s adapter, or None (the base: version 0 before any
+    adapter was published).  The path is a label only: the adapter is installed from memory."""
+    if version is None or not installed:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"policy-v{version}", int(version) + 1, f"megatron-rl:policy/v{version}")
+
+
+class ServedAdapters:
+    """The rollout actor's side (rollout/worker.py): which versions' adapters its engine serves, and the
+    LoRARequest each request names.  Inactive (every request None) when the run publishes full weights."""
+
+    def __init__(self, serving: dict[str, Any] | None):
+        self.serving = serving  # RolloutConfig.adapter
+        self.versions: set[int] = set()  # committed versions whose adapters the engine keeps
+
+    def start(self, llm, model_dir: str) -> None:
+        """Tell every worker of the engine (`llm`: vllm.LLM or its stand-in) that versions are adapters."""
+        if self.serving is not None:
+            llm.collective_rpc("megatron_rl_serve_adapters", args=(adapter_spec(self.serving, model_dir),))
+
+    def request(self, version: int | None, installed: bool = False):
+        """The LoRARequest of `version`'s adapter; None for the base (version 0 before any adapter) or when
+        inactive.  `installed`: on the engine though not committed yet (a refit check scores it)."""
+        if self.serving is None:
+            return None
+        return adapter_request(version, installed or version in self.versions)
+
+    def committed(self, version: int) -> None:
+        """`version`'s adapter serves; the engine keeps the newest serving["versions"] of them."""
+        if self.serving is not None:
+            self.versions = set(sorted(self.versions | {int(version)})[-int(self.serving["versions"]):])
+
+    def session_closed(self, llm) -> None:
+        """After every weight update session: vLLM emptied its adapter cache; every worker puts them back."""
+        if self.serving is not None:
+            llm.collective_rpc("megatron_rl_restore_adapters")
+
+
+class AdapterStore:
+    """The adapters one vLLM worker serves, one per policy version, oldest evicted first."""
+
+    def __init__(self, lora_manager, spec: dict[str, Any]):
+        """`lora_manager`: the worker's vLLM WorkerLoRAManager (model_runner.lora_manager); `spec`: adapter_spec's."""
+        if lora_manager is None:
+            raise RuntimeError("this engine was started without LoRA (enable_lora): it cannot serve adapters")
+        self.manager = lora_manager
+        self.peft_config = dict(spec["peft_config"])
+        self.versions = int(spec["versions"])
+        self.shapes = {name: tuple(shape) for name, shape in spec["shapes"].items()}
+        self.models: dict[int, Any] = {}  # policy version -> vLLM LoRAModel (host memory), oldest first
+        _base_head(lora_manager._adapter_manager.model)
+
+    def install(self, version: int, tensors) -> None:
+        """Build adapter `version` from (PEFT name, tensor) pairs and make it servable beside the newest
+        `versions` ones (older ones are evicted).  Raises (and installs nothing) on bad tensors."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        helper = PEFTHelper.from_dict(self.peft_config)
+        helper.validate_legal(self.manager.lora_config)
+        model = self.manager._adapter_manager.model  # vLLM has no public way to add an adapter from memory
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        adapter = LoRAModel.from_lora_tensors(
+            int(version) + 1, {name: t for name, t in tensors}, helper, device="cpu",
+            dtype=self.manager.lora_config.lora_dtype, model_vocab_size=self.manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+        self.remove(version)  # the same version published again (after a refused refit check)
+        while len(self.models) > self.versions:
+            self.remove(next(iter(self.models)))
+        self.models[int(version)] = adapter
+        self.restore()
+
+    def restore(self) -> None:
+        """Put every kept adapter back into vLLM's cache.  vLLM empties that cache at the end of every weight
+        update session (its worker's finish_weight_update: "base weights replaced"), though a LoRA run's
+        base never changes: the worker calls this right after each session (megatron_rl_restore_adapters)."""
+        cache = self.manager._adapter_manager
+        for adapter in self.models.values():
+            if adapter.id not in cache.list_adapters():
+                cache.add_adapter(adapter)
+
+    def remove(self, version: int) -> None:
+        """Stop serving `version`'s adapter (no-op when it is not kept)."""
+        if self.models.pop(int(version), None) is not None:
+            self.manager.remove_adapter(int(version) + 1)
+
+    @property
+    def installed(self) -> list[int]:
+        """The versions whose adapters this worker keeps, oldest first."""
+        return list(self.models)
+
+
+def _base_head(model) -> None:
+    """Compute the logits with the base output layer, never an adapter's: our adapters sit on the linear
+    layers of transformer layers only (peft target modules), so the result is the same, and vLLM 0.32's
+    LoRA logits path on CPU (punica_cpu add_lora_logits) indexes by request, not by row, and fails on
+    prompt logprobs -- which the refit check and `megatron-rl reconcile` score with."""
+    from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA
+
+    for module in model.modules():
+        if isinstance(module, LogitsProcessorWithLoRA):
+            base = module.base_layer
+
+            def logits(hidden_states, lm_head, embedding_bias=None, skip_gather=False, _base=base):
+                return _base._get_logits(hidden_states, getattr(lm_head, "base_layer", lm_head), embedding_bias,
+                                         skip_gather)
+
+            module._get_logits = logits
