@@ -23,7 +23,7 @@ from pathlib import Path
 from megatron_rl import __version__
 from megatron_rl.config import config_hash
 from megatron_rl.coordinator.client import Coordinator
-from megatron_rl.models.lora_checkpoint import BASE_DIGEST, base_digest, check_base_digest
+from megatron_rl.models.lora_checkpoint import BASE_DIGEST, base_digest, check_adapter_record, check_base_digest
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.policy import Policy
 from megatron_rl.train.producer import Round, TrainState
@@ -169,7 +169,8 @@ def restore_queue_snapshot(run_dir: Path, cfg: TrainConfig, tokenizer_hash: str 
     a corrupt or uncommitted newer one is skipped (the warning names the file) before the live
     queue.db is touched, so nothing of it ever reaches the run directory; so is a checkpoint of
     another tokenizer refused (CheckpointError) with the live queue left as it is, and one whose LoRA
-    adapters belong to another base than `base_digest` (that of `model_dir`, lora_base_digest).
+    adapters belong to another base than `base_digest` (that of `model_dir`, lora_base_digest) or whose
+    weights are not what this run's learner loads (adapters of other learner.lora settings, or none).
     """
     from megatron_rl.checkpoint import load_checkpoint, resume_checkpoint
 
@@ -177,6 +178,7 @@ def restore_queue_snapshot(run_dir: Path, cfg: TrainConfig, tokenizer_hash: str 
     if ckpt is not None:
         manifest = load_checkpoint(ckpt, tokenizer_hash=tokenizer_hash, verify=False)  # files verified just above
         check_base_digest(ckpt, manifest, base_digest, model_dir)
+        check_adapter_record(ckpt / "weights", cfg.learner.lora)  # adapters, or not, as this run's learner
     live = run_dir / QUEUE_DB
     for suffix in ("", "-wal", "-shm"):
         Path(str(live) + suffix).unlink(missing_ok=True)

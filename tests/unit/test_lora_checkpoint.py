@@ -6,7 +6,8 @@ Pure file tests (no Megatron): the base digest follows the base's weight bytes; 
 recording one base's digest is refused by restore_queue_snapshot (before the queue is touched) for a
 run on another base, with both digests and the model directory in the message, and accepted on its
 own; a full-parameter checkpoint is refused by a LoRA run and the reverse; other adapter settings are
-refused by field.  (tests/dist/test_lora_parallel_equivalence.py saves and resumes real adapters.)
+refused by field, also by restore_queue_snapshot before the run starts.  (tests/dist/
+test_lora_parallel_equivalence.py saves and resumes real adapters.)
 """
 
 import types
@@ -98,3 +99,11 @@ def test_adapters_load_only_into_a_learner_with_their_settings(lora_run, lora, w
     check_adapter_record(weights, lora_run.lora)
     with pytest.raises(ConfigError, match=words):
         check_adapter_record(weights, lora)
+
+
+def test_other_adapter_settings_or_none_are_refused_before_the_run_starts(lora_run):
+    with pytest.raises(ConfigError, match="learner.lora.rank 4, this run has 8"):
+        restore_queue_snapshot(lora_run.run_dir, _cfg(LoraConfig(enabled=True, rank=8)), None, lora_run.digest,
+                               lora_run.base)
+    with pytest.raises(ConfigError, match="holds LoRA adapters only"):
+        restore_queue_snapshot(lora_run.run_dir, _cfg(LoraConfig(enabled=False)), None, None, lora_run.base)
