@@ -104,7 +104,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
             coordinator.report_lag(learn["dv"], learn.get("d_lag/p95"))  # backpressure
             report.record_consumed(step + 1, taken)
             state.version += 1
-            t_pub = policy.publish(state.version)                        # all groups or none
+            t_pub = policy.publish(state.version)                        # every reachable group, whole
             coordinator.set_version(state.version)                       # admission moves on
             state.step = step + 1
             report.log_step(step + 1, rnd, trajs, taken, learn, queue=coordinator.metrics(),
