@@ -37,8 +37,8 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import eos_token_ids, undo_ray_niceness
 from megatron_rl.rollout.provenance import parse_label, weights_label
 from megatron_rl.rollout.stream_engine import BrokenWeights
-from megatron_rl.rollout.stream_groups import to_sample
-from megatron_rl.rollout.worker import RolloutWorker, prompt_params  # sample.py's, as worker.py uses it
+from megatron_rl.rollout.requests import prompt_params, to_sample
+from megatron_rl.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The roles of a training run, each built from its own config section and the handles it uses.
 
-    roles = Roles.build(cfg)     # Ray, run inputs, coordinator, rollout source, scorer, policy, ...
-    roles = Roles.build(cfg, pool)   # the experiment runner's engine pool (train/engine_pool.py) serves it
+    roles = Roles.build(cfg, resume_from=choose_resume(cfg))   # Ray, run inputs, coordinator, source, ...
+    roles = Roles.build(cfg, pool, resume_from=...)   # the experiment runner's engine pool (train/engine_pool.py)
     ... the loop in driver.py ...
     roles.close()
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 from megatron_rl.audit.auditor import Auditor
 from megatron_rl.coordinator.client import Coordinator
@@ -55,13 +56,14 @@ class Roles:
         return self.inputs.run_dir
 
     @classmethod
-    def build(cls, cfg, pool: EnginePool | None = None) -> "Roles":
+    def build(cls, cfg, pool: EnginePool | None = None, *, resume_from: Path | None) -> "Roles":
         """Each role from its own config section (cfg: the run's TrainConfig, train/config.py) and the
         handles it uses.  `pool`: the experiment runner's (placement, engines and learner actors come from
-        it, and go back to it at close); None, the run starts and ends its own."""
-        inputs = open_run_dir(cfg, kind="train")
+        it, and go back to it at close); None, the run starts and ends its own.  `resume_from`: the
+        checkpoint this start resumes from, or None (chosen once by the caller: train/resume.py `choose_resume`)."""
+        inputs = open_run_dir(cfg, kind="train", resuming=resume_from is not None)
         own_ray = start_ray(cfg.run)
-        resume_from = restore_queue_snapshot(inputs.run_dir, cfg, inputs.tokenizer_hash)
+        restore_queue_snapshot(inputs.run_dir, resume_from, inputs.tokenizer_hash)
         coordinator = Coordinator.start(cfg.coordinator, wal_path=inputs.run_dir / QUEUE_DB,
                                         tokenizer_hash=inputs.tokenizer_hash, take_timeout_s=cfg.run.take_timeout_s)
         lc = cfg.learner

@@ -54,17 +54,17 @@ class RunInputs:
         return self.tokenizer.pad_token_id or 0
 
 
-def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
+def open_run_dir(cfg: TrainConfig, kind: str, *, resuming: bool = False) -> RunInputs:
     """What every run (train, sft) does first, before any Ray/vLLM/Megatron start: the run
     directory with its resolved config, seeds, the model to start from, its tokenizer, the data
     splits (checked encodable; prompts longer than the engine takes dropped and counted), and
-    run_manifest.json (a resume with other inputs is refused).
+    run_manifest.json (a resume with other inputs is refused).  `resuming`: this start resumes a
+    checkpoint (train/resume.py `choose_resume` chose one).
 
     Returns the RunInputs.
     """
     from transformers import AutoTokenizer
 
-    from megatron_rl.checkpoint import latest_committed
     from megatron_rl.models.tokenizer import tokenizer_hash
     from megatron_rl.run_manifest import model_identity, open_run
     from megatron_rl.train.learner_build import seed_everything
@@ -81,7 +81,7 @@ def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
     splits = fitted.splits
     tok_hash = tokenizer_hash(model_dir)
     open_run(run_dir, kind=kind, config_hash=config_hash(cfg),
-             resuming=cfg.run.resume and latest_committed(run_dir / "checkpoints") is not None, model_dir=model_dir,
+             resuming=resuming, model_dir=model_dir,
              prompts=fitted.record(),
              identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
                        "dataset_version": splits["train"].dataset_version,
