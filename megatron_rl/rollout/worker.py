@@ -29,7 +29,7 @@ from megatron_rl.platform.priority import with_normal_priority
 from megatron_rl.publish.vllm_adapters import ServedAdapters
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import (engine_env, engine_identity, eos_token_ids, llm_kwargs, transfer_path,
-                                              undo_ray_niceness, watched)
+                                              prepare_actor, watched)
 from megatron_rl.rollout.provenance import token_provenance, weights_label
 from megatron_rl.rollout.requests import call_params, check_prompts, prompt_params, sampling_defaults
 from megatron_rl.rollout.sample import RolloutSample
@@ -44,16 +44,10 @@ class RolloutWorker:
         no version of this run, so it serves nothing (version None) until a publication commits."""
         import torch
 
-        from megatron_rl.console import configure_worker_logging
-
-        configure_worker_logging()
-
         self.config = RolloutConfig.of(config)
-        undo_ray_niceness()
+        prepare_actor(self.config)
         on_gpu = torch.cuda.is_available()
         os.environ.update(engine_env(self.config, on_gpu))
-        if self.config.weight_transfer != "none":
-            import megatron_rl.publish.vllm_engine  # noqa: F401  (registers the backends here too)
         from vllm import LLM
 
         if not self.config.model or not os.path.isdir(self.config.model):
