@@ -1,4 +1,4 @@
-"""The coordinator as a Ray actor: a thin wrapper around TrajectoryQueue.
+"""The coordinator as a Ray actor: TrajectoryQueue's API (VERBS, declared once below), served one call at a time.
 
     import ray
     from megatron_rl.coordinator import CoordinatorConfig, start_coordinator
@@ -20,6 +20,7 @@ always pass one (the learner uses its step number).  Pin the actor to the node t
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -27,9 +28,44 @@ from megatron_rl.coordinator.config import CoordinatorConfig
 from megatron_rl.coordinator.queue import TrajectoryQueue
 from megatron_rl.drill.hooks import maybe_stop_coordinator
 
+VERBS = ("try_admit", "renew", "release", "admission_bound", "put_many", "take", "set_version", "queued_ids",
+         "metrics", "report_lag", "backpressure", "compact")
+"""The coordinator's API, declared once: TrajectoryQueue's methods of these names (queue.py: semantics,
+signatures, types) are the actor's, forwarded as they are (`_forwarder`); the driver's Coordinator
+(client.py) calls them by name (`remote_verb` for the ones it passes through).  A new verb: a queue
+method and its name here."""
+
+_BEFORE = {"put_many": lambda trajs, *a, **k: maybe_stop_coordinator(trajs)}
+"""Drill hooks run in the actor before a verb (coordinator_stop; no-op without MEGATRON_RL_DRILL)."""
+
+
+def _forwarder(name: str):
+    """The actor's method `name`: TrajectoryQueue.`name` on the actor's queue (its signature and docstring)."""
+    method, before = getattr(TrajectoryQueue, name), _BEFORE.get(name)
+
+    @functools.wraps(method)
+    def forward(self, *args, **kwargs):
+        if before is not None:
+            before(*args, **kwargs)
+        return method(self._queue, *args, **kwargs)
+
+    return forward
+
+
+def remote_verb(name: str):
+    """A client method (client.py) that calls verb `name` on the actor and waits for its answer."""
+    if name not in VERBS:
+        raise ValueError(f"{name!r} is not a coordinator verb (coordinator/actor.py VERBS)")
+
+    @functools.wraps(getattr(TrajectoryQueue, name))
+    def call(self, *args, **kwargs):
+        return self._get(getattr(self.actor, name).remote(*args, **kwargs))
+
+    return call
+
 
 class CoordinatorActor:
-    """Every public method forwards to TrajectoryQueue (see queue.py for semantics)."""
+    """The queue's VERBS, forwarded (generated below), plus what only the actor answers."""
 
     def __init__(self, config: CoordinatorConfig, tokenizer_hash: str):
         from megatron_rl.console import configure_worker_logging
@@ -40,46 +76,13 @@ class CoordinatorActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def try_admit(self, n: int, worker: str = "", request_id: str | None = None) -> list[str]:
-        return self._queue.try_admit(n, worker=worker, request_id=request_id)
-
-    def renew(self, lease_ids: list[str]) -> int:
-        return self._queue.renew(lease_ids)
-
-    def admission_bound(self) -> tuple[int, int]:
-        return self._queue.admission_bound()
-
-    def release(self, lease_ids: list[str]) -> None:
-        self._queue.release(lease_ids)
-
-    def put_many(self, trajs: list, lease_ids: list | None = None):
-        maybe_stop_coordinator(trajs)  # drill hook (coordinator_stop); no-op without MEGATRON_RL_DRILL
-        return self._queue.put_many(trajs, lease_ids)
-
-    def take(self, n: int, min_version: int | None = None, max_version: int | None = None,
-             request_id: str | None = None) -> list:
-        return self._queue.take(n, min_version=min_version, max_version=max_version, request_id=request_id)
-
-    def set_version(self, version: int) -> None:
-        self._queue.set_version(version)
-
-    def queued_ids(self) -> list[str]:
-        return self._queue.queued_ids()
-
     def position(self) -> int:
+        """The queue's log position (a property of the queue, a call on the actor)."""
         return self._queue.position
 
-    def metrics(self) -> dict[str, float]:
-        return self._queue.metrics()
 
-    def report_lag(self, dv_p95: float, d_lag_p95: float | None = None) -> None:
-        self._queue.report_lag(dv_p95=dv_p95, d_lag_p95=d_lag_p95)
-
-    def backpressure(self):
-        return self._queue.backpressure()
-
-    def compact(self) -> None:
-        self._queue.compact()
+for _verb in VERBS:
+    setattr(CoordinatorActor, _verb, _forwarder(_verb))
 
 
 def start_coordinator(config: CoordinatorConfig, *, tokenizer_hash: str, name: str | None = None,

@@ -9,7 +9,8 @@
 The whole staleness policy lives in this package: admission (admission.py, queue.py), the TTL
 (queue.py) and the take window below all read `CoordinatorConfig.max_staleness`; callers only see
 `lookahead`, how many rounds a producer may run ahead of the learner.  Every method is one Ray call
-on the actor (actor.py), which runs them one at a time.
+on the actor (actor.py), which runs them one at a time; the verbs are declared once (actor.py `VERBS`),
+and the ones this client passes through as they are come from there (`remote_verb`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_rl.coordinator.actor import start_coordinator
+from megatron_rl.coordinator.actor import remote_verb, start_coordinator
 from megatron_rl.coordinator.config import CoordinatorConfig
 
 if TYPE_CHECKING:
@@ -76,8 +77,7 @@ class Coordinator:
             self.admission_epoch += 1
             self._opened.notify_all()
 
-    def renew(self, leases: list[str]) -> int:
-        return self._get(self.actor.renew.remote(leases))
+    renew = remote_verb("renew")
 
     def release(self, leases: list[str]) -> None:
         self._get(self.actor.release.remote(leases))
@@ -135,8 +135,7 @@ class Coordinator:
                                                d_lag_p95=None if d_lag_p95 is None else float(d_lag_p95)))
         self.wake_admission()
 
-    def metrics(self) -> dict[str, float]:
-        return self._get(self.actor.metrics.remote())
+    metrics = remote_verb("metrics")
 
     def position(self) -> int:
         """The log position a checkpoint records."""

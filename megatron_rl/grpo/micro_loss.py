@@ -13,20 +13,15 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.grpo.loss import grpo_loss
+from megatron_rl.learner.micro_batches import per_micro_batch
 
 
 def micro_batch_denominators(mb: dict) -> tuple[float, float]:
     """(N/K, S/K) of a micro-batch: the global batch's tokens N and sequences S in the loss
-    (`tokens_in_loss`, `sequences_in_loss`) over the K micro-batches of its step
-    (`num_micro_batches`, set by the learner; it varies with a token budget).  Outside the learner
-    (no `num_micro_batches`) the batch's precomputed *_denominator entries are used."""
-    k = mb.get("num_micro_batches")
-    if k is None:
-        return float(mb["token_denominator"]), float(mb["sequence_denominator"])
-    if "tokens_in_loss" not in mb or "sequences_in_loss" not in mb:
-        raise KeyError("a learner micro-batch needs the global 'tokens_in_loss' and 'sequences_in_loss' "
-                       "(train.batch.build_batch provides them)")
-    return float(mb["tokens_in_loss"]) / k, float(mb["sequences_in_loss"]) / k
+    (`tokens_in_loss`, `sequences_in_loss`) over the K micro-batches of its step (the rule:
+    learner/micro_batches.py `per_micro_batch`)."""
+    return (per_micro_batch(mb, "tokens_in_loss", "token_denominator"),
+            per_micro_batch(mb, "sequences_in_loss", "sequence_denominator"))
 
 
 def grpo_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict, cfg):

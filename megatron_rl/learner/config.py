@@ -20,6 +20,21 @@ def uses_sequence_parallel(moe: bool, tp: int) -> bool:
     return moe and tp > 1
 
 
+def world_size(tp: int, pp: int, dp: int) -> int:
+    """The learner's rank count: tensor x pipeline x data parallel (expert parallelism lies within them).
+    The one place this product is taken (LearnerConfig.world_size, the planner's layout, resume checks)."""
+    return tp * pp * dp
+
+
+def batch_problem(batch: int, micro_batch_size: int, dp: int = 1) -> str | None:
+    """The one batch rule: a global batch splits into whole micro-batches of `micro_batch_size` rows on each
+    of `dp` data-parallel ranks.  None when `batch` does, else what is wrong (callers name their fields)."""
+    if batch % (micro_batch_size * dp):
+        split = f"micro_batch_size x dp = {micro_batch_size} x {dp}" if dp > 1 else f"micro_batch_size {micro_batch_size}"
+        return f"{batch} is not a multiple of {split}"
+    return None
+
+
 @dataclasses.dataclass(kw_only=True)
 class LearnerConfig:
     """Parallel layout, batch shape, optimizer and LR schedule of the Megatron learner."""
@@ -80,7 +95,7 @@ class LearnerConfig:
     @property
     def world_size(self) -> int:
         """Ranks of the learner: tensor x pipeline x data parallel (expert parallelism lies within them)."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+        return world_size(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
@@ -94,9 +109,9 @@ class LearnerConfig:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(f"learner.max_tokens_per_micro_batch must be an integer >= 1 (a token budget), or 0 or "
                              f"null (off: fixed micro-batches of micro_batch_size rows), got {budget!r}")
-        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"learner.global_batch_size {self.global_batch_size} is not a multiple of "
-                             f"micro_batch_size {self.micro_batch_size}")
+        problem = batch_problem(self.global_batch_size, self.micro_batch_size) if self.global_batch_size else None
+        if problem:
+            raise ValueError(f"learner.global_batch_size {problem}")
         if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"learner.lr must be > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         for name in ("weight_decay", "clip_grad", "adam_eps", "lr_warmup_steps"):

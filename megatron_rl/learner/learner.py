@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_rl.learner.config import LearnerConfig, SamplingConfig, uses_sequence_parallel
+from megatron_rl.learner.config import LearnerConfig, SamplingConfig, batch_problem, uses_sequence_parallel
 from megatron_rl.learner.logprobs import token_logprobs
 from megatron_rl.learner.micro_batches import MicroBatchPlan, plan_micro_batches
 from megatron_rl.learner.optimizer import build_optimizer, build_scheduler
@@ -108,6 +108,10 @@ class Learner:
         self.step = 0
 
     # ---- batches ---------------------------------------------------------------------------
+
+    def fits_micro_batch(self, micro_batch_size: int) -> bool:
+        """The global batch splits into micro-batches of this size on every data-parallel rank."""
+        return micro_batch_size >= 1 and batch_problem(self.cfg.global_batch_size, micro_batch_size, self.dp) is None
 
     def _plan(self, batch: dict) -> MicroBatchPlan:
         """This step's micro-batches (the same plan on every rank, see learner.micro_batches)."""
@@ -375,7 +379,7 @@ def _data_parallel_size(cfg: LearnerConfig, hf_cfg: HFModelConfig) -> int:
                          "use TP 1 (experts split by learner.expert_parallel_size) for routing replay")
     if cfg.global_batch_size is None:
         raise ValueError("learner.global_batch_size must be set (a training run derives it)")
-    if cfg.global_batch_size % (cfg.micro_batch_size * dp):
-        raise ValueError(f"learner.global_batch_size {cfg.global_batch_size} is not divisible by "
-                         f"micro_batch_size*dp = {cfg.micro_batch_size}*{dp}")
+    problem = batch_problem(cfg.global_batch_size, cfg.micro_batch_size, dp)
+    if problem:
+        raise ValueError(f"learner.global_batch_size {problem}")
     return dp

@@ -22,6 +22,12 @@ Two modes:
 
 `lengths` are the real token counts of the rows (prompt + response); positions at or beyond a
 row's length are padding and are never computed in budget mode.
+
+The micro-batch denominator (GRPO's and SFT's losses, grpo/micro_loss.py and learner/sft_loss.py):
+a micro-batch divides its sum by a global count over the step's K micro-batches (`per_micro_batch`),
+so the sum over micro-batches is the batch mean whatever K is.  The learner tells each micro-batch
+its K (`num_micro_batches`); a batch also carries the count over fixed micro-batches (`fixed_share`)
+for callers outside the learner.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from typing import Sequence
+
+from megatron_rl.learner.config import batch_problem
 
 
 @dataclasses.dataclass
@@ -70,8 +78,9 @@ def plan_micro_batches(lengths: Sequence[int], *, dp: int, micro_batch_size: int
         raise ValueError(f"row lengths must be within [1, {t}], got [{min(lengths)}, {max(lengths)}]")
     local = b // dp
     if not max_tokens:
-        if local % micro_batch_size:
-            raise ValueError(f"batch of {b} rows is not divisible by dp*micro_batch_size = {dp}*{micro_batch_size}")
+        problem = batch_problem(b, micro_batch_size, dp)
+        if problem:
+            raise ValueError(f"a batch of {problem}")
         ranks = [[(list(range(s, s + micro_batch_size)), t) for s in range(r * local, (r + 1) * local, micro_batch_size)]
                  for r in range(dp)]
         return MicroBatchPlan(ranks, sum(lengths))
@@ -118,3 +127,24 @@ def _split_costliest(micro: list[list[int]], lengths: list[int]) -> None:
     rows = micro[j]
     half = (len(rows) + 1) // 2
     micro[j:j + 1] = [rows[:half], rows[half:]]
+
+
+def per_micro_batch(mb: dict, total: str, fixed: str) -> float:
+    """A micro-batch's denominator: the global count `mb[total]` over the K micro-batches of its step
+    (`num_micro_batches`, set by the learner; a token budget makes it vary).  Outside the learner (no
+    `num_micro_batches`), the batch's precomputed `mb[fixed]` (fixed_share)."""
+    k = mb.get("num_micro_batches")
+    if k is None:
+        return float(mb[fixed])
+    if total not in mb:
+        raise KeyError(f"a learner micro-batch needs the global {total!r} (train.batch.build_batch and "
+                       "train.sft.sft_batch provide it)")
+    return float(mb[total]) / k
+
+
+def fixed_share(total: float, rows: int, micro_batch_size: int) -> float:
+    """`total` over the K = rows / micro_batch_size fixed micro-batches of a batch of `rows` rows."""
+    problem = batch_problem(rows, micro_batch_size)
+    if problem:
+        raise ValueError(f"a batch of {problem} rows")
+    return total / (rows // micro_batch_size)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl.learner.micro_batches import per_micro_batch
+
 
 def sft_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
     """Learner loss interface: this micro-batch's share of the batch-mean NLL, additive stats."""
@@ -17,6 +19,4 @@ def sft_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict) -> tuple[torch.Ten
     nll = -(logprobs_bt * mask).sum()
     with torch.no_grad():
         stats = {"nll_sum": nll.detach(), "tokens": mask.sum()}
-    k = mb.get("num_micro_batches")  # set by the learner: the K of this step
-    denominator = float(mb["tokens_in_loss"]) / k if k is not None else float(mb["token_denominator"])
-    return nll / denominator, stats
+    return nll / per_micro_batch(mb, "tokens_in_loss", "token_denominator"), stats

@@ -18,8 +18,8 @@ at another TP / PP, like the base weights.
 
 The base's digest (blake3 over the weight files of the HF directory the learner filled its base
 from, conversion/hf_io.py) goes into the checkpoint's COMMITTED manifest (`extra.lora_base_digest`,
-train/checkpointing.py): a resume on another base is refused before anything is loaded, and
-`megatron-rl convert` checks the base it merges into.
+train/resume.py lora_record): a resume on another base is refused before Ray or any model starts
+(resume.py check_lora, from open_run_dir), and `megatron-rl convert` checks the base it merges into.
 """
 
 from __future__ import annotations

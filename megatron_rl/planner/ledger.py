@@ -71,6 +71,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megatron_rl.learner.config import world_size
+
 GIB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -160,7 +162,7 @@ class LearnerLayout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return world_size(self.tp, self.pp, self.dp)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -120,7 +120,8 @@ class AdapterStore:
         model = self.manager._adapter_manager.model  # vLLM has no public way to add an adapter from memory
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         adapter = LoRAModel.from_lora_tensors(
-            int(version) + 1, {name: t for name, t in tensors}, helper, device="cpu",
+            # Copies: the staged tensors are views of the staging buffers the next publication is received into.
+            int(version) + 1, {name: t.clone() for name, t in tensors}, helper, device="cpu",
             dtype=self.manager.lora_config.lora_dtype, model_vocab_size=self.manager.vocab_size,
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None))

@@ -76,6 +76,17 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     return kwargs
 
 
+def prepare_actor(cfg: RolloutConfig) -> None:
+    """A rollout actor's process before its engine starts: worker logging, normal priority, and our
+    weight-transfer backends registered with vLLM here too (publish/vllm_engine.py)."""
+    from megatron_rl.console import configure_worker_logging
+
+    configure_worker_logging()
+    undo_ray_niceness()
+    if cfg.weight_transfer != "none":
+        import megatron_rl.publish.vllm_engine  # noqa: F401
+
+
 def undo_ray_niceness() -> None:
     """In a Ray actor, reset a raised nice value before vLLM spawns its processes.
 

@@ -64,14 +64,3 @@ class RolloutSample:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def prompt_params(params: dict[str, Any], extra: list[dict] | None, i: int) -> dict[str, Any]:
-    """Prompt i's sampling parameters: `params`, with its response budget capped by the prompt's own
-    (extra[i]["max_tokens"], from a dataset row's `max_tokens`, data/jsonl.py) when it carries one."""
-    budget = extra[i].get("max_tokens") if extra else None
-    if budget is None:
-        return params
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"prompt {i}: max_tokens must be an int >= 1, got {budget!r}")
-    return {**params, "max_tokens": min(int(params["max_tokens"]), budget)}

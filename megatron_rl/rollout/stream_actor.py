@@ -34,11 +34,11 @@ import uuid
 from typing import Any
 
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.engine_setup import eos_token_ids, undo_ray_niceness
+from megatron_rl.rollout.engine_setup import eos_token_ids, prepare_actor
 from megatron_rl.rollout.provenance import parse_label, weights_label
 from megatron_rl.rollout.stream_engine import BrokenWeights
-from megatron_rl.rollout.stream_groups import to_sample
-from megatron_rl.rollout.worker import RolloutWorker, prompt_params  # sample.py's, as worker.py uses it
+from megatron_rl.rollout.requests import prompt_params, to_sample
+from megatron_rl.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +82,8 @@ class StreamRolloutWorker(RolloutWorker):
     """One vLLM async engine behind RolloutWorker's methods; generate calls run concurrently."""
 
     def __init__(self, config: RolloutConfig | dict, stale: bool = False):  # noqa: D107 -- see RolloutWorker
-        from megatron_rl.console import configure_worker_logging
-
-        configure_worker_logging()
         self.config = RolloutConfig.of(config)
-        undo_ray_niceness()
-        if self.config.weight_transfer != "none":
-            import megatron_rl.publish.vllm_engine  # noqa: F401  (registers the backends here too)
+        prepare_actor(self.config)
         if not self.config.model or not os.path.isdir(self.config.model):
             raise FileNotFoundError(f"rollout.model: no checkpoint directory {self.config.model}")
         self._loop = asyncio.new_event_loop()

@@ -44,12 +44,12 @@ from typing import Any, Awaitable, Callable
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
+from megatron_rl.rollout.requests import SAMPLING_KEYS
 
 log = logging.getLogger(__name__)
 
 REFIT_MODES = ("wait", "recompute", "keep_kv")
 WORKER_EXTENSION = "megatron_rl.rollout.stream_worker.StreamWorkerExtension"  # loaded inside vLLM
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos")
 
 
 class StaleCacheError(RuntimeError):

@@ -18,23 +18,10 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Callable
 
+from megatron_rl.rollout.requests import to_sample
 from megatron_rl.rollout.sample import RolloutSample
 
 Sampling = Callable[[int, int], dict[str, Any]]  # (group index, sample index) -> sampling parameters
-
-
-def to_sample(result, sampling: dict[str, Any], started: float, finished: float,
-              extra: dict[str, Any] | None = None) -> RolloutSample:
-    """A finished StreamResult as a RolloutSample: per-token versions from its segments."""
-    versions, kv_versions = [], []
-    for seg in result.segments:
-        versions += [seg.version] * (seg.end - seg.start)
-        kv_versions += [seg.kv_version] * (seg.end - seg.start)
-    reason = result.finish_reason if result.finish_reason in ("stop", "length") else "abort"
-    return RolloutSample(prompt_tokens=list(result.prompt_tokens), response_tokens=list(result.response_tokens),
-                         behavior_logprobs=list(result.logprobs), policy_versions=versions, sampling=dict(sampling),
-                         finish_reason=reason, started_at=started, finished_at=finished,
-                         extra={**(extra or {}), "kv_versions": kv_versions, "request_id": result.request_id})
 
 
 async def groups_as_completed(stream, prompts: list[list[int]], sampling: Sampling, group_size: int,

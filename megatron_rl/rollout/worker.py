@@ -29,14 +29,12 @@ from megatron_rl.platform.priority import with_normal_priority
 from megatron_rl.publish.vllm_adapters import ServedAdapters
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import (engine_env, engine_identity, eos_token_ids, llm_kwargs, transfer_path,
-                                              undo_ray_niceness, watched)
+                                              prepare_actor, watched)
 from megatron_rl.rollout.provenance import token_provenance, weights_label
-from megatron_rl.rollout.sample import RolloutSample, prompt_params
+from megatron_rl.rollout.requests import call_params, check_prompts, prompt_params, sampling_defaults
+from megatron_rl.rollout.sample import RolloutSample
 
 log = logging.getLogger(__name__)
-
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos")
-
 
 class RolloutWorker:
     """One vLLM engine.  Methods are called through Ray (`.remote`) or directly."""
@@ -46,16 +44,10 @@ class RolloutWorker:
         no version of this run, so it serves nothing (version None) until a publication commits."""
         import torch
 
-        from megatron_rl.console import configure_worker_logging
-
-        configure_worker_logging()
-
         self.config = RolloutConfig.of(config)
-        undo_ray_niceness()
+        prepare_actor(self.config)
         on_gpu = torch.cuda.is_available()
         os.environ.update(engine_env(self.config, on_gpu))
-        if self.config.weight_transfer != "none":
-            import megatron_rl.publish.vllm_engine  # noqa: F401  (registers the backends here too)
         from vllm import LLM
 
         if not self.config.model or not os.path.isdir(self.config.model):
@@ -91,9 +83,7 @@ class RolloutWorker:
 
     # ---- generation -------------------------------------------------------------------
     def sampling_defaults(self) -> dict[str, Any]:
-        c = self.config
-        return dict(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_tokens,
-                    seed=None, stop_token_ids=list(c.stop_token_ids), ignore_eos=c.ignore_eos)
+        return sampling_defaults(self.config)
 
     def generate(
         self, prompts: list[list[int]], sampling: dict[str, Any] | None = None, n: int = 1,
@@ -141,25 +131,14 @@ class RolloutWorker:
     def _request_params(self, prompts: list[list[int]], sampling: dict[str, Any] | None, n: int,
                         extra: list[dict] | None) -> dict[str, Any]:
         """generate's arguments checked, and the sampling parameters they ask for (EOS ids added)."""
-        for i, p in enumerate(prompts):
-            if not p or not all(isinstance(t, int) and t >= 0 for t in p):
-                raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r:.80}")
+        check_prompts(prompts)
         return self._call_params(len(prompts), sampling, n, extra)
 
     def _call_params(self, count: int, sampling: dict[str, Any] | None, n: int,
                      extra: list[dict] | None) -> dict[str, Any]:
-        """The checks and sampling parameters of a call on `count` prompts (or episode examples), n each."""
-        unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
-        if unknown:
-            raise ValueError(f"unknown sampling key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if extra is not None and len(extra) != count:
-            raise ValueError(f"extra has {len(extra)} entries for {count} prompts")
-        params = {**self.sampling_defaults(), **(sampling or {})}
-        if not params["ignore_eos"]:
-            params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(self.eos_token_ids))
-        return params
+        """The checks and sampling parameters of a call on `count` prompts (or episode examples), n each
+        (rollout/requests.py, shared with the streaming actor)."""
+        return call_params(self.config, self.eos_token_ids, count, sampling, n, extra)
 
     def score(self, sequences: list[list[int]], version: int | None = None) -> list[list[float | None]]:
         """Teacher-forced logprob of every token given its prefix (first is None) [T], under the serving

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from megatron_rl.grpo.loss import compute_advantages
+from megatron_rl.learner.micro_batches import fixed_share
 from megatron_rl.trajectory import Trajectory
 
 
@@ -91,9 +92,6 @@ def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_bat
     # travel as they are; the learner tells each micro-batch the K of its step
     # (`num_micro_batches`, which a token budget makes vary).  The *_denominator entries are N/K
     # and S/K for fixed micro-batches of micro_batch_size, for callers outside the learner.
-    if b % micro_batch_size:
-        raise ValueError(f"batch of {b} sequences is not divisible by micro_batch_size={micro_batch_size}")
-    micro_batches = b // micro_batch_size
     batch = {
         "tokens": tokens,
         "loss_mask": mask,
@@ -102,8 +100,8 @@ def build_batch(trajs: Sequence[Trajectory], *, pad_id: int, loss_cfg, micro_bat
         "lengths": torch.tensor([tr.num_tokens for tr in trajs], dtype=torch.long),  # [B] real tokens per row
         "tokens_in_loss": max(total_tokens, 1.0),
         "sequences_in_loss": max(total_sequences, 1.0),
-        "token_denominator": max(total_tokens, 1.0) / micro_batches,
-        "sequence_denominator": max(total_sequences, 1.0) / micro_batches,
+        "token_denominator": fixed_share(max(total_tokens, 1.0), b, micro_batch_size),
+        "sequence_denominator": fixed_share(max(total_sequences, 1.0), b, micro_batch_size),
     }
     # Groups of unequal size are padded in the [N, G] matrix; count real samples only.
     stats["invalid_samples"] = float(sum(not t.in_loss for t in trajs))

@@ -1,15 +1,19 @@
 """Checkpoints of a training run: what a resume restores and what a checkpoint saves.
 
-    ckpt = Checkpointer(run_dir, cfg, tokenizer_hash=h, resume_from=restore_queue_snapshot(run_dir, cfg, h))
-    state, initial_eval = ckpt.resume(policy, source, coordinator)   # newest COMMITTED checkpoint, or step 0
-    path = ckpt.save(state, policy, source, coordinator, initial_eval=...)
+    resume_from = choose_resume(cfg)                  # train/resume.py: once per start
+    restore_queue_snapshot(run_dir, resume_from, h)   # before the coordinator starts
+    ckpt = Checkpointer(run_dir, cfg, tokenizer_hash=h, resume_from=resume_from)
+    state, initial_eval = ckpt.resume(policy, source, coordinator)   # GRPO: the resume point, or step 0
+    if ckpt.due(step, last): path = ckpt.save(state, policy, source, coordinator, initial_eval=...)
+    manifest = ckpt.restore(learner, cursor); ckpt.commit(step, step, learner, cursor, extra={"kind": "sft"})
 
-A checkpoint holds the learner (weights, optimizer, scheduler, per-rank RNG), a probe batch and
+A checkpoint holds the learner (weights, optimizer, scheduler, per-rank RNG; with learner.lora the adapters
+and their optimizer state, and the digest of the base they belong to), a probe batch and
 its logprobs (the shadow forward on resume, train/restart.py), the coordinator's queue (its SQLite
 log: admission leases, sampler RNG), the data cursor, and the rollout rounds generated ahead of
 the learner; COMMITTED (sha256 of every file) is written last.  The queue snapshot is put back
-before the coordinator starts (`restore_queue_snapshot`); a checkpoint of another learner layout
-is refused before anything starts (`check_resume_world`).
+before the coordinator starts (`restore_queue_snapshot`).  SFT checkpoints hold the learner and the
+data cursor only (`restore`, `commit`): both kinds go through this one class, with one cadence (`due`).
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from pathlib import Path
 from megatron_rl import __version__
 from megatron_rl.config import config_hash
 from megatron_rl.coordinator.client import Coordinator
-from megatron_rl.models.lora_checkpoint import BASE_DIGEST, base_digest, check_adapter_record, check_base_digest
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.policy import Policy
 from megatron_rl.train.producer import Round, TrainState
+from megatron_rl.train.resume import learner_world, lora_record
 from megatron_rl.train.rollout_source import RolloutSource
 
 logger = logging.getLogger(__name__)
@@ -37,87 +41,106 @@ PENDING_ROUNDS = "rollout_rounds.json"  # rounds generated before a checkpoint, 
 
 
 class Checkpointer:
-    """Saves and restores every part of a run's state; the checkpoint to resume was chosen (and
-    verified) by restore_queue_snapshot before the coordinator started."""
+    """Saves and restores every part of a run's state (GRPO: `resume`, `save`; SFT: `restore`, `commit`);
+    the checkpoint to resume was chosen once at the start (train/resume.py `choose_resume`)."""
 
     def __init__(self, run_dir: Path, cfg: TrainConfig, *, tokenizer_hash: str, resume_from: Path | None,
                  base_digest: str | None = None):
         self.run_dir = run_dir
-        self.base_digest = base_digest  # learner.lora: the frozen base's (lora_base_digest), recorded per checkpoint
+        self.base_digest = base_digest  # learner.lora: the frozen base's (train/resume.py check_lora), recorded
         self.config_hash = config_hash(cfg)
         self.tokenizer_hash = tokenizer_hash
         self.resume_from = resume_from
         self.keep = cfg.run.keep_checkpoints
+        self.every = cfg.run.checkpoint_every
         self.shadow_tolerance = cfg.run.shadow_tolerance
         self.learner_world = learner_world(cfg)
 
-    def resume(self, policy: Policy, source: RolloutSource, coordinator: Coordinator) -> tuple[TrainState, dict | None]:
-        """(state, the step-0 test eval the checkpoint recorded) after loading the learner, its RNG,
-        the data cursor and the pending rounds, and publishing the loaded version; step 0 without one."""
+    def due(self, step: int, last: int) -> bool:
+        """The checkpoint cadence: after every `run.checkpoint_every`-th step (0: none) and after the last."""
+        return bool(self.every and step % self.every == 0) or step == last
+
+    def restore(self, learner, cursor, *, shadow: bool = False) -> dict | None:
+        """Load the resume point into the learner (weights, optimizer, RNG) and the data cursor; its manifest,
+        or None when the run starts at step 0.  `shadow`: check the loaded weights against the checkpoint's
+        probe (train/restart.py) before anything else is restored."""
         from megatron_rl.checkpoint import load_checkpoint, load_rng_state, quarantine_newer
         from megatron_rl.train.restart import shadow_forward
 
-        ckpt = self.resume_from  # verified (sha256) before anything was restored from it
+        ckpt = self.resume_from  # verified (sha256) when it was chosen
         if ckpt is None:
-            coordinator.set_version(0)
-            return TrainState(step=0, version=0), None
+            return None
         manifest = load_checkpoint(ckpt, tokenizer_hash=self.tokenizer_hash, verify=False)
         if manifest["config_hash"] != self.config_hash:
             logger.warning("resuming %s written with a different config (hash %s, now %s)",
                            ckpt, manifest["config_hash"][:12], self.config_hash[:12])
-        learner = policy.learner
         learner.load(str(ckpt / "weights"))
         learner.set_rng_states({r: load_rng_state(ckpt, r) for r in manifest["rng"]["ranks"]})
-        shadow_forward(learner, ckpt, self.shadow_tolerance)  # refuses altered weights
-        source.cursor.load_state_dict(manifest["data_cursor"])
+        if shadow:
+            shadow_forward(learner, ckpt, self.shadow_tolerance)  # refuses altered weights
+        cursor.load_state_dict(manifest["data_cursor"])
+        quarantine_newer(ckpt.parent, int(manifest["step"]))  # newer step dirs failed verification
+        return manifest
+
+    def resume(self, policy: Policy, source: RolloutSource, coordinator: Coordinator) -> tuple[TrainState, dict | None]:
+        """(state, the step-0 test eval the checkpoint recorded) after loading the learner, its RNG,
+        the data cursor and the pending rounds, and publishing the loaded version; step 0 without one."""
+        manifest = self.restore(policy.learner, source.cursor, shadow=True)
+        if manifest is None:
+            coordinator.set_version(0)
+            return TrainState(step=0, version=0), None
+        ckpt = self.resume_from
         rounds = [Round.from_dict(d) for d in json.loads((ckpt / PENDING_ROUNDS).read_text())] \
             if (ckpt / PENDING_ROUNDS).is_file() else []
         state = TrainState(step=int(manifest["step"]), version=int(manifest["policy_version"]), rounds=rounds)
         logger.info("resumed from %s: step %d, policy version %d", ckpt, state.step, state.version)
         policy.publish(state.version)
         coordinator.set_version(state.version)
-        quarantine_newer(ckpt.parent, state.step)  # newer step dirs failed verification
         return state, manifest.get("extra", {}).get("initial_test_eval")
+
+    def commit(self, step: int, version: int, learner, cursor, *, write=None, coordinator_log_position=None,
+               extra: dict) -> Path:
+        """Save checkpoint `step`: the learner's weights, optimizer and RNG, the data cursor, what `write(tmp)`
+        adds, the manifest with `extra` and the learner layout (COMMITTED last); then rotate old ones."""
+        from megatron_rl.checkpoint import rotate, save_checkpoint
+
+        def save_fn(tmp: Path) -> None:
+            learner.save(str(tmp / "weights"))
+            if write is not None:
+                write(tmp)
+
+        ckpts = self.run_dir / "checkpoints"
+        path = save_checkpoint(
+            ckpts, step, policy_version=version, config_hash=self.config_hash, save_fn=save_fn,
+            tokenizer_hash=self.tokenizer_hash, data_cursor=cursor.state_dict(),
+            coordinator_log_position=coordinator_log_position, rng_states=learner.rng_states(),
+            extra={**extra, "learner_world": self.learner_world, **lora_record(self.base_digest)})
+        rotate(ckpts, self.keep)
+        logger.debug("checkpoint %s committed", path)  # checkpoint.py says it on the console
+        return path
 
     def save(self, state: TrainState, policy: Policy, source: RolloutSource, coordinator: Coordinator, *,
              initial_eval: dict | None) -> Path:
         """Save weights, optimizer, RNG, queue (with admission leases and sampler RNG), data cursor and
         the rollout rounds generated ahead of the learner; COMMITTED is written last."""
-        from megatron_rl.checkpoint import rotate, save_checkpoint
         from megatron_rl.train.restart import save_probe
 
         rounds = source.pause()  # nothing in flight: cursor, queue and rounds agree
         try:
-            position = coordinator.position()
-            ckpts = self.run_dir / "checkpoints"
             learner = policy.learner
 
-            def save_fn(tmp: Path) -> None:
-                learner.save(str(tmp / "weights"))
+            def write(tmp: Path) -> None:
                 save_probe(learner, rows=policy.settings.probe_rows, vocab_size=policy.settings.vocab_size,
                            ckpt_dir=tmp)
                 snapshot_queue(self.run_dir / QUEUE_DB, tmp / QUEUE_SNAPSHOT)
                 (tmp / PENDING_ROUNDS).write_text(json.dumps([r.to_dict() for r in rounds]))
 
-            path = save_checkpoint(
-                ckpts, state.step, policy_version=state.version, config_hash=self.config_hash,
-                save_fn=save_fn, tokenizer_hash=self.tokenizer_hash, data_cursor=source.cursor.state_dict(),
-                coordinator_log_position=position, rng_states=learner.rng_states(),
-                extra={"initial_test_eval": initial_eval, "package_version": __version__,
-                       "pending_rounds": [r.index for r in rounds], "learner_world": self.learner_world,
-                       **({BASE_DIGEST: self.base_digest} if self.base_digest else {})},
-            )
+            return self.commit(state.step, state.version, learner, source.cursor, write=write,
+                               coordinator_log_position=coordinator.position(),
+                               extra={"initial_test_eval": initial_eval, "package_version": __version__,
+                                      "pending_rounds": [r.index for r in rounds]})
         finally:
             source.unpause()
-        rotate(ckpts, self.keep)
-        logger.debug("checkpoint %s committed", path)  # checkpoint.py says it on the console
-        return path
-
-
-def learner_world(cfg: TrainConfig) -> dict:
-    """The learner layout a checkpoint records: (tensor, pipeline, data) parallel sizes."""
-    lc = cfg.learner
-    return {"tensor": lc.tensor_parallel_size, "pipeline": lc.pipeline_parallel_size, "data": lc.data_parallel_size}
 
 
 def snapshot_queue(src: Path, dst: Path) -> None:
@@ -127,62 +150,21 @@ def snapshot_queue(src: Path, dst: Path) -> None:
     with sqlite3.connect(str(src)) as a, sqlite3.connect(str(dst)) as b:
         a.backup(b)
 
-def check_resume_world(cfg: TrainConfig) -> None:
-    """Refuse, before anything starts, to resume a checkpoint saved by another learner layout.
+def restore_queue_snapshot(run_dir: Path, resume_from: Path | None, tokenizer_hash: str | None = None) -> None:
+    """Put the queue back as it was at checkpoint `resume_from` (train/resume.py `choose_resume`), or
+    start it empty (None).
 
-    The Megatron distributed checkpoint of model + optimizer could be resharded, but the
-    per-rank RNG states and the scheduler files are keyed by rank, so a resume at another
-    data-parallel (or tensor/pipeline) size would not be the run it claims to continue.
+    The choice verified every file of the checkpoint (sha256) before the live queue.db is touched, so
+    nothing of a corrupt one ever reaches the run directory; a checkpoint of another tokenizer is
+    refused (CheckpointError) with the live queue left as it is.
     """
-    from megatron_rl.checkpoint import CheckpointError, read_manifest, resume_checkpoint
+    from megatron_rl.checkpoint import load_checkpoint
 
-    ckpt = resume_checkpoint(Path(cfg.run.dir).resolve() / "checkpoints") if cfg.run.resume else None
-    if ckpt is None:
-        return
-    manifest = read_manifest(ckpt)
-    now = learner_world(cfg)
-    saved = manifest.get("extra", {}).get("learner_world")
-    if saved is None:  # written before the layout was recorded: the RNG files still count the ranks
-        ranks = len(manifest.get("rng", {}).get("ranks", []))
-        if ranks and ranks != now["tensor"] * now["pipeline"] * now["data"]:
-            raise CheckpointError(f"cannot resume {ckpt}: it was saved by {ranks} learner ranks, this run has "
-                                  f"{now['tensor'] * now['pipeline'] * now['data']}")
-        return
-    if saved != now:
-        raise CheckpointError(
-            f"cannot resume {ckpt}: it was saved by a learner with (tensor, pipeline, data) parallel sizes "
-            f"({saved['tensor']}, {saved['pipeline']}, {saved['data']}), this run has ({now['tensor']}, "
-            f"{now['pipeline']}, {now['data']}); per-rank RNG and scheduler state cannot be carried over. "
-            "Use the same layout, or start a new run directory (run.resume=false ignores the checkpoint)")
-
-def lora_base_digest(cfg: TrainConfig, model_dir: Path) -> str | None:
-    """With learner.lora: the digest of the frozen base (the run's model directory) its checkpoints
-    record and a resume must match; None for a full-parameter run."""
-    return base_digest(model_dir) if cfg.learner.lora.enabled else None
-
-
-def restore_queue_snapshot(run_dir: Path, cfg: TrainConfig, tokenizer_hash: str | None = None,
-                           base_digest: str | None = None, model_dir: Path | None = None) -> Path | None:
-    """Put the queue back as it was at the checkpoint we resume from (if any); returns that checkpoint.
-
-    The checkpoint is the newest one whose every file matches its COMMITTED manifest (sha256):
-    a corrupt or uncommitted newer one is skipped (the warning names the file) before the live
-    queue.db is touched, so nothing of it ever reaches the run directory; so is a checkpoint of
-    another tokenizer refused (CheckpointError) with the live queue left as it is, and one whose LoRA
-    adapters belong to another base than `base_digest` (that of `model_dir`, lora_base_digest) or whose
-    weights are not what this run's learner loads (adapters of other learner.lora settings, or none).
-    """
-    from megatron_rl.checkpoint import load_checkpoint, resume_checkpoint
-
-    ckpt = resume_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
-    if ckpt is not None:
-        manifest = load_checkpoint(ckpt, tokenizer_hash=tokenizer_hash, verify=False)  # files verified just above
-        check_base_digest(ckpt, manifest, base_digest, model_dir)
-        check_adapter_record(ckpt / "weights", cfg.learner.lora)  # adapters, or not, as this run's learner
+    if resume_from is not None:
+        load_checkpoint(resume_from, tokenizer_hash=tokenizer_hash, verify=False)  # files verified when chosen
     live = run_dir / QUEUE_DB
     for suffix in ("", "-wal", "-shm"):
         Path(str(live) + suffix).unlink(missing_ok=True)
-    if ckpt is not None and (ckpt / QUEUE_SNAPSHOT).exists():
-        shutil.copyfile(ckpt / QUEUE_SNAPSHOT, live)
-        logger.info("restored %s from %s", QUEUE_DB, ckpt / QUEUE_SNAPSHOT)
-    return ckpt
+    if resume_from is not None and (resume_from / QUEUE_SNAPSHOT).exists():
+        shutil.copyfile(resume_from / QUEUE_SNAPSHOT, live)
+        logger.info("restored %s from %s", QUEUE_DB, resume_from / QUEUE_SNAPSHOT)

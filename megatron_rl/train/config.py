@@ -41,7 +41,7 @@ from megatron_rl.audit.config import AuditConfig
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
 from megatron_rl.coordinator.config import CoordinatorConfig, for_run, run_section
 from megatron_rl.grpo.loss import GRPOLossConfig
-from megatron_rl.learner.config import MIN_TEMPERATURE, LearnerConfig, SamplingConfig
+from megatron_rl.learner.config import MIN_TEMPERATURE, LearnerConfig, SamplingConfig, batch_problem
 from megatron_rl.reward.math_verifier import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.train.stop import StopConfig
@@ -217,10 +217,12 @@ class TrainConfig:
         # Derived, never written: one batch size for the learner and the coordinator, the staleness
         # bound from run.mode (coordinator/config.py owns that rule).
         samples = self.run.prompts_per_step * self.run.group_size
-        if samples % self.learner.micro_batch_size:
+        mbs, dp = self.learner.micro_batch_size, self.learner.data_parallel_size
+        problem = batch_problem(samples, mbs, dp)  # learner/config.py: the one batch rule
+        if problem:
             raise ConfigError(f"run.prompts_per_step x run.group_size ({self.run.prompts_per_step} x "
-                              f"{self.run.group_size} = {samples}, the learner's global batch) must be a multiple "
-                              f"of learner.micro_batch_size ({self.learner.micro_batch_size})")
+                              f"{self.run.group_size}, the learner's global batch): {problem} "
+                              "(learner.micro_batch_size x learner.data_parallel_size)")
         self.learner = dataclasses.replace(self.learner, global_batch_size=samples)
         self.coordinator = for_run(self.coordinator, mode=self.run.mode, batch_size=samples)
         problem = self.rollout.run_problem(placement=self.run.placement, mode=self.run.mode)  # device: at start-up
@@ -231,9 +233,10 @@ class TrainConfig:
                               "rollout engines (use 'gloo', or 'nccl' with run.placement 'disaggregated')")
 
         sft_batch = self.sft.global_batch_size
-        if sft_batch is not None and sft_batch % self.learner.micro_batch_size:
-            raise ConfigError(f"sft.global_batch_size ({sft_batch}) must be a multiple of learner.micro_batch_size "
-                              f"({self.learner.micro_batch_size})")
+        problem = batch_problem(sft_batch, mbs, dp) if sft_batch is not None else None
+        if problem:
+            raise ConfigError(f"sft.global_batch_size: {problem} (learner.micro_batch_size x "
+                              "learner.data_parallel_size)")
         if self.sft.first and self.model.init_from is not None:
             raise ConfigError("sft.first runs SFT and starts GRPO from it, but model.init_from already names the "
                               "policy to start from; set only one")

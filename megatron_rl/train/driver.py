@@ -44,7 +44,7 @@ from megatron_rl.rollout.fleet import RolloutFailed
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.learner_group import LearnerDied, LearnerOutOfMemory
 from megatron_rl.train.restart import EXIT_CANARY, CanaryFailed, check_canary
-from megatron_rl.train.checkpointing import check_resume_world
+from megatron_rl.train.resume import choose_resume
 from megatron_rl.train.policy import PublicationError
 from megatron_rl.train.roles import Roles
 from megatron_rl.train.stop import StopConditionMet
@@ -78,8 +78,8 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
     signal, StopConditionMet (a SystemExit with the condition's code, train/stop.py) when a stop
     condition holds; both after a checkpoint."""
     stop = stop or StopFlag()
-    check_resume_world(cfg)                                              # refuse before starting anything
-    roles = Roles.build(cfg, pool)
+    resume_from = choose_resume(cfg)                                     # once; another layout refused here
+    roles = Roles.build(cfg, pool, resume_from=resume_from)
     source, scorer, coordinator = roles.source, roles.scorer, roles.coordinator
     policy, report = roles.policy, roles.reporter
     with contextlib.closing(roles), _errors_as_exits(roles.run_dir):
@@ -104,7 +104,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
             coordinator.report_lag(learn["dv"], learn.get("d_lag/p95"))  # backpressure
             report.record_consumed(step + 1, taken)
             state.version += 1
-            t_pub = policy.publish(state.version)                        # all groups or none
+            t_pub = policy.publish(state.version)                        # every reachable group, whole
             coordinator.set_version(state.version)                       # admission moves on
             state.step = step + 1
             report.log_step(step + 1, rnd, trajs, taken, learn, queue=coordinator.metrics(),
@@ -114,8 +114,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0 and step + 1 < cfg.run.steps:
                 report.log_eval(step + 1, split="dev")
             condition = report.stop_condition()                          # stop rules (train/stop.py)
-            due = cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0
-            if due or stop.requested or condition or step + 1 == cfg.run.steps:
+            if roles.checkpointer.due(step + 1, cfg.run.steps) or stop.requested or condition:
                 roles.checkpointer.save(state, policy, source, coordinator, initial_eval=report.initial_eval)
             if condition:
                 source.stop()

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from megatron_rl.train.config import TrainConfig
+from megatron_rl.train.start_model import init_from_model_dir
 from megatron_rl.config import ConfigError
 
 
@@ -33,18 +34,6 @@ def model_config(cfg: TrainConfig):
 
     spec = cfg.model.tiny
     return load_hf_config(build_config(spec.arch, spec.size).to_dict())
-
-
-def init_from_model_dir(run_dir: str | Path) -> Path:
-    """The model (config, tokenizer) of the run `model.init_from` names; it must have a
-    COMMITTED checkpoint to start from."""
-    from megatron_rl.checkpoint import latest_committed
-    from megatron_rl.conversion.mcore_to_hf import training_checkpoint_model_dir
-
-    ckpt = latest_committed(Path(run_dir) / "checkpoints", verify=True)
-    if ckpt is None:
-        raise FileNotFoundError(f"model.init_from {run_dir}: no intact COMMITTED checkpoint to start from")
-    return training_checkpoint_model_dir(ckpt)
 
 
 def run_tokenizer(cfg: TrainConfig):
@@ -64,25 +53,21 @@ def run_tokenizer(cfg: TrainConfig):
 
 
 def check_resume_tokenizer(cfg: TrainConfig) -> str | None:
-    """Refuse to resume a checkpoint written with another tokenizer; returns the checkpoint path."""
-    from megatron_rl.checkpoint import read_manifest, resume_checkpoint
-    from megatron_rl.models.tokenizer import tokenizer_hash
+    """The checkpoint the start will resume from (the same rule: train/resume.py `choose_resume`, which
+    refuses another learner layout), refused when written with another tokenizer; its path or None."""
+    from megatron_rl.train.resume import check_lora, check_tokenizer, choose_resume
 
     run_dir = Path(cfg.run.dir)
-    # The newest checkpoint whose files all match their sha256; bad ones are skipped, naming the file.
-    ckpt = resume_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
+    ckpt = choose_resume(cfg)
     if ckpt is None:
         return None
     if cfg.model.init_from is not None:
         model_dir = init_from_model_dir(cfg.model.init_from)
     else:
         model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
-    if (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists():
-        ours = tokenizer_hash(model_dir)
-        theirs = read_manifest(ckpt).get("tokenizer_hash")
-        if theirs and theirs != ours:
-            raise ConfigError(f"checkpoint {ckpt} was written with tokenizer {theirs[:12]}..., but "
-                             f"{model_dir} has tokenizer {ours[:12]}...: refusing to resume across tokenizers")
+    check_tokenizer(ckpt, model_dir)
+    if (model_dir / "config.json").is_file():  # model.tiny not made yet: nothing to compare
+        check_lora(ckpt, cfg, model_dir)  # a LoRA checkpoint: the same base and adapter settings
     return str(ckpt)
 
 
@@ -165,10 +150,6 @@ def check_and_plan(cfg: TrainConfig) -> dict:
     if hf.num_heads % cfg.rollout.tensor_parallel_size or hf.num_kv_heads % cfg.rollout.tensor_parallel_size:
         raise ConfigError(f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide "
                          f"num_heads {hf.num_heads} and num_kv_heads {hf.num_kv_heads}")
-    if lc.global_batch_size % (lc.micro_batch_size * lc.data_parallel_size):
-        raise ConfigError(f"run.prompts_per_step x run.group_size = {lc.global_batch_size} (the learner's batch) is "
-                         f"not divisible by learner.micro_batch_size x learner.data_parallel_size = "
-                         f"{lc.micro_batch_size} x {lc.data_parallel_size}")
     splits, template = load_task(cfg.data)
     fitted = fit_prompts(splits, template, run_tokenizer(cfg), cfg.prompt_token_limit)
     splits = fitted.splits

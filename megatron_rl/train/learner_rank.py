@@ -148,7 +148,7 @@ class LearnerWorker:
             half = mbs // 2
             logger.warning("learner step %d: out of memory at micro_batch_size %d (%s); step abandoned, "
                            "retrying at %d", self.learner.step, mbs, str(err).splitlines()[0], half)
-        if half < 1 or self.learner.cfg.global_batch_size % (half * self.learner.dp):
+        if not self.learner.fits_micro_batch(half):
             raise LearnerOutOfMemory(f"learner step {self.learner.step} ran out of memory at micro_batch_size "
                                      f"{mbs}, which cannot be halved; nothing of the step was applied")
         cfg = self.learner.cfg

@@ -24,9 +24,10 @@ import torch
 def reconcile(cfg, max_rows: int = 8) -> dict:
     from megatron_rl.grpo.loss import grpo_loss
     from megatron_rl.train.batch import build_batch
+    from megatron_rl.train.resume import choose_resume
     from megatron_rl.train.roles import Roles
 
-    roles = Roles.build(cfg)
+    roles = Roles.build(cfg, resume_from=choose_resume(cfg))
     try:
         state, _ = roles.checkpointer.resume(roles.policy, roles.source, roles.coordinator)
         samples, _ = roles.source.sample_round(state.step)

@@ -3,6 +3,7 @@ and the log of what each learner step consumed.
 
     reporter = Reporter(run_dir, MetricsLogger(run_dir / "metrics"), StopRules(cfg.stop), evaluator, steps=100)
     reporter.log_step(step, rnd, trajs, taken, learn, phases, queue=coord.metrics(), verifier=scorer.counters())
+    reporter.log_sft_step(step, out, seconds)  # an SFT run's step (train/sft.py: no stop rules, its own evaluator)
     reporter.log_eval(step, split="dev")       # greedy pass@1 on a held-out split
     reporter.final_eval(step)                  # the test split at the end, logged once across resumes
     condition = reporter.stop_condition()      # train/stop.py
@@ -27,7 +28,7 @@ from megatron_rl.metrics import MetricsLogger, logged_test_evals
 from megatron_rl.train.producer import Round
 from megatron_rl.rollout.fleet import RolloutFleet
 from megatron_rl.train.stop import STOP_FILE, StopCondition, StopConfig, StopRules
-from megatron_rl.train.telemetry import Telemetry, progress_line
+from megatron_rl.train.telemetry import Telemetry, progress_line, sft_progress_line, sft_step_metrics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -67,9 +68,11 @@ class Evaluator:
 
 
 class Reporter:
-    """Owns the metrics logger, the telemetry window, the stop rules and the evals' results."""
+    """Owns the metrics logger, the telemetry window, the stop rules and the evals' results.  The evaluator
+    is anything with `run(step, split) -> summary` (Evaluator here; SFT's export and fresh engine, train/sft.py);
+    `stop_rules` None: the run has none (SFT)."""
 
-    def __init__(self, run_dir: Path, metrics: MetricsLogger, stop_rules: StopRules, evaluator: Evaluator, *,
+    def __init__(self, run_dir: Path, metrics: MetricsLogger, stop_rules: StopRules | None, evaluator, *,
                  steps: int):
         self.run_dir, self.metrics, self.stop_rules, self.evaluator, self.steps = \
             run_dir, metrics, stop_rules, evaluator, steps
@@ -94,7 +97,8 @@ class Reporter:
         """Steps after `step` are redone by a resumed run: drop what an earlier attempt logged of them,
         then count the generated tokens of those kept (stop.max_generated_tokens across resumes)."""
         self.metrics.rewind(step if step else -1)
-        self.stop_rules.restore(self.run_dir / "metrics" / "metrics.jsonl")
+        if self.stop_rules is not None:
+            self.stop_rules.restore(self.run_dir / "metrics" / "metrics.jsonl")
         self._logged_test = logged_test_evals(self.run_dir / "metrics" / "metrics.jsonl")
 
     def final_eval(self, step: int) -> dict:
@@ -126,6 +130,13 @@ class Reporter:
         progress(progress_line(step, self.steps, metrics, sum(self._step_seconds) / len(self._step_seconds)),
                  step=step, total=self.steps)
 
+    def log_sft_step(self, step: int, out: dict, seconds: float) -> None:
+        """Log one SFT learner step (the `sft/` panel, train/telemetry.py) and its console line."""
+        self.metrics.log(step, sft_step_metrics(out, seconds))
+        self._step_seconds.append(seconds)
+        progress(sft_progress_line(step, self.steps, out, sum(self._step_seconds) / len(self._step_seconds),
+                                   float(out["tokens"]) / max(seconds, 1e-9)), step=step, total=self.steps)
+
     def log_eval(self, step: int, split: str) -> float:
         """Greedy pass@1 on a held-out split (dev during training, the hidden test split at the
         ends); logs reward, correctness and format apart, returns the mean reward."""
@@ -133,7 +144,8 @@ class Reporter:
         metrics = {f"eval/{split}_reward": s["reward"], f"eval/{split}_correctness": s["correctness"],
                    f"eval/{split}_format": s["format"], f"eval/{split}_verifier_errors": float(s["verifier_errors"])}
         self.metrics.log(step, metrics)
-        self.stop_rules.observe(step, metrics)
+        if self.stop_rules is not None:
+            self.stop_rules.observe(step, metrics)
         if step == 0 and split == "test" and self.initial_eval is None:
             self.initial_eval = {k: s[k] for k in ("reward", "correctness", "format")}
         logger.info("eval step %d on %s: mean reward %.3f, correctness %.3f", step, split, s["reward"],

@@ -1,7 +1,7 @@
 """The roles of a training run, each built from its own config section and the handles it uses.
 
-    roles = Roles.build(cfg)     # Ray, run inputs, coordinator, rollout source, scorer, policy, ...
-    roles = Roles.build(cfg, pool)   # the experiment runner's engine pool (train/engine_pool.py) serves it
+    roles = Roles.build(cfg, resume_from=choose_resume(cfg))   # Ray, run inputs, coordinator, source, ...
+    roles = Roles.build(cfg, pool, resume_from=...)   # the experiment runner's engine pool (train/engine_pool.py)
     ... the loop in driver.py ...
     roles.close()
 
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 from megatron_rl.audit.auditor import Auditor
 from megatron_rl.coordinator.client import Coordinator
-from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, lora_base_digest, restore_queue_snapshot
+from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, restore_queue_snapshot
 from megatron_rl.train.engine_pool import EnginePool
 from megatron_rl.train.placement import Placement, gpu_path_choices
 from megatron_rl.train.policy import Policy
@@ -55,14 +56,14 @@ class Roles:
         return self.inputs.run_dir
 
     @classmethod
-    def build(cls, cfg, pool: EnginePool | None = None) -> "Roles":
+    def build(cls, cfg, pool: EnginePool | None = None, *, resume_from: Path | None) -> "Roles":
         """Each role from its own config section (cfg: the run's TrainConfig, train/config.py) and the
         handles it uses.  `pool`: the experiment runner's (placement, engines and learner actors come from
-        it, and go back to it at close); None, the run starts and ends its own."""
-        inputs = open_run_dir(cfg, kind="train")
+        it, and go back to it at close); None, the run starts and ends its own.  `resume_from`: the
+        checkpoint this start resumes from, or None (chosen once by the caller: train/resume.py `choose_resume`)."""
+        inputs = open_run_dir(cfg, kind="train", resuming=resume_from is not None, resume_from=resume_from)
         own_ray = start_ray(cfg.run)
-        base_digest = lora_base_digest(cfg, inputs.model_dir)  # learner.lora: adapters resume on their own base only
-        resume_from = restore_queue_snapshot(inputs.run_dir, cfg, inputs.tokenizer_hash, base_digest, inputs.model_dir)
+        restore_queue_snapshot(inputs.run_dir, resume_from, inputs.tokenizer_hash)
         coordinator = Coordinator.start(cfg.coordinator, wal_path=inputs.run_dir / QUEUE_DB,
                                         tokenizer_hash=inputs.tokenizer_hash, take_timeout_s=cfg.run.take_timeout_s)
         lc = cfg.learner
@@ -90,7 +91,7 @@ class Roles:
         if fleet.handed_over:  # an earlier run's engines: they serve once this run's weights are on them
             policy.publish(0)
         checkpointer = Checkpointer(inputs.run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from,
-                                    base_digest=base_digest)
+                                    base_digest=inputs.base_digest)  # LoRA: recorded in each checkpoint
         reporter = Reporter.create(cfg.stop, steps=cfg.run.steps, eval_size=cfg.data.eval_size, run_dir=inputs.run_dir,
                                    fleet=fleet, verifier=scorer.verifier, splits=inputs.splits,
                                    template=inputs.template, tokenizer=inputs.tokenizer, env=source.spec.env)

@@ -44,6 +44,8 @@ class RunInputs:
     """The PromptTemplate that encodes an example into prompt tokens."""
     prompts_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
     """Prompts over the run's prompt_token_limit dropped from each split (data/prompt_length.py)."""
+    base_digest: str | None = None
+    """A LoRA training run's: the digest of its frozen base (model_dir's weights) its checkpoints record."""
 
     @property
     def vocab_size(self) -> int:
@@ -54,20 +56,22 @@ class RunInputs:
         return self.tokenizer.pad_token_id or 0
 
 
-def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
+def open_run_dir(cfg: TrainConfig, kind: str, *, resuming: bool = False, resume_from: Path | None = None) -> RunInputs:
     """What every run (train, sft) does first, before any Ray/vLLM/Megatron start: the run
     directory with its resolved config, seeds, the model to start from, its tokenizer, the data
     splits (checked encodable; prompts longer than the engine takes dropped and counted), and
-    run_manifest.json (a resume with other inputs is refused).
+    run_manifest.json (a resume with other inputs is refused).  `resuming`: this start resumes a
+    checkpoint (train/resume.py `choose_resume` chose one); a training run with learner.lora is given it
+    (`resume_from`): its adapters must belong to this base and these adapter settings (resume.py check_lora).
 
     Returns the RunInputs.
     """
     from transformers import AutoTokenizer
 
-    from megatron_rl.checkpoint import latest_committed
     from megatron_rl.models.tokenizer import tokenizer_hash
     from megatron_rl.run_manifest import model_identity, open_run
     from megatron_rl.train.learner_build import seed_everything
+    from megatron_rl.train.resume import check_lora
 
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -80,13 +84,14 @@ def open_run_dir(cfg: TrainConfig, kind: str) -> RunInputs:
     fitted = fit_prompts(splits, template, tokenizer, cfg.prompt_token_limit)
     splits = fitted.splits
     tok_hash = tokenizer_hash(model_dir)
+    digest = check_lora(resume_from, cfg, model_dir) if kind == "train" else None  # SFT trains every parameter
     open_run(run_dir, kind=kind, config_hash=config_hash(cfg),
-             resuming=cfg.run.resume and latest_committed(run_dir / "checkpoints") is not None, model_dir=model_dir,
+             resuming=resuming, model_dir=model_dir,
              prompts=fitted.record(),
              identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
                        "dataset_version": splits["train"].dataset_version,
                        "grader_version": cfg.reward.grader_version()})
-    return RunInputs(run_dir, model_dir, tokenizer, tok_hash, splits, template, fitted.dropped)
+    return RunInputs(run_dir, model_dir, tokenizer, tok_hash, splits, template, fitted.dropped, digest)
 
 def close_run_dir(run_dir: Path) -> None:
     """The end of this attempt, in run_manifest.json (open_run_dir began it)."""

@@ -40,3 +40,15 @@ def prepare_model(model: ModelConfig, run_dir: Path) -> Path:
         spec = model.tiny
         make_tiny_model(path, arch=spec.arch, size=spec.size, seed=spec.seed)
     return path
+
+
+def init_from_model_dir(run_dir: str | Path) -> Path:
+    """The model (config, tokenizer) of the run `model.init_from` names; it must have a
+    COMMITTED checkpoint to start from."""
+    from megatron_rl.checkpoint import latest_committed
+    from megatron_rl.conversion.mcore_to_hf import training_checkpoint_model_dir
+
+    ckpt = latest_committed(Path(run_dir) / "checkpoints", verify=True)
+    if ckpt is None:
+        raise FileNotFoundError(f"model.init_from {run_dir}: no intact COMMITTED checkpoint to start from")
+    return training_checkpoint_model_dir(ckpt)

@@ -156,6 +156,13 @@ def progress_line(step: int, total: int, metrics: dict, seconds_per_step: float)
             f"eta {_duration(eta)}")
 
 
+def sft_step_metrics(out: dict, seconds: float) -> dict:
+    """An SFT learner step's metrics (the `sft/` panel) from its output and wall time."""
+    return {"sft/loss": out["loss"], "sft/nll_per_token": out["nll_sum"] / max(out["tokens"], 1),
+            "sft/tokens": out["tokens"], "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"],
+            "latency/sft_step_s": seconds}
+
+
 def sft_progress_line(step: int, total: int, out: dict, seconds_per_step: float, tokens_per_s: float) -> str:
     """The SFT step's console line: step/total, loss, NLL per token, grad norm, tokens/s, ETA."""
     def fmt(value, spec: str) -> str:

@@ -30,6 +30,7 @@ from megatron_rl.cli import main
 from megatron_rl.train.config import load_train_config
 from megatron_rl.train.dry_run import check_and_plan, check_safetensors
 from megatron_rl.train.checkpointing import QUEUE_DB, QUEUE_SNAPSHOT, restore_queue_snapshot
+from megatron_rl.train.resume import choose_resume
 from tests.e2e.conftest import TINY
 
 pytestmark = pytest.mark.unit
@@ -106,7 +107,9 @@ def test_live_queue_is_never_restored_from_a_bad_checkpoint(tmp_path):
     ckpts = _run_with_two_checkpoints(run_dir)
     _flip(ckpts / "step_000004" / "weights" / "model.pt")  # the snapshot itself is fine: the checkpoint is not
     cfg = load_train_config(TINY, [f"run.dir={run_dir}"])
-    assert restore_queue_snapshot(run_dir, cfg) == ckpts / "step_000002"
+    resume_from = choose_resume(cfg)
+    assert resume_from == ckpts / "step_000002"
+    restore_queue_snapshot(run_dir, resume_from)
     assert _marker(run_dir / QUEUE_DB) == "queue of step 2"
 
 
@@ -118,7 +121,7 @@ def test_nothing_restored_when_no_checkpoint_verifies(tmp_path):
     _queue_db(run_dir / QUEUE_DB, "live")
     cfg = load_train_config(TINY, [f"run.dir={run_dir}"])
     with pytest.raises(CheckpointError):
-        restore_queue_snapshot(run_dir, cfg)
+        restore_queue_snapshot(run_dir, choose_resume(cfg))
     assert _marker(run_dir / QUEUE_DB) == "live"
 
 
@@ -205,5 +208,5 @@ def test_live_queue_kept_when_the_checkpoint_has_another_tokenizer(tmp_path):
     _queue_db(run_dir / QUEUE_DB, "live")
     cfg = load_train_config(TINY, [f"run.dir={run_dir}"])
     with pytest.raises(CheckpointError, match="tokenizer"):
-        restore_queue_snapshot(run_dir, cfg, tokenizer_hash="b" * 64)
+        restore_queue_snapshot(run_dir, choose_resume(cfg), tokenizer_hash="b" * 64)
     assert _marker(run_dir / QUEUE_DB) == "live"

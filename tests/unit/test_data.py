@@ -139,7 +139,7 @@ def test_cursor_covers_each_epoch_and_resumes_exactly():
 
 
 def test_jsonl_max_tokens_is_the_prompts_response_budget(tmp_path):
-    from megatron_rl.rollout.sample import prompt_params
+    from megatron_rl.rollout.requests import prompt_params
 
     path = tmp_path / "budget.jsonl"
     path.write_text(json.dumps({"question": "a", "answer": "1", "max_tokens": 8}) + "\n"

@@ -93,8 +93,12 @@ def test_start_up_choice_uses_the_run_config():
     with pytest.raises(ConfigError, match="rollout.weight_transfer 'ipc' needs CUDA"):
         gpu_path_choices(ipc, "cpu")
     sync_gpu = SimpleNamespace(run=SimpleNamespace(placement="colocated", mode="sync"),
-                               rollout=SimpleNamespace(weight_transfer="auto", sleep_mode=None))
+                               rollout=SimpleNamespace(weight_transfer="auto", sleep_mode=None),
+                               learner=SimpleNamespace(lora=SimpleNamespace(enabled=False)))
     assert gpu_path_choices(sync_gpu, "cuda")[:2] == ("ipc", True)
+    sync_gpu.learner.lora.enabled = True  # a LoRA run's engines keep their adapters: no sleep
+    transport, sleeps, why = gpu_path_choices(sync_gpu, "cuda")
+    assert (transport, sleeps) == ("ipc", False) and "learner.lora.enabled" in why
 
 
 @pytest.mark.parametrize("placement, device, mode, on, says", [

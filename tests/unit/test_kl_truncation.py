@@ -56,7 +56,7 @@ def test_the_reference_is_scored_untruncated_at_the_sampling_temperature(monkeyp
     asked = []
     learner = SimpleNamespace(
         sampling=SAMPLING, platform=None, config=None,
-        cfg=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cfg=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, lora=SimpleNamespace(enabled=False)),
         forward_logprobs=lambda tokens, lengths=None, model=None, sampling=None: asked.append(sampling))
     policy = SimpleNamespace(learner=learner, hf_cfg=None, checkpoint=None, tp_rank=0, padded_vocab=128)
     Reference(policy).logprobs(torch.zeros(1, 3, dtype=torch.long))

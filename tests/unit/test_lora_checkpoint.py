@@ -3,11 +3,11 @@
     python -m pytest tests/unit/test_lora_checkpoint.py -q
 
 Pure file tests (no Megatron): the base digest follows the base's weight bytes; a committed checkpoint
-recording one base's digest is refused by restore_queue_snapshot (before the queue is touched) for a
-run on another base, with both digests and the model directory in the message, and accepted on its
-own; a full-parameter checkpoint is refused by a LoRA run and the reverse; other adapter settings are
-refused by field, also by restore_queue_snapshot before the run starts.  (tests/dist/
-test_lora_parallel_equivalence.py saves and resumes real adapters.)
+recording one base's digest is refused by train/resume.py check_lora (which open_run_dir runs before
+anything starts) for a run on another base, with both digests and the model directory in the message,
+and accepted on its own; a full-parameter checkpoint is refused by a LoRA run and the reverse; other
+adapter settings are refused by field.  (tests/dist/test_lora_parallel_equivalence.py saves and resumes
+real adapters.)
 """
 
 import types
@@ -21,7 +21,7 @@ from megatron_rl.config import ConfigError
 from megatron_rl.models.lora import LoraConfig
 from megatron_rl.models.lora_checkpoint import (BASE_DIGEST, base_digest, check_adapter_record,
                                                 write_adapter_record)
-from megatron_rl.train.checkpointing import lora_base_digest, restore_queue_snapshot
+from megatron_rl.train.resume import check_lora
 
 CONFIG = ('{"architectures": ["LlamaForCausalLM"], "vocab_size": 16, "hidden_size": 8, "intermediate_size": 16, '
           '"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, '
@@ -41,7 +41,7 @@ def _base(path, bump=0.0):
 
 
 def _cfg(lora):
-    return types.SimpleNamespace(run=types.SimpleNamespace(resume=True), learner=types.SimpleNamespace(lora=lora))
+    return types.SimpleNamespace(learner=types.SimpleNamespace(lora=lora))
 
 
 @pytest.fixture
@@ -49,44 +49,40 @@ def lora_run(tmp_path):
     base, other = _base(tmp_path / "base"), _base(tmp_path / "other", bump=1e-3)
     run_dir = tmp_path / "run"
     lora = LoraConfig(enabled=True, rank=4)
-    digest = lora_base_digest(_cfg(lora), base)
+    digest = check_lora(None, _cfg(lora), base)
 
     def save_fn(tmp):
         (tmp / "weights").mkdir()
         write_adapter_record(tmp / "weights", lora)
 
-    save_checkpoint(run_dir / "checkpoints", 3, policy_version=3, config_hash="c", save_fn=save_fn,
-                    extra={BASE_DIGEST: digest})
-    return types.SimpleNamespace(base=base, other=other, run_dir=run_dir, lora=lora, digest=digest)
+    ckpt = save_checkpoint(run_dir / "checkpoints", 3, policy_version=3, config_hash="c", save_fn=save_fn,
+                           extra={BASE_DIGEST: digest})
+    return types.SimpleNamespace(base=base, other=other, ckpt=ckpt, lora=lora, digest=digest)
 
 
 def test_digest_follows_the_base_weights(lora_run):
     assert lora_run.digest.startswith("blake3:") and lora_run.digest == base_digest(lora_run.base)
     assert base_digest(lora_run.other) != lora_run.digest
-    assert lora_base_digest(_cfg(LoraConfig(enabled=False)), lora_run.base) is None
+    assert check_lora(None, _cfg(LoraConfig(enabled=False)), lora_run.base) is None
 
 
-def test_resume_on_another_base_is_refused_before_the_queue_is_touched(lora_run):
-    (lora_run.run_dir / "queue.db").write_text("live")
+def test_resume_on_another_base_is_refused_naming_both(lora_run):
     cfg = _cfg(lora_run.lora)
-    other = base_digest(lora_run.other)
     with pytest.raises(CheckpointError) as err:
-        restore_queue_snapshot(lora_run.run_dir, cfg, None, other, lora_run.other)
-    for words in ("step_000003", lora_run.digest, other, str(lora_run.other), "LoRA adapters"):
+        check_lora(lora_run.ckpt, cfg, lora_run.other)
+    for words in ("step_000003", lora_run.digest, base_digest(lora_run.other), str(lora_run.other), "LoRA adapters"):
         assert words in str(err.value)
-    assert (lora_run.run_dir / "queue.db").read_text() == "live"
-    ckpt = restore_queue_snapshot(lora_run.run_dir, cfg, None, lora_run.digest, lora_run.base)
-    assert ckpt is not None and ckpt.name == "step_000003"
+    assert check_lora(lora_run.ckpt, cfg, lora_run.base) == lora_run.digest
 
 
 def test_a_full_parameter_checkpoint_is_refused_by_a_lora_resume(tmp_path, lora_run):
-    run_dir = tmp_path / "full"
-    save_checkpoint(run_dir / "checkpoints", 1, policy_version=1, config_hash="c",
-                    save_fn=lambda tmp: (tmp / "weights").mkdir())
+    full = save_checkpoint(tmp_path / "full" / "checkpoints", 1, policy_version=1, config_hash="c",
+                           save_fn=lambda tmp: (tmp / "weights").mkdir())
     with pytest.raises(CheckpointError, match="records no LoRA base digest"):
-        restore_queue_snapshot(run_dir, _cfg(lora_run.lora), None, lora_run.digest, lora_run.base)
+        check_lora(full, _cfg(lora_run.lora), lora_run.base)
     with pytest.raises(ConfigError, match="a full-parameter checkpoint"):
-        check_adapter_record(run_dir / "checkpoints" / "step_000001" / "weights", lora_run.lora)
+        check_adapter_record(full / "weights", lora_run.lora)
+    assert check_lora(full, _cfg(LoraConfig(enabled=False)), lora_run.base) is None  # full on full: fine
 
 
 @pytest.mark.parametrize("lora, words", [
@@ -95,15 +91,14 @@ def test_a_full_parameter_checkpoint_is_refused_by_a_lora_resume(tmp_path, lora_
     (LoraConfig(enabled=True, rank=4, target_modules=["qkv"]), "learner.lora.target_modules"),
 ])
 def test_adapters_load_only_into_a_learner_with_their_settings(lora_run, lora, words):
-    weights = lora_run.run_dir / "checkpoints" / "step_000003" / "weights"
+    weights = lora_run.ckpt / "weights"
     check_adapter_record(weights, lora_run.lora)
     with pytest.raises(ConfigError, match=words):
         check_adapter_record(weights, lora)
 
 
-def test_other_adapter_settings_or_none_are_refused_before_the_run_starts(lora_run):
+def test_other_adapter_settings_or_none_are_refused_by_the_resume_check(lora_run):
     with pytest.raises(ConfigError, match="learner.lora.rank 4, this run has 8"):
-        restore_queue_snapshot(lora_run.run_dir, _cfg(LoraConfig(enabled=True, rank=8)), None, lora_run.digest,
-                               lora_run.base)
+        check_lora(lora_run.ckpt, _cfg(LoraConfig(enabled=True, rank=8)), lora_run.base)
     with pytest.raises(ConfigError, match="holds LoRA adapters only"):
-        restore_queue_snapshot(lora_run.run_dir, _cfg(LoraConfig(enabled=False)), None, None, lora_run.base)
+        check_lora(lora_run.ckpt, _cfg(LoraConfig(enabled=False)), lora_run.base)

@@ -143,7 +143,7 @@ def _train(monkeypatch, tmp_path, roles_kw):
                     save_fn=lambda d: torch.save({"w": torch.ones(3)}, d / "w.pt"))
     made = {}
 
-    def build(cfg, pool=None):
+    def build(cfg, pool=None, resume_from=None):
         made["roles"] = _Roles(run_dir, **roles_kw)
         return made["roles"]
 

@@ -131,7 +131,7 @@ def test_nccl_engine_stages_only_a_publication_that_verifies():
 
     def engine_holding(version, tensors):
         engine = CheckedNCCLWeightTransferEngine.__new__(CheckedNCCLWeightTransferEngine)  # no vLLM config
-        engine.rank, engine.staged, engine.expected = 3, None, expected
+        engine.rank, engine.staged, engine.expected, engine.adapters = 3, None, expected, None
         engine.serving_dtype = None  # mixed dtypes here test the buckets; the dtype rule: test_publish_dtype.py
         engine.received = (version, tensors)
         return engine

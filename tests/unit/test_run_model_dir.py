@@ -93,7 +93,7 @@ def test_a_tiny_run_and_a_path_run_export_from_anywhere(tmp_path, monkeypatch):
 
 
 def test_runs_started_from_runs_export_and_start_runs(tmp_path):
-    from megatron_rl.train.dry_run import init_from_model_dir
+    from megatron_rl.train.start_model import init_from_model_dir
 
     first = start_run(config(SCRATCH, tmp_path / "a"))
     second = start_run(config(SCRATCH, tmp_path / "b", "model.tiny=null", f"model.init_from={tmp_path / 'a'}"))

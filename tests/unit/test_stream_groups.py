@@ -11,7 +11,8 @@ import random
 import pytest
 
 from megatron_rl.rollout.stream_engine import Segment, StreamResult
-from megatron_rl.rollout.stream_groups import groups_as_completed, to_sample
+from megatron_rl.rollout.requests import to_sample
+from megatron_rl.rollout.stream_groups import groups_as_completed
 
 pytestmark = pytest.mark.unit
 

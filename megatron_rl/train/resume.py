@@ -1,0 +1,95 @@
+"""Which checkpoint a start resumes from: chosen once, at the top of the start, then handed on.
+
+    ckpt = choose_resume(cfg)          # Path of the checkpoint, or None: start at step 0
+    digest = check_lora(ckpt, cfg, model_dir)       # learner.lora: the base's digest; other adapters refused
+    Roles.build(cfg, pool, resume_from=ckpt)        # train: run dir, queue snapshot, Checkpointer
+    Checkpointer(run_dir, cfg, tokenizer_hash=h, resume_from=ckpt)   # sft
+
+The rule: with `run.resume`, the newest COMMITTED checkpoint under RUN_DIR/checkpoints whose files
+all match their sha256 (checkpoint.py `resume_checkpoint`: newer bad ones are skipped with a
+warning; step directories with none intact are an error); a checkpoint saved by another learner
+layout is refused before anything starts (`check_resume_world`), and so is, once the model directory is
+known, a LoRA checkpoint of another base or other adapter settings (`check_lora`).  `train --dry-run` prints the
+choice this rule makes (train/dry_run.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_rl.checkpoint import CheckpointError, read_manifest, resume_checkpoint
+from megatron_rl.learner.config import world_size
+
+
+def choose_resume(cfg) -> Path | None:
+    """The checkpoint this start of `cfg`'s run resumes from (verified), or None to start at step 0.
+    Raises CheckpointError when none is intact, or when it was saved by another learner layout."""
+    ckpt = resume_checkpoint(Path(cfg.run.dir).resolve() / "checkpoints") if cfg.run.resume else None
+    if ckpt is not None:
+        check_resume_world(ckpt, cfg)
+    return ckpt
+
+
+def learner_world(cfg) -> dict:
+    """The learner layout a checkpoint records: (tensor, pipeline, data) parallel sizes."""
+    lc = cfg.learner
+    return {"tensor": lc.tensor_parallel_size, "pipeline": lc.pipeline_parallel_size, "data": lc.data_parallel_size}
+
+
+def check_resume_world(ckpt: Path, cfg) -> None:
+    """Refuse to resume `ckpt` when another learner layout saved it.
+
+    The Megatron distributed checkpoint of model + optimizer could be resharded, but the
+    per-rank RNG states and the scheduler files are keyed by rank, so a resume at another
+    data-parallel (or tensor/pipeline) size would not be the run it claims to continue.
+    """
+    manifest = read_manifest(ckpt)
+    now = learner_world(cfg)
+    ranks_now = world_size(now["tensor"], now["pipeline"], now["data"])
+    saved = manifest.get("extra", {}).get("learner_world")
+    if saved is None:  # written before the layout was recorded: the RNG files still count the ranks
+        ranks = len(manifest.get("rng", {}).get("ranks", []))
+        if ranks and ranks != ranks_now:
+            raise CheckpointError(f"cannot resume {ckpt}: it was saved by {ranks} learner ranks, this run has "
+                                  f"{ranks_now}")
+        return
+    if saved != now:
+        raise CheckpointError(
+            f"cannot resume {ckpt}: it was saved by a learner with (tensor, pipeline, data) parallel sizes "
+            f"({saved['tensor']}, {saved['pipeline']}, {saved['data']}), this run has ({now['tensor']}, "
+            f"{now['pipeline']}, {now['data']}); per-rank RNG and scheduler state cannot be carried over. "
+            "Use the same layout, or start a new run directory (run.resume=false ignores the checkpoint)")
+
+
+def check_tokenizer(ckpt: Path, model_dir: Path) -> None:
+    """Refuse (ConfigError) to resume `ckpt` when it was written with another tokenizer than `model_dir`'s."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.models.tokenizer import tokenizer_hash
+
+    if not ((model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists()):
+        return
+    ours, theirs = tokenizer_hash(model_dir), read_manifest(ckpt).get("tokenizer_hash")
+    if theirs and theirs != ours:
+        raise ConfigError(f"checkpoint {ckpt} was written with tokenizer {theirs[:12]}..., but "
+                          f"{model_dir} has tokenizer {ours[:12]}...: refusing to resume across tokenizers")
+
+
+def check_lora(ckpt: Path | None, cfg, model_dir: Path) -> str | None:
+    """With learner.lora: the digest of the frozen base (`model_dir`'s weights) that the run's checkpoints
+    record; refuses (CheckpointError / ConfigError) to resume `ckpt` when its adapters belong to another
+    base, have other learner.lora settings, or it holds none; a full-parameter run refuses a checkpoint of
+    adapters.  None for a full-parameter run (models/lora_checkpoint.py)."""
+    from megatron_rl.models.lora_checkpoint import base_digest, check_adapter_record, check_base_digest
+
+    digest = base_digest(model_dir) if cfg.learner.lora.enabled else None
+    if ckpt is not None:
+        check_base_digest(ckpt, read_manifest(ckpt), digest, model_dir)
+        check_adapter_record(ckpt / "weights", cfg.learner.lora)
+    return digest
+
+
+def lora_record(digest: str | None) -> dict:
+    """What a checkpoint's manifest records for check_lora: the base's digest (a LoRA run), else nothing."""
+    from megatron_rl.models.lora_checkpoint import BASE_DIGEST
+
+    return {BASE_DIGEST: digest} if digest else {}
