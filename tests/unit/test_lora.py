@@ -237,3 +237,11 @@ def test_publication_is_the_peft_adapter_the_engine_expects(trained):
     assert torch.equal(published[f"{prefix}mlp.gate_proj.lora_B.weight"], b[:b.shape[0] // 2])
     assert torch.equal(published[f"{prefix}mlp.up_proj.lora_B.weight"], b[b.shape[0] // 2:])
     assert float(published[f"{prefix}mlp.up_proj.lora_B.weight"].abs().max()) > 0  # trained, not the zero init
+
+
+@pytest.mark.slow
+def test_steps_report_the_adapters_norm_and_update_ratio(trained):
+    after = torch.sqrt(sum(t.double().square().sum() for t in trained["canonical"].values()))
+    assert trained["step2"]["adapter_norm"] == pytest.approx(float(after), rel=1e-6)
+    assert trained["step1"]["adapter_norm"] < trained["step2"]["adapter_norm"]
+    assert 0 < trained["step1"]["adapter_update_ratio"] < 1 and 0 < trained["step2"]["adapter_update_ratio"] < 1
