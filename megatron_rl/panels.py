@@ -58,6 +58,8 @@ CHARTS: tuple[Chart, ...] = (
     Chart(panel="learn", title="Clip fraction", series=("learn/clip_fraction",)),
     Chart(panel="learn", title="Grad norm", series=("learn/grad_norm",)),
     Chart(panel="learn", title="D_lag P50/P95/P99", series=_pcts("learn/d_lag")),
+    Chart(panel="learn", title="LoRA adapter norm and update ratio", feature="learn/adapter_",  # learner.lora
+          series=("learn/adapter_norm", "learn/adapter_update_ratio")),
     Chart(panel="numerics", title="Non-finite values", in_report=False,
           series=("numerics/nonfinite_loss", "numerics/nonfinite_grad_norm", "numerics/nonfinite_behavior_logprobs")),
     Chart(panel="numerics", title="Min behavior logprob", series=("numerics/min_behavior_logprob",), in_report=False),

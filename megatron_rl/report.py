@@ -83,6 +83,16 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _training(run_dir: Path) -> str:
+    """What trained in the run (its run_manifest.json's `training`: "full" or a LoRA run's settings)."""
+    import json
+
+    try:
+        return json.loads((run_dir / "run_manifest.json").read_text()).get("training") or "not recorded"
+    except (OSError, ValueError):
+        return "not recorded (no run_manifest.json)"
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
     """Write the PNGs and summary.md of a run; returns {"summary", "plots", "missing", "steps"}."""
     run_dir = Path(run_dir)
@@ -92,7 +102,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     steps = sorted({s for pts in series.values() for s, _ in pts})
     lines = [f"# Run report: {run_dir.resolve().name}", "",
              f"From `{run_dir / 'metrics' / 'metrics.jsonl'}`: {len(series)} metrics, "
-             f"{len(steps)} logged steps ({steps[0] if steps else '-'} to {steps[-1] if steps else '-'}).", ""]
+             f"{len(steps)} logged steps ({steps[0] if steps else '-'} to {steps[-1] if steps else '-'}).", "",
+             f"Training: {_training(run_dir)}.", ""]
     plots, missing = [], []
     for chart in (c for c in CHARTS if c.wanted(series)):
         found, absent = chart.matches(series)

@@ -96,13 +96,15 @@ def _hardware() -> dict[str, Any]:
 
 def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config_hash: str,
              resuming: bool, name: str = NAME, model_dir: str | Path | None = None,
-             prompts: dict[str, Any] | None = None) -> dict[str, Any]:
+             prompts: dict[str, Any] | None = None, training: str | None = None) -> dict[str, Any]:
     """Write the manifest of a new run, or check and extend the one of a run being resumed.
     `name`: the file in run_dir (an eval writes one next to its outcomes file).  `model_dir`: the
     HF directory the run starts from, recorded as `model_dir` (where its checkpoints' config and
     tokenizer are: megatron_rl/run_model.py run_model_dir); not part of the identity (a moved copy of
     the same model resumes).  `prompts`: the prompt-length filter's record (data/prompt_length.py:
-    the limit and the prompts dropped per split), kept as `prompts` and in the attempt."""
+    the limit and the prompts dropped per split), kept as `prompts` and in the attempt.  `training`: what
+    trains ("full", or a LoRA run's settings: models/lora.py LoraConfig.label), kept as `training`, so that
+    a LoRA result is never read as a full-parameter one."""
     missing = [k for k in IDENTITY if k not in identity]
     if missing:
         raise ValueError(f"run manifest: identity fields {missing} missing")
@@ -124,6 +126,8 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
         manifest["model_dir"] = str(Path(model_dir).resolve())
     if prompts is not None:
         manifest["prompts"] = attempt["prompts"] = dict(prompts)
+    if training is not None:
+        manifest["training"] = training
     _write(path, manifest)
     return manifest
 

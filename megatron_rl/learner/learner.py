@@ -52,7 +52,7 @@ from megatron_rl.learner.logprobs import token_logprobs
 from megatron_rl.learner.micro_batches import MicroBatchPlan, plan_micro_batches
 from megatron_rl.learner.optimizer import build_optimizer, build_scheduler
 from megatron_rl.learner.optimizer_state import materialize_optimizer_state, unshare_adam_steps
-from megatron_rl.learner.step_stats import micro_batch_stats, reduce_step_stats
+from megatron_rl.learner.step_stats import adapter_metrics, adapter_snapshot, micro_batch_stats, reduce_step_stats
 from megatron_rl.models.builder import build_gpt_model, build_transformer_config
 from megatron_rl.models.hf_config import HFModelConfig, check_parallel_layout
 from megatron_rl.platform import Platform, detect_platform
@@ -258,6 +258,7 @@ class Learner:
             dist.all_reduce(w, op=dist.ReduceOp.MIN, group=ps.get_model_parallel_group())
             weight = float(w.item())
         ok, grad_norm = False, 0.0
+        before = adapter_snapshot(self.model) if self.cfg.lora.enabled else None  # LoRA: watch the adapters
         if weight > 0.0:
             if weight != 1.0:
                 for chunk in self.model:
@@ -268,6 +269,8 @@ class Learner:
         self.step += 1
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        lr=self.optimizer.param_groups[0]["lr"], update_successful=float(bool(ok)))
+        if before is not None:
+            metrics.update(adapter_metrics(self.model, before))
         return metrics
 
     @torch.no_grad()

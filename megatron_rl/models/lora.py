@@ -112,6 +112,13 @@ class LoraConfig:
             raise ValueError(f"learner.lora.target_modules names a module twice: {targets}")
         self.target_modules = targets
 
+    @property
+    def label(self) -> str:
+        """What trains, for the run manifest, the summary and reports: "full" or the LoRA settings."""
+        if not self.enabled:
+            return "full"
+        return f"LoRA rank {self.rank}, alpha {self.alpha:g} ({', '.join(self.target_modules)}; base frozen)"
+
     def serving(self, versions: int) -> dict:
         """What the rollout engines of a run with these adapters serve (RolloutConfig.adapter): each version
         an adapter on the base, the newest `versions` kept (the coordinator's admissible window)."""
@@ -243,3 +250,4 @@ def canonical_adapters(model) -> dict[str, torch.nn.Parameter]:
 def adapter_parameters(model) -> dict[str, torch.nn.Parameter]:
     """The adapter parameters of `model` (any wrapper) by name: what the optimizer trains."""
     return {name: p for name, p in model.named_parameters() if ".adapter.lora_" in name}
+

@@ -178,9 +178,11 @@ class StreamRolloutWorker(RolloutWorker):
             weights[str(version)] = digest
         return weights
 
-    def score(self, sequences: list[list[int]]) -> list[list[float | None]]:
+    def score(self, sequences: list[list[int]], version: int | None = None) -> list[list[float | None]]:
         """Teacher-forced logprob of every token given its prefix (first is None) [T], on the weights
-        serving now (salted apart from every cached block)."""
+        serving now (salted apart from every cached block).  `version` is RolloutWorker's (a LoRA run's
+        adapter to score under); a streaming engine serves no adapters (train/config.py), so the weights
+        serving now are the version being checked."""
         return self._run(_score(self.stream.engine, sequences))
 
     # ---- weight publication (receive side) ----------------------------------------------

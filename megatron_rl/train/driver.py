@@ -126,7 +126,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
                 raise SystemExit(EXIT_REQUEUE)
         source.stop()
         report.final_eval(state.step)                                    # = run.steps unless a budget ended it
-        return _summary(state, report, roles.run_dir)
+        return {**_summary(state, report, roles.run_dir), "training": cfg.learner.lora.label}
 
 
 def _summary(state, report, run_dir: Path) -> dict:

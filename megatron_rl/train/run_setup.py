@@ -87,7 +87,7 @@ def open_run_dir(cfg: TrainConfig, kind: str, *, resuming: bool = False, resume_
     digest = check_lora(resume_from, cfg, model_dir) if kind == "train" else None  # SFT trains every parameter
     open_run(run_dir, kind=kind, config_hash=config_hash(cfg),
              resuming=resuming, model_dir=model_dir,
-             prompts=fitted.record(),
+             prompts=fitted.record(), training=cfg.learner.lora.label if kind == "train" else "full",
              identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
                        "dataset_version": splits["train"].dataset_version,
                        "grader_version": cfg.reward.grader_version()})

@@ -129,9 +129,10 @@ def _equivalence(rank, world, root):
     from megatron.core import parallel_state as ps
 
     from megatron_rl.models.hf_config import load_hf_config
-    from megatron_rl.models.lora import adapter_parameters
+    from megatron_rl.models.lora import LoraConfig, adapter_parameters
     from megatron_rl.platform import detect_platform
     from megatron_rl.platform.reshard import shard_state_dict
+    from megatron_rl.publish.adapter_source import AdapterSource
 
     cfg, platform, tokens = load_hf_config(TINY), detect_platform("cpu"), _tokens()
     initial, start = _full_start(cfg, platform)
@@ -151,8 +152,11 @@ def _equivalence(rank, world, root):
         base_before = {n: p.detach().clone() for n, p in module.named_parameters() if n not in adapters}
         result["logprobs"] = learner.forward_logprobs(tokens)
         metrics = learner.train_step({"tokens": tokens}, _nll)
-        result.update(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
+        result.update(loss=metrics["loss"], grad_norm=metrics["grad_norm"], adapter_norm=metrics["adapter_norm"],
+                      adapter_update_ratio=metrics["adapter_update_ratio"],
                       logprobs_after=learner.forward_logprobs(tokens))
+        # What a LoRA run publishes after the step: PEFT tensors gathered over TP and PP, on global rank 0.
+        result["published"] = dict(AdapterSource(module, cfg, LoraConfig(**LORA)))
         result["base_moved"] = [n for n, p in module.named_parameters() if n in base_before
                                 and not torch.equal(p, base_before[n])]
         if expected_after is None:  # TP1 PP1: every rank holds the whole model
@@ -204,6 +208,12 @@ def test_lora_step_matches_tp1(runs, layout):
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
         torch.testing.assert_close(got["logprobs_after"], ref["logprobs_after"], atol=1e-5, rtol=0)
         assert got["max_adapter_diff"] < 1e-5, f"rank {rank} layout {layout}: {got['max_adapter_diff']}"
+        assert got["adapter_norm"] == pytest.approx(ref["adapter_norm"], rel=1e-5)
+        assert got["adapter_update_ratio"] == pytest.approx(ref["adapter_update_ratio"], rel=1e-4)
+    published, want = runs[0][layout]["published"], ref["published"]  # rank 0 sends; the others yield nothing
+    assert sorted(published) == sorted(want) and len(want) > 0 and runs[1][layout]["published"] == {}
+    for name, tensor in want.items():
+        torch.testing.assert_close(published[name], tensor, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l[0]}pp{l[1]}")

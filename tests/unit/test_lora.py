@@ -240,6 +240,14 @@ def test_publication_is_the_peft_adapter_the_engine_expects(trained):
 
 
 @pytest.mark.slow
+def test_steps_report_the_adapters_norm_and_update_ratio(trained):
+    after = torch.sqrt(sum(t.double().square().sum() for t in trained["canonical"].values()))
+    assert trained["step2"]["adapter_norm"] == pytest.approx(float(after), rel=1e-6)
+    assert trained["step1"]["adapter_norm"] < trained["step2"]["adapter_norm"]
+    assert 0 < trained["step1"]["adapter_update_ratio"] < 1 and 0 < trained["step2"]["adapter_update_ratio"] < 1
+
+
+@pytest.mark.slow
 def test_the_planner_counts_the_adapters_the_model_has(trained):
     from megatron_rl.models.hf_config import load_hf_config
     from megatron_rl.planner.ledger import LearnerLayout, adapter_params, dims_from_hf
