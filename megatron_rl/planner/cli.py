@@ -56,12 +56,12 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
     # The engines sleep while the learner learns exactly when the driver will sleep them: colocated
     # on GPUs in sync mode, unless rollout.sleep_mode is false (rollout/sleep.py, the same rule).
     sleeps, sleep_why = choose_sleep(placement="colocated", device="cuda", mode=cfg.run.mode,
-                                     requested=rc.sleep_mode)
+                                     requested=rc.sleep_mode, adapters=cfg.learner.lora.enabled)
     verdicts = compare_placements(led, rled, lay, roll, cfg.cluster.gpu_memory_gib, cfg.cluster.gpus,
                                   sleep_mode=sleeps)
     host = resume_host_memory(model, lay, roll, gpus_per_node=cfg.cluster.gpus_per_node,
                               sleep_mode=sleeps and cfg.run.placement == "colocated",
-                              rollback_copy=rc.keep_rollback_copy,
+                              rollback_copy=rc.keep_rollback_copy and not cfg.learner.lora.enabled,  # LoRA: none
                               audit_ring_versions=cfg.audit.ring_versions(cfg.coordinator.max_version_lag))
     return {
         "model_params": model.num_params,

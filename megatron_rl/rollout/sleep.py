@@ -67,12 +67,16 @@ def config_problem(*, placement: str, mode: str, requested: bool | None) -> str 
     return None if why_not is None else f"{FIELD} true cannot work here: {why_not} (leave it unset or set it false)"
 
 
-def choose_sleep(*, placement: str, device: str, mode: str, requested: bool | None = None) -> tuple[bool, str]:
+def choose_sleep(*, placement: str, device: str, mode: str, requested: bool | None = None,
+                 adapters: bool = False) -> tuple[bool, str]:
     """(use sleep mode?, why), decided once at start-up; `requested` None follows the rule,
-    True where it cannot work is a ConfigError naming rollout.sleep_mode, False is off."""
+    True where it cannot work is a ConfigError naming rollout.sleep_mode, False is off.  `adapters`:
+    a LoRA run (learner.lora.enabled), whose engines never sleep (train/config.py refuses asking for it)."""
     if requested is False:
         return False, f"{FIELD} is false"
     why_not = _why_not(placement, device, mode)
+    if why_not is None and adapters:
+        why_not = "a LoRA run's engines keep their adapters awake (learner.lora.enabled)"
     if why_not is None:
         return True, "colocated on GPUs in sync mode: engines sleep while the learner learns"
     if requested is True:
