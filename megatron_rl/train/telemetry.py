@@ -72,7 +72,7 @@ def _learn_metrics(samples: list, valid: list, learn: dict, logps: np.ndarray) -
     out["learn/entropy_estimate"] = float(-logps.mean()) if logps.size else float("nan")
     for key in ("loss", "pg_loss", "clip_fraction", "ratio_mean", "ratio_max", "grad_norm", "lr",
                 "d_lag", "d_lag/p50", "d_lag/p95", "d_lag/p99", "lag_weight", "entropy_coef",
-                "kl_out_of_support_tokens", "quarantined_trajectories"):
+                "kl_out_of_support_tokens", "quarantined_trajectories", "adapter_norm", "adapter_update_ratio"):
         if key in learn:
             out[f"learn/{key}"] = float(learn[key])
     for key in sorted(k for k in learn if k.startswith("kl_ref_")):  # named after its gradient's direction
