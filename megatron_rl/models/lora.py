@@ -122,8 +122,9 @@ class LoraConfig:
     def serving(self, versions: int) -> dict:
         """What the rollout engines of a run with these adapters serve (RolloutConfig.adapter): each version
         an adapter on the base, the newest `versions` kept (the coordinator's admissible window)."""
-        return {"rank": self.rank, "alpha": float(self.alpha), "target_modules": list(self.target_modules),
-                "versions": int(versions)}
+        from megatron_rl.models.lora_checkpoint import adapter_record
+
+        return {**adapter_record(self), "versions": int(versions)}
 
     @property
     def scaling(self) -> float:

@@ -19,10 +19,7 @@ first publication installs one.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM accepts as max_lora_rank (its LoRAConfig)."""
@@ -44,11 +41,10 @@ def adapter_spec(serving: dict[str, Any], model_dir: str) -> dict[str, Any]:
     shape (from the base's config.json) and how many versions to keep."""
     from megatron_rl.conversion.lora_export import peft_config
     from megatron_rl.models.hf_config import load_hf_config
-    from megatron_rl.models.lora import LoraConfig
+    from megatron_rl.models.lora_checkpoint import lora_config_of
     from megatron_rl.publish.adapter_source import adapter_shapes
 
-    lora = LoraConfig(enabled=True, rank=int(serving["rank"]), alpha=float(serving["alpha"]),
-                      target_modules=list(serving["target_modules"]))
+    lora = lora_config_of(serving)
     shapes = adapter_shapes(lora, load_hf_config(model_dir))
     return {"peft_config": peft_config(lora, model_dir), "versions": int(serving["versions"]),
             "shapes": {name: list(shape) for name, shape in shapes.items()}}
