@@ -1,11 +1,13 @@
-"""Helpers for end-to-end tests that run the real `megatron-rl` CLI in a subprocess, and the one run
-two modules share (`worker_crash`).
+"""Helpers for end-to-end tests that run the real `megatron-rl` CLI in a subprocess, a Ray cluster for
+tests that drive RolloutWorker actors themselves (`rollout_cluster`), and the one run two modules share
+(`worker_crash`).
 
     python -m pytest tests/e2e -q
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -16,6 +18,31 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_cpu_scratch.yaml"  # GRPO from a random tiny model: the quickest whole run
+
+
+@contextlib.contextmanager
+def rollout_cluster():
+    """A local Ray cluster whose actors import this checkout, and a list for the RolloutWorker actors the
+    test starts: at the end each one is shut down, then Ray, and PYTHONPATH is as it was."""
+    import ray
+
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), old]))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    workers: list = []
+    try:
+        yield workers
+    finally:
+        for w in workers:
+            try:
+                ray.get(w.shutdown.remote(), timeout=60)
+            except ray.exceptions.RayError:
+                pass
+        ray.shutdown()
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def run_cli(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:

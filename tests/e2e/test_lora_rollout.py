@@ -10,9 +10,6 @@ its adapter), and bad publications -- a corrupt bucket, a missing or misshapen t
 adapter whose refit check fails -- are refused while every kept adapter stays as it was.
 """
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -23,40 +20,23 @@ from megatron_rl.models.tiny import make_tiny_model
 from megatron_rl.publish import WeightPublisher
 from megatron_rl.publish.adapter_source import adapter_shapes
 from megatron_rl.rollout import RolloutConfig, create_rollout_worker
+from tests.e2e.conftest import rollout_cluster
 from tests.reference import SEQUENCES, hf_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 LORA = LoraConfig(enabled=True, rank=8, alpha=16.0)
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    import ray
-
     model = make_tiny_model(tmp_path_factory.mktemp("lora") / "qwen2", arch="qwen2", seed=2)
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), old]))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    worker = None
-    try:
-        worker = create_rollout_worker(RolloutConfig(model=str(model), tensor_parallel_size=2, max_model_len=128,
-                                                     dtype="float32", max_tokens=8, adapter=LORA.serving(2)))
+    with rollout_cluster() as workers:
+        workers.append(create_rollout_worker(RolloutConfig(model=str(model), tensor_parallel_size=2, max_model_len=128,
+                                                           dtype="float32", max_tokens=8, adapter=LORA.serving(2))))
         publisher = WeightPublisher(bucket_bytes=64 * 1024)
-        publisher.connect([worker])
-        yield model, worker, publisher, _versions(model)
-    finally:
-        if worker is not None:
-            try:
-                ray.get(worker.shutdown.remote(), timeout=60)
-            except ray.exceptions.RayError:
-                pass
-        ray.shutdown()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+        publisher.connect(workers)
+        yield model, workers[0], publisher, _versions(model)
 
 
 def _versions(model):

@@ -9,7 +9,6 @@ and checks vLLM's teacher-forced logprobs against transformers with the same wei
 
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,41 +17,23 @@ from megatron_rl.models.tiny import make_tiny_model
 from megatron_rl.models.tokenizer import BOS_ID
 from megatron_rl.publish import WeightPublisher
 from megatron_rl.rollout import RolloutConfig, create_rollout_worker
+from tests.e2e.conftest import rollout_cluster
 from tests.reference import SEQUENCES, hf_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    import ray
-
     model = make_tiny_model(tmp_path_factory.mktemp("rollout") / "qwen2", arch="qwen2", seed=2)
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), old]))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    workers = []
-    try:
+    with rollout_cluster() as workers:
         # 32-token KV blocks, so a 48-token prompt leaves a full block in vLLM's prefix cache.
         common = dict(model=str(model), max_model_len=128, dtype="float32", max_tokens=8,
                       engine_options={"block_size": 32})
-        workers = [create_rollout_worker(RolloutConfig(tensor_parallel_size=tp, **common)) for tp in (1, 2)]
+        workers.extend(create_rollout_worker(RolloutConfig(tensor_parallel_size=tp, **common)) for tp in (1, 2))
         publisher = WeightPublisher(bucket_bytes=256 * 1024)
         publisher.connect(workers)
         yield model, workers, publisher
-    finally:
-        for w in workers:
-            try:
-                ray.get(w.shutdown.remote(), timeout=60)
-            except ray.exceptions.RayError:
-                pass
-        ray.shutdown()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
 
 
 def _scores(workers):
