@@ -122,9 +122,11 @@ class LoraConfig:
     def serving(self, versions: int) -> dict:
         """What the rollout engines of a run with these adapters serve (RolloutConfig.adapter): each version
         an adapter on the base, the newest `versions` kept (the coordinator's admissible window)."""
-        from megatron_rl.models.lora_checkpoint import adapter_record
+        return {**self.record(), "versions": int(versions)}
 
-        return {**adapter_record(self), "versions": int(versions)}
+    def record(self) -> dict:
+        """The adapters' shape and scale as plain data (a checkpoint's lora.json, models/lora_checkpoint.py)."""
+        return {"rank": self.rank, "alpha": float(self.alpha), "target_modules": list(self.target_modules)}
 
     @property
     def scaling(self) -> float:

@@ -66,7 +66,7 @@ def adapter_sharded_state_dict(model_sd: dict) -> dict:
 
 def adapter_record(lora_cfg) -> dict:
     """What lora.json says: the adapters' shape and scale (what convert and a resume need)."""
-    return {"rank": lora_cfg.rank, "alpha": float(lora_cfg.alpha), "target_modules": list(lora_cfg.target_modules)}
+    return lora_cfg.record()
 
 
 def lora_config_of(record: dict):
