@@ -3,7 +3,11 @@
     python -m pytest tests/e2e/test_streaming.py -q
 
 The tiny recipe in async mode with rollout.streaming on and long responses (200 tokens, EOS ignored), so
-that generation outlasts a learner step and publications land while requests are in flight.  Run A
+that generation outlasts a learner step and publications land while requests are in flight.  The engine
+runs at most 8 sequences at once (rollout.engine_options.max_num_seqs=8): the groups admitted ahead queue in
+it and generation never pauses, so a publication lands while sequences are mid-response.  (Without it, the
+48 admitted sequences of equal length ran as one continuous batch and finished together, publications fell
+between such waves, and whether any taken sequence spanned versions was left to timing.)  Run A
 trains 3 steps and checkpoints with prompt groups in flight (the checkpoint lets them finish and saves
 the finished ones); B resumes the same run directory to step 5.  What must hold:
 - refits happen with requests kept (recompute mode), and no request is lost or trained twice;
@@ -36,7 +40,7 @@ AUDIT_TOLERANCE = AuditConfig().tolerance  # the default; the run measures ~4e-6
 STREAM = ["run.mode=async", "run.prompts_per_step=4", "run.group_size=4", "learner.micro_batch_size=16",
           "run.eval_every=0", "run.checkpoint_every=3", "data.eval_size=8", "rollout.streaming=true",
           "rollout.inflight_refit=recompute", "rollout.max_tokens=200", "rollout.max_model_len=256",
-          "rollout.ignore_eos=true", "audit.every=1"]
+          "rollout.ignore_eos=true", "rollout.engine_options.max_num_seqs=8", "audit.every=1"]
 
 
 @pytest.fixture(scope="module")
