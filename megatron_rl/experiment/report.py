@@ -69,7 +69,11 @@ def run_costs(path: Path) -> dict[str, float]:
         vals = [r[key] for r in rows if key in r and r[key] is not None and math.isfinite(r[key])]
         return float(np.mean(vals)) if vals else float("nan")
 
-    generated = sum(r["learn/response_length"] * per_step for r in rows if "learn/response_length" in r)
+    # system/generated_tokens: what the step generated, dynamic sampling's discarded groups included
+    # (older runs' metrics lack it: their mean response length times the samples per step)
+    generated = sum(r["system/generated_tokens"] if "system/generated_tokens" in r
+                    else r["learn/response_length"] * per_step for r in rows
+                    if "system/generated_tokens" in r or "learn/response_length" in r)
     return {"wall_s": result["wall_s"], "cpu_hours": result["wall_s"] * (os.cpu_count() or 1) / 3600,
             "generated_tokens": float(generated), "esr": mean("system/esr"),
             "effective_tokens_per_s": mean("system/effective_tokens_per_s"),

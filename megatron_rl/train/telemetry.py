@@ -45,7 +45,7 @@ class Telemetry:
         self.rollout_s.append(phases["rollout"])
         self.verify_s.append(phases["score"])
         valid = [t for t in trajs if t.in_loss]
-        logps = np.concatenate([np.asarray(s.behavior_logprobs, np.float64) for s in samples]) if samples else np.zeros(0)
+        logps = np.concatenate([_sampled_logprobs(s) for s in samples]) if samples else np.zeros(0)
         out = _learn_metrics(samples, valid, learn, logps)
         out.update(_numerics_metrics(learn, logps))
         out.update(_system_metrics(samples, taken, learn, phases, sampling or {}))
@@ -68,7 +68,8 @@ def _learn_metrics(samples: list, valid: list, learn: dict, logps: np.ndarray) -
     out = {"learn/reward_mean": _mean([t.reward for t in valid])}
     for comp in sorted({k for t in valid for k in t.reward_components}):
         out[f"learn/reward_{comp}"] = _mean([t.reward_components.get(comp, 0.0) for t in valid])
-    out["learn/response_length"] = sum(len(s.response_tokens) for s in samples) / max(len(samples), 1)
+    # the tokens the policy sampled: a multi-turn episode's observations are in its response, not in its length
+    out["learn/response_length"] = sum(s.generated_tokens for s in samples) / max(len(samples), 1)
     out["learn/entropy_estimate"] = float(-logps.mean()) if logps.size else float("nan")
     for key in ("loss", "pg_loss", "clip_fraction", "ratio_mean", "ratio_max", "grad_norm", "lr",
                 "d_lag", "d_lag/p50", "d_lag/p95", "d_lag/p99", "lag_weight", "entropy_coef",
@@ -82,6 +83,12 @@ def _learn_metrics(samples: list, valid: list, learn: dict, logps: np.ndarray) -
         if key in learn:  # a metric the step did not measure is absent, never a made-up 0
             out[name] = float(learn[key])
     return out
+
+
+def _sampled_logprobs(sample) -> np.ndarray:
+    """Behaviour logprobs of the tokens the policy sampled (an episode's observation tokens carry none)."""
+    lps = np.asarray(sample.behavior_logprobs, np.float64)
+    return lps if sample.action_mask is None else lps[np.asarray(sample.action_mask, bool)]
 
 
 def _numerics_metrics(learn: dict, logps: np.ndarray) -> dict[str, float]:
