@@ -255,7 +255,7 @@ def _judge_engine_crash_publish(drill: Drill, run, cfg) -> dict:
     restarts = last.get("system/engine_restarts")
     off_version = samples_off_version(drill.run_dir / "queue.db")
     return {"injected_at": {"version": cfg.at_step + 1, "signal": "SIGKILL", "process": "vLLM EngineCore"},
-            "detected_by": "Policy._publish_locked (RolloutFleet.restart_dead: engine_alive False)" if detected else None,
+            "detected_by": "Policy.publish (RolloutFleet.restart_dead: engine_alive False)" if detected else None,
             "evidence": detected, "refit": refitted, "engine_restarts": restarts, "samples_off_version": off_version,
             "action": "group restarted stale, the version published again (its refit)" if refitted else "none",
             "recovered": (_finished(drill, run) and restarts == _engine_deaths(drill) and refitted is not None

@@ -48,6 +48,17 @@ class PublicationReport:
     def committed(self) -> bool:
         return all(r["committed"] for r in self.results)
 
+    def summary(self) -> dict:
+        """Plain data for the driver (train/policy.py judges it): committed, bytes, digest, whether the send
+        broke off (then the group is formed anew and the version published again), each group's answer."""
+        return {"committed": self.committed, "seconds": self.seconds,
+                "bytes": self.manifest.nbytes if self.manifest is not None else 0,
+                "digest": self.manifest.digest() if self.manifest is not None else None,
+                "broken": self.manifest is None,
+                "errors": [r["error"] for r in self.results if not r["committed"]],
+                "groups": [{"committed": r["committed"], "unresponsive": bool(r.get("unresponsive")),
+                            "error": r.get("error")} for r in self.results]}
+
 
 def engine_dtype(workers: list) -> torch.dtype:
     """The one dtype every rollout group serves (RolloutWorker.serving_dtype): what the trainer
@@ -58,6 +69,24 @@ def engine_dtype(workers: list) -> torch.dtype:
     if len(names) != 1:
         raise ValueError(f"rollout groups serve different dtypes {names}: set rollout.dtype to one of them")
     return to_dtype(names[0])
+
+
+def join_publication(workers: list, *, rank: int, transport: str, bucket_bytes: int, checksum: str,
+                     timeout_s: float) -> tuple[Transport, "WeightPublisher | None", torch.dtype]:
+    """A learner rank's part in forming the publication group with `workers` (every rank, in step): its
+    transport, joined; on rank 0 the WeightPublisher connected to every engine (None elsewhere); and the
+    engines' dtype, which every rank casts to (the gathers run in it)."""
+    import ray
+
+    dtype = engine_dtype(workers)
+    path = make_transport(transport, host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes,
+                          checksum_algo=checksum, timeout_s=timeout_s)
+    path.join(workers)
+    publisher = None
+    if rank == 0:
+        publisher = WeightPublisher(transport=path)
+        publisher.connect(workers)
+    return path, publisher, dtype
 
 
 class WeightPublisher:
@@ -85,11 +114,15 @@ class WeightPublisher:
     def publish(self, version: int, tensors: Iterable, *,
                 fault_hook: Callable[[BucketSpec, torch.Tensor], None] | None = None) -> PublicationReport:
         """Send one version to every connected group; returns once all have answered."""
-        if not self.transport.connected:
-            raise RuntimeError("publish() before connect() (or after a send broke off: connect() again)")
         started = time.perf_counter()
         manifest, results = self.transport.send(version, tensors, fault_hook)
-        report = PublicationReport(manifest, results, time.perf_counter() - started)
+        return self.report(version, manifest, results, time.perf_counter() - started)
+
+    @staticmethod
+    def report(version: int, manifest: PublicationManifest | None, results: list[dict],
+               seconds: float) -> PublicationReport:
+        """One publication's report from what the transport's send returned; a refusal is logged."""
+        report = PublicationReport(manifest, results, seconds)
         if not report.committed and report.results:
             log.warning("version %d refused by %d of %d rollout groups: %s", version,
                         sum(not r["committed"] for r in results), len(results),

@@ -68,10 +68,16 @@ class Transport(abc.ABC):
     def connect(self, workers: list, offsets: list[int], world: int) -> None:
         """Form the publication group: the publisher is rank 0, group i's engine ranks start at offsets[i]."""
 
-    @abc.abstractmethod
-    def send(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest | None, Results]:
+    def send(self, version: int, tensors, fault_hook=None) -> tuple[PublicationManifest | None, Results]:
         """Send one version to every connected group; (the manifest, or None when the send broke off;
         each group's answer)."""
+        if not self.connected:
+            raise RuntimeError("a publication before connect() (or after a send broke off: connect() again)")
+        return self._send(version, tensors, fault_hook)
+
+    @abc.abstractmethod
+    def _send(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest | None, Results]:
+        """The path's send (Transport.send checked the group is formed)."""
 
     def follow(self) -> None:
         """Every learner rank but the publisher, after driving its share of the source's gathers."""
@@ -114,7 +120,7 @@ class GlooTransport(Transport):
     def connected(self) -> bool:
         return self.group is not None
 
-    def send(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest | None, Results]:
+    def _send(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest | None, Results]:
         """A group that stops answering (a stopped process, a severed link) costs at most timeout_s on
         the send and timeout_s waiting for its answer, and is reported `unresponsive`."""
         from megatron_rl.publish.wire import send_publication
@@ -166,7 +172,7 @@ class NcclTransport(Transport):
             self.group = None
         super().close()
 
-    def send(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest, Results]:
+    def _send(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest, Results]:
         """Tensors through vLLM's packed NCCL broadcast, hashed on the way; then the manifest by RPC,
         and each group commits all of it or nothing."""
         import ray
@@ -229,7 +235,7 @@ class IpcTransport(Transport):
         log.info("publication over CUDA IPC to %d rollout groups on %d GPU(s)", len(workers),
                  len(set(self.replicas.route.source_of)))
 
-    def send(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest, Results]:
+    def _send(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest, Results]:
         """Hash, export a CUDA IPC handle per tensor (the holders on the other engine GPUs copy theirs),
         let every group open and verify them, and hold the tensors until every group has answered (a
         handle does not keep its memory)."""

@@ -76,6 +76,16 @@ class Rendezvous:
                                   timeout=datetime.timedelta(seconds=600))
         init_distributed(platform, rank=self.rank, world_size=self.world_size, store=store)
 
+    @staticmethod
+    def drop_parallel_state() -> None:
+        """Megatron's parallel state goes (a rank rebuilt for the next run); torch.distributed stays up."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.platform.parallel import destroy_parallel
+
+        if ps.model_parallel_is_initialized():
+            destroy_parallel()
+
 
 @dataclasses.dataclass
 class InitialPolicy:

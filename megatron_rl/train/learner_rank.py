@@ -11,7 +11,8 @@ train/learner_weights.py):
     rank parts          what it owns
     policy.learner      the Megatron learner (model, optimizer, scheduler; megatron_rl.learner)
     reference           the frozen initial policy and its logprobs (None without a KL term)
-    weights             publication, checkpoints and the audit's ring of recent versions (WeightIO)
+    weights             the publication source, checkpoints, the audit's ring of recent versions (WeightIO)
+    transport           its place in the publication group (rank 0 sends, the others follow: `publish`)
 
 `setup` and `rebuild` build the parts from a RankSpec in the same order; a rebuild drops the old
 parts and Megatron's parallel state and builds new ones (torch.distributed stays up).
@@ -24,6 +25,7 @@ import gc
 import logging
 import os
 import signal
+import time
 from functools import partial
 
 import torch
@@ -68,6 +70,12 @@ class LearnerWorker:
         self.policy: InitialPolicy | None = None
         self.reference: Reference | None = None
         self.weights: WeightIO | None = None
+        self.transport = None
+        """This rank's place in the publication group (publish/transports.py), once connected."""
+        self.publisher = None
+        """Rank 0's WeightPublisher (the group's layout, the answers), once connected."""
+        self.publish_dtype = torch.float32
+        """The engines' dtype, once connected: every rank casts to it (the gathers run in it)."""
         self.ooms = 0  # drill bookkeeping: injected out-of-memory errors so far
 
     # ---- building ------------------------------------------------------------------------------
@@ -89,14 +97,10 @@ class LearnerWorker:
         """Serve the next run of an experiment in this process (train/engine_pool.py): the last run's
         parts (learner, reference, publication group) and Megatron parallel state are dropped, and
         new ones built from `spec` in setup's order; torch.distributed (same world size) stays up."""
-        from megatron.core import parallel_state as ps
-
         from megatron_rl.platform import detect_platform
-        from megatron_rl.platform.parallel import destroy_parallel
 
         self._drop_parts()
-        if ps.model_parallel_is_initialized():
-            destroy_parallel()
+        self.rendezvous.drop_parallel_state()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the last run's model and optimizer states back to the device
@@ -108,8 +112,7 @@ class LearnerWorker:
 
     def _drop_parts(self) -> None:
         """The last run's parts go: its publication group's communicator and its learner's state."""
-        if self.weights is not None:
-            self.weights.close()
+        self._leave_publication()
         if self.policy is not None:
             self.policy.learner.close()
         self.spec = self.policy = self.reference = self.weights = None
@@ -225,10 +228,35 @@ class LearnerWorker:
         return self.weights.hf_state()
 
     def connect_rollout(self, rollout_workers: list, settings: PublishSettings) -> None:
-        self.weights.connect_rollout(rollout_workers, settings)
+        """Rank 0 becomes rank 0 of the publication group formed with every rollout engine (again, after
+        a regroup: the last group is dropped); every rank learns the engines' dtype and does its share
+        of the transport's joining."""
+        from megatron_rl.publish.trainer import join_publication
 
+        self._leave_publication()  # a regroup: the last group's communicator goes first
+        self.transport, self.publisher, self.publish_dtype = join_publication(
+            rollout_workers, rank=self.rank, transport=settings.transport, bucket_bytes=settings.bucket_bytes,
+            checksum=settings.checksum, timeout_s=settings.timeout_s)
+
+    def _leave_publication(self) -> None:
+        """Drop the publication group (its communicator freed: publish/transports.py Transport.close)."""
+        if self.transport is not None:
+            self.transport.close()
+        self.transport = self.publisher = None
+
+    @torch.no_grad()
     def publish(self, version: int) -> dict | None:
-        return self.weights.publish(version)
+        """Publish the policy from rank 0 as `version`, streamed: each group is gathered (every rank takes
+        part, in lockstep) only when the transport pulls it into a bucket; rank 0's report as plain data."""
+        source = self.weights.source(self.transport.device, self.publish_dtype)
+        if self.rank != 0:
+            for _ in source:  # drive this rank's share of the gathers
+                pass
+            self.transport.follow()
+            return None
+        started = time.perf_counter()
+        manifest, results = self.transport.send(version, source)
+        return self.publisher.report(version, manifest, results, time.perf_counter() - started).summary()
 
     def save(self, weights_dir: str) -> None:
         self.weights.save(weights_dir)

@@ -1,15 +1,14 @@
-"""A learner rank's weights in and out: publication to the rollout engines and checkpoints.
+"""A learner rank's weights in and out: the source a publication streams, and checkpoints.
 
     io = WeightIO(rank, learner, hf_cfg)          # a part of LearnerWorker (train/learner_rank.py)
-    io.connect_rollout(engines, PublishSettings(transport="gloo", bucket_bytes=b, timeout_s=t, checksum="blocksum"))
-    io.publish(version)
+    for group in io.source("cpu", torch.bfloat16): ...   # what LearnerWorker.publish sends
     io.save(weights_dir); io.load(weights_dir)
     io = WeightIO(rank, learner, hf_cfg, ring=3)   # audit.every: the newest 3 versions kept in host memory
     io.keep_version(version); io.audit_logprobs(version, tokens_bt, lengths_b)
 
 Publication streams HF-named tensors group by group (publish/source.py): every rank takes part in
 the gathers, rank 0 sends the checksummed buckets through the run's transport (publish/transports.py),
-the others follow.  Checkpoints are Megatron distributed checkpoints of model + optimizer, plus
+the others follow (LearnerWorker.publish, which holds the rank's place in the publication group).  Checkpoints are Megatron distributed checkpoints of model + optimizer, plus
 per-rank scheduler state.  With a ring (audit/ring.py), the weights published as each version are
 kept in host memory, version 0 (the weights a rank is built with) first, for the in-training audit.
 """
@@ -42,9 +41,6 @@ class WeightIO:
         from megatron_rl.audit.ring import WeightRing
 
         self.rank, self.learner, self.hf_cfg = rank, learner, hf_cfg
-        self.transport = None  # publish/transports.py, once connected
-        self.publisher = None  # rank 0, once connected
-        self.dtype = torch.float32  # the engines' dtype once connected
         self.ring = WeightRing(ring) if ring else None
         """The audit's ring of recent versions (RankSpec.audit_ring of them), or None."""
         self.keep_version(0)  # a rank is built with the weights the run starts from: version 0
@@ -79,52 +75,6 @@ class WeightIO:
         their groups to the first stage (MegatronWeightSource)."""
         state = dict(self.source())
         return state if self.rank == 0 else None
-
-    def connect_rollout(self, rollout_workers: list, settings: PublishSettings) -> None:
-        """Rank 0 becomes rank 0 of the publication group formed with every rollout engine (again, after
-        a regroup: the last group is dropped); every rank learns the engines' dtype and does its share
-        of the transport's joining."""
-        import ray
-
-        from megatron_rl.publish import WeightPublisher
-        from megatron_rl.publish.trainer import engine_dtype
-        from megatron_rl.publish.transport import make_transport
-
-        # Every rank casts (the gathers and pipeline sends run in it): once, in the engine's dtype.
-        self.dtype = engine_dtype(rollout_workers)
-        self.close()  # a regroup: the last group's communicator goes first
-        self.transport = make_transport(settings.transport, host=ray.util.get_node_ip_address(),
-                                        bucket_bytes=settings.bucket_bytes, checksum_algo=settings.checksum,
-                                        timeout_s=settings.timeout_s)
-        self.transport.join(rollout_workers)
-        if self.rank == 0:
-            self.publisher = WeightPublisher(transport=self.transport)
-            self.publisher.connect(rollout_workers)
-
-    def close(self) -> None:
-        """Drop the publication group (its communicator freed: publish/transports.py Transport.close)."""
-        if self.transport is not None:
-            self.transport.close()
-        self.transport = self.publisher = None
-
-    @torch.no_grad()
-    def publish(self, version: int) -> dict | None:
-        """Publish the policy from rank 0 as `version`, streamed: each group is gathered (every rank
-        takes part, in lockstep) only when the publisher pulls it into a bucket."""
-        source = self.source(self.transport.device, self.dtype)
-        if self.rank != 0:
-            for _ in source:  # drive this rank's share of the gathers
-                pass
-            self.transport.follow()
-            return None
-        report = self.publisher.publish(version, source)
-        return {"committed": report.committed, "seconds": report.seconds,
-                "bytes": report.manifest.nbytes if report.manifest is not None else 0,
-                "digest": report.manifest.digest() if report.manifest is not None else None,
-                "broken": report.manifest is None,  # the send broke off: form the group anew, publish again
-                "errors": [r["error"] for r in report.results if not r["committed"]],
-                "groups": [{"committed": r["committed"], "unresponsive": bool(r.get("unresponsive")),
-                            "error": r.get("error")} for r in report.results]}
 
     def save(self, weights_dir: str) -> None:
         """Megatron distributed checkpoint of model + optimizer + scheduler (collective); with learner.lora

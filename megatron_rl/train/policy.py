@@ -5,7 +5,7 @@
     learn, seconds = policy.learn(taken, version)     # one GRPO step on a taken batch -> version + 1
     seconds = policy.publish(version + 1)             # every reachable rollout group loads all of it
 
-The policy owns publication, at one level (`_publish_locked`): which groups it reaches and whether
+The policy owns publication, at one level (`publish`): which groups it reaches and whether
 the publication group must be formed anew (the fleet says: rollout/fleet.py), the send (the learner
 group's ranks, over the run's transport: publish/transports.py), and what each outcome costs:
   a group that stopped answering   left out (unreachable, stale); the rest published once more;
@@ -61,6 +61,14 @@ class PolicySettings:
     pad_id: int
     audit_ring: int = 0
     """Versions of the weights the learner ranks keep for the audit (audit/ring.py; 0: none)."""
+
+
+@dataclasses.dataclass
+class _Tries:
+    """What one publication's passes have met so far (Policy.publish)."""
+
+    broke_off: bool = False
+    refit_failed: bool = False
 
 
 class Policy:
@@ -139,90 +147,97 @@ class Policy:
         out["quarantined_trajectories"] = float(quarantined)
         return out, time.perf_counter() - t0
 
-    def publish(self, version: int) -> float:
-        """Publish the learner's weights as `version` to every rollout group that answers; seconds."""
-        t0 = time.perf_counter()
-        if self.sleep is not None:
-            self.sleep.before_refit()                        # awake before the refit and its check
-        self._expect_probe(version)
-        with self.learner.lock:
-            self._publish_locked(version)
-            if self.settings.audit_ring:
-                self.learner.keep_version(version)  # the audit's ring: these weights are `version` now
-        return time.perf_counter() - t0
+    def publish(self, version: int, *, wait_s: float | None = None, updates: int | None = None) -> float | None:
+        """Publish the learner's weights as `version` to every rollout group that answers; seconds.  Every
+        outcome is handled here, one pass per try (module docstring); each pass either commits or changes what
+        the next one does (a group left, the group formed anew, a rollback), so the passes are bounded.
+        A refit (`refit`: `updates` given) waits at most `wait_s` for the learner and publishes only if its
+        weights are still those `updates` counted; else None."""
+        t0, refit = time.perf_counter(), updates is not None
+        if not refit:
+            if self.sleep is not None:
+                self.sleep.before_refit()                    # awake before the refit and its check
+            self._expect_probe(version)                      # (a refit's was given with the first publication)
+        if not self.learner.lock.acquire(timeout=-1 if wait_s is None else wait_s):
+            return None
+        try:
+            if refit and self.learner.updates != updates:
+                return None
+            if refit:
+                logger.info("refitting stale rollout group(s) with policy version %d", version)
+            tries = _Tries()
+            for _ in range(len(self.fleet.workers) + 3):
+                workers, members, stale, regroup = self.fleet.publication_members(version)
+                if regroup:  # the old group had a dead engine's ranks in it, or an unreachable group's, or lacks one
+                    self.learner.connect_rollout([workers[g] for g in members], self.publishing)
+                    self.fleet.regrouped(workers)
+                try:
+                    report = self.learner.publish(version)
+                except Exception as err:
+                    if self._restarted_dead(version, err):
+                        continue
+                    self._raise_if_engine_down(version, err)
+                    raise
+                if self._settled(version, report, workers, members, stale, tries):
+                    if self.settings.audit_ring:
+                        self.learner.keep_version(version)  # the audit's ring: these weights are `version` now
+                    return time.perf_counter() - t0
+            raise PublicationError(f"publication of policy version {version} did not settle after "
+                                   f"{len(self.fleet.workers) + 3} attempts (groups left or the send kept breaking off)")
+        finally:
+            self.learner.lock.release()
 
     def refit(self, wait_s: float = 1.0) -> bool:
         """Publish the last published version again, so restarted groups hold it (the fleet's refitter);
         False when it cannot happen now: nothing published yet, the learner busy for `wait_s`, its
         weights moved on since (the next publication refits then), or the refit failed (logged)."""
-        if self.published is None or not self.learner.lock.acquire(timeout=wait_s):
+        if self.published is None:
             return False
+        version, updates = self.published
         try:
-            version, updates = self.published
-            if self.learner.updates != updates:
-                return False
-            logger.info("refitting stale rollout group(s) with policy version %d", version)
-            self._publish_locked(version)
-            return True
+            return self.publish(version, wait_s=wait_s, updates=updates) is not None
         except RuntimeError as err:  # PublicationError and RolloutFailed too
-            logger.warning("refit with policy version %s failed: %s", self.published[0], err)
+            logger.warning("refit with policy version %s failed: %s", version, err)
             return False
-        finally:
-            self.learner.lock.release()
 
-    def _publish_locked(self, version: int) -> dict:
-        """One publication under the learner's lock, every outcome handled here (module docstring).
-        Each pass either commits, or changes what the next one does (a group left, the group formed
-        anew, a rollback), so the passes are bounded."""
-        broke_off = refit_failed = False
-        for _ in range(len(self.fleet.workers) + 3):
-            workers, members, stale, regroup = self.fleet.publication_members(version)
-            if regroup:  # the old group had a dead engine's ranks in it, or an unreachable group's, or lacks one
-                self.learner.connect_rollout([workers[g] for g in members], self.publishing)
-                self.fleet.regrouped(workers)
-            try:
-                report = self.learner.publish(version)
-            except Exception as err:
-                if self._restarted_dead(version, err):
-                    continue
-                self._raise_if_engine_down(version, err)
-                raise
-            groups = report.get("groups") or []
-            lost = [(members[i], r["error"]) for i, r in enumerate(groups) if r["unresponsive"]]
-            for g, why in lost:
-                self.fleet.mark_unreachable(g, workers[g], why)
-            if lost:
-                kept = [r for r in groups if not r["unresponsive"]]
-                if not kept or not all(r["committed"] for r in kept):
-                    continue  # the send broke off: once more without them
-                report = dict(report, committed=True, groups=kept, errors=[])
-            elif report.get("broken") and not broke_off:  # broke off, yet every group answered (it came back)
-                broke_off = True
-                self.fleet.regroup()
-                logger.warning("publication of version %d broke off; forming the publication group anew and "
-                               "publishing it again", version)
-                continue
-            self.fleet.refitted(version, workers, stale)
-            self.last_publication = report
-            if report["committed"]:
-                self.published = (version, self.learner.updates)
-                if report.get("digest"):
-                    self.digests[str(version)] = report["digest"]
-                return report
-            if self._restarted_dead(version, report["errors"]):
-                continue
-            self._raise_if_engine_down(version, report["errors"])
-            refits = [e for e in report["errors"] if e and e.startswith("refit check")]
-            if not refits:
-                raise RuntimeError(f"publication of version {version} was refused: {report['errors']}")
-            if refit_failed:
-                raise PublicationError(f"publication of policy version {version} failed the refit check twice "
-                                       f"({refits[0]}); the groups serve version {version - 1}")
-            refit_failed = True
-            logger.warning("%s; the group rolled back to version %d, publishing version %d again",
-                           refits[0], version - 1, version)
-        raise PublicationError(f"publication of policy version {version} did not settle after "
-                               f"{len(self.fleet.workers) + 3} attempts (groups left or the send kept breaking off)")
+    def _settled(self, version: int, report: dict, workers: list, members: list, stale: list, tries: "_Tries") -> bool:
+        """Judge one pass's report: True once committed on the groups that answer; False to publish once
+        more (a group left, the send broke off, a restarted engine, a first failed refit check); else raise."""
+        groups = report.get("groups") or []
+        lost = [(members[i], r["error"]) for i, r in enumerate(groups) if r["unresponsive"]]
+        for g, why in lost:
+            self.fleet.mark_unreachable(g, workers[g], why)
+        if lost:
+            kept = [r for r in groups if not r["unresponsive"]]
+            if not kept or not all(r["committed"] for r in kept):
+                return False  # the send broke off: once more without them
+            report = dict(report, committed=True, groups=kept, errors=[])
+        elif report.get("broken") and not tries.broke_off:  # broke off, yet every group answered (it came back)
+            tries.broke_off = True
+            self.fleet.regroup()
+            logger.warning("publication of version %d broke off; forming the publication group anew and "
+                           "publishing it again", version)
+            return False
+        self.fleet.refitted(version, workers, stale)
+        self.last_publication = report
+        if report["committed"]:
+            self.published = (version, self.learner.updates)
+            if report.get("digest"):
+                self.digests[str(version)] = report["digest"]
+            return True
+        if self._restarted_dead(version, report["errors"]):
+            return False
+        self._raise_if_engine_down(version, report["errors"])
+        refits = [e for e in report["errors"] if e and e.startswith("refit check")]
+        if not refits:
+            raise RuntimeError(f"publication of version {version} was refused: {report['errors']}")
+        if tries.refit_failed:
+            raise PublicationError(f"publication of policy version {version} failed the refit check twice "
+                                   f"({refits[0]}); the groups serve version {version - 1}")
+        tries.refit_failed = True
+        logger.warning("%s; the group rolled back to version %d, publishing version %d again",
+                       refits[0], version - 1, version)
+        return False
 
     def _expect_probe(self, version: int) -> None:
         """Give every rollout group the learner's logprobs of the probe for `version` (its refit

@@ -4,7 +4,7 @@ and a learner rank rebuilt for the next run destroy the communicator of the last
     python -m pytest tests/unit/test_transport_close.py -q
 
 The NCCL communicator is replaced by a double counting destroy() calls (no GPU here); the real
-WeightIO and LearnerWorker code paths run.
+LearnerWorker code paths run.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from megatron_rl.publish import trainer
 from megatron_rl.publish.transports import NcclTransport
 from megatron_rl.train.learner_rank import LearnerWorker
-from megatron_rl.train.learner_weights import PublishSettings, WeightIO
+from megatron_rl.train.learner_weights import PublishSettings
 
 pytestmark = pytest.mark.unit
 
@@ -37,19 +37,18 @@ def _nccl_with(comm) -> NcclTransport:
 def test_a_second_connect_destroys_the_last_communicator(monkeypatch):
     monkeypatch.setattr(trainer, "engine_dtype", lambda workers: torch.float32)
     monkeypatch.setattr("ray.util.get_node_ip_address", lambda: "127.0.0.1")
-    io = WeightIO(rank=1, learner=None, hf_cfg=None)  # rank 1: no publisher, only its share
+    worker = LearnerWorker(rank=1, world_size=2)  # rank 1: no publisher, only its share
     old = Communicator()
-    io.transport = _nccl_with(old)
-    io.connect_rollout([], PublishSettings(transport="gloo"))
-    assert old.destroyed == 1 and io.transport.name == "gloo"
-    io.close()
-    assert old.destroyed == 1 and io.transport is None  # closed once, not again
+    worker.transport = _nccl_with(old)
+    worker.connect_rollout([], PublishSettings(transport="gloo"))
+    assert old.destroyed == 1 and worker.transport.name == "gloo" and worker.publisher is None
+    worker._leave_publication()
+    assert old.destroyed == 1 and worker.transport is None  # closed once, not again
 
 
 def test_a_rebuilt_rank_destroys_its_communicator():
     worker = LearnerWorker(rank=0, world_size=1)
     comm = Communicator()
-    worker.weights = WeightIO(rank=0, learner=None, hf_cfg=None)
-    worker.weights.transport = _nccl_with(comm)
+    worker.transport = _nccl_with(comm)
     worker._drop_parts()
-    assert comm.destroyed == 1 and worker.weights is None
+    assert comm.destroyed == 1 and worker.transport is None and worker.weights is None
