@@ -51,14 +51,17 @@ def run_one(command: str, cfg, pool=None) -> dict:
     from megatron_rl.train.driver import EXIT_REQUEUE, StopFlag, train
     from megatron_rl.train.stop import StopConditionMet
 
-    baseline = None
-    if cfg.sft.first:  # SFT, then GRPO from its result: the baseline the run is measured against
-        from megatron_rl.train.sft import sft_baseline
+    from megatron_rl.train.run_setup import start_ray
 
-        cfg, baseline = sft_baseline(cfg, pool)
+    baseline = None
+    own_ray = cfg.sft.first and start_ray(cfg.run)  # SFT then GRPO: one Ray for both stages
     stop = StopFlag()
     stop.install()
     try:
+        if cfg.sft.first:  # SFT, then GRPO from its result: the baseline the run is measured against
+            from megatron_rl.train.sft import sft_baseline
+
+            cfg, baseline = sft_baseline(cfg, pool)
         summary = train(cfg, stop, pool)
     except StopConditionMet as exc:
         end_progress()
@@ -69,9 +72,14 @@ def run_one(command: str, cfg, pool=None) -> dict:
         if exc.code == EXIT_REQUEUE:
             print(json.dumps({"stopped": "signal", "checkpointed": True}))
         raise
-    if baseline is not None:
+    finally:
+        if own_ray:
+            import ray
+
+            ray.shutdown()
+    if baseline is not None:  # the baseline's test eval is GRPO's step 0: the same weights (train/sft.py)
         summary = {"baseline": "sft", "sft_steps": baseline["steps"],
-                   "baseline_test_correctness": baseline["test_correctness"], **summary}
+                   "baseline_test_correctness": summary["initial_test_correctness"], **summary}
     return summary
 
 

@@ -186,7 +186,8 @@ class SFTConfig:
     (run.prompts_per_step x run.group_size)."""
     first: bool = False
     """`megatron-rl train` first runs (or resumes) SFT in RUN_DIR/sft and starts GRPO from its result:
-    the baseline the run is measured against (its hidden-test correctness is in the final JSON line)."""
+    the baseline the run is measured against (its hidden-test correctness, the GRPO run's step-0 eval of the
+    same weights, is in the final JSON line).  Both stages share one Ray; the SFT stage starts no engine."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -56,9 +56,11 @@ def sft_batch(examples: Sequence, template, tokenizer, *, micro_batch_size: int)
             "token_denominator": fixed_share(n, b, micro_batch_size)}
 
 
-def sft(cfg, pool=None) -> dict:
+def sft(cfg, pool=None, *, final_eval: bool = True) -> dict:
     """Run (or resume) supervised fine-tuning; returns a summary with the test-split baseline.  `pool`: the
     experiment runner's engine pool (train/engine_pool.py), whose parked sft learner actors it rebuilds, or None.
+    `final_eval=False` (sft.first: the GRPO run that follows evaluates the same weights at its step 0, on its
+    own engines): no test eval, so no engine is started for it; the summary has no test figures.
 
     The same parts as GRPO's driver: the learner group, the Checkpointer (resume point chosen once,
     train/resume.py; one cadence) and the Reporter (metrics, console line, the final test eval logged once)."""
@@ -93,6 +95,8 @@ def sft(cfg, pool=None) -> dict:
         _train(cfg, lc, inputs, learner, cursor, checkpointer, report, start)
         release_sft_learners(learner, pool)  # with a pool: kept for the next sft run
         learner = None
+        if not final_eval:
+            return {"steps": cfg.sft.steps, "run_dir": str(run_dir)}
         result = report.final_eval(cfg.sft.steps)  # an attempt that ended here logged it: taken from there
         return {"steps": cfg.sft.steps, "test_correctness": result["correctness"], "test_reward": result["reward"],
                 "test_format": result["format"], "run_dir": str(run_dir)}
@@ -157,8 +161,10 @@ SFT_SUMMARY = "sft_summary.json"
 def sft_baseline(cfg, pool=None) -> tuple[object, dict]:
     """`sft.first`: run (or reuse) SFT in RUN_DIR/sft, then the GRPO config that starts from it.
 
-    Returns (grpo_cfg, sft_summary).  A finished SFT stage (its summary written after its final
-    eval, for the same config) is reused as it is, so a resumed GRPO run does not redo it.
+    Returns (grpo_cfg, sft_summary).  A finished SFT stage (its summary written once it ended, for the
+    same config) is reused as it is, so a resumed GRPO run does not redo it.  The SFT stage runs no test
+    eval of its own: the baseline's test figures are the GRPO run's step-0 eval (the same weights, on the
+    GRPO run's engines), which its checkpoints keep for a resumed run.
     """
     import json
 
@@ -169,7 +175,7 @@ def sft_baseline(cfg, pool=None) -> tuple[object, dict]:
     done = sft_dir / SFT_SUMMARY
     summary = json.loads(done.read_text()) if done.is_file() else None
     if summary is None or summary.get("config_hash") != config_hash(sft_cfg):
-        summary = {**sft(sft_cfg, pool), "config_hash": config_hash(sft_cfg)}
+        summary = {**sft(sft_cfg, pool, final_eval=False), "config_hash": config_hash(sft_cfg)}
         done.write_text(json.dumps(summary))
     else:
         logger.info("SFT baseline %s already finished: reusing it", sft_dir)
