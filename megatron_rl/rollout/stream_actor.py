@@ -185,6 +185,10 @@ class StreamRolloutWorker(RolloutWorker):
         serving now are the version being checked."""
         return self._run(_score(self.stream.engine, sequences))
 
+    def occupancy(self) -> dict[str, float]:
+        """The engine's occupancy and idle fraction since the last call (rollout/occupancy.py)."""
+        return self.stream.occupancy.take()
+
     # ---- weight publication (receive side) ----------------------------------------------
     def engine_alive(self) -> bool:
         return not self.stream.engine.errored

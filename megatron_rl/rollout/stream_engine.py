@@ -44,6 +44,7 @@ from typing import Any, Awaitable, Callable
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
+from megatron_rl.rollout.occupancy import Occupancy
 from megatron_rl.rollout.requests import SAMPLING_KEYS
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,8 @@ class StreamEngine:
         self._serving.set()
         self._labelled = False
         self._broken: RuntimeError | None = None  # StaleCacheError: serve nothing more; BrokenWeights: until a refit
+        self.occupancy = Occupancy(_capacity(engine))
+        """Requests in flight over time against the engine's max_num_seqs (rollout/occupancy.py)."""
 
     @classmethod
     def start(cls, cfg: RolloutConfig, version: int = 0, label: str | None = None) -> "StreamEngine":
@@ -175,6 +178,7 @@ class StreamEngine:
         admitted = self.version
         flight = _Flight(StreamResult(request_id, list(prompt)), {admitted: admitted})
         self._flights[request_id] = flight
+        self.occupancy.change(len(self._flights))
         result = flight.result
         # The admission version salts the request's block hashes: it shares no block of another version.
         prompt_in = {"prompt_token_ids": list(prompt), "cache_salt": f"v{admitted}"}
@@ -190,6 +194,7 @@ class StreamEngine:
                     result.segments = _segments(c.weight_versions, len(result.response_tokens), flight.kv_epoch)
         finally:
             self._flights.pop(request_id, None)
+            self.occupancy.change(len(self._flights))
         return result
 
     async def refit(self, load: Callable[[], Awaitable[Any]], version: int, mode: str = "recompute",
@@ -314,6 +319,12 @@ class StreamEngine:
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.shutdown()
+
+
+def _capacity(engine) -> int:
+    """The sequences the engine runs at once (its scheduler's max_num_seqs); 1 for an engine without a config."""
+    config = getattr(engine, "vllm_config", None)
+    return int(getattr(getattr(config, "scheduler_config", None), "max_num_seqs", 1) or 1)
 
 
 def _segments(spans, num_tokens: int, kv_epoch: dict[int, int]) -> list[Segment]:

@@ -97,7 +97,8 @@ class RolloutSource:
 
             self.producer = StreamProducer(coordinator, self.prepare_group, scorer.grade, steps=spec.steps,
                                            groups_per_step=spec.prompts_per_step, group_size=spec.group_size,
-                                           max_groups_in_flight=(coordinator.lookahead + 1) * spec.prompts_per_step)
+                                           max_groups_in_flight=(coordinator.lookahead + 1) * spec.prompts_per_step,
+                                           engine_stats=self.engine_occupancy)
         else:
             self.producer = Producer(coordinator, self.sample_round, steps=spec.steps)
         self._started = False
@@ -128,6 +129,19 @@ class RolloutSource:
     def close(self) -> None:
         self.stop()
         self.fleet.shutdown()
+
+    def engine_occupancy(self) -> dict[str, float]:
+        """The streaming engines' occupancy and idle fraction since the last step, averaged over the groups
+        (rollout/occupancy.py); {} when a group does not answer (a restart under way: the next step has it)."""
+        import ray
+
+        try:
+            got = ray.get([w.occupancy.remote() for w in self.fleet.workers], timeout=30)
+        except Exception as err:  # noqa: BLE001 -- a dead or restarting engine: the fleet handles it
+            logger.warning("engine occupancy not read this step: %s", err)
+            return {}
+        return {"system/engine_occupancy": sum(g["occupancy"] for g in got) / len(got),
+                "system/engine_idle_fraction": sum(g["idle_fraction"] for g in got) / len(got)}
 
     # ---- one round --------------------------------------------------------------------------------
 

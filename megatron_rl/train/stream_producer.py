@@ -45,9 +45,11 @@ class StreamProducer(Producer):
 
     def __init__(self, coordinator: Coordinator, prepare_group: Callable[[int], Callable[[], list]],
                  grade: Callable[[list], list], *, steps: int, groups_per_step: int, group_size: int,
-                 max_groups_in_flight: int):
+                 max_groups_in_flight: int, engine_stats: Callable[[], dict] | None = None):
         super().__init__(coordinator, self._no_rounds, steps=steps)
         self.prepare_group, self.grade = prepare_group, grade
+        self.engine_stats = engine_stats
+        """The engines' occupancy since the last batch, as metrics (RolloutSource.engine_occupancy), or None."""
         self.groups_per_step, self.group_size = groups_per_step, group_size
         self.max_in_flight = max(1, max_groups_in_flight)
         self._groups: collections.deque = collections.deque()  # finished: (serial, samples, leases, seconds)
@@ -205,6 +207,8 @@ class StreamProducer(Producer):
                  "system/stream_segments_per_sample": sum(spans) / max(len(spans), 1),
                  "system/stream_multi_version_fraction": sum(n > 1 for n in spans) / max(len(spans), 1),
                  **{f"system/stream_{k}_s": v for k, v in spent.items()}}
+        if self.engine_stats is not None:
+            stats.update(self.engine_stats())
         if samples and "episode" in samples[0].extra:  # multi-turn: turns, tools, env time, terminal reasons
             from megatron_rl.envs.metrics import summary_metrics
 

@@ -111,7 +111,7 @@ def _system_metrics(samples: list, taken: list, learn: dict, phases: dict, sampl
     out: dict[str, float] = {}
     gen_tokens = sum(s.generated_tokens for s in samples)  # an episode's observations were not generated
     out.update({k: float(v) for k, v in sampling.items()  # train/stream_producer.py, with episodes envs/metrics.py
-                if k.startswith(("system/stream_", "env/"))})
+                if k.startswith(("system/stream_", "system/engine_", "env/"))})
     if "discarded_tokens" in sampling:  # groups dynamic sampling threw away were generated too: ESR counts them
         gen_tokens += sampling["discarded_tokens"]
         out["system/dynamic_kept_fraction"] = sampling["informative_groups"] / max(sampling["sampled_groups"], 1)
@@ -133,6 +133,8 @@ def _system_metrics(samples: list, taken: list, learn: dict, phases: dict, sampl
         out["system/padding_fraction"] = float(learn["padding_fraction"])
     for name, seconds in phases.items():
         out[f"system/time_{name}_s"] = float(seconds)
+    if phases.get("step"):  # the share of the step the learner was not learning (waiting on rollout, publishing)
+        out["system/learner_idle_fraction"] = max(0.0, 1.0 - phases.get("learn", 0.0) / phases["step"])
     return out
 
 

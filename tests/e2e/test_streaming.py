@@ -67,6 +67,14 @@ def test_publications_landed_while_requests_were_in_flight(run):
     assert max(kept) > 0, f"no refit kept a request in flight: {kept}"
     metrics = read_jsonl(d / "metrics" / "metrics.jsonl")
     assert max(m.get("system/stream_multi_version_fraction", 0.0) for m in metrics) > 0
+    # The engine's occupancy (running sequences / its 8) and idle fraction, per step (rollout/occupancy.py): near
+    # full while groups queue in it; the first step after the resume takes the groups the checkpoint saved, and
+    # its window can be all idle (measured: 0.97, 0.98, 0.98 | 0.0, 0.97).
+    occupancy = [(m["system/engine_occupancy"], m["system/engine_idle_fraction"]) for m in metrics
+                 if "system/engine_occupancy" in m]
+    print(f"engine occupancy, idle fraction per step: {[(round(o, 2), round(i, 2)) for o, i in occupancy]}")
+    assert len(occupancy) == 5 and all(0 <= o <= 1 and 0 <= i <= 1 for o, i in occupancy), occupancy
+    assert sum(o > 0.5 for o, _ in occupancy[:3]) >= 2, occupancy  # run A: the engine ran near-full batches
 
 
 def test_every_token_names_the_publication_that_sampled_it(run):
