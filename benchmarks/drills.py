@@ -32,6 +32,8 @@ PLAN = {  # drill -> extra CLI arguments
     "bad_refit": ["--at-step", "1", "--steps", "3"],
     "partition": ["--at-step", "1", "--steps", "12"],  # 2 rollout groups; one stopped 15 s (tiny steps ~1 s)
     "coordinator_stop": ["--at-step", "1", "--steps", "3"],  # the coordinator stopped 10 s
+    "refit_mid_generation": [],  # streaming, long responses: publications land mid-response
+    "refit_stale_kv": ["--at-step", "1"],  # the stale-cache bug from publication 2 on; the audit stops the run
 }
 
 

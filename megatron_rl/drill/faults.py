@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+from megatron_rl.drill import streaming
 from megatron_rl.drill.accounting import account, recovery_time
 from megatron_rl.drill.harness import Drill, last_json
 
@@ -343,9 +344,16 @@ SINGLE_RUN = {
 }
 
 
-def _single(name: str):
+# Streaming drills (drill/streaming.py): one run each, not combinable (one arms no fault, one ends the run).
+STREAMING = {
+    "refit_mid_generation": (streaming.arm_refit_mid_generation, streaming.judge_refit_mid_generation),
+    "refit_stale_kv": (streaming.arm_refit_stale_kv, streaming.judge_refit_stale_kv),
+}
+
+
+def _single(name: str, table: dict = SINGLE_RUN):
     def runner(drill: Drill) -> dict:
-        arm, judge = SINGLE_RUN[name]
+        arm, judge = table[name]
         fault, extra = arm(drill.cfg)
         return judge(drill, drill.train(fault=fault, extra=extra), drill.cfg)
     return runner
@@ -353,6 +361,7 @@ def _single(name: str):
 
 RUNNERS = {
     **{name: _single(name) for name in SINGLE_RUN},
+    **{name: _single(name, STREAMING) for name in STREAMING},
     "partition": partition,
     "bad_checkpoint": bad_checkpoint,
     "oom": oom,

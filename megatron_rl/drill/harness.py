@@ -22,7 +22,8 @@ from megatron_rl.drill.accounting import wal_ids
 DEFAULT_OVERRIDES = ["data.eval_size=8", "run.eval_every=0", "run.checkpoint_every=2", "run.keep_checkpoints=3"]
 EVENTS = "drill_events.jsonl"
 DRILLS = ("bad_checkpoint", "oom", "oom_twice", "verifier_timeout", "worker_crash", "engine_crash",
-          "engine_crash_publish", "bad_refit", "partition", "coordinator_stop")
+          "engine_crash_publish", "bad_refit", "partition", "coordinator_stop", "refit_mid_generation",
+          "refit_stale_kv")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -34,6 +34,10 @@ injects the fault itself, so a drill exercises the real failure path, not a patc
     coordinator_stop  CoordinatorActor.put_many (coordinator) the first put of round at_step SIGSTOPs the
                                                              coordinator's process for `seconds` before it
                                                              is applied (once per run)
+    stale_kv          StreamEngine refit (streaming actor)   from publication `at_version` on, a "recompute"
+                                                             refit skips the KV invalidation and says it
+                                                             happened: kept requests go on attending to the
+                                                             old weights' KV (the stale-cache bug)
 
 `at_step` counts learner steps from 0 (the step about to be learned: learner step s produces policy
 version s+1).  Each injection appends {"fault", "at_step", "time", "pid"} to the JSON-lines file
@@ -55,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "MEGATRON_RL_DRILL"
 FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load", "engine_kill", "engine_kill_publish",
-          "engine_stop", "coordinator_stop")
+          "engine_stop", "coordinator_stop", "stale_kv")
 
 
 def drill_spec(fault: str) -> dict | None:

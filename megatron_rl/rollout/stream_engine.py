@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from megatron_rl.drill.hooks import drill_spec, record_injection
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
 from megatron_rl.rollout.occupancy import Occupancy
@@ -245,7 +246,7 @@ class StreamEngine:
         load_s = time.perf_counter() - loading
         await self.engine.update_weight_version(label)  # the label of every output from here on
         self.label = label
-        reset = await self._invalidate(mode)
+        reset = await self._invalidate(mode, version)
         kept = list(self._flights.values())
         for f in kept:  # the oldest KV each kept request attends to from here on
             f.kv_epoch[version] = version if mode == "recompute" else f.kv_epoch[self.version]
@@ -253,10 +254,14 @@ class StreamEngine:
         await self.engine.resume_generation()
         return RefitRecord(version, mode, len(kept), reset, load_s, time.perf_counter() - paused)
 
-    async def _invalidate(self, mode: str) -> bool:
+    async def _invalidate(self, mode: str, version: int) -> bool:
         """Drop old-weight KV as `mode` asks; True when vLLM's prefix cache is now empty."""
         if mode in ("keep_kv", "wait"):  # succeeds when no request holds blocks; the salt protects the rest
             return bool(await self.engine.reset_prefix_cache())
+        stale = drill_spec("stale_kv")  # `megatron-rl drill refit_stale_kv`: the bug the audit must catch
+        if stale is not None and version >= int(stale.get("at_version", 1)):
+            record_injection(stale, version=version, in_flight_requests=len(self._flights))
+            return True
         try:
             reset = await self.engine.reset_prefix_cache(reset_running_requests=True)
         except Exception as err:  # noqa: BLE001 -- vLLM raises when a preempted request's blocks stay held

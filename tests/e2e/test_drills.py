@@ -9,7 +9,8 @@ of the oom run, refused at resume), partition (1, two rollout groups, 12 short s
 drills share runs through `megatron-rl drill together` (each judged on the shared run by its own rules,
 timed from its own injection): engine_crash and engine_crash_publish in one run (the engine dies while
 generating round 1, then again as publication 2 begins: two engine restarts of ~30 s), verifier_timeout,
-bad_refit and coordinator_stop in another.  9 start-ups of ~70 s.  The bad_checkpoint drill's
+bad_refit and coordinator_stop in another; refit_stale_kv (streaming: the stale-cache bug injected, caught
+by the audit).  10 start-ups of ~70 s.  The bad_checkpoint drill's
 fallback is the resume path that tests/e2e/test_bad_checkpoint.py drives for each kind of
 damage (`megatron-rl drill bad_checkpoint` wraps it).  Every record must show what the protocol promises: recovered (or the documented clean stop), 0 trajectories lost,
 0 duplicated, continuous versions.  The oom run is also compared with the worker_crash run, whose
@@ -219,3 +220,16 @@ def test_coordinator_stop_waits_and_loses_nothing(one_run_drills):
     assert rec["injected_at"]["trajectories_in_the_put"] == 64, rec  # a whole round's put was held
     assert rec["waited_s"] >= 9.0, rec  # the step really waited on the stopped coordinator
     _common(rec, redone=0)
+
+
+def test_a_stale_kv_refit_is_caught_by_the_audit(tmp_path_factory):
+    # Streaming, in-flight refits (drill/streaming.py): from publication 2 on, a recompute refit skips the KV
+    # invalidation and says it happened (the stale-cache bug), so kept requests attend to the old weights' KV
+    # while their tokens are labelled recomputed.  audit.every=1 re-scores them under their version: exit 89.
+    code, rec = _drill(tmp_path_factory, "refit_stale_kv", "--at-step", "1", "--steps", "4")
+    assert code == 0 and rec["recovered"], rec
+    assert rec["injected_at"]["requests_kept_on_stale_kv"] > 0, rec  # the bug did hit requests in flight
+    assert [a["exit"] for a in rec["attempts"]] == [89], rec
+    assert rec["evidence"].startswith("sequence ") and "recompute): max |Δ|" in rec["evidence"], rec
+    assert rec["trajectories_lost"] == 0 and rec["trajectories_duplicated"] == 0, rec
+
