@@ -114,9 +114,10 @@ def test_the_main_job_sft_then_grpo_evaluates_and_exports(tmp_path, monkeypatch)
     run = tmp_path / "tiny_cpu"
     stages = {}
 
-    def sft_stage(cfg, pool=None):  # the SFT stage, with a checkpoint of its start weights for the trained ones
+    def sft_stage(cfg, pool=None, *, final_eval=True):  # the SFT stage, a checkpoint of its start weights
+        assert not final_eval  # sft.first: the GRPO run's step-0 eval is the baseline's (train/sft.py)
         stages["sft"] = start_run(cfg, kind="sft")
-        return {"test_correctness": 0.5}
+        return {"steps": 8, "run_dir": str(cfg.run.dir)}
 
     monkeypatch.setattr(sft_module, "sft", sft_stage)
     grpo_cfg, _ = sft_module.sft_baseline(config(MAIN_JOB, run))
