@@ -10,7 +10,6 @@ every drill (lost, duplicated, versions, time to recover) is drill/accounting.py
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import time
@@ -26,11 +25,6 @@ EXIT_REQUEUE, EXIT_OOM = 75, 87
 def _finished(drill: Drill, attempt) -> bool:
     summary = last_json(attempt.stdout) or {}
     return attempt.returncode == 0 and summary.get("steps") == drill.cfg.steps
-
-
-def _metric_rows(drill: Drill) -> list[dict]:
-    path = drill.run_dir / "metrics" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip() and "learn/loss" in line]
 
 
 def _first_line(text: str, pattern: str) -> str | None:
@@ -112,7 +106,7 @@ def oom(drill: Drill, times: int = 1) -> dict:
     log = drill.log()
     detected = _first_line(log, r"out of memory at micro_batch_size \d+ \(")
     if times == 1:
-        rows = {r["step"]: r for r in _metric_rows(drill)}
+        rows = {r["step"]: r for r in drill.metric_rows()}
         retried = rows.get(cfg.at_step + 1, {}).get("numerics/oom_retries")
         return {"detected_by": "LearnerWorker.train_step (torch.OutOfMemoryError)" if detected else None,
                 "evidence": detected,
@@ -140,7 +134,7 @@ def _judge_verifier_timeout(drill: Drill, run, cfg) -> dict:
     error-coded, excluded from the loss and counted, while the run goes on."""
     share = float(cfg.variant or 0.05)
     hung = len(drill.injections("verifier_timeout"))
-    rows = _metric_rows(drill)
+    rows = drill.metric_rows()
     counted = max((r.get("latency/verifier_timeout", 0.0) for r in rows), default=0.0)
 
     def mean(key):
@@ -223,7 +217,7 @@ def _judge_engine_crash(drill: Drill, run, cfg) -> dict:
     log = drill.log()
     detected = _first_line(log, r"vLLM engine died during generation")
     refitted = _first_line_after(log, r"vLLM engine died during generation", r"refitted: serving policy version \d+")
-    last = (_metric_rows(drill) or [{}])[-1]
+    last = (drill.metric_rows() or [{}])[-1]
     restarts, retried = last.get("system/engine_restarts"), last.get("system/requests_retried")
     off_version = samples_off_version(drill.run_dir / "queue.db")
     in_flight = events[0].get("in_flight_requests") if events else None
@@ -252,7 +246,7 @@ def _judge_engine_crash_publish(drill: Drill, run, cfg) -> dict:
     log = drill.log()
     detected = _first_line(log, r"vLLM engine died during publication")
     refitted = _first_line_after(log, r"vLLM engine died during publication", r"refitted: serving policy version \d+")
-    last = (_metric_rows(drill) or [{}])[-1]
+    last = (drill.metric_rows() or [{}])[-1]
     restarts = last.get("system/engine_restarts")
     off_version = samples_off_version(drill.run_dir / "queue.db")
     return {"injected_at": {"version": cfg.at_step + 1, "signal": "SIGKILL", "process": "vLLM EngineCore"},
@@ -280,7 +274,7 @@ def partition(drill: Drill) -> dict:
     detected = _first_line(log, r"rollout group \d+ did not answer")
     back = _first_line(log, r"rollout group \d+ answers again")
     refitted = _first_line(log, r"refitted: serving policy version \d+")
-    rows = _metric_rows(drill)
+    rows = drill.metric_rows()
     last = rows[-1] if rows else {}
     while_out = sum(1 for r in rows if r.get("system/unreachable_rollout_groups") == 1.0)
     off_version = samples_off_version(drill.run_dir / "queue.db")

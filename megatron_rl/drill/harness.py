@@ -124,6 +124,11 @@ class Drill:
     def log(self) -> str:
         return "\n".join(a.stderr for a in self.attempts)
 
+    def metric_rows(self) -> list[dict]:
+        """The learner steps' metrics rows of the run directory (those holding learn/loss)."""
+        path = self.run_dir / "metrics" / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip() and "learn/loss" in line]
+
 
 def last_json(text: str) -> dict | None:
     for line in reversed(text.strip().splitlines()):

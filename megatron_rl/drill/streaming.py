@@ -54,8 +54,8 @@ def arm_refit_mid_generation(cfg) -> tuple[dict | None, tuple]:
 
 def judge_refit_mid_generation(drill: Drill, run, cfg) -> dict:
     kept = _kept_by_refit(drill)
-    metrics = [r for r in _rows(drill) if "system/stream_multi_version_fraction" in r]
-    trained_spanning = max((r["system/stream_multi_version_fraction"] for r in metrics), default=0.0)
+    trained_spanning = max((r.get("system/stream_multi_version_fraction", 0.0) for r in drill.metric_rows()),
+                           default=0.0)
     summary = last_json(run.stdout) or {}
     return {"injected_at": {"what": "publications while sequences are half generated (no fault)"},
             "detected_by": None, "requests_kept_per_refit": kept, "spanning_sequences_queued": _spanning(drill),
@@ -82,9 +82,3 @@ def judge_refit_stale_kv(drill: Drill, run, cfg) -> dict:
             "action": f"the run stopped with exit {run.returncode}, checkpointed" if named else "none",
             "recovered": bool(kept) and run.returncode == EXIT_AUDIT and named is not None}
 
-
-def _rows(drill: Drill) -> list[dict]:
-    import json
-
-    path = drill.run_dir / "metrics" / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []

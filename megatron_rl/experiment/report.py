@@ -71,9 +71,7 @@ def run_costs(path: Path) -> dict[str, float]:
 
     # system/generated_tokens: what the step generated, dynamic sampling's discarded groups included
     # (older runs' metrics lack it: their mean response length times the samples per step)
-    generated = sum(r["system/generated_tokens"] if "system/generated_tokens" in r
-                    else r["learn/response_length"] * per_step for r in rows
-                    if "system/generated_tokens" in r or "learn/response_length" in r)
+    generated = sum(r.get("system/generated_tokens", r.get("learn/response_length", 0.0) * per_step) for r in rows)
     return {"wall_s": result["wall_s"], "cpu_hours": result["wall_s"] * (os.cpu_count() or 1) / 3600,
             "generated_tokens": float(generated), "esr": mean("system/esr"),
             "effective_tokens_per_s": mean("system/effective_tokens_per_s"),

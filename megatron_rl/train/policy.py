@@ -161,9 +161,9 @@ class Policy:
         if not self.learner.lock.acquire(timeout=-1 if wait_s is None else wait_s):
             return None
         try:
-            if refit and self.learner.updates != updates:
-                return None
             if refit:
+                if self.learner.updates != updates:
+                    return None
                 logger.info("refitting stale rollout group(s) with policy version %d", version)
             tries = _Tries()
             for _ in range(len(self.fleet.workers) + 3):
@@ -179,7 +179,7 @@ class Policy:
                     self._raise_if_engine_down(version, err)
                     raise
                 if self._settled(version, report, workers, members, stale, tries):
-                    if self.settings.audit_ring:
+                    if self.settings.audit_ring and not refit:  # (a refit's weights are kept already)
                         self.learner.keep_version(version)  # the audit's ring: these weights are `version` now
                     return time.perf_counter() - t0
             raise PublicationError(f"publication of policy version {version} did not settle after "

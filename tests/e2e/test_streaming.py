@@ -31,16 +31,15 @@ import sqlite3
 import pytest
 
 from megatron_rl.audit.config import AuditConfig
+from megatron_rl.drill.streaming import STREAMING
 from megatron_rl.trajectory import Trajectory
 from tests.e2e.conftest import REPO, TINY, last_json, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 AUDIT_TOLERANCE = AuditConfig().tolerance  # the default; the run measures ~4e-6 (printed by the audit tests)
-STREAM = ["run.mode=async", "run.prompts_per_step=4", "run.group_size=4", "learner.micro_batch_size=16",
-          "run.eval_every=0", "run.checkpoint_every=3", "data.eval_size=8", "rollout.streaming=true",
-          "rollout.inflight_refit=recompute", "rollout.max_tokens=200", "rollout.max_model_len=256",
-          "rollout.ignore_eos=true", "rollout.engine_options.max_num_seqs=8", "audit.every=1"]
+STREAM = [*STREAMING, "run.eval_every=0", "run.checkpoint_every=3", "data.eval_size=8", "audit.every=1"]
+"""The streaming drills' recipe (megatron_rl/drill/streaming.py: async, 200-token responses, 8 sequences at once)."""
 
 
 @pytest.fixture(scope="module")
