@@ -72,6 +72,18 @@ def test_a_feature_s_charts_are_drawn_only_for_runs_that_use_it(tmp_path):
     assert "| `env/terminal/max_turns` | 3 | 0.5 | 0.5 |" in (tmp_path / "multi" / "report" / "summary.md").read_text()
 
 
+def test_the_occupancy_chart_needs_a_streaming_run_not_any_engine_metric(tmp_path):
+    (chart,) = [c for c in CHARTS if c.feature == "system/engine_occupancy"]
+    with MetricsLogger(tmp_path / "rounds" / "metrics") as log:  # a round-mode run restarts an engine
+        log.log(1, {"system/engine_restarts": 1.0, "learn/reward_mean": 0.1})
+    assert f"{chart.slug}.png" not in {Path(p).name for p in write_report(tmp_path / "rounds")["plots"]}
+    with MetricsLogger(tmp_path / "stream" / "metrics") as log:
+        for s in (1, 2):
+            log.log(s, {"system/engine_occupancy": 0.5 * s, "system/engine_idle_fraction": 0.1,
+                        "system/learner_idle_fraction": 0.2})
+    assert f"{chart.slug}.png" in {Path(p).name for p in write_report(tmp_path / "stream")["plots"]}
+
+
 def test_load_series_keeps_steps_in_order_and_skips_torn_lines(tmp_path):
     write_run(tmp_path, steps=3)
     path = tmp_path / "metrics" / "metrics.jsonl"
