@@ -34,6 +34,7 @@ PLAN = {  # drill -> extra CLI arguments
     "coordinator_stop": ["--at-step", "1", "--steps", "3"],  # the coordinator stopped 10 s
     "refit_mid_generation": [],  # streaming, long responses: publications land mid-response
     "refit_stale_kv": ["--at-step", "1"],  # the stale-cache bug from publication 2 on; the audit stops the run
+    "refit_engine_death": ["--at-step", "1", "--steps", "4"],  # the engine core dies paused in a refit
 }
 
 

@@ -7,7 +7,7 @@
 Prints one JSON record (megatron_rl/drill/): fault, injected_at, detected_by, action, recovered,
 steps_redone, trajectories_lost, trajectories_duplicated, versions_continuous, time_to_recover_s.
 Exit 0 when the drill ended as its protocol says (recovered, or the documented clean stop), else 1.
-Drills: bad_checkpoint, oom, oom_twice, verifier_timeout, worker_crash, engine_crash, bad_refit (RUNBOOK.md, "Fault drills").
+Drills: every name of drill/harness.py DRILLS, e.g. oom, engine_crash, refit_engine_death (RUNBOOK.md, "Fault drills").
 `megatron-rl drill together --drills a,b,...` runs one-run drills in one training run (drill/together.py).
 """
 

@@ -342,6 +342,7 @@ SINGLE_RUN = {
 STREAMING = {
     "refit_mid_generation": (streaming.arm_refit_mid_generation, streaming.judge_refit_mid_generation),
     "refit_stale_kv": (streaming.arm_refit_stale_kv, streaming.judge_refit_stale_kv),
+    "refit_engine_death": (streaming.arm_refit_engine_death, streaming.judge_refit_engine_death),
 }
 
 

@@ -23,7 +23,7 @@ DEFAULT_OVERRIDES = ["data.eval_size=8", "run.eval_every=0", "run.checkpoint_eve
 EVENTS = "drill_events.jsonl"
 DRILLS = ("bad_checkpoint", "oom", "oom_twice", "verifier_timeout", "worker_crash", "engine_crash",
           "engine_crash_publish", "bad_refit", "partition", "coordinator_stop", "refit_mid_generation",
-          "refit_stale_kv")
+          "refit_stale_kv", "refit_engine_death")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -38,6 +38,10 @@ injects the fault itself, so a drill exercises the real failure path, not a patc
                                                              refit skips the KV invalidation and says it
                                                              happened: kept requests go on attending to the
                                                              old weights' KV (the stale-cache bug)
+    engine_kill_refit StreamEngine refit (streaming actor)   the first in-flight refit to a version >=
+                                                             `at_version` that keeps requests SIGKILLs the
+                                                             vLLM engine-core process while generation is
+                                                             paused, before the new weights load (once per run)
 
 `at_step` counts learner steps from 0 (the step about to be learned: learner step s produces policy
 version s+1).  Each injection appends {"fault", "at_step", "time", "pid"} to the JSON-lines file
@@ -59,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "MEGATRON_RL_DRILL"
 FAULTS = ("oom", "learner_kill", "verifier_timeout", "permute_load", "engine_kill", "engine_kill_publish",
-          "engine_stop", "coordinator_stop", "stale_kv")
+          "engine_stop", "coordinator_stop", "stale_kv", "engine_kill_refit")
 
 
 def drill_spec(fault: str) -> dict | None:
@@ -132,6 +136,20 @@ def maybe_kill_engine_in_publication(version: int) -> None:
         record_injection(spec, pid_killed=cores[0].pid, version=version)
         os.kill(cores[0].pid, signal.SIGKILL)
         time.sleep(1.0)  # the process is gone (and its workers with it) before the publication goes on
+
+
+def maybe_kill_engine_in_refit(version: int, in_flight: int) -> None:
+    """Drill hook (`megatron-rl drill refit_engine_death`), called by StreamEngine's refit while generation is
+    paused with `in_flight` requests kept: the first such refit to a version >= at_version SIGKILLs this
+    group's vLLM engine-core process before the new weights load (once per run)."""
+    spec = drill_spec("engine_kill_refit")
+    if spec is None or version < int(spec["at_version"]) or not in_flight or injected_before(spec):
+        return
+    cores = _engine_cores()
+    if cores:
+        record_injection(spec, pid_killed=cores[0].pid, version=version, in_flight_requests=in_flight)
+        os.kill(cores[0].pid, signal.SIGKILL)
+        time.sleep(1.0)  # the process is gone before the refit goes on
 
 
 def _engine_cores() -> list:

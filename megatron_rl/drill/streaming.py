@@ -16,6 +16,12 @@ refit_stale_kv         the `stale_kv` hook (drill/hooks.py): from publication at
                        skips the KV invalidation and says it happened, so kept requests attend to the old
                        weights' KV while their tokens are labelled as recomputed; with audit.every=1 the audit
                        re-scores those segments under their version and must stop the run (exit 89) naming one
+refit_engine_death     the `engine_kill_refit` hook: the first refit to a version >= at_step+1 that keeps requests
+                       SIGKILLs the group's vLLM engine core while generation is paused, before the new weights
+                       load; the publication fails, the fleet restarts the group stale, publishes the version
+                       again (its refit) and sends the requests that were in flight again; recovered when the
+                       run finishes in the same attempt with one restart, the kept requests retried, no token
+                       quarantined (every segment's digest is a committed publication's) and the accounting holds
 """
 
 from __future__ import annotations
@@ -63,6 +69,34 @@ def judge_refit_mid_generation(drill: Drill, run, cfg) -> dict:
             "action": "refits kept their requests in flight, KV recomputed under the new weights",
             "recovered": (run.returncode == 0 and summary.get("steps") == cfg.steps and any(kept.values())
                           and trained_spanning > 0)}
+
+
+def arm_refit_engine_death(cfg) -> tuple[dict, tuple]:
+    return {"fault": "engine_kill_refit", "at_version": cfg.at_step + 1}, STREAMING
+
+
+def judge_refit_engine_death(drill: Drill, run, cfg) -> dict:
+    events = drill.injections("engine_kill_refit")
+    log = drill.log()
+    died = re.search(r"vLLM engine died during (generation|publication)[^\n]*", log)
+    refitted = re.search(r"refitted: serving policy version \d+", log[died.end():]) if died else None
+    rows = drill.metric_rows()
+    last = rows[-1] if rows else {}
+    quarantined = sum(r.get("learn/quarantined_trajectories", 0.0) for r in rows)
+    summary = last_json(run.stdout) or {}
+    kept = events[0].get("in_flight_requests") if events else None
+    return {"injected_at": {"version": events[0].get("version") if events else None, "signal": "SIGKILL",
+                            "process": "vLLM EngineCore", "while": "paused for an in-flight refit",
+                            "requests_kept": kept},
+            "detected_by": f"RolloutFleet (engine died during {died.group(1)})" if died else None,
+            "evidence": died.group(0) if died else None, "refit": refitted.group(0) if refitted else None,
+            "engine_restarts": last.get("system/engine_restarts"), "requests_retried": last.get("system/requests_retried"),
+            "quarantined_trajectories": quarantined,
+            "action": "group restarted stale, the version published again, the kept requests sent again"
+                      if refitted else "none",
+            "recovered": (run.returncode == 0 and summary.get("steps") == cfg.steps and bool(kept)
+                          and last.get("system/engine_restarts") == 1.0 and bool(last.get("system/requests_retried"))
+                          and refitted is not None and quarantined == 0)}
 
 
 def arm_refit_stale_kv(cfg) -> tuple[dict, tuple]:

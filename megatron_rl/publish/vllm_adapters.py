@@ -51,9 +51,9 @@ def adapter_spec(serving: dict[str, Any], model_dir: str) -> dict[str, Any]:
 
 
 def adapter_request(version: int | None, installed: bool = True):
-    """vLLM's LoRARequest naming policy `version`'s adapter, or None (the base: version 0 before any
-    adapter was published).  The path is a label only: the adapter is installed from memory."""
-    if version is None or not installed:
+    """vLLM's LoRARequest naming policy `version`'s adapter, or None (the base: version 0, whose adapters
+    are all zero, never published).  The path is a label only: the adapter is installed from memory."""
+    if version is None or int(version) == 0 or not installed:
         return None
     from vllm.lora.request import LoRARequest
 

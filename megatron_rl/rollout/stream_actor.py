@@ -33,6 +33,7 @@ import time
 import uuid
 from typing import Any
 
+from megatron_rl.publish.vllm_adapters import ServedAdapters
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import eos_token_ids, prepare_actor
 from megatron_rl.rollout.provenance import parse_label, weights_label
@@ -64,7 +65,7 @@ class _Blocking:
         self._w._run(self._w.stream.engine.update_weights(WeightTransferUpdateRequest(**request)))
 
     def finish_weight_update(self) -> None:
-        self._w._run(self._w.stream.engine.finish_weight_update())
+        self._w._run(_finish_update_session(self._w.stream, lora=self._w.adapters.serving is not None))
 
     def init_weight_transfer_engine(self, request: dict) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -98,6 +99,9 @@ class StreamRolloutWorker(RolloutWorker):
         started = time.perf_counter()
         self.stream = self._run(_start_engine(self.config, -1 if stale else 0, self.label))
         self.llm = _Blocking(self)
+        self.adapters = ServedAdapters(self.config.adapter)  # a LoRA run: versions are adapters on the base
+        self.adapters.start(self.llm, self.config.model)
+        self._adapter_label = self.label  # a LoRA run: the committed version's label, the adapter new requests get
         self.eos_token_ids = eos_token_ids(self.config.model)
         log.info("vLLM async engine for %s (TP=%d, in-flight refit %s) up in %.1f s", self.config.model,
                  self.config.tensor_parallel_size, self.config.inflight_refit, time.perf_counter() - started)
@@ -115,7 +119,9 @@ class StreamRolloutWorker(RolloutWorker):
                              "arguments or the model's shapes differ")
         self.config, self.version, self._probe = new, None, None
         self.eos_token_ids = eos_token_ids(new.model)
-        self.label = weights_label(None, None)
+        self.label = self._adapter_label = weights_label(None, None)
+        self.adapters = ServedAdapters(new.adapter)
+        self.adapters.start(self.llm, new.model)
         self._run(self.stream.forget(self.label))
 
     # ---- generation -------------------------------------------------------------------
@@ -126,18 +132,19 @@ class StreamRolloutWorker(RolloutWorker):
         params = self._request_params(prompts, sampling, n, extra)
         self._serving_version()
         call = uuid.uuid4().hex[:12]
+        adapter = self._adapter()
         jobs = []
         for i, prompt in enumerate(prompts):
             own = prompt_params(params, extra, i)
             for j in range(n):
                 seed = None if own["seed"] is None else own["seed"] + i * n + j
                 jobs.append((f"{call}-{i}-{j}", prompt, {**own, "seed": seed}))
-        results = self._run(_gather(self.stream, jobs))
+        results = self._run(_gather(self.stream, jobs, adapter))
         if any(result.finish_reason == "abort" for result, _, _ in results):  # a load that could not roll back
             raise RuntimeError("this rollout group holds no complete policy version (a failed load could not be "
                                "rolled back; its requests in flight were aborted): sent again")
         samples = []
-        for (rid, prompt, used), (result, started, finished) in zip(jobs, results):
+        for (rid, _, used), (result, started, finished) in zip(jobs, results):
             i = int(rid.split("-")[1])
             sample = to_sample(result, {**used, "n": n}, started, finished, dict(extra[i]) if extra else {})
             sample.extra["weights"] = self._checked_weights(result)
@@ -163,6 +170,14 @@ class StreamRolloutWorker(RolloutWorker):
         return self._run(player.group(self.stream, uuid.uuid4().hex[:12], examples, params, n, extra,
                                       self._checked_weights))
 
+    def _adapter(self) -> tuple[Any, str] | None:
+        """A LoRA run: (the LoRARequest of the newest committed version, or None for the base; its label) that
+        a request admitted now keeps to its end; None when the run publishes full weights."""
+        if self.adapters.serving is None:
+            return None
+        version = int(parse_label(self._adapter_label)[0])
+        return self.adapters.request(version), self._adapter_label
+
     def _checked_weights(self, result) -> dict[str, str]:
         """{version: digest} of the weights that sampled the result's tokens; provisional labels wait for
         their refit check's verdict, and a refused one raises RefusedWeights."""
@@ -180,10 +195,17 @@ class StreamRolloutWorker(RolloutWorker):
 
     def score(self, sequences: list[list[int]], version: int | None = None) -> list[list[float | None]]:
         """Teacher-forced logprob of every token given its prefix (first is None) [T], on the weights
-        serving now (salted apart from every cached block).  `version` is RolloutWorker's (a LoRA run's
-        adapter to score under); a streaming engine serves no adapters (train/config.py), so the weights
-        serving now are the version being checked."""
-        return self._run(_score(self.stream.engine, sequences))
+        serving now (salted apart from every cached block): the version being checked, when one is.  A LoRA
+        run: under `version`'s adapter (installed, perhaps not committed yet), else the committed one's."""
+        if self.adapters.serving is None:
+            return self._run(_score(self.stream.engine, sequences))
+        lora = (self.adapters.request(version, installed=True) if version is not None
+                else self._adapter()[0])
+        return self._run(_score(self.stream.engine, sequences, lora))
+
+    def in_flight(self) -> int:
+        """Requests generating on this engine now."""
+        return len(self.stream.in_flight())
 
     def occupancy(self) -> dict[str, float]:
         """The engine's occupancy and idle fraction since the last call (rollout/occupancy.py)."""
@@ -219,9 +241,11 @@ class StreamRolloutWorker(RolloutWorker):
         self._verdicts[n] = (threading.Event(), [False])
         failed: list[dict] = []
 
-        async def load() -> None:
+        async def load() -> None:  # runs paused (StreamEngine.refit)
             engine = self.stream.engine
             await engine.finish_weight_update()
+            if self.adapters.serving is not None:  # vLLM emptied its adapter cache: the kept ones back
+                await engine.collective_rpc("megatron_rl_restore_adapters")
             failed.extend(s for s in await engine.collective_rpc("megatron_rl_publication_status")
                           if not s.get("committed"))
             if failed:  # some worker did not load: every worker goes back before anything runs
@@ -233,7 +257,8 @@ class StreamRolloutWorker(RolloutWorker):
 
         before, before_label = self.version, self.label
         try:
-            self._run(self.stream.refit(load, version, self.config.inflight_refit,
+            mode = "adapter" if self.adapters.serving is not None else self.config.inflight_refit
+            self._run(self.stream.refit(load, version, mode,
                                         label=f"{weights_label(version, digest)}{PROVISIONAL}{n}"))
         except RuntimeError as err:
             self._verdicts[n][0].set()
@@ -253,6 +278,8 @@ class StreamRolloutWorker(RolloutWorker):
         self.llm.collective_rpc("megatron_rl_accept_publication", args=(self.config.keep_rollback_copy,))
         self.label = weights_label(version, digest)
         self._run(self.stream.relabel(self.label))
+        self.adapters.committed(self.version)
+        self._adapter_label = self.label  # a LoRA run: requests admitted from now on get this version's adapter
         self._verdicts[n][1][0] = True
         self._verdicts[n][0].set()
         return self._answer(version, [], statuses)
@@ -289,16 +316,30 @@ async def _start_engine(cfg: RolloutConfig, version: int, label: str):
     return StreamEngine.start(cfg, version, label)  # on the loop its client will use
 
 
-async def _gather(stream, jobs: list) -> list:
+async def _finish_update_session(stream, lora: bool) -> None:
+    """Close vLLM's weight update session.  It empties vLLM's adapter cache: a LoRA run's engine does this
+    paused and puts its kept adapters back before a step runs (requests in flight name them)."""
+    engine = stream.engine
+    if not lora:
+        return await engine.finish_weight_update()
+
+    async def close() -> None:
+        await engine.finish_weight_update()
+        await engine.collective_rpc("megatron_rl_restore_adapters")
+
+    return await stream.paused(close)
+
+
+async def _gather(stream, jobs: list, adapter: tuple[Any, str] | None = None) -> list:
     async def one(rid: str, prompt: list[int], params: dict):
         started = time.time()
-        result = await stream.generate(rid, prompt, params)
+        result = await stream.generate(rid, prompt, params, adapter)
         return result, started, time.time()
 
     return await asyncio.gather(*(one(*job) for job in jobs))
 
 
-async def _score(engine, sequences: list[list[int]]) -> list:
+async def _score(engine, sequences: list[list[int]], lora=None) -> list:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
@@ -306,7 +347,8 @@ async def _score(engine, sequences: list[list[int]]) -> list:
 
     async def one(k: int, seq: list[int]):
         last = None
-        async for out in engine.generate({"prompt_token_ids": seq, "cache_salt": salt}, params, f"{salt}-{k}"):
+        async for out in engine.generate({"prompt_token_ids": seq, "cache_salt": salt}, params, f"{salt}-{k}",
+                                         lora_request=lora):
             last = out
         return [None] + [float(lp[t].logprob) for lp, t in zip(last.prompt_logprobs[1:], seq[1:])]
 

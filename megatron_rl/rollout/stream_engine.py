@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from megatron_rl.drill.hooks import drill_spec, record_injection
+from megatron_rl.drill.hooks import drill_spec, maybe_kill_engine_in_refit, record_injection
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
 from megatron_rl.rollout.occupancy import Occupancy
@@ -50,7 +50,9 @@ from megatron_rl.rollout.requests import SAMPLING_KEYS
 
 log = logging.getLogger(__name__)
 
-REFIT_MODES = ("wait", "recompute", "keep_kv")
+REFIT_MODES = ("wait", "recompute", "keep_kv", "adapter")
+"""rollout.inflight_refit's values, and "adapter": a LoRA run's, whose base never changes and whose requests each
+keep the adapter they started with (vLLM keys cached blocks by adapter), so no KV is invalidated."""
 WORKER_EXTENSION = "megatron_rl.rollout.stream_worker.StreamWorkerExtension"  # loaded inside vLLM
 
 
@@ -159,9 +161,12 @@ class StreamEngine:
         """Request id -> response tokens received so far, for every request not finished."""
         return {rid: len(f.result.response_tokens) for rid, f in self._flights.items()}
 
-    async def generate(self, request_id: str, prompt: list[int], sampling: dict[str, Any] | None = None
-                       ) -> StreamResult:
-        """Run one request to its end across any refits; its tokens, behaviour logprobs and segments."""
+    async def generate(self, request_id: str, prompt: list[int], sampling: dict[str, Any] | None = None,
+                       adapter: tuple[Any, str] | None = None) -> StreamResult:
+        """Run one request to its end across any refits; its tokens, behaviour logprobs and segments.
+        `adapter`: (vLLM LoRARequest or None for the base, its label) -- a LoRA run's request keeps that
+        adapter to its end whatever is published meanwhile (the base never changes), so every token is
+        that label's version and the request's KV is its own adapter's."""
         unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
         if unknown:
             raise ValueError(f"unknown sampling key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
@@ -184,15 +189,18 @@ class StreamEngine:
         # The admission version salts the request's block hashes: it shares no block of another version.
         prompt_in = {"prompt_token_ids": list(prompt), "cache_salt": f"v{admitted}"}
         try:
-            async for out in self.engine.generate(prompt_in, params, request_id):
+            async for out in self.engine.generate(prompt_in, params, request_id,
+                                                  lora_request=adapter[0] if adapter else None):
                 c = out.outputs[0]
                 result.response_tokens.extend(c.token_ids)
                 result.logprobs.extend(float(lp[t].logprob) for lp, t in zip(c.logprobs or [], c.token_ids))
                 result.num_cached_tokens = out.num_cached_tokens or 0
                 if out.finished:
                     result.finish_reason = c.finish_reason
-                    result.labels = [(str(w.version), int(w.start), int(w.end)) for w in c.weight_versions or []]
-                    result.segments = _segments(c.weight_versions, len(result.response_tokens), flight.kv_epoch)
+                    spans = c.weight_versions if adapter is None else _whole(adapter[1], len(result.response_tokens))
+                    result.labels = [(str(w.version), int(w.start), int(w.end)) for w in spans or []]
+                    result.segments = _segments(spans, len(result.response_tokens),
+                                                flight.kv_epoch if adapter is None else _own_epoch(adapter[1]))
         finally:
             self._flights.pop(request_id, None)
             self.occupancy.change(len(self._flights))
@@ -221,9 +229,10 @@ class StreamEngine:
                 raise
             finally:
                 self._serving.set()
+        cache = ("emptied" if record.prefix_cache_reset else "kept (blocks keyed by adapter)" if mode == "adapter"
+                 else "kept (blocks in use; new requests salted apart)")
         log.info("refit to version %d (%s): %d request(s) kept, prefix cache %s, paused %.3f s", version, mode,
-                 record.in_flight, "emptied" if record.prefix_cache_reset else "kept (blocks in use; new requests "
-                 "salted apart)", record.paused_s)
+                 record.in_flight, cache, record.paused_s)
         return record
 
     async def _refit_paused(self, load: Callable[[], Awaitable[Any]], version: int, mode: str,
@@ -231,6 +240,7 @@ class StreamEngine:
         paused = time.perf_counter()
         # "wait": requests in flight run to their end first (admissions wait on _serving meanwhile).
         await self.engine.pause_generation(mode="wait" if mode == "wait" else "keep", clear_cache=False)
+        maybe_kill_engine_in_refit(version, len(self._flights))  # drill hook (refit_engine_death); else a no-op
         loading = time.perf_counter()
         try:
             await load()
@@ -238,10 +248,10 @@ class StreamEngine:
             self._broken = err
             if self._flights:
                 await self.engine.abort(list(self._flights))
-            await self.engine.resume_generation()
+            await self._resume_if_alive()
             raise
         except BaseException:
-            await self.engine.resume_generation()
+            await self._resume_if_alive()
             raise
         load_s = time.perf_counter() - loading
         await self.engine.update_weight_version(label)  # the label of every output from here on
@@ -254,8 +264,29 @@ class StreamEngine:
         await self.engine.resume_generation()
         return RefitRecord(version, mode, len(kept), reset, load_s, time.perf_counter() - paused)
 
+    async def _resume_if_alive(self) -> None:
+        """Resume generation; an engine that died while paused cannot, and the error of what ran says why."""
+        if self.engine.errored:
+            log.warning("refit: the vLLM engine died while paused; its %d request(s) in flight fail with it",
+                        len(self._flights))
+            return
+        await self.engine.resume_generation()
+
+    async def paused(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """`await call()` with generation paused (keep: requests in flight keep their KV), no refit beside it;
+        a LoRA run's engine closes a weight update session so (vLLM empties its adapter cache then, and the
+        adapters of requests in flight must be back before the next step)."""
+        async with self._refit_lock:
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            try:
+                return await call()
+            finally:
+                await self._resume_if_alive()
+
     async def _invalidate(self, mode: str, version: int) -> bool:
         """Drop old-weight KV as `mode` asks; True when vLLM's prefix cache is now empty."""
+        if mode == "adapter":
+            return False
         if mode in ("keep_kv", "wait"):  # succeeds when no request holds blocks; the salt protects the rest
             return bool(await self.engine.reset_prefix_cache())
         stale = drill_spec("stale_kv")  # `megatron-rl drill refit_stale_kv`: the bug the audit must catch
@@ -296,7 +327,7 @@ class StreamEngine:
                     for f in self._flights.values():
                         f.kv_epoch.setdefault(self.version, self.version)
                     try:
-                        reset = await self._invalidate("recompute")
+                        reset = await self._invalidate("recompute", self.version)
                     except StaleCacheError as err:
                         self._broken = err
                         raise
@@ -330,6 +361,18 @@ def _capacity(engine) -> int:
     """The sequences the engine runs at once (its scheduler's max_num_seqs); 1 for an engine without a config."""
     config = getattr(engine, "vllm_config", None)
     return int(getattr(getattr(config, "scheduler_config", None), "max_num_seqs", 1) or 1)
+
+
+def _whole(label: str, num_tokens: int) -> list:
+    """One span of `label` over a response (a LoRA request's: sampled under one adapter throughout)."""
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(version=label, start=0, end=num_tokens)] if num_tokens else []
+
+
+def _own_epoch(label: str) -> dict[int, int]:
+    version = int(label.split(":", 1)[0])
+    return {version: version}
 
 
 def _segments(spans, num_tokens: int, kv_epoch: dict[int, int]) -> list[Segment]:

@@ -2,12 +2,14 @@
 
     python -m pytest tests/e2e/test_lora_rollout.py -q
 
-One real vLLM engine at tensor parallel size 2 with LoRA on (rollout.adapter, as a LoRA run sets it), a
-Ray cluster, and the test process as the trainer publishing PEFT-named adapters through the gloo path.
+A real vLLM engine at tensor parallel size 2 with LoRA on (rollout.adapter, as a LoRA run sets it) -- the
+offline engine of round-based runs, then the streaming one (rollout.streaming) -- a Ray cluster, and the
+test process as the trainer publishing PEFT-named adapters through the gloo path.
 Checked against transformers with each adapter merged into the weights (conversion/lora_export.py): the
 engine scores under the newest adapter, an older kept version still scores as itself (a request keeps
 its adapter), and bad publications -- a corrupt bucket, a missing or misshapen tensor, full weights, an
-adapter whose refit check fails -- are refused while every kept adapter stays as it was.
+adapter whose refit check fails -- are refused while every kept adapter stays as it was.  On the streaming
+engine a publication lands while requests generate: each keeps the adapter it started with to its end.
 """
 
 import pytest
@@ -20,6 +22,7 @@ from megatron_rl.models.tiny import make_tiny_model
 from megatron_rl.publish import WeightPublisher
 from megatron_rl.publish.adapter_source import adapter_shapes
 from megatron_rl.rollout import RolloutConfig, create_rollout_worker
+from megatron_rl.rollout.stream_actor import create_stream_worker
 from tests.e2e.conftest import rollout_cluster
 from tests.reference import SEQUENCES, hf_logprobs
 
@@ -28,15 +31,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 LORA = LoraConfig(enabled=True, rank=8, alpha=16.0)
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=["offline", "stream"])
+def engine(request, tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("lora") / "qwen2", arch="qwen2", seed=2)
+    cfg = RolloutConfig(model=str(model), tensor_parallel_size=2, max_model_len=256, dtype="float32", max_tokens=8,
+                        adapter=LORA.serving(2), streaming=request.param == "stream")
     with rollout_cluster() as workers:
-        workers.append(create_rollout_worker(RolloutConfig(model=str(model), tensor_parallel_size=2, max_model_len=128,
-                                                           dtype="float32", max_tokens=8, adapter=LORA.serving(2))))
+        workers.append(create_stream_worker(cfg) if cfg.streaming else create_rollout_worker(cfg))
         publisher = WeightPublisher(bucket_bytes=64 * 1024)
         publisher.connect(workers)
-        yield model, workers[0], publisher, _versions(model)
+        yield model, workers[0], publisher, _versions(model), request.param
 
 
 def _versions(model):
@@ -69,7 +73,7 @@ def _assert_scores(worker, want, version=None):
 def test_each_version_is_its_adapter_and_a_kept_one_still_serves(engine):
     import ray
 
-    model, worker, publisher, versions = engine
+    model, worker, publisher, versions, _ = engine
     _assert_scores(worker, versions[0][1])  # version 0: the base, no adapter yet
     for version in (1, 2):
         adapter, want = versions[version]
@@ -91,7 +95,7 @@ def test_bad_adapter_publications_are_refused_and_kept_adapters_stay(engine):
     import ray
     from safetensors.torch import load_file
 
-    model, worker, publisher, versions = engine
+    model, worker, publisher, versions, _ = engine
     adapter = versions[2][0]
 
     def corrupt(spec, buf):
@@ -117,3 +121,32 @@ def test_bad_adapter_publications_are_refused_and_kept_adapters_stay(engine):
     assert ray.get(worker.policy_version.remote()) == 2
     _assert_scores(worker, versions[2][1])
     _assert_scores(worker, versions[1][1], version=1)
+
+
+def test_a_streaming_request_keeps_its_adapter_across_a_publication(engine):
+    import time
+
+    import ray
+
+    model, worker, publisher, versions, kind = engine
+    if kind != "stream":
+        pytest.skip("the offline engine runs one call at a time: no publication lands while it generates")
+    assert ray.get(worker.policy_version.remote()) == 2  # the tests above published 1 and 2
+    long = {"max_tokens": 200, "ignore_eos": True}
+    refs = [worker.generate.remote([SEQUENCES[k % 2]], {"seed": k, **long}) for k in range(8)]
+    deadline = time.monotonic() + 60
+    while ray.get(worker.in_flight.remote()) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    report = publisher.publish(8, list(versions[1][0].items()))  # version 8: adapter 1's tensors
+    committed_at = time.time()
+    assert report.committed, report.results
+    samples = [s for ref in refs for s in ray.get(ref)]
+    assert any(s.finished_at > committed_at for s in samples)  # some were generating across the commit
+    for s in samples:  # ... and kept version 2's adapter to their end: its tokens, its logprobs
+        assert s.policy_versions == [2] * 200 and s.extra["segments"] == [[0, 200, 2, 2]], s.extra["segments"]
+        (scored,) = ray.get(worker.score.remote([s.prompt_tokens + s.response_tokens], 2))
+        got = torch.tensor(s.behavior_logprobs, dtype=torch.float64)
+        assert torch.allclose(got, torch.tensor(scored[len(s.prompt_tokens):], dtype=torch.float64), atol=1e-4)
+    (after,) = ray.get(worker.generate.remote([SEQUENCES[0]], {"seed": 9, "max_tokens": 3}))
+    assert after.policy_versions == [8] * 3
+    _assert_scores(worker, versions[1][1])  # the committed version's adapter serves new requests

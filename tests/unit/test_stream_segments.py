@@ -82,6 +82,8 @@ def test_a_load_that_cannot_roll_back_aborts_the_requests_in_flight_until_whole_
     calls = []
 
     class Engine:  # test double of AsyncLLM: records what the refit asks of it
+        errored = False
+
         async def pause_generation(self, **kw):
             calls.append(("pause", kw["mode"]))
 
@@ -116,3 +118,82 @@ def test_a_load_that_cannot_roll_back_aborts_the_requests_in_flight_until_whole_
     del stream._flights["r1"]
     record = asyncio.run(stream.refit(whole, 4, "recompute"))  # whole weights: serving again
     assert record.version == 4 and stream.version == 4 and stream._broken is None
+
+
+class _PausedEngine:
+    """Test double of AsyncLLM's pause/resume around a refit; `dies` kills it while paused (in the load)."""
+
+    def __init__(self):
+        self.errored, self.calls = False, []
+
+    async def pause_generation(self, mode, clear_cache):
+        self.calls.append(("pause", mode))
+
+    async def resume_generation(self):
+        if self.errored:
+            raise RuntimeError("EngineDeadError: resume on a dead engine")
+        self.calls.append(("resume",))
+
+
+@pytest.mark.parametrize("dies", [False, True])
+def test_a_failed_load_resumes_a_live_engine_and_reports_the_load_error_of_a_dead_one(dies):
+    engine = _PausedEngine()
+    stream = StreamEngine(engine=None)
+    stream.engine, stream._labelled = engine, True
+
+    async def load():
+        engine.errored = dies  # the engine core was killed while paused (drill refit_engine_death)
+        raise RuntimeError("EngineDeadError: load failed" if dies else "bucket 3: checksum mismatch")
+
+    with pytest.raises(RuntimeError, match="load failed" if dies else "checksum mismatch"):
+        asyncio.run(stream.refit(load, 1, "recompute"))
+    assert engine.calls == ([("pause", "keep")] if dies else [("pause", "keep"), ("resume",)])
+    assert stream.version == 0 and stream._serving.is_set()  # nothing swapped; admissions not left waiting
+
+
+def test_a_roll_back_reloads_relabels_and_recomputes_the_kv_of_requests_in_flight():
+    # A refused refit check (rollout/stream_actor.py) puts the version before back while requests run.
+    from megatron_rl.rollout.stream_engine import StreamResult, _Flight
+
+    calls = []
+
+    class Engine:  # test double of AsyncLLM: records what the roll back asks of it
+        errored = False
+
+        async def pause_generation(self, **kw):
+            calls.append(("pause", kw["mode"]))
+
+        async def resume_generation(self):
+            calls.append(("resume",))
+
+        async def update_weight_version(self, label):
+            calls.append(("label", label))
+
+        async def reset_prefix_cache(self, **kw):
+            calls.append(("reset", kw))
+            return True
+
+    stream = StreamEngine(engine=Engine(), version=4, label="4:new")
+    stream._labelled = True
+    stream._flights["r1"] = _Flight(StreamResult("r1", [1]), {3: 3, 4: 4})
+
+    async def reload():
+        calls.append(("reload",))
+
+    record = asyncio.run(stream.roll_back(reload, 3, "3:old"))
+    assert calls == [("pause", "keep"), ("reload",), ("label", "3:old"),
+                     ("reset", {"reset_running_requests": True}), ("resume",)]
+    assert (stream.version, stream.label, record.in_flight, record.prefix_cache_reset) == (3, "3:old", 1, True)
+    assert stream._serving.is_set()
+
+
+def test_the_streaming_actor_stays_threaded():
+    # One `async def` method and Ray runs every method of the actor on one event loop, one call at a time:
+    # a publication could then never land while a generate call runs.
+    import inspect
+
+    from megatron_rl.rollout.stream_actor import StreamRolloutWorker
+
+    coroutines = [name for name, f in inspect.getmembers(StreamRolloutWorker, inspect.isfunction)
+                  if inspect.iscoroutinefunction(f)]
+    assert coroutines == []
