@@ -174,7 +174,7 @@ class Policy:
                 try:
                     report = self.learner.publish(version)
                 except Exception as err:
-                    if self._restarted_dead(version, err):
+                    if self._restarted_dead(version, err, workers):
                         continue
                     self._raise_if_engine_down(version, err)
                     raise
@@ -225,7 +225,7 @@ class Policy:
             if report.get("digest"):
                 self.digests[str(version)] = report["digest"]
             return True
-        if self._restarted_dead(version, report["errors"]):
+        if self._restarted_dead(version, report["errors"], workers):
             return False
         self._raise_if_engine_down(version, report["errors"])
         refits = [e for e in report["errors"] if e and e.startswith("refit check")]
@@ -272,10 +272,13 @@ class Policy:
         return reconcile_sampled(self.learner.forward_logprobs, taken, version, rows=self.settings.probe_rows,
                                  tolerance=tol, pad_id=self.settings.pad_id)
 
-    def _restarted_dead(self, version: int, cause) -> bool:
+    def _restarted_dead(self, version: int, cause, workers: list) -> bool:
         """An engine died during the publication (any point: send, verify, commit, refit probe): its group
-        is restarted as after a death during generation, and the version published again refits it."""
+        is restarted as after a death during generation, and the version published again refits it.  A group
+        the generation path restarted meanwhile (its requests in flight failed with the same death: a
+        streaming engine dying paused in a refit) counts too: its actor is not the one this pass sent to."""
         restarted = self.fleet.restart_dead(cause if isinstance(cause, BaseException) else RuntimeError(str(cause)))
+        restarted += [g for g, w in enumerate(workers) if self.fleet.workers[g] is not w and g not in restarted]
         if restarted:
             logger.warning("publication of version %d failed with the engine of rollout group(s) %s dead; "
                            "restarted, publishing it again (the restarted groups are refitted by it)", version,

@@ -10,7 +10,7 @@ drills share runs through `megatron-rl drill together` (each judged on the share
 timed from its own injection): engine_crash and engine_crash_publish in one run (the engine dies while
 generating round 1, then again as publication 2 begins: two engine restarts of ~30 s), verifier_timeout,
 bad_refit and coordinator_stop in another; refit_stale_kv (streaming: the stale-cache bug injected, caught
-by the audit).  10 start-ups of ~70 s.  The bad_checkpoint drill's
+by the audit); refit_engine_death (streaming: the engine core killed paused in a refit).  11 start-ups of ~70 s.  The bad_checkpoint drill's
 fallback is the resume path that tests/e2e/test_bad_checkpoint.py drives for each kind of
 damage (`megatron-rl drill bad_checkpoint` wraps it).  Every record must show what the protocol promises: recovered (or the documented clean stop), 0 trajectories lost,
 0 duplicated, continuous versions.  The oom run is also compared with the worker_crash run, whose
@@ -233,3 +233,17 @@ def test_a_stale_kv_refit_is_caught_by_the_audit(tmp_path_factory):
     assert rec["evidence"].startswith("sequence ") and "recompute): max |Δ|" in rec["evidence"], rec
     assert rec["trajectories_lost"] == 0 and rec["trajectories_duplicated"] == 0, rec
 
+
+
+def test_an_engine_dying_paused_in_a_refit_is_restarted_and_its_requests_sent_again(tmp_path_factory):
+    # Streaming: the first refit to version 2 or later that keeps requests SIGKILLs the engine core while
+    # generation is paused, before the new weights load (drill/streaming.py).  The publication is refused, the
+    # requests die with the engine; the group is restarted stale, the version published again (its refit),
+    # the kept requests' prompt groups sent again -- and the run finishes in the same attempt.
+    code, rec = _drill(tmp_path_factory, "refit_engine_death", "--at-step", "1", "--steps", "4")
+    assert code == 0 and rec["recovered"], rec
+    assert rec["injected_at"]["requests_kept"] > 0 and rec["engine_restarts"] == 1.0, rec
+    assert [a["exit"] for a in rec["attempts"]] == [0], rec
+    assert rec["refit"].startswith("refitted: serving policy version"), rec
+    assert rec["quarantined_trajectories"] == 0, rec
+    assert rec["trajectories_lost"] == 0 and rec["trajectories_duplicated"] == 0 and rec["versions_continuous"], rec

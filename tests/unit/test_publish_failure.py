@@ -201,3 +201,42 @@ def test_learner_stops_keep_their_exit_codes(ray_local, monkeypatch, tmp_path, e
     args, _ = _train(monkeypatch, tmp_path, dict(fleet=_Fleet(dead=False), learner=_Learner(RuntimeError()),
                                                  learn_error=exc))
     assert main(args) == code
+
+
+def test_a_group_restarted_by_generation_meanwhile_is_published_to_again():
+    # A streaming engine dies paused in a refit: the publication is refused with EngineDeadError, and the
+    # generation path, whose requests died with it, restarts the group first -- restart_dead then finds every
+    # group alive.  The publication must go once more (refitting the restarted group), not fail the run.
+    dead = "rollout group 0: vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."
+
+    class Fleet:
+        workers, unreachable, passes = ["engine-a"], {}, []
+
+        def set_refitter(self, refitter):
+            pass
+
+        def publication_members(self, version):
+            return list(self.workers), [0], [], self.workers[0] != "engine-a"
+
+        def regrouped(self, workers):
+            pass
+
+        def refitted(self, version, workers, stale):
+            self.passes.append(list(workers))
+
+        def restart_dead(self, cause):
+            return []  # the generation path got there first
+
+    class Learner(_Learner):
+        def publish(self, version):
+            if fleet.workers[0] == "engine-a":
+                fleet.workers[0] = "engine-b"  # restarted by the generation path while this pass failed
+                return {"committed": False, "errors": [dead], "groups": [{"unresponsive": False, "committed": False,
+                                                                           "error": dead}]}
+            return {"committed": True, "errors": [], "groups": [{"unresponsive": False, "committed": True}],
+                    "digest": "d2"}
+
+    fleet = Fleet()
+    policy = _Policy(Learner(None), fleet)
+    assert policy.publish(2) is not None
+    assert fleet.passes == [["engine-a"], ["engine-b"]] and policy.digests == {"2": "d2"}
