@@ -33,8 +33,8 @@ PLAN = {  # drill -> extra CLI arguments
     "partition": ["--at-step", "1", "--steps", "12"],  # 2 rollout groups; one stopped 15 s (tiny steps ~1 s)
     "coordinator_stop": ["--at-step", "1", "--steps", "3"],  # the coordinator stopped 10 s
     "refit_mid_generation": [],  # streaming, long responses: publications land mid-response
-    "refit_stale_kv": ["--at-step", "1"],  # the stale-cache bug from publication 2 on; the audit stops the run
-    "refit_engine_death": ["--at-step", "1", "--steps", "4"],  # the engine core dies paused in a refit
+    "refit_stale_kv": ["--at-step", "1", "--steps", "6"],  # the stale-cache bug from publication 2 on; the audit stops the run
+    "refit_engine_death": ["--at-step", "1", "--steps", "5"],  # the engine core dies paused in a refit
 }
 
 
