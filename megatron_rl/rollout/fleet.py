@@ -12,13 +12,12 @@ vLLM engine and tensor-parallel size); the result keeps the caller's order.
 A group whose engine dies (its vLLM engine-core process killed, or the whole actor) is found by
 the generate call that was running on it.  The fleet then:
 
-  1. restarts it: the actor is killed and a new one started in the same placement; its engine
-     loads the checkpoint on disk, which is no version of this run, so it is **stale** and its
-     worker refuses to generate (version None: no sample of an unknown version can exist);
-  2. refits it through the refitter the policy gave it (train/policy.py Policy.refit): the
-     publication group is formed anew with every group, and the learner publishes the version it
-     published last (or, if the learner already moved on, the next publication does it).  The group serves again only once that publication committed on it: every bucket's
-     checksum verified and the refit check (engine vs learner logprobs on the probe) passed;
+  1. restarts it: the actor is killed and a new one started in the same placement; its engine loads the
+     checkpoint on disk, no version of this run: **stale**, it refuses to generate (version None);
+  2. refits it through the refitter the policy gave it (train/policy.py Policy.refit): the publication
+     group is formed anew with every group, and the learner publishes the version it published last (or
+     the next publication does it).  The group serves again only once that publication committed on it:
+     every bucket's checksum verified and the refit check (engine vs learner logprobs) passed;
   3. retries the requests that were in flight on it, with the same seeds, on a serving group (the
      restarted one once it serves), counted in `system/requests_retried`.  Their samples died with
      the engine, so nothing of them reaches the queue; a request that cannot be served after
@@ -29,13 +28,11 @@ A group that stops answering (a stopped process, a severed link) is found by a t
 call past rollout.generate_timeout_s (its requests go to a serving group) or a publication past
 rollout.publish_timeout_s.  It is marked stale and **unreachable**: left out of generation and of the
 publication group (formed anew without it), so the learner and the other groups go on.  A ping
-(policy_version) stays queued on it; once that answers, the group is back, still stale: the
-publication group is formed with it again and it is refitted (as above) before it serves again.
-Counted in `system/rollout_partitions` and `system/unreachable_rollout_groups`.
+(policy_version) stays queued on it; once that answers, the group is back, still stale, and is refitted
+(as above) before it serves again.  Counted in `system/rollout_partitions`, `system/unreachable_rollout_groups`.
 
 The fleet knows its groups, not the learner: which groups a publication reaches and which of them
-are stale (publication_members), and what each group serves after it (refitted).  A publication
-commits on the groups it reaches; an unreachable group is refitted before it serves again.
+are stale (publication_members), and what each group serves after it (refitted).
 """
 
 from __future__ import annotations
@@ -126,6 +123,7 @@ class RolloutFleet:
         self.requests_retried = 0
         self.unreachable: dict[int, tuple[object, float]] = {}  # group -> (queued ping, since when)
         self.partitions = 0
+        self._closed = threading.Event()  # shutdown(): a request waiting for a serving group gives up
 
     def wait_ready(self) -> None:
         """Block until every engine is up (raises the actor's error if one failed to start)."""
@@ -254,10 +252,11 @@ class RolloutFleet:
                     return
             if self.refit():
                 continue
-            if time.monotonic() > deadline:
-                raise RolloutFailed(f"no rollout group serves a policy version {self.refit_timeout_s:g} s after "
-                                    f"restarts (groups: {self.state})")
-            time.sleep(0.5)
+            if time.monotonic() > deadline or self._closed.is_set():  # (the run ends: its threads must too)
+                raise RolloutFailed("the rollout fleet was shut down" if self._closed.is_set() else f"no rollout "
+                                    f"group serves a policy version {self.refit_timeout_s:g} s after restarts "
+                                    f"(groups: {self.state})")
+            self._closed.wait(0.5)
 
     def restart_dead(self, cause: BaseException, timeout_s: float = 10.0) -> list[int]:
         """Restart every reachable group whose actor or vLLM engine is dead (after a publication failed
@@ -391,6 +390,7 @@ class RolloutFleet:
         return workers
 
     def shutdown(self) -> None:
+        self._closed.set()
         for w in self.workers:
             try:
                 ray.get(w.shutdown.remote(), timeout=60)

@@ -134,3 +134,35 @@ def test_an_engine_that_dies_during_publication_is_restarted_and_refitted(ray_lo
     assert learner.connections[-1] == fleet.workers  # the publication group formed anew with the new engine
     assert fleet.counters()["system/engine_restarts"] == 1.0
     fleet.shutdown()
+
+
+def test_a_request_waiting_for_a_serving_group_ends_when_the_fleet_shuts_down(ray_local):
+    # A run that fails while a restarted group waits for its refit must not wait out rollout.refit_timeout_s
+    # (600 s) before its process can exit: shutdown ends the wait.
+    import threading
+    import time
+
+    from megatron_rl.rollout.fleet import RolloutFailed
+
+    fleet, _, _ = _fleet(1)
+    with fleet._lock:
+        fleet.state[0] = STALE  # restarted, not refitted yet
+    fleet.set_refitter(lambda wait_s: False)  # the learner is busy: no refit now
+    prompts, extra = _prompts(1)
+    outcome = []
+
+    def generate():
+        try:
+            fleet.generate(prompts, n=1, sampling={"seed": 1}, extra=extra)
+        except RolloutFailed as err:
+            outcome.append(str(err))
+
+    t = threading.Thread(target=generate)
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive()  # waiting for a serving group
+    t0 = time.monotonic()
+    fleet.shutdown()
+    t.join(timeout=10)
+    assert not t.is_alive() and time.monotonic() - t0 < 10
+    assert outcome == ["the rollout fleet was shut down"]
