@@ -225,15 +225,12 @@ class StreamRolloutWorker(RolloutWorker):
         """All or nothing, in flight: swap (StreamEngine.refit), then the refit check on the running engine."""
         bad = [s for s in statuses if not s.get("ok")]
         digest = statuses[0].get("digest") if statuses else None
-        if not bad and self.version is not None and int(version) <= self.version:
-            # The last version again (a restarted group's refit reaches every group): same bytes, nothing to swap.
+        again = not bad and self.version is not None and int(version) <= self.version
+        if again:  # the last version again (a restarted group's refit reaches every group): nothing to swap
             same = int(version) == self.version and self.label == weights_label(version, digest)
             bad = [] if same else [{"ok": False, "error": f"publication {version} is older than the version "
                                     f"{self.version} this group serves, or differs from it"}]
-            self.llm.collective_rpc("megatron_rl_drop_publication")
-            self.llm.finish_weight_update()
-            return self._answer(version, bad, statuses)
-        if bad:
+        if bad or again:
             self.llm.collective_rpc("megatron_rl_drop_publication")
             self.llm.finish_weight_update()
             return self._answer(version, bad, statuses)
