@@ -17,13 +17,13 @@ from pathlib import Path
 
 from megatron_rl.drill import streaming
 from megatron_rl.drill.accounting import account, recovery_time
-from megatron_rl.drill.harness import Drill, last_json
+from megatron_rl.drill.harness import Drill
 
 EXIT_REQUEUE, EXIT_OOM = 75, 87
 
 
 def _finished(drill: Drill, attempt) -> bool:
-    summary = last_json(attempt.stdout) or {}
+    summary = attempt.summary
     return attempt.returncode == 0 and summary.get("steps") == drill.cfg.steps
 
 

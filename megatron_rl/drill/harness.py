@@ -72,6 +72,8 @@ class Attempt:
     stderr: str
     started: float
     ended: float
+    summary: dict = dataclasses.field(default_factory=dict)
+    """The run's final JSON line as it wrote it (--summary-out): its summary, or the stop that ended it; {} if none."""
 
 
 class Drill:
@@ -96,12 +98,15 @@ class Drill:
         if specs:
             armed = [{**f, "events": str(self.run_dir / EVENTS)} for f in specs]
             env["MEGATRON_RL_DRILL"] = json.dumps(armed if isinstance(fault, list) else armed[0])
-        args = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", self.cfg.config,
+        out = self.run_dir / f"drill_attempt{len(self.attempts) + 1}.summary.json"
+        args = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", self.cfg.config, "--summary-out", str(out),
                 f"run.dir={self.run_dir}", f"run.steps={steps or self.cfg.steps}", *DEFAULT_OVERRIDES,
                 *extra, *self.cfg.overrides]
+        out.unlink(missing_ok=True)
         t0 = time.time()
         proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=self.cfg.timeout_s)
-        attempt = Attempt(proc.returncode, proc.stdout, proc.stderr, t0, time.time())
+        summary = json.loads(out.read_text()) if out.is_file() else {}
+        attempt = Attempt(proc.returncode, proc.stdout, proc.stderr, t0, time.time(), summary)
         self.attempts.append(attempt)
         (self.run_dir / f"drill_attempt{len(self.attempts)}.log").write_text(proc.stderr)
         self.keep_wal_ids()
@@ -128,16 +133,6 @@ class Drill:
         """The learner steps' metrics rows of the run directory (those holding learn/loss)."""
         path = self.run_dir / "metrics" / "metrics.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip() and "learn/loss" in line]
-
-
-def last_json(text: str) -> dict | None:
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                return None
-    return None
 
 
 def clear_run_dir(path: Path) -> None:

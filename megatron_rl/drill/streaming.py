@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 import sqlite3
 
-from megatron_rl.drill.harness import Drill, last_json
+from megatron_rl.drill.harness import Drill
 
 STREAMING = ("run.mode=async", "run.prompts_per_step=4", "run.group_size=4", "learner.micro_batch_size=16",
              "rollout.streaming=true", "rollout.inflight_refit=recompute", "rollout.max_tokens=200",
@@ -62,7 +62,7 @@ def judge_refit_mid_generation(drill: Drill, run, cfg) -> dict:
     kept = _kept_by_refit(drill)
     trained_spanning = max((r.get("system/stream_multi_version_fraction", 0.0) for r in drill.metric_rows()),
                            default=0.0)
-    summary = last_json(run.stdout) or {}
+    summary = run.summary
     return {"injected_at": {"what": "publications while sequences are half generated (no fault)"},
             "detected_by": None, "requests_kept_per_refit": kept, "spanning_sequences_queued": _spanning(drill),
             "max_multi_version_fraction_trained": trained_spanning,
@@ -83,7 +83,7 @@ def judge_refit_engine_death(drill: Drill, run, cfg) -> dict:
     rows = drill.metric_rows()
     last = rows[-1] if rows else {}
     quarantined = sum(r.get("learn/quarantined_trajectories", 0.0) for r in rows)
-    summary = last_json(run.stdout) or {}
+    summary = run.summary
     kept = events[0].get("in_flight_requests") if events else None
     return {"injected_at": {"version": events[0].get("version") if events else None, "signal": "SIGKILL",
                             "process": "vLLM EngineCore", "while": "paused for an in-flight refit",
@@ -107,7 +107,7 @@ def judge_refit_stale_kv(drill: Drill, run, cfg) -> dict:
     events = drill.injections("stale_kv")
     named = re.search(r"sequence \S+ segment \d+ \(tokens \[\d+, \d+\), version \d+, kv_version \d+, recompute\): "
                       r"max \|Δ\| \S+", run.stderr)
-    summary = last_json(run.stdout) or {}
+    summary = run.summary
     kept = [n for n in (e.get("in_flight_requests") for e in events) if n]
     return {"injected_at": {"version": cfg.at_step + 1, "refits_without_invalidation": len(events),
                             "requests_kept_on_stale_kv": sum(kept)},

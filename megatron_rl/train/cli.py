@@ -14,8 +14,8 @@ Exit codes: 0 done, 1 a bug (its traceback), 2 bad input, 75 stopped by a signal
 86 verifier_errors, 89 audit: megatron_rl/audit/); the final JSON line names it.  75 also ends a run
 whose rollout engine or learner rank died (rerun to resume); 87 a learner step that ran out of memory at the configured and
 at half the micro-batch size (nothing of it applied).  Fault drills: `megatron-rl drill`.
-`--summary-out PATH` writes a finished run's summary (the final JSON line) to PATH too: how the experiment
-runner receives it from a run in its own process.  Inside the runner's process it calls `run_one`.
+`--summary-out PATH` writes the run's final JSON line (its summary, or the stop that ended it) to PATH too: how
+the experiment runner and the drills receive it from a run in its own process.  Inside the runner's process it calls `run_one`.
 """
 
 from __future__ import annotations
@@ -64,13 +64,13 @@ def run_one(command: str, cfg, pool=None) -> dict:
             cfg, baseline = sft_baseline(cfg, pool)
         summary = train(cfg, stop, pool)
     except StopConditionMet as exc:
-        end_progress()
-        print(json.dumps({**exc.condition.to_dict(), "checkpointed": True}))
+        exc.summary = {**exc.condition.to_dict(), "checkpointed": True}
+        print_summary(exc.summary)
         raise
     except SystemExit as exc:
-        end_progress()
         if exc.code == EXIT_REQUEUE:
-            print(json.dumps({"stopped": "signal", "checkpointed": True}))
+            exc.summary = {"stopped": "signal", "checkpointed": True}
+            print_summary(exc.summary)
         raise
     finally:
         if own_ray:
@@ -83,11 +83,13 @@ def run_one(command: str, cfg, pool=None) -> dict:
     return summary
 
 
-def print_summary(summary: dict, out: Path | None = None) -> None:
+def print_summary(summary: dict, out: Path | None = None, *, echo: bool = True) -> None:
     """The run's final JSON line; with `out` (--summary-out) the same dict as a JSON file, for whoever
-    launched the run (the experiment runner: experiment/runner.py), so that no one reads it from a log."""
+    launched the run (the experiment runner, experiment/runner.py; a drill, drill/harness.py), so that no one
+    reads it from a log.  `echo=False`: the file only (the line was printed already)."""
     end_progress()
-    print(json.dumps(summary))
+    if echo:
+        print(json.dumps(summary))
     if out is not None:
         from megatron_rl.durable_files import write_json_atomic
 
@@ -99,11 +101,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     """`train` and `sft`."""
     from megatron_rl.train.config import load_train_config
 
+    if args.summary_out is not None:
+        args.summary_out.unlink(missing_ok=True)  # a file there after the run is this run's
     cfg = load_train_config(args.config, args.overrides)
     plan_or_attach(cfg, args.dry_run)
     if args.dry_run:
         return 0
-    print_summary(run_one(args.command, cfg), args.summary_out)
+    try:
+        summary = run_one(args.command, cfg)
+    except SystemExit as exc:  # a stop condition or a signal: its JSON line goes to --summary-out too
+        if args.summary_out is not None and getattr(exc, "summary", None) is not None:
+            print_summary(exc.summary, args.summary_out, echo=False)
+        raise
+    print_summary(summary, args.summary_out)
     return 0
 
 
