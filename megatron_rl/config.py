@@ -17,12 +17,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+"""A decimal number written as text: what a float field takes from a string (YAML 1.1 reads 1e-6 as one)."""
 
 
 class ConfigError(ValueError):
@@ -95,6 +98,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return dict(zip(value, _coerce_each([(v, vt, f"{where}.{k}") for k, v in value.items()])))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str) and FLOAT_TEXT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 1e-6 (no dot) as text: the number it spells
     if hint in (int, float, str, bool):
         if isinstance(value, bool) and hint is not bool:
             raise ConfigError(f"{where}: expected {hint.__name__}, got bool {value!r}")

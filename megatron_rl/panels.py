@@ -53,6 +53,8 @@ CHARTS: tuple[Chart, ...] = (
     Chart(panel="learn", title="Reward and correctness",
           series=("learn/reward_mean", "learn/reward_correctness", "eval/test_correctness", "eval/dev_correctness")),
     Chart(panel="learn", title="KL to reference", series=(r"learn/kl_ref_.*",)),
+    Chart(panel="learn", title="KL coefficient β", series=("learn/kl_coef",),  # loss.kl_coef > 0; moves when adaptive
+          feature="learn/kl_coef"),
     Chart(panel="learn", title="Entropy", series=("learn/entropy_estimate",)),
     Chart(panel="learn", title="Response length", series=("learn/response_length",)),
     Chart(panel="learn", title="Clip fraction", series=("learn/clip_fraction",)),

@@ -37,6 +37,14 @@ class GRPOLossConfig:
     reference is scored at rollout.temperature, untruncated (no top-k/top-p: every token has a
     probability); tokens still without a finite log-ratio are left out of the term and counted
     (metric kl_out_of_support_tokens; grpo/loss.py)."""
+    kl_control: Literal["fixed", "adaptive"] = "fixed"
+    """"fixed": β is kl_coef at every step; "adaptive": β starts at kl_coef and follows a proportional
+    controller toward kl_target (grpo/kl_control.py), its value kept in every checkpoint."""
+    kl_target: float | None = None
+    """With kl_control "adaptive": the KL(π_θ‖π_ref) per token, in nats, the controller steers toward."""
+    kl_horizon: int = 10
+    """With kl_control "adaptive": learner steps over which β reacts (one step moves it by at most a factor
+    1 ± 0.2 / kl_horizon)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k2"
     """Schulman's estimator used as the penalty.  Expected gradient: k2 ∇KL(π_θ‖π_ref) (default),
     k3 ∇KL(π_ref‖π_θ), k1 zero on-policy."""
@@ -76,6 +84,7 @@ class GRPOLossConfig:
             raise ValueError(f"tis_cap must be > 0 or None, got {self.tis_cap}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        self._check_kl_control()
         if self.kl_estimator not in KL_GRADIENT:
             raise ValueError(f"kl_estimator must be one of 'k1', 'k2', 'k3', got {self.kl_estimator!r}")
         if not self.adv_eps > 0:
@@ -99,6 +108,33 @@ class GRPOLossConfig:
                              "exists to learn from; use one or the other")
         if self.lag_action not in ("quarantine", "downweight"):
             raise ValueError(f"lag_action must be 'quarantine' or 'downweight', got {self.lag_action!r}")
+
+    def _check_kl_control(self) -> None:
+        if self.kl_control not in ("fixed", "adaptive"):
+            raise ValueError(f"kl_control must be 'fixed' or 'adaptive', got {self.kl_control!r}")
+        if self.kl_control == "fixed":
+            if self.kl_target is not None:
+                raise ValueError(f"kl_target ({self.kl_target}) applies to kl_control 'adaptive' only; set "
+                                 "kl_control: adaptive, or drop kl_target")
+            return
+        if not self.kl_coef > 0:
+            raise ValueError(f"kl_control 'adaptive' scales kl_coef from its starting value, so kl_coef must be > 0, "
+                             f"got {self.kl_coef}")
+        if self.kl_target is None or isinstance(self.kl_target, bool) or not self.kl_target > 0:
+            raise ValueError(f"kl_control 'adaptive' needs kl_target > 0 (the KL per token, in nats, it steers "
+                             f"toward), got {self.kl_target!r}")
+        if isinstance(self.kl_horizon, bool) or not isinstance(self.kl_horizon, int) or self.kl_horizon < 1:
+            raise ValueError(f"kl_horizon must be an int >= 1 (learner steps), got {self.kl_horizon!r}")
+
+    def kl_controller(self):
+        """A new KLController (grpo/kl_control.py) for a run of this config: β for each learner step."""
+        from megatron_rl.grpo.kl_control import KLController
+
+        return KLController(self)
+
+    def without_kl(self) -> "GRPOLossConfig":
+        """This config with no KL penalty (SFT's learner: no reference model)."""
+        return dataclasses.replace(self, kl_coef=0.0, kl_control="fixed", kl_target=None)
 
     def at_step(self, step: int) -> "GRPOLossConfig":
         """This config as learner step `step` uses it: β_H on its schedule, as a constant (itself when

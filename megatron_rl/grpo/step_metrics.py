@@ -53,6 +53,7 @@ def grpo_metrics(stats: Mapping, cfg: GRPOLossConfig) -> dict[str, float]:
         out[kl_metric_name(cfg.kl_estimator)] = kl
         if cfg.kl_coef > 0:
             out["loss"] += cfg.kl_coef * kl
+            out["kl_coef"] = cfg.kl_coef  # β this step used (the adaptive controller's, grpo/kl_control.py)
     if "kl_value_sum" in stats:  # KL(π_θ‖π_ref) in nats per token, k3 (unbiased), whatever the penalty
         out["kl_ref_estimate"] = _scalar(stats["kl_value_sum"]) / per_token
     if "kl_out_of_support_sum" in stats:  # tokens masked out of the KL term (loss.py: no finite log-ratio)

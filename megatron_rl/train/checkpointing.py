@@ -8,7 +8,8 @@
     manifest = ckpt.restore(learner, cursor); ckpt.commit(step, step, learner, cursor, extra={"kind": "sft"})
 
 A checkpoint holds the learner (weights, optimizer, scheduler, per-rank RNG; with learner.lora the adapters
-and their optimizer state, and the digest of the base they belong to), a probe batch and
+and their optimizer state, and the digest of the base they belong to), the KL penalty's β (its manifest's
+`kl_control`: the adaptive controller's state, grpo/kl_control.py), a probe batch and
 its logprobs (the shadow forward on resume, train/restart.py), the coordinator's queue (its SQLite
 log: admission leases, sampler RNG), the data cursor, and the rollout rounds generated ahead of
 the learner; COMMITTED (sha256 of every file) is written last.  The queue snapshot is put back
@@ -93,6 +94,7 @@ class Checkpointer:
         rounds = [Round.from_dict(d) for d in json.loads((ckpt / PENDING_ROUNDS).read_text())] \
             if (ckpt / PENDING_ROUNDS).is_file() else []
         state = TrainState(step=int(manifest["step"]), version=int(manifest["policy_version"]), rounds=rounds)
+        policy.kl.load_state_dict(manifest.get("extra", {}).get("kl_control"))  # the adaptive KL's β
         logger.info("resumed from %s: step %d, policy version %d", ckpt, state.step, state.version)
         policy.publish(state.version)
         coordinator.set_version(state.version)
@@ -138,7 +140,8 @@ class Checkpointer:
             return self.commit(state.step, state.version, learner, source.cursor, write=write,
                                coordinator_log_position=coordinator.position(),
                                extra={"initial_test_eval": initial_eval, "package_version": __version__,
-                                      "pending_rounds": [r.index for r in rounds]})
+                                      "pending_rounds": [r.index for r in rounds],
+                                      "kl_control": policy.kl.state_dict()})
         finally:
             source.unpause()
 

@@ -85,10 +85,10 @@ class LearnerGroup:
                                       f"({type(err).__name__})") from None
         return ray.get(refs)
 
-    def train_step(self, batch: dict, lr_scale: float = 1.0) -> dict[str, float]:
+    def train_step(self, batch: dict, lr_scale: float = 1.0, kl_coef: float | None = None) -> dict[str, float]:
         with self.lock:
             self.updates += 1
-            return self._all("train_step", batch, lr_scale)[0]
+            return self._all("train_step", batch, lr_scale, kl_coef)[0]
 
     def sft_step(self, batch: dict) -> dict[str, float]:
         with self.lock:

@@ -129,8 +129,9 @@ class LearnerWorker:
 
     # ---- training ------------------------------------------------------------------------------
 
-    def train_step(self, batch: dict, lr_scale: float = 1.0) -> dict[str, float]:
-        """One GRPO step (at `lr_scale` times the scheduled learning rate: the restart canary).  An
+    def train_step(self, batch: dict, lr_scale: float = 1.0, kl_coef: float | None = None) -> dict[str, float]:
+        """One GRPO step (at `lr_scale` times the scheduled learning rate: the restart canary; with `kl_coef`,
+        that KL coefficient instead of loss.kl_coef: the adaptive controller's, grpo/kl_control.py).  An
         out-of-memory error inside it abandons the step (grad buffers cleared, no optimizer step, the
         step counter unchanged) and retries it once at half the micro-batch size: the same global
         batch by gradient accumulation.  A second failure raises LearnerOutOfMemory, with nothing of
@@ -145,7 +146,7 @@ class LearnerWorker:
             batch = dict(batch, ref_logprobs=self.reference.logprobs(batch["tokens"], batch.get("lengths")))
         mbs = self.learner.cfg.micro_batch_size
         try:
-            return self._step(batch, lr_scale)
+            return self._step(batch, lr_scale, kl_coef)
         except torch.OutOfMemoryError as err:
             self._abandon_step()
             half = mbs // 2
@@ -158,7 +159,7 @@ class LearnerWorker:
         self.learner.cfg = dataclasses.replace(cfg, micro_batch_size=half, max_tokens_per_micro_batch=(
             cfg.max_tokens_per_micro_batch // 2 if cfg.max_tokens_per_micro_batch else None))
         try:
-            out = self._step(batch, lr_scale)
+            out = self._step(batch, lr_scale, kl_coef)
         except torch.OutOfMemoryError as err:
             self._abandon_step()
             raise LearnerOutOfMemory(f"learner step {self.learner.step} ran out of memory at micro_batch_size "
@@ -169,12 +170,14 @@ class LearnerWorker:
         out.update(oom_retries=1.0, retry_micro_batch_size=float(half))
         return out
 
-    def _step(self, batch: dict, lr_scale: float = 1.0) -> dict[str, float]:
+    def _step(self, batch: dict, lr_scale: float = 1.0, kl_coef: float | None = None) -> dict[str, float]:
         from megatron_rl.drill.hooks import drill_spec, record_injection
         from megatron_rl.grpo.micro_loss import grpo_micro_batch_loss
         from megatron_rl.grpo.step_metrics import grpo_step_weight
 
         step_cfg = self.spec.loss.at_step(self.learner.step)  # this step's loss settings, for every micro-batch
+        if kl_coef is not None:
+            step_cfg = dataclasses.replace(step_cfg, kl_coef=kl_coef)
         loss_fn = partial(grpo_micro_batch_loss, cfg=step_cfg)
         oom = drill_spec("oom")  # `megatron-rl drill oom`: the forward/backward of step at_step fails
         if oom and self.learner.step == int(oom["at_step"]) and self.ooms < int(oom.get("times", 1)):

@@ -90,6 +90,8 @@ class Policy:
         """Policy version -> digest of what this process published as it (quarantine)."""
         self.probe_rows: list[list[int]] | None = None
         """The refit probe: sampled tokens of the last batch learned (train/probe.py)."""
+        self.kl = settings.loss.kl_controller()
+        """β of the KL penalty for the next step: loss.kl_coef, or the adaptive controller's (checkpointed)."""
         self._serving_dtype: str | None = None
         learner.connect_rollout(list(fleet.workers), publishing)
         fleet.set_refitter(self.refit)
@@ -141,7 +143,8 @@ class Policy:
         self.probe_rows = probe_sequences(taken, self.settings.probe_rows)
         if self.sleep is not None:
             self.sleep.before_learn()                        # colocated GPUs: the engines free their memory
-        out.update(self.learner.train_step(batch, lr_scale=lr_scale))
+        out.update(self.learner.train_step(batch, lr_scale=lr_scale, kl_coef=self.kl.coef if self.kl.adaptive else None))
+        self.kl.update(out.get("kl_ref_estimate"))        # the next step's β (adaptive control only)
         out["dv"] = [version - t.oldest_version for t in taken]
         out["token_dv"] = [version - int(v) for t in taken for v in t.policy_versions]  # a sequence can span versions
         out["quarantined_trajectories"] = float(quarantined)

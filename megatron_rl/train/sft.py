@@ -82,7 +82,7 @@ def sft(cfg, pool=None, *, final_eval: bool = True) -> dict:
     own_ray = start_ray(cfg.run)
     learner = report = None
     try:  # with a pool: the last sft run's learner actors, rebuilt (train/engine_pool.py)
-        learner = sft_learner_group(pool, learner=lc, loss=dataclasses.replace(cfg.loss, kl_coef=0.0),
+        learner = sft_learner_group(pool, learner=lc, loss=cfg.loss.without_kl(),
                                     hf_dir=str(inputs.model_dir), seed=lc.seed, deterministic=cfg.run.deterministic,
                                     threads=cfg.run.torch_threads)
         manifest = checkpointer.restore(learner, cursor)

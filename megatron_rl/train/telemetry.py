@@ -72,7 +72,7 @@ def _learn_metrics(samples: list, valid: list, learn: dict, logps: np.ndarray) -
     out["learn/response_length"] = sum(s.generated_tokens for s in samples) / max(len(samples), 1)
     out["learn/entropy_estimate"] = float(-logps.mean()) if logps.size else float("nan")
     for key in ("loss", "pg_loss", "clip_fraction", "ratio_mean", "ratio_max", "grad_norm", "lr",
-                "d_lag", "d_lag/p50", "d_lag/p95", "d_lag/p99", "lag_weight", "entropy_coef",
+                "d_lag", "d_lag/p50", "d_lag/p95", "d_lag/p99", "lag_weight", "entropy_coef", "kl_coef",
                 "kl_out_of_support_tokens", "quarantined_trajectories", "adapter_norm", "adapter_update_ratio"):
         if key in learn:
             out[f"learn/{key}"] = float(learn[key])

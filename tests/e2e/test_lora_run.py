@@ -30,11 +30,16 @@ LORA = ["learner.lora.enabled=true", "learner.lora.rank=8", "learner.lora.alpha=
         "run.checkpoint_every=2", "run.keep_checkpoints=3", "run.eval_every=0", "data.eval_size=16"]
 
 
+ADAPTIVE_KL = ["loss.kl_control=adaptive", "loss.kl_target=1e-6", "loss.kl_horizon=1"]
+"""The first run also adapts its KL coefficient (grpo/kl_control.py), at the fastest rate, toward a target below
+any KL it measures: β moves at every step, and its value must survive the resume."""
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lora_run") / "run"
-    first = run_cli("train", "--config", str(TINY), f"run.dir={run_dir}", "run.steps=2", *LORA)
-    resumed = run_cli("train", "--config", str(TINY), f"run.dir={run_dir}", "run.steps=3", *LORA)
+    first = run_cli("train", "--config", str(TINY), f"run.dir={run_dir}", "run.steps=2", *LORA, *ADAPTIVE_KL)
+    resumed = run_cli("train", "--config", str(TINY), f"run.dir={run_dir}", "run.steps=3", *LORA, *ADAPTIVE_KL)
     out = tmp_path_factory.mktemp("lora_export")
     ckpt = run_dir / "checkpoints" / "step_000003"
     run_cli("convert", "lora-export", "--mcore", str(ckpt), "--out", str(out / "peft"), "--merged", str(out / "merged"))
@@ -53,6 +58,28 @@ def test_the_run_trains_adapters_and_says_lora(run):
     log = (run_dir / "logs" / "ray_RolloutWorker.log").read_text()
     for version in (1, 2, 3):  # every adapter version passed the refit check before it served
         assert f"refit check of version {version}: median" in log
+
+
+def test_the_adaptive_kl_coefficient_follows_its_rule_across_the_resume(run):
+    """Each step's β (learn/kl_coef) is the rule applied to the steps before it: β0 = loss.kl_coef, then
+    β <- β (1 + clip(KL / target - 1, ±0.2) / horizon) with each step's measured KL.  Step 3 ran after a
+    resume from step 2's checkpoint, which holds the β step 3 needs (a resume that lost it uses β0 again)."""
+    from megatron_rl.checkpoint import MANIFEST
+
+    run_dir = run[0]
+    config = json.loads((run_dir / "config.json").read_text())["loss"]
+    target, horizon, beta = config["kl_target"], config["kl_horizon"], config["kl_coef"]
+    rows = [r for r in read_jsonl(run_dir / "metrics" / "metrics.jsonl") if "learn/kl_coef" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    used = []
+    for r in rows:
+        assert r["learn/kl_coef"] == pytest.approx(beta, rel=1e-12), (r["step"], rows)
+        used.append(r["learn/kl_coef"])
+        beta *= 1 + min(max(r["learn/kl_ref_estimate"] / target - 1, -0.2), 0.2) / horizon
+        if r["step"] == 2:
+            saved = json.loads((run_dir / "checkpoints" / "step_000002" / MANIFEST).read_text())
+            assert saved["extra"]["kl_control"] == {"control": "adaptive", "coef": pytest.approx(beta, rel=1e-12)}
+    assert len(set(used)) == 3  # it moved at every step
 
 
 def test_checkpoints_hold_adapters_only(run):

@@ -203,3 +203,20 @@ def test_max_tokens_per_micro_batch_zero_is_off_and_the_dry_run_says_so(capsys, 
     assert layouts["512"].startswith("token budget: ") and "at most 512 tokens" in layouts["512"]
     code, _, err = dry_run(capsys, f"run.dir={tmp_path}", "learner.max_tokens_per_micro_batch=-1")
     assert code == 2 and "learner.max_tokens_per_micro_batch" in err and "0 or null (off" in err, err
+
+
+def test_a_float_in_exponent_form_is_the_number_it_spells():
+    """YAML 1.1 reads `1e-6` (no dot) as text; a float field takes the number, from a file and an override alike,
+    while text that is no number is still refused by name."""
+    import yaml
+
+    from megatron_rl.config import ConfigProblems
+    from megatron_rl.train.config import load_train_config
+
+    base = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+    assert yaml.safe_load("x: 3e-4")["x"] == "3e-4"  # the trap itself
+    cfg = load_train_config(str(base), ["learner.lr=3e-4", "loss.kl_control=adaptive", "loss.kl_target=1E-6"])
+    assert (cfg.learner.lr, cfg.loss.kl_target) == (3e-4, 1e-6)
+    for bad in ("3e", "1e-6x", "nan", "e5"):
+        with pytest.raises(ConfigProblems, match=r"learner\.lr: expected float, got str"):
+            load_train_config(str(base), [f"learner.lr={bad}"])
