@@ -38,7 +38,8 @@ def _cmd_experiment(args) -> int:
         return _submit(cfg, args)
     if args.dry_run:
         print(json.dumps({"dir": cfg.dir, "order": cfg.order(), "seeds": cfg.seeds, "runner": cfg.runner,
-                          "runs": [["megatron-rl", *run.argv()] for run in runs]}, indent=2))
+                          "runs": [[*([f"MEGATRON_RL_DRILL='{run.faults}'"] if run.faults else []), "megatron-rl",
+                                    *run.argv()] for run in runs]}, indent=2))
         return 0
     ran = run_all(cfg)
     logger.info("experiment %s: %d runs now, %d skipped", cfg.dir, len(ran),

@@ -52,6 +52,11 @@ class Arm:
     """Dotted overrides of the base config for this arm."""
     init_from: str | None = None
     """Start from this arm's run of the same seed (model.init_from)."""
+    faults: list[dict] = dataclasses.field(default_factory=list)
+    """Failures injected into this arm's `train` runs, as `megatron-rl drill` injects them (drill/hooks.py: a
+    test double of a failure, never a feature), e.g. `{fault: verifier_timeout, fraction: 0.1}`: for an arm
+    that measures what a failure does to the metrics.  Such a run is its own process with its own Ray,
+    whatever the runner, so the fault reaches that run's processes and no other run's."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -101,6 +106,7 @@ class ExperimentConfig:
         for name, arm in (arms or {}).items():
             if arm.command not in COMMANDS:  # from a file, a field problem already; built in code, here
                 problems.append(f"arms.{name}.command must be one of {list(COMMANDS)}, got {arm.command!r}")
+            problems += fault_problems(name, arm)
             if arm.init_from is not None and arm.init_from not in arms:
                 problems.append(f"arms.{name}.init_from {arm.init_from!r} is not an arm ({sorted(arms)})")
         known = {n: a if a.init_from in (arms or {}) else dataclasses.replace(a, init_from=None)
@@ -127,6 +133,18 @@ class ExperimentConfig:
         if stuck:
             raise ConfigError(f"arms.*.init_from forms a cycle among {stuck}")
         return done
+
+
+def fault_problems(name: str, arm: Arm) -> list[str]:
+    """What is wrong with arm `name`'s faults: each a mapping naming a known fault, on a `train` arm."""
+    from megatron_rl.drill.hooks import FAULTS
+
+    if not arm.faults:
+        return []
+    if arm.command != "train":
+        return [f"arms.{name}.faults: only a train run is injected with faults, this arm runs {arm.command!r}"]
+    return [f"arms.{name}.faults[{i}] must be a mapping with 'fault' one of {list(FAULTS)}, got {spec!r}"
+            for i, spec in enumerate(arm.faults) if not isinstance(spec, dict) or spec.get("fault") not in FAULTS]
 
 
 def dependency_order(arms: dict[str, Arm]) -> tuple[list[str], list[str]]:

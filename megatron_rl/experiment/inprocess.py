@@ -49,6 +49,8 @@ def launch_in_process(run: Run, log: Path, pool=None) -> Outcome:
     from megatron_rl.cli import run_command
     from megatron_rl.train.cli import plan_or_attach, print_summary, run_one
 
+    if run.faults:  # its fault would reach this process's later runs too (experiment/config.py Arm.faults)
+        raise ValueError(f"run {run.arm} seed {run.seed} injects faults and must run as its own process")
     check_released(pool)  # the previous run's actors have let go (counted in this run's start-up, not the last's work)
     log.parent.mkdir(parents=True, exist_ok=True)
     handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}  # the run's StopFlag installs its own

@@ -73,7 +73,8 @@ def run_costs(path: Path) -> dict[str, float]:
     # (older runs' metrics lack it: their mean response length times the samples per step)
     generated = sum(r.get("system/generated_tokens", r.get("learn/response_length", 0.0) * per_step) for r in rows)
     return {"wall_s": result["wall_s"], "cpu_hours": result["wall_s"] * (os.cpu_count() or 1) / 3600,
-            "generated_tokens": float(generated), "esr": mean("system/esr"),
+            "generated_tokens": float(generated), "generated_tokens_per_s": mean("system/generated_tokens_per_s"),
+            "esr": mean("system/esr"),
             "effective_tokens_per_s": mean("system/effective_tokens_per_s"),
             "clip_fraction": mean("learn/clip_fraction"), "d_lag": mean("learn/d_lag"),
             "kl_last10": last_mean(rows, "learn/kl_ref_estimate"), "kl_coef_last10": last_mean(rows, "learn/kl_coef"),
@@ -133,15 +134,15 @@ def write_report(cfg: ExperimentConfig) -> dict:
              f"{pre['hypothesis']}", "", f"Primary metric: hidden-test correctness (greedy pass@1); baseline arm "
              f"`{report['baseline_arm']}`; minimal effect {pre['minimal_effect']}; alpha {pre['alpha']}; seeds "
              f"{report['seeds']}.", "",
-             "| arm | test correctness | diff vs baseline | 95% CI | verdict | wall s | gen. tokens | ESR | eff. TPS "
-             "| clip | D_lag | KL, last 10 steps | length, first -> last 10 steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| arm | test correctness | diff vs baseline | 95% CI | verdict | wall s | gen. tokens | gen. TPS | ESR "
+             "| eff. TPS | clip | D_lag | KL, last 10 steps | length, first -> last 10 steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, e in report["arms"].items():
         c = e["costs"]
         ci = f"[{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}]" if "ci" in e else "-"
         diff = f"{e['difference']:+.3f}" if "difference" in e else "-"
         lines.append(f"| {arm} | {e['test_correctness_mean']:.3f} | {diff} | {ci} | {e.get('verdict', 'baseline')} | "
-                     f"{c['wall_s']:.0f} | {c['generated_tokens']:.0f} | {c['esr']:.3f} | "
+                     f"{c['wall_s']:.0f} | {c['generated_tokens']:.0f} | {c['generated_tokens_per_s']:.1f} | {c['esr']:.3f} | "
                      f"{c['effective_tokens_per_s']:.1f} | {c['clip_fraction']:.3f} | {c['d_lag']:.2e} | "
                      f"{c['kl_last10']:.3f} | {c['response_length_first10']:.2f} -> {c['response_length_last10']:.2f} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -106,7 +106,7 @@ def launch_process(run: Run, log: Path) -> Outcome:
     summary.unlink(missing_ok=True)  # an earlier attempt's
     with log.open("w") as f:
         rc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *run.argv(summary)], stdout=f,
-                            stderr=subprocess.STDOUT, check=False).returncode
+                            stderr=subprocess.STDOUT, check=False, env=run.environment()).returncode
     return Outcome(rc, read_summary(summary) if rc == 0 else {})
 
 
@@ -142,12 +142,16 @@ def run_all(cfg: ExperimentConfig, launch: Launch | None = None) -> list[tuple[s
     pooled = launch is None and runner == "pooled" and bool(todo)
     ran: list[tuple[str, int]] = []
     with shared_ray_cluster(cfg) if todo else contextlib.nullcontext(), _pool(pooled) as pool:
+        chosen = launch is None
         launch = launch or choose_launch(runner, pool)
         for i, run in enumerate(todo):
             t0 = time.time()
             if pool is not None:
                 pool.prepare_for(run.command)  # what it keeps for another kind of run ends
-            rc = execute_run(cfg, run, launch)
+            own = run.faults and chosen and launch is not launch_process  # a faulted run: its own process
+            if own:
+                logger.info("run %s seed %d injects faults: it runs as its own process", run.arm, run.seed)
+            rc = execute_run(cfg, run, launch_process if own else launch)
             if rc != 0:
                 if pool is not None:
                     pool.drop()  # nothing of a failed run reaches a later one

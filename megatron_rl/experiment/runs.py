@@ -16,6 +16,8 @@ as data (`train.cli.run_one`, or the `--summary-out` file of its process), never
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from pathlib import Path
 
 from megatron_rl.config import ConfigError
@@ -34,12 +36,27 @@ class Run:
     """The base training config (a path)."""
     overrides: tuple[str, ...]
     """Its dotted overrides of the base config, in order."""
+    faults: str = ""
+    """The faults its arm injects (Arm.faults), as the JSON `megatron-rl drill` arms them with; "" for none.
+    Such a run is launched as its own process, with its own Ray (experiment/runner.py `launch_process`)."""
 
     def config(self):
         """The run's TrainConfig (train/config.py): the base config with the run's overrides."""
         from megatron_rl.train.config import load_train_config
 
         return load_train_config(self.base, list(self.overrides))
+
+    def environment(self) -> dict[str, str]:
+        """The environment of the run's process: this one's, with its faults armed (drill/hooks.py) and, for a
+        faulted run, no shared Ray cluster to join (it starts its own)."""
+        from megatron_rl.drill.hooks import ENV
+
+        env = dict(os.environ)
+        env.pop(ENV, None)
+        if self.faults:
+            env[ENV] = self.faults
+            env.pop("RAY_ADDRESS", None)
+        return env
 
     def argv(self, summary_out: Path | None = None) -> list[str]:
         """Its `megatron-rl` command line; with `summary_out`, the run writes its summary there too."""
@@ -69,6 +86,8 @@ def plan_run(cfg: ExperimentConfig, arm: str, seed: int, *, existing_ray: bool |
     """The run of `arm` with `seed`.  `existing_ray`: it connects to a running Ray cluster (RAY_ADDRESS:
     the runner's shared one, or a Slurm job's); default cfg.shared_ray."""
     a = cfg.arms[arm]
+    faults = json.dumps(a.faults) if a.faults and a.command == "train" else ""
+    existing_ray = False if faults else existing_ray  # the fault must reach the run's own actors only
     overrides = [*cfg.overrides, *a.overrides, f"run.dir={run_dir(cfg, arm, seed)}", f"run.seed={seed}",
                  f"learner.seed={1000 + seed}"]
     if a.init_from is not None:
@@ -80,7 +99,7 @@ def plan_run(cfg: ExperimentConfig, arm: str, seed: int, *, existing_ray: bool |
         overrides.append("run.use_existing_ray=true")
     if cfg.engine_in_process and _rollout_tp(cfg.base, overrides) == 1:
         overrides.append("rollout.engine_in_process=true")
-    return Run(arm=arm, seed=seed, command=a.command, base=cfg.base, overrides=tuple(overrides))
+    return Run(arm=arm, seed=seed, command=a.command, base=cfg.base, overrides=tuple(overrides), faults=faults)
 
 
 def _rollout_tp(base: str, overrides: list[str]) -> int | None:

@@ -154,7 +154,7 @@ def launch_forwarding_signals(run: Run, log: Path) -> Outcome:
     summary.unlink(missing_ok=True)  # an earlier attempt's (a requeued task)
     with log.open("a") as f:
         child = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", *run.argv(summary)], stdout=f,
-                                 stderr=subprocess.STDOUT)
+                                 stderr=subprocess.STDOUT, env=run.environment())
         previous = {sig: signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
                     for sig in (signal.SIGUSR1, signal.SIGTERM)}
         try:

@@ -92,8 +92,9 @@ def test_signal_handlers_a_run_installs_are_undone(tmp_path, monkeypatch, no_pla
 
 
 def test_a_run_in_its_own_process_hands_its_summary_back_in_a_file(tmp_path, monkeypatch):
-    def fake(argv, stdout, stderr, check):  # stands for `megatron-rl train --summary-out PATH ...`
+    def fake(argv, stdout, stderr, check, env):  # stands for `megatron-rl train --summary-out PATH ...`
         assert argv[3:5] == ["train", "--config"] and argv[6] == "--summary-out"
+        assert "MEGATRON_RL_DRILL" not in env  # an unfaulted run arms nothing
         stdout.write('{"steps": 99}\n')  # a JSON line in the log is not what the runner reads
         Path(argv[7]).write_text(json.dumps({"steps": 2}))
         return subprocess.CompletedProcess(argv, 0)
