@@ -74,6 +74,9 @@ class ExperimentConfig:
     budget_generated_tokens: Optional[int] = None
     """Equal budget per `train` run: stop.max_generated_tokens (train/stop.py).  Each run ends once it has
     generated this many tokens (checkpoint, final test eval); run.steps must be large enough to reach it."""
+    not_run: list[str] = dataclasses.field(default_factory=list)
+    """What the question needs that these runs do not cover (an arm, a workload, a scale), each named in the
+    report's "Estimated or not run" section."""
     runner: Runner = "pooled"
     """How the runs are launched, one after another: `process`, each its own `megatron-rl` process;
     `in_process`, inside the runner's process (experiment/inprocess.py: the driver's imports and Ray connect

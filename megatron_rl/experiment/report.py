@@ -4,8 +4,10 @@
 
 Per arm: mean hidden-test correctness (over seeds, each the mean over the test examples), the
 95% paired-bootstrap CI of the difference to the baseline arm (pairs = (seed, example)), and
-the costs the runs logged: wall time, CPU-hours, generated tokens, ESR, effective TPS, clip
-fraction, D_lag.  The verdict is read against the pre-registration.
+the costs the runs logged: wall time, CPU-hours, generated, informative and learned tokens, ESR, generated
+and effective TPS, clip fraction, D_lag, where the run ended up (KL to the reference, response length); a few
+wrong hidden-test answers of each arm (failure samples); and what was estimated or not run, named.  The
+verdict is read against the pre-registration.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ def run_costs(path: Path) -> dict[str, float]:
             "esr": mean("system/esr"),
             "effective_tokens_per_s": mean("system/effective_tokens_per_s"),
             "clip_fraction": mean("learn/clip_fraction"), "d_lag": mean("learn/d_lag"),
+            "informative_tokens": sum(r.get("system/generated_tokens", 0.0) * r["system/esr"] for r in rows
+                                      if isinstance(r.get("system/esr"), (int, float)) and math.isfinite(r["system/esr"])),
+            "learned_tokens": sum(r["system/learned_tokens_per_s"] * r.get("system/time_learn_s", 0.0) for r in rows
+                                  if "system/learned_tokens_per_s" in r),
             "kl_last10": last_mean(rows, "learn/kl_ref_estimate"), "kl_coef_last10": last_mean(rows, "learn/kl_coef"),
             "response_length_first10": last_mean(rows[::-1], "learn/response_length"),
             "response_length_last10": last_mean(rows, "learn/response_length")}
@@ -89,6 +95,20 @@ def last_mean(rows: list[dict], key: str, n: int = 10) -> float:
     return float(np.mean(vals)) if vals else float("nan")
 
 
+def failure_samples(path: Path, n: int = 3) -> list[dict]:
+    """Up to `n` examples a run's final hidden-test eval got wrong: id, reference answer, the response."""
+    files = sorted((path / "eval").glob("test_step_*.jsonl"))
+    out = []
+    for line in files[-1].read_text().splitlines() if files else []:
+        o = json.loads(line)
+        wrong = [r for r, c in zip(o.get("responses", []), o["correctness"]) if c is not None and c < 1]
+        if wrong:
+            out.append({"id": o["id"], "answer": o.get("answer"), "response": wrong[0]})
+        if len(out) == n:
+            break
+    return out
+
+
 def analyse(cfg: ExperimentConfig) -> dict:
     pre = cfg.preregistration
     base_name = pre.baseline_arm
@@ -98,7 +118,8 @@ def analyse(cfg: ExperimentConfig) -> dict:
         per_seed = [float(np.mean(list(outcomes[(arm, s)].values()))) for s in cfg.seeds]
         costs = [run_costs(run_dir(cfg, arm, s)) for s in cfg.seeds]
         entry = {"test_correctness_mean": float(np.mean(per_seed)), "test_correctness_per_seed": per_seed,
-                 "costs": {k: _nanmean([c[k] for c in costs]) for k in costs[0]}}
+                 "costs": {k: _nanmean([c[k] for c in costs]) for k in costs[0]},
+                 "failures": failure_samples(run_dir(cfg, arm, cfg.seeds[0]))}
         if arm != base_name:
             pairs = [(outcomes[(arm, s)][e], outcomes[(base_name, s)][e]) for s in cfg.seeds
                      for e in sorted(outcomes[(arm, s)]) if e in outcomes[(base_name, s)]]
@@ -107,7 +128,7 @@ def analyse(cfg: ExperimentConfig) -> dict:
             entry.update(difference=diff, ci=[lo, hi], pairs=len(pairs), verdict=verdict(diff, lo, hi, pre, cfg))
         arms[arm] = entry
     return {"preregistration": json.loads((Path(cfg.dir) / "preregistration.json").read_text()),
-            "baseline_arm": base_name, "seeds": cfg.seeds, "arms": arms}
+            "baseline_arm": base_name, "seeds": cfg.seeds, "arms": arms, "not_run": list(cfg.not_run)}
 
 
 def _nanmean(values: list[float]) -> float:
@@ -145,9 +166,30 @@ def write_report(cfg: ExperimentConfig) -> dict:
                      f"{c['wall_s']:.0f} | {c['generated_tokens']:.0f} | {c['generated_tokens_per_s']:.1f} | {c['esr']:.3f} | "
                      f"{c['effective_tokens_per_s']:.1f} | {c['clip_fraction']:.3f} | {c['d_lag']:.2e} | "
                      f"{c['kl_last10']:.3f} | {c['response_length_first10']:.2f} -> {c['response_length_last10']:.2f} |")
+    lines += _cost_and_failures(report)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     _plots(cfg, report)
     return report
+
+
+def _cost_and_failures(report: dict) -> list[str]:
+    """The report's cost table, failure samples and what was estimated or not run."""
+    lines = ["", "## Cost (per run, mean over seeds)", "",
+             "| arm | CPU-hours | generated tokens | informative tokens | learned tokens |", "|---|---|---|---|---|"]
+    for arm, e in report["arms"].items():
+        c = e["costs"]
+        lines.append(f"| {arm} | {c['cpu_hours']:.3f} | {c['generated_tokens']:.0f} | "
+                     f"{c.get('informative_tokens', float('nan')):.0f} | {c.get('learned_tokens', float('nan')):.0f} |")
+    lines += ["", f"## Failure samples (seed {report['seeds'][0]}: wrong hidden-test answers, up to 3 per arm)", ""]
+    for arm, e in report["arms"].items():
+        shown = "; ".join(f"`{f['id']}` answer {f['answer']!r}, response {f['response']!r}" for f in e["failures"])
+        lines.append(f"- {arm}: {shown or 'none wrong'}")
+    lines += ["", "## Estimated or not run", "",
+              "- CPU-hours are estimated: wall time x the machine's CPU count, not measured per process.",
+              "- Informative tokens are each step's generated tokens x its ESR; learned tokens each step's learned "
+              "tokens per second x its learn time.",
+              *(f"- Not run: {item}" for item in report.get("not_run", []))]
+    return lines
 
 
 def _plots(cfg: ExperimentConfig, report: dict) -> None:

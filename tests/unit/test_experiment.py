@@ -50,7 +50,9 @@ def _fake_run(correct_by_arm):
         rng = np.random.default_rng(len(calls))
         with (d / "eval" / "test_step_000004.jsonl").open("w") as f:
             for i in range(50):
-                f.write(json.dumps({"id": f"e{i}", "correctness": [float(rng.random() < correct_by_arm[arm])]}) + "\n")
+                right = rng.random() < correct_by_arm[arm]
+                f.write(json.dumps({"id": f"e{i}", "answer": "7", "responses": ["7" if right else f"{arm} says 3"],
+                                    "correctness": [float(right)]}) + "\n")
         (d / "metrics" / "metrics.jsonl").write_text(json.dumps({"step": 1, "learn/response_length": 2.0}) + "\n")
         (d / "config.json").write_text(json.dumps({"run": {"prompts_per_step": 8, "group_size": 8}}))
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +97,13 @@ def test_interrupted_experiment_resumes_without_rerunning_finished_runs(tmp_path
     report = write_report(cfg)
     grpo = report["arms"]["grpo"]
     assert grpo["pairs"] == 150 and grpo["ci"][0] > 0.4 and grpo["verdict"] == "supported"
-    assert (Path(cfg.dir) / "report.md").read_text().count("| grpo |") == 1
+    text = (Path(cfg.dir) / "report.md").read_text()
+    results, rest = text.split("## Cost")
+    assert results.count("| grpo |") == 1 and rest.count("| grpo |") == 1  # one row per table
+    failures = report["arms"]["sft"]["failures"]  # the first seed's wrong answers, as the run gave them
+    assert 1 <= len(failures) <= 3 and all(f["response"] == "sft says 3" and f["answer"] == "7" for f in failures)
+    assert f"- sft: `{failures[0]['id']}` answer '7', response 'sft says 3'" in rest
+    assert "## Estimated or not run" in rest and "CPU-hours are estimated" in rest
     assert (Path(cfg.dir) / "test_correctness.png").stat().st_size > 0
 
 
@@ -264,3 +272,12 @@ def test_every_experiment_file_validates(path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["runner"] in ("process", "in_process", "pooled") and len(out["runs"]) == len(out["order"]) * len(
         out["seeds"])
+
+
+def test_what_was_not_run_is_named_in_the_report(tmp_path):
+    cfg = _experiment(tmp_path, not_run=["the colocated arm (needs a GPU)"])
+    launch, _ = _fake_run({"sft": 0.3, "grpo": 0.9})
+    run_all(cfg, launch)
+    report = write_report(cfg)
+    assert report["not_run"] == ["the colocated arm (needs a GPU)"]
+    assert "- Not run: the colocated arm (needs a GPU)" in (Path(cfg.dir) / "report.md").read_text()
