@@ -130,9 +130,10 @@ def evaluate(fleet, verifier, examples: Sequence, template, tokenizer, decoding:
 
 
 def evaluate_model(model_dir, rollout_cfg, reward_cfg, examples: Sequence, template, decoding: Decoding,
-                   split: str = "test") -> EvalResult:
+                   split: str = "test", env: dict | None = None) -> EvalResult:
     """`evaluate` on a fresh vLLM engine serving the HF directory `model_dir` (no publication,
-    no coordinator) with a verifier pool of `reward_cfg`; both are shut down afterwards."""
+    no coordinator) with a verifier pool of `reward_cfg`; both are shut down afterwards.  With `env` (the
+    `data.env` section as a dict) the examples are played as episodes of that environment."""
     from transformers import AutoTokenizer
 
     from megatron_rl.reward.pool import VerifierPool
@@ -144,7 +145,7 @@ def evaluate_model(model_dir, rollout_cfg, reward_cfg, examples: Sequence, templ
     try:
         fleet = RolloutFleet(dataclasses.replace(rollout_cfg, model=str(model_dir), weight_transfer="none"),
                              num_groups=1)
-        return evaluate(fleet, verifier, examples, template, tokenizer, decoding, split=split)
+        return evaluate(fleet, verifier, examples, template, tokenizer, decoding, split=split, env=env)
     finally:
         verifier.close()
         if fleet is not None:

@@ -35,6 +35,22 @@ def _ids(encoded: Any) -> list[int]:
     return [int(t) for t in encoded]
 
 
+def env_chat_format(cfg, tokenizer) -> "ChatFormat":
+    """The chat format of an `env:` section's episodes (envs/config.py EnvConfig) with `tokenizer`: its chat
+    template (cfg.template replaces the tokenizer's), the environment's system prompt (or cfg.system_prompt)
+    and tools, and the role its observations take.  One construction for rollouts and demonstrations."""
+    from megatron_rl.envs.registry import get_environment
+
+    if cfg.template is not None:
+        tokenizer.chat_template = cfg.template
+    probe = get_environment(cfg.name, cfg.options)
+    try:
+        system = probe.system_prompt if cfg.system_prompt is None else (cfg.system_prompt or None)
+        return ChatFormat(tokenizer, system=system, tools=probe.tools, observation_role=probe.observation_role)
+    finally:
+        probe.close()
+
+
 class ChatFormat:
     """The prompt and observation token layout of one tokenizer's chat template."""
 

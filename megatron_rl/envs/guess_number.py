@@ -7,7 +7,8 @@
 A guess is the last whole number in the turn.  The right guess earns reward 1.0 and ends the
 episode (`done`); the last allowed wrong guess ends it with reward 0.0 (`done`).  A turn with no
 number, or a number outside the range, is feedback that does not use up a guess (the episode's
-`max_turns` still bounds it).  Binary search needs ceil(log2(high - low + 1)) guesses.
+`max_turns` still bounds it).  Binary search finds any of 2^k - 1 numbers in k guesses; `expert` plays it
+(the demonstrations of an SFT run, envs/demonstrations.py).
 """
 
 from __future__ import annotations
@@ -76,7 +77,14 @@ class GuessNumberEnvironment(Environment):
         if not self.config.low <= hidden <= self.config.high:
             raise ValueError(f"hidden number {hidden} is outside [{self.config.low}, {self.config.high}]")
         self._hidden, self._guesses = hidden, 0
+        self._bounds = [self.config.low, self.config.high]  # what the feedback so far leaves possible
         return example.question
+
+    def expert(self) -> str:
+        """Binary search: the middle of what the feedback so far leaves possible."""
+        if self._hidden is None:
+            raise RuntimeError("expert before reset")
+        return str(sum(self._bounds) // 2)
 
     def step(self, action: str) -> StepResult:
         if self._hidden is None:
@@ -94,4 +102,8 @@ class GuessNumberEnvironment(Environment):
             return StepResult("Correct!", reward=1.0, done=True, info=info)
         if self._guesses >= c.max_guesses:
             return StepResult(f"Out of guesses: it was {self._hidden}.", reward=0.0, done=True, info=info)
-        return StepResult("higher" if guess < self._hidden else "lower", info=info)
+        if guess < self._hidden:
+            self._bounds[0] = max(self._bounds[0], guess + 1)
+            return StepResult("higher", info=info)
+        self._bounds[1] = min(self._bounds[1], guess - 1)
+        return StepResult("lower", info=info)

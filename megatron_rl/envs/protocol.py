@@ -79,6 +79,12 @@ class Environment(abc.ABC):
     def step(self, action: str) -> StepResult:
         """React to one assistant turn (its decoded text)."""
 
+    def expert(self) -> str:
+        """The next assistant turn's text an expert would send, given the episode so far (this environment's
+        state): what supervised fine-tuning on this environment imitates (envs/demonstrations.py)."""
+        raise NotImplementedError(f"environment {self.name!r} has no expert: SFT on its episodes needs one "
+                                  "(Environment.expert)")
+
     def close(self) -> None:
         """Release what the environment holds (subprocesses, files).  Idempotent."""
 

@@ -175,7 +175,7 @@ def write_report(cfg: ExperimentConfig) -> dict:
 def _cost_and_failures(report: dict) -> list[str]:
     """The report's cost table, failure samples and what was estimated or not run."""
     lines = ["", "## Cost (per run, mean over seeds)", "",
-             "| arm | CPU-hours | generated tokens | informative tokens | learned tokens |", "|---|---|---|---|---|"]
+             "| arm | CPU-hours | generated tokens | informative tokens | learned tokens (prompt + response) |", "|---|---|---|---|---|"]
     for arm, e in report["arms"].items():
         c = e["costs"]
         lines.append(f"| {arm} | {c['cpu_hours']:.3f} | {c['generated_tokens']:.0f} | "

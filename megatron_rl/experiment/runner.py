@@ -39,7 +39,7 @@ RESULT_KEYS = ("steps", "generated_tokens", "stopped", "stopped_at_step")
 def preregister(cfg: ExperimentConfig) -> dict:
     """Write DIR/preregistration.json before any run; refuse to go on if it exists and differs."""
     record = {"preregistration": dataclasses.asdict(cfg.preregistration), "base": cfg.base,
-              "arms": {k: dataclasses.asdict(v) for k, v in cfg.arms.items()}, "seeds": cfg.seeds,
+              "arms": {k: _arm_record(v) for k, v in cfg.arms.items()}, "seeds": cfg.seeds,
               "overrides": cfg.overrides}
     if cfg.budget_generated_tokens is not None:  # the equal budget is part of the design
         record["budget_generated_tokens"] = cfg.budget_generated_tokens
@@ -56,6 +56,15 @@ def preregister(cfg: ExperimentConfig) -> dict:
     path.write_text(json.dumps(record, indent=2, sort_keys=True))
     return record
 
+
+
+def _arm_record(arm) -> dict:
+    """An arm as its pre-registration records it; its faults only when it injects some (so the registrations of
+    experiments from before arms could inject faults still match)."""
+    record = dataclasses.asdict(arm)
+    if not record["faults"]:
+        del record["faults"]
+    return record
 
 
 @contextlib.contextmanager

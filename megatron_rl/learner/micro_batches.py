@@ -138,7 +138,7 @@ def per_micro_batch(mb: dict, total: str, fixed: str) -> float:
         return float(mb[fixed])
     if total not in mb:
         raise KeyError(f"a learner micro-batch needs the global {total!r} (train.batch.build_batch and "
-                       "train.sft.sft_batch provide it)")
+                       "train.sft_data.sft_batch provide it)")
     return float(mb[total]) / k
 
 

@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from megatron_rl.envs.chat_format import ChatFormat
+from megatron_rl.envs.chat_format import env_chat_format
 from megatron_rl.envs.config import EnvConfig
 from megatron_rl.envs.episode import Episode
 from megatron_rl.envs.registry import get_environment
@@ -70,13 +70,7 @@ class EpisodePlayer:
         if not self.cfg.enabled:
             raise ValueError("EpisodePlayer needs env.name")
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        if self.cfg.template is not None:
-            self.tokenizer.chat_template = self.cfg.template
-        probe = self.new_environment()
-        system = probe.system_prompt if self.cfg.system_prompt is None else (self.cfg.system_prompt or None)
-        self.chat = ChatFormat(self.tokenizer, system=system, tools=probe.tools,
-                               observation_role=probe.observation_role)
-        probe.close()
+        self.chat = env_chat_format(self.cfg, self.tokenizer)
         self.limits = self.cfg.limits()
         self.max_tokens_per_turn = max_tokens_per_turn
 

@@ -9,6 +9,10 @@ over response tokens only (the prompt is context, never a target):
 
     L = -(1/N) sum_b sum_t m_bt log pi_theta(y_bt | y_b<t),   N = sum of m over the global batch
 
+With `data.env` (multi-turn episodes) each example is instead played by its environment's expert
+(`Environment.expert`, envs/demonstrations.py), token-in/token-out as a rollout would lay it out, and m is
+the episode's action mask: the assistant turns are learned, the observations are context only.
+
 on the same Megatron learner, parallel layouts and checkpoint protocol (COMMITTED written last)
 as GRPO; metrics go to the `sft/` panel.  At the end the newest checkpoint is exported to a
 Hugging Face directory (`RUN_DIR/export/step_N`), which a fresh vLLM engine evaluates on the
@@ -22,38 +26,10 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Sequence
 
-import torch
-
-from megatron_rl.learner.micro_batches import fixed_share
+from megatron_rl.train.sft_data import sft_batches
 
 logger = logging.getLogger(__name__)
-
-
-def sft_batch(examples: Sequence, template, tokenizer, *, micro_batch_size: int) -> dict:
-    """tokens [B, T] (prompt + answer + EOS, right-padded), loss_mask [B, T-1] on the answer and
-    EOS predictions, lengths [B], and the batch's token count in the loss (the normaliser)."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
-    if eos is None:
-        raise ValueError("SFT needs a tokenizer with an EOS token (the answer must learn to end)")
-    rows = []
-    for ex in examples:
-        prompt = template.encode(ex, tokenizer)
-        answer = [int(i) for i in tokenizer(ex.answer, add_special_tokens=False)["input_ids"]] + [int(eos)]
-        rows.append((prompt, answer))
-    b, t = len(rows), max(len(p) + len(a) for p, a in rows)
-    tokens = torch.full((b, t), pad, dtype=torch.long)  # [B, T]
-    mask = torch.zeros(b, t - 1)  # [B, T-1]: position k predicts token k+1
-    for i, (p, a) in enumerate(rows):
-        tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
-        mask[i, len(p) - 1:len(p) - 1 + len(a)] = 1.0
-    n = max(float(mask.sum()), 1.0)
-    lengths = torch.tensor([len(p) + len(a) for p, a in rows], dtype=torch.long)  # [B] real tokens per row
-    # N travels as it is (the learner gives each micro-batch its step's K); N/K for fixed
-    # micro-batches of micro_batch_size is kept for callers outside the learner.
-    return {"tokens": tokens, "loss_mask": mask, "lengths": lengths, "tokens_in_loss": n,
-            "token_denominator": fixed_share(n, b, micro_batch_size)}
 
 
 def sft(cfg, pool=None, *, final_eval: bool = True) -> dict:
@@ -122,11 +98,10 @@ def _train(cfg, lc, inputs, learner, cursor, checkpointer, report, start: int) -
     """Steps start+1 .. sft.steps: a batch from the cursor, one learner step, its report, checkpoints on the
     cadence (Checkpointer.due: the same rule as GRPO's)."""
     train = inputs.splits["train"]
+    make_batch = sft_batches(cfg, inputs, lc.micro_batch_size)
     for step in range(start, cfg.sft.steps):
         t0 = time.perf_counter()
-        examples = [train[i] for i in cursor.next_indices(lc.global_batch_size)]
-        batch = sft_batch(examples, inputs.template, inputs.tokenizer, micro_batch_size=lc.micro_batch_size)
-        out = learner.sft_step(batch)
+        out = learner.sft_step(make_batch([train[i] for i in cursor.next_indices(lc.global_batch_size)]))
         report.log_sft_step(step + 1, out, time.perf_counter() - t0)
         if checkpointer.due(step + 1, cfg.sft.steps):
             checkpointer.commit(step + 1, step + 1, learner, cursor, extra={"kind": "sft"})
@@ -149,8 +124,9 @@ class ExportEvaluator:
         model_dir = export_run_checkpoint(inputs.run_dir)
         ds = inputs.splits["test"]
         examples = [ds[i] for i in range(min(cfg.data.eval_size, len(ds)))]
+        env = dataclasses.asdict(cfg.data.env) if cfg.data.env.enabled else None  # episodes of its environment
         result = evaluate_model(model_dir, cfg.rollout, cfg.reward, examples, inputs.template, Decoding(),
-                                split="test")
+                                split="test", env=env)
         result.write(inputs.run_dir / "eval" / f"test_step_{step:06d}.jsonl")
         return result.summary()
 

@@ -7,7 +7,7 @@ import torch
 
 from megatron_rl.data.dataset import Example, PromptTemplate
 from megatron_rl.learner.sft_loss import sft_micro_batch_loss
-from megatron_rl.train.sft import sft_batch
+from megatron_rl.train.sft_data import sft_batch
 
 pytestmark = pytest.mark.unit
 
