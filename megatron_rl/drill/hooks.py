@@ -16,7 +16,8 @@ injects the fault itself, so a drill exercises the real failure path, not a patc
                                                              2 makes the half-micro-batch retry fail too)
     learner_kill      LearnerWorker.train_step (rank `rank`) the rank SIGKILLs itself at learner step at_step
     verifier_timeout  reward.pool grader processes           a share `fraction` of grading calls hang
-                                                             (chosen by a hash of response and reference)
+                                                             (chosen by a hash of response and reference;
+                                                             `per: call`: each call drawn on its own)
     permute_load      publish.vllm_engine (engine processes) publication `at_version` is loaded with the
                                                              rows of its first matrix reversed, after its
                                                              bytes verified (`times` loads, default 1)
@@ -53,6 +54,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -109,9 +111,20 @@ def injected_before(spec: dict) -> bool:
         return any(json.loads(line).get("fault") == spec["fault"] for line in fh if line.strip())
 
 
+_CALLS = random.Random()  # `per: call` draws (a grader process's own stream)
+
+
 def hangs(spec: dict, response: str, reference: str) -> bool:
-    """Whether this grading call is one of the `fraction` that hang (deterministic per input)."""
+    """Whether this grading call is one of the `fraction` that hang.  `per: input` (the default): chosen by a
+    hash of response and reference, so the same input hangs every time (a verifier that chokes on some
+    inputs; as a policy converges on one answer, the share of calls that hang follows it).  `per: call`: each
+    call drawn on its own, so `fraction` of the calls hang whatever they grade."""
     share = float(spec.get("fraction", 0.1))
+    per = spec.get("per", "input")
+    if per == "call":
+        return _CALLS.random() < share
+    if per != "input":
+        raise ValueError(f"verifier_timeout: per must be 'input' or 'call', got {per!r}")
     h = zlib.crc32(f"{response}\x00{reference}".encode()) / 2**32
     return h < share
 

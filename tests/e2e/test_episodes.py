@@ -5,7 +5,10 @@
 The tiny random model plays `guess_number` (1..8, 3 guesses) with the plain chat template: each
 assistant turn is at most 6 tokens, an episode at most 3 turns and 200 tokens.  Run A trains 2 steps
 (async, streaming, a checkpoint at step 2 with episodes in flight: they finish before the save); B
-resumes the run directory to step 3.  What must hold:
+resumes the run directory to step 3.  Both start from a 3-step SFT stage on the environment's expert
+demonstrations (sft.first: binary search, envs/demonstrations.py), run by A and reused by B.  What must hold:
+- SFT learned the demonstrations' assistant turns only (a guess and its end of turn: 2 tokens a turn), never
+  the prompt or an observation, and GRPO started from its result;
 - every trajectory is one token sequence: assistant turns (mask 1, the sampler's logprobs) and the
   environment's observations between them (mask 0, logprob 0, the chat template's separators around
   the environment's own text), with segments tiling it and a terminal reason of the episode;
@@ -31,7 +34,7 @@ EPISODES = ["run.mode=async", "run.prompts_per_step=4", "run.group_size=4", "lea
             "data.holdout_size=8", "rollout.streaming=true", "rollout.max_tokens=6", "rollout.max_model_len=256",
             "data.task=env", "data.env.name=guess_number", "data.env.options={low: 1, high: 8, max_guesses: 3}",
             "data.env.chat_template=plain", 'data.env.system_prompt=""', "data.env.max_turns=3",
-            "data.env.max_total_tokens=200"]
+            "data.env.max_total_tokens=200", "sft.first=true", "sft.steps=3"]
 FEEDBACK = ("higher", "lower", "No guess found", "is outside the range", "Correct!", "Out of guesses")
 
 
@@ -53,6 +56,18 @@ def test_the_run_trains_on_episodes_and_resumes(run):
     assert set(b) >= {"initial_test_correctness", "final_test_correctness"}  # evals played episodes
     evals = read_jsonl(d / "eval" / "test_step_000003.jsonl")
     assert len(evals) == 4 and all(o["errors"] == 0 and o["correctness"][0] in (0.0, 1.0) for o in evals)
+
+
+def test_sft_learned_the_experts_turns_and_grpo_started_from_it(run):
+    d, a, b, _ = run
+    assert a["baseline"] == b["baseline"] == "sft" and a["sft_steps"] == 3
+    assert a["baseline_test_correctness"] == a["initial_test_correctness"]  # GRPO's step 0 is SFT's result
+    rows = [r for r in read_jsonl(d / "sft" / "metrics" / "metrics.jsonl") if "sft/tokens" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # 16 episodes of 1-3 turns: 2 tokens a turn in the loss; the ~90-token prompt and the
+        tokens = r["sft/tokens"]  # observations ("higher", "lower", ...) are not
+        assert tokens % 2 == 0 and 2 * 16 <= tokens <= 6 * 16, r
+    assert rows[-1]["sft/nll_per_token"] < rows[0]["sft/nll_per_token"]
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
