@@ -58,6 +58,7 @@ def sft(cfg, pool=None, *, final_eval: bool = True) -> dict:
     own_ray = start_ray(cfg.run)
     learner = report = None
     try:  # with a pool: the last sft run's learner actors, rebuilt (train/engine_pool.py)
+        make_batch = sft_batches(cfg, inputs, lc.micro_batch_size)  # before any actor: no expert stops here
         learner = sft_learner_group(pool, learner=lc, loss=cfg.loss.without_kl(),
                                     hf_dir=str(inputs.model_dir), seed=lc.seed, deterministic=cfg.run.deterministic,
                                     threads=cfg.run.torch_threads)
@@ -68,7 +69,7 @@ def sft(cfg, pool=None, *, final_eval: bool = True) -> dict:
         report = Reporter(run_dir, MetricsLogger(run_dir / "metrics"), None, ExportEvaluator(cfg, inputs),
                           steps=cfg.sft.steps)
         report.rewind(start)  # steps after the checkpoint are redone: log them once
-        _train(cfg, lc, inputs, learner, cursor, checkpointer, report, start)
+        _train(cfg, lc, inputs, learner, cursor, checkpointer, report, start, make_batch)
         release_sft_learners(learner, pool)  # with a pool: kept for the next sft run
         learner = None
         if not final_eval:
@@ -94,11 +95,10 @@ def _sft_learner_config(cfg):
                                lora=dataclasses.replace(cfg.learner.lora, enabled=False))
 
 
-def _train(cfg, lc, inputs, learner, cursor, checkpointer, report, start: int) -> None:
+def _train(cfg, lc, inputs, learner, cursor, checkpointer, report, start: int, make_batch) -> None:
     """Steps start+1 .. sft.steps: a batch from the cursor, one learner step, its report, checkpoints on the
     cadence (Checkpointer.due: the same rule as GRPO's)."""
     train = inputs.splits["train"]
-    make_batch = sft_batches(cfg, inputs, lc.micro_batch_size)
     for step in range(start, cfg.sft.steps):
         t0 = time.perf_counter()
         out = learner.sft_step(make_batch([train[i] for i in cursor.next_indices(lc.global_batch_size)]))

@@ -34,11 +34,15 @@ def test_the_guess_number_expert_is_binary_search():
 
 
 def test_an_environment_without_an_expert_says_so():
+    from megatron_rl.config import ConfigError
     from megatron_rl.envs.registry import get_environment
 
     env = get_environment("calculator", None)
     with pytest.raises(NotImplementedError, match="environment 'calculator' has no expert"):
         env.expert()
+    cfg = from_dict(EnvConfig, {"name": "calculator"}, where="data.env")
+    with pytest.raises(ConfigError, match="data.env.name 'calculator': this environment has no expert"):
+        Demonstrations(cfg, tiny_chat_tokenizer())  # before SFT starts anything
 
 
 def _demos():
