@@ -62,8 +62,11 @@ def test_report_draws_the_runs_plots(run_a):
     result = write_report(d)
     drawn = {p.rsplit("/", 1)[-1] for p in result["plots"]}
     # Every chart of the report has data in a real run (the queue's drop counters included); a feature's
-    # charts (multi-turn episodes: env/) are drawn for runs that use it (tests/e2e/test_episodes.py).
-    assert drawn == {f"{c.slug}.png" for c in CHARTS if c.in_report and not c.feature}, result["missing"]
+    # charts are drawn for runs that use it: run A has a KL penalty (the KL coefficient chart), and no
+    # multi-turn episodes (env/: tests/e2e/test_episodes.py), LoRA or streaming.
+    wanted = {f"{c.slug}.png" for c in CHARTS if c.in_report and (not c.feature or c.feature == "learn/kl_coef")}
+    assert drawn == wanted, result["missing"]
+    assert "kl_coefficient.png" in drawn
 
 
 def test_reward_rises_on_held_out_split(run_a):
