@@ -112,6 +112,8 @@ def injected_before(spec: dict) -> bool:
 
 
 _CALLS = random.Random()  # `per: call` draws (a grader process's own stream)
+VERIFIER_DRAWS = ("input", "call")
+"""How verifier_timeout picks the calls that hang (its `per`; `hangs`)."""
 
 
 def hangs(spec: dict, response: str, reference: str) -> bool:
@@ -123,7 +125,7 @@ def hangs(spec: dict, response: str, reference: str) -> bool:
     per = spec.get("per", "input")
     if per == "call":
         return _CALLS.random() < share
-    if per != "input":
+    if per not in VERIFIER_DRAWS:
         raise ValueError(f"verifier_timeout: per must be 'input' or 'call', got {per!r}")
     h = zlib.crc32(f"{response}\x00{reference}".encode()) / 2**32
     return h < share

@@ -17,8 +17,7 @@ from __future__ import annotations
 from megatron_rl.config import ConfigError
 from megatron_rl.envs.chat_format import env_chat_format
 from megatron_rl.envs.episode import Episode
-from megatron_rl.envs.protocol import Environment
-from megatron_rl.envs.registry import get_environment
+from megatron_rl.envs.registry import get_environment, has_expert
 from megatron_rl.envs.runner import EpisodeRunner
 from megatron_rl.learner.sft_loss import sft_rows_batch
 
@@ -27,9 +26,7 @@ class Demonstrations:
     """Plays the expert of one `data.env` section's environment, with the run's tokenizer."""
 
     def __init__(self, cfg, tokenizer):
-        probe = get_environment(cfg.name, cfg.options)
-        probe.close()
-        if type(probe).expert is Environment.expert:
+        if not has_expert(cfg.name):
             raise ConfigError(f"data.env.name {cfg.name!r}: this environment has no expert (Environment.expert), "
                               "so SFT has no demonstrations to learn from")
         self.cfg = cfg

@@ -53,6 +53,12 @@ def environment_config(name: str, config: Mapping[str, Any] | Any | None = None)
     return config
 
 
+def has_expert(name: str) -> bool:
+    """Whether environment `name` says an expert's turns (overrides Environment.expert): SFT can learn from it."""
+    environment_config(name)  # an unknown name is refused by name
+    return ENVIRONMENTS[name][0].expert is not Environment.expert
+
+
 def get_environment(name: str, config: Mapping[str, Any] | Any | None = None) -> Environment:
     """A new environment `name` built from `config` (a mapping, its config dataclass, or None for defaults)."""
     config = environment_config(name, config)

@@ -140,14 +140,19 @@ class ExperimentConfig:
 
 def fault_problems(name: str, arm: Arm) -> list[str]:
     """What is wrong with arm `name`'s faults: each a mapping naming a known fault, on a `train` arm."""
-    from megatron_rl.drill.hooks import FAULTS
+    from megatron_rl.drill.hooks import FAULTS, VERIFIER_DRAWS
 
     if not arm.faults:
         return []
     if arm.command != "train":
         return [f"arms.{name}.faults: only a train run is injected with faults, this arm runs {arm.command!r}"]
-    return [f"arms.{name}.faults[{i}] must be a mapping with 'fault' one of {list(FAULTS)}, got {spec!r}"
-            for i, spec in enumerate(arm.faults) if not isinstance(spec, dict) or spec.get("fault") not in FAULTS]
+    problems = []
+    for i, spec in enumerate(arm.faults):
+        if not isinstance(spec, dict) or spec.get("fault") not in FAULTS:
+            problems.append(f"arms.{name}.faults[{i}] must be a mapping with 'fault' one of {list(FAULTS)}, got {spec!r}")
+        elif spec["fault"] == "verifier_timeout" and spec.get("per", "input") not in VERIFIER_DRAWS:
+            problems.append(f"arms.{name}.faults[{i}].per must be one of {list(VERIFIER_DRAWS)}, got {spec['per']!r}")
+    return problems
 
 
 def dependency_order(arms: dict[str, Arm]) -> tuple[list[str], list[str]]:

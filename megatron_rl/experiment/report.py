@@ -68,8 +68,7 @@ def run_costs(path: Path) -> dict[str, float]:
     per_step = cfg["run"]["prompts_per_step"] * cfg["run"]["group_size"]
 
     def mean(key):
-        vals = [r[key] for r in rows if key in r and r[key] is not None and math.isfinite(r[key])]
-        return float(np.mean(vals)) if vals else float("nan")
+        return finite_mean(rows, key)
 
     # system/generated_tokens: what the step generated, dynamic sampling's discarded groups included
     # (older runs' metrics lack it: their mean response length times the samples per step)
@@ -83,15 +82,17 @@ def run_costs(path: Path) -> dict[str, float]:
                                       if isinstance(r.get("system/esr"), (int, float)) and math.isfinite(r["system/esr"])),
             "learned_tokens": sum(r["system/learned_tokens_per_s"] * r.get("system/time_learn_s", 0.0) for r in rows
                                   if "system/learned_tokens_per_s" in r),
-            "kl_last10": last_mean(rows, "learn/kl_ref_estimate"), "kl_coef_last10": last_mean(rows, "learn/kl_coef"),
-            "response_length_first10": last_mean(rows[::-1], "learn/response_length"),
-            "response_length_last10": last_mean(rows, "learn/response_length")}
+            "kl_last10": finite_mean(rows, "learn/kl_ref_estimate", last=10),
+            "kl_coef_last10": finite_mean(rows, "learn/kl_coef", last=10),
+            "response_length_first10": finite_mean(rows[::-1], "learn/response_length", last=10),
+            "response_length_last10": finite_mean(rows, "learn/response_length", last=10)}
 
 
-def last_mean(rows: list[dict], key: str, n: int = 10) -> float:
-    """The mean of `key` over the last `n` rows that hold a finite value of it (NaN when none does): where a
-    run ended up (the KL to the reference, β, the response length), not its average over the way there."""
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])][-n:]
+def finite_mean(rows: list[dict], key: str, last: int | None = None) -> float:
+    """The mean of `key` over the rows that hold a finite value of it, or over the `last` of them (where a run
+    ended up: the KL to the reference, β, the response length); NaN when none does."""
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    vals = vals[-last:] if last else vals
     return float(np.mean(vals)) if vals else float("nan")
 
 
@@ -179,7 +180,7 @@ def _cost_and_failures(report: dict) -> list[str]:
     for arm, e in report["arms"].items():
         c = e["costs"]
         lines.append(f"| {arm} | {c['cpu_hours']:.3f} | {c['generated_tokens']:.0f} | "
-                     f"{c.get('informative_tokens', float('nan')):.0f} | {c.get('learned_tokens', float('nan')):.0f} |")
+                     f"{c['informative_tokens']:.0f} | {c['learned_tokens']:.0f} |")
     lines += ["", f"## Failure samples (seed {report['seeds'][0]}: wrong hidden-test answers, up to 3 per arm)", ""]
     for arm, e in report["arms"].items():
         shown = "; ".join(f"`{f['id']}` answer {f['answer']!r}, response {f['response']!r}" for f in e["failures"])
@@ -188,7 +189,7 @@ def _cost_and_failures(report: dict) -> list[str]:
               "- CPU-hours are estimated: wall time x the machine's CPU count, not measured per process.",
               "- Informative tokens are each step's generated tokens x its ESR; learned tokens each step's learned "
               "tokens per second x its learn time.",
-              *(f"- Not run: {item}" for item in report.get("not_run", []))]
+              *(f"- Not run: {item}" for item in report["not_run"])]
     return lines
 
 

@@ -59,10 +59,10 @@ class KLController:
     def load_state_dict(self, state: dict | None) -> None:
         """Continue from a checkpoint's β.  A checkpoint without one (written before the controller existed, or
         by a fixed run) leaves β at loss.kl_coef; a fixed run ignores what an adaptive one had reached."""
-        if not self.adaptive or not state or state.get("control") != "adaptive":
-            if self.adaptive:
-                logger.info("KL controller: the checkpoint holds no adaptive β; starting from loss.kl_coef %g",
-                            self.coef)
+        if not self.adaptive:
+            return
+        if not state or state.get("control") != "adaptive":
+            logger.info("KL controller: the checkpoint holds no adaptive β; starting from loss.kl_coef %g", self.coef)
             return
         coef = float(state["coef"])
         if not (coef > 0 and math.isfinite(coef)):

@@ -82,3 +82,8 @@ def test_a_faulted_run_is_refused_inside_the_runners_process(tmp_path):
     run = plan_run(_experiment(tmp_path), "faulty", 0)
     with pytest.raises(ValueError, match="injects faults and must run as its own process"):
         launch_in_process(run, tmp_path / "log")
+
+
+def test_a_bad_draw_of_the_verifier_timeout_is_named_before_any_run(tmp_path):
+    with pytest.raises(ConfigError, match=r"arms\.faulty\.faults\[0\]\.per must be one of \['input', 'call'\]"):
+        _experiment(tmp_path, faults=[{"fault": "verifier_timeout", "fraction": 0.1, "per": "sometimes"}])
