@@ -10,8 +10,11 @@ tokens, on the same engine settings (one engine-core process with its worker ins
 --capacity):
 - round: what RolloutWorker.generate does today, one vllm LLM.generate over a round of
   --capacity / --group prompt groups, round after round; each round waits for its longest sample.
-- stream: a StreamEngine (vLLM's AsyncLLM) with at most --capacity requests in flight, a new one
-  submitted as soon as one finishes.
+- stream: a StreamEngine (vLLM's AsyncLLM) with at most --capacity + --backlog requests submitted, a
+  new one as soon as one finishes.  The backlog (default: one prompt group) waits in vLLM's own queue,
+  so a slot that frees is filled by the scheduler at its next step, not after a round trip through
+  this process; vLLM still runs at most --capacity (max_num_seqs) at once.  --backlog 0: the engine
+  holds only what runs.
 Each arm runs in a process of its own (a fresh engine, warmed up before the clock starts; the process
 ends with os._exit, so no zmq context of vLLM is finalized).  Occupancy is the time-weighted mean of
 the engine's running requests over --capacity, sampled at every engine step (vLLM's scheduler stats;
@@ -96,7 +99,7 @@ async def run_stream(args, reqs: list[dict]) -> dict:
     occupancy = Occupancy(stream.engine)
     await asyncio.gather(*(stream.generate(f"warm-{i}", r["prompt"], sampling(r))
                            for i, r in enumerate(warmup(args, reqs))))
-    slots = asyncio.Semaphore(args.capacity)
+    slots = asyncio.Semaphore(args.capacity + args.backlog)
 
     async def one(i: int, req: dict) -> int:
         try:
@@ -170,6 +173,8 @@ def parse(argv=None):
     ap.add_argument("--requests", type=int, default=192, help="samples in all (a multiple of --group)")
     ap.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
     ap.add_argument("--capacity", type=int, default=16, help="requests in flight: round size and max_num_seqs")
+    ap.add_argument("--backlog", type=int, default=None,
+                    help="stream arm: requests waiting in vLLM's queue beyond --capacity (default --group)")
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--long", type=int, default=256)
     ap.add_argument("--long-share", type=float, default=0.15)
@@ -180,6 +185,9 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     if args.requests % args.group or args.capacity % args.group:
         ap.error("--requests and --capacity must be multiples of --group (whole prompt groups)")
+    args.backlog = args.group if args.backlog is None else args.backlog
+    if args.backlog < 0:
+        ap.error(f"--backlog must be >= 0, got {args.backlog}")
     return args
 
 
@@ -195,7 +203,7 @@ def main() -> None:
         arms = {arm: run_arm(args, arm) for arm in ("round", "stream")}
     assert arms["round"]["tokens"] == arms["stream"]["tokens"], arms
     lengths = [r["max_tokens"] for r in workload(args)]
-    print(json.dumps({"requests": args.requests, "group": args.group, "capacity": args.capacity,
+    print(json.dumps({"requests": args.requests, "group": args.group, "capacity": args.capacity, "backlog": args.backlog,
                       "long_share_actual": sum(n == args.long for n in lengths) / len(lengths),
                       **{f"{arm}_{k}": round(v, 4) for arm, res in arms.items() for k, v in res.items()},
                       "ratio": round(arms["stream"]["tok_s"] / arms["round"]["tok_s"], 3)}))

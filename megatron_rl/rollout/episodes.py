@@ -112,12 +112,11 @@ class EpisodePlayer:
                 if result.finish_reason == "abort":
                     raise RuntimeError("this rollout group holds no complete policy version (a failed load could "
                                        "not be rolled back; its requests in flight were aborted): sent again")
-                # weights_of may wait for a refit check's verdict, which needs this loop running: off the loop
-                weights.update(await loop.run_in_executor(pool, weights_of, result))
                 offset = len(ep.response_tokens)
                 versions = [g.version for g in result.segments for _ in range(g.end - g.start)]
-                await loop.run_in_executor(pool, runner.assistant_turn, ep, result.response_tokens,
-                                           result.logprobs, versions)
+                # Off the loop, in one hop: weights_of may wait for a refit check's verdict (which needs this
+                # loop running), and the turn's environment step may take as long as its tool does.
+                weights.update(await loop.run_in_executor(pool, _after_turn, weights_of, runner, ep, result, versions))
                 segments += [[offset + g.start, offset + g.end, g.version, g.kv_version] for g in result.segments]
                 if len(ep.response_tokens) > segments[-1][1]:  # the observation appended after this turn
                     segments.append([segments[-1][1], len(ep.response_tokens), *segments[-1][2:]])
@@ -153,6 +152,13 @@ def episode_score(episode: dict):
     reward = float(episode["reward"])
     return Score(reward=reward, correctness=reward, format=float(episode["terminal_reason"] == "done"), overlong=None,
                  error=None, grader_version=grader, components={"env": reward})
+
+
+def _after_turn(weights_of: Callable[[Any], dict], runner: EpisodeRunner, ep: Episode, result, versions: list[int]) -> dict:
+    """A finished turn's weights (their manifest digests), then its tokens and the environment's step."""
+    weights = weights_of(result)
+    runner.assistant_turn(ep, result.response_tokens, result.logprobs, versions)
+    return weights
 
 
 def _joined(segments: list[list[int]]) -> list[list[int]]:

@@ -45,7 +45,7 @@ from typing import Any, Awaitable, Callable
 from megatron_rl.drill.hooks import drill_spec, maybe_kill_engine_in_refit, record_injection
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
-from megatron_rl.rollout.occupancy import Occupancy
+from megatron_rl.rollout.occupancy import Occupancy, RunningFeed
 from megatron_rl.rollout.requests import SAMPLING_KEYS
 
 log = logging.getLogger(__name__)
@@ -117,10 +117,10 @@ class _Flight:
 class StreamEngine:
     """One AsyncLLM: `generate` streams requests, `refit` swaps weights between two steps."""
 
-    def __init__(self, engine, version: int = 0, label: str | None = None):
+    def __init__(self, engine, version: int = 0, label: str | None = None, feed: RunningFeed | None = None):
         """`engine`: a started vllm AsyncLLM serving policy `version` (StreamEngine.start builds one);
         `label`: what vLLM stamps on the tokens these weights sample ("<version>" unless given; its part
-        before the first ":" is the version)."""
+        before the first ":" is the version); `feed`: the engine's scheduler counts, for the occupancy."""
         self.engine = engine
         self.version = int(version)
         self.label = label if label is not None else str(int(version))
@@ -131,7 +131,9 @@ class StreamEngine:
         self._labelled = False
         self._broken: RuntimeError | None = None  # StaleCacheError: serve nothing more; BrokenWeights: until a refit
         self.occupancy = Occupancy(_capacity(engine))
-        """Requests in flight over time against the engine's max_num_seqs (rollout/occupancy.py)."""
+        """Running requests over time against the engine's max_num_seqs (rollout/occupancy.py)."""
+        if feed is not None:
+            feed.attach(self.occupancy)
 
     @classmethod
     def start(cls, cfg: RolloutConfig, version: int = 0, label: str | None = None) -> "StreamEngine":
@@ -153,9 +155,10 @@ class StreamEngine:
             kwargs["enable_chunked_prefill"] = False
         kwargs.update(cfg.engine_options)
         started = time.perf_counter()
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        feed = RunningFeed()
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[feed.factory()])
         log.info("vLLM async engine for %s up in %.1f s", cfg.model, time.perf_counter() - started)
-        return cls(engine, version, label)
+        return cls(engine, version, label, feed)
 
     def in_flight(self) -> dict[str, int]:
         """Request id -> response tokens received so far, for every request not finished."""
@@ -240,6 +243,7 @@ class StreamEngine:
         paused = time.perf_counter()
         # "wait": requests in flight run to their end first (admissions wait on _serving meanwhile).
         await self.engine.pause_generation(mode="wait" if mode == "wait" else "keep", clear_cache=False)
+        self.occupancy.paused()
         maybe_kill_engine_in_refit(version, len(self._flights))  # drill hook (refit_engine_death); else a no-op
         loading = time.perf_counter()
         try:

@@ -23,6 +23,7 @@ import sys
 import traceback
 
 PROMPT_LEN, MAX_TOKENS, PAUSE_AFTER, BLOCK = 40, 64, 8, 32
+PAUSE_S = 0.5  # how long the occupancy scenario's refit keeps the engine paused
 EPISODES_AT_ONCE = 24  # more than the 16 threads EpisodePlayer once shared between all its episodes
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
 
@@ -182,6 +183,27 @@ async def failed_load(rig: Rig) -> dict:
             "results": [as_json(r) for r in results]}
 
 
+async def occupancy(rig: Rig) -> dict:
+    """The engine's occupancy over three windows: requests generating, a refit's pause (the load waits
+    PAUSE_S with the requests kept), and the rest of the requests after it."""
+    stream, windows = rig.stream, {}
+    v0, (_, _, load) = stream.version, rig.swap()
+
+    async def slow_load():
+        windows["generating"] = stream.occupancy.take()
+        await asyncio.sleep(PAUSE_S)
+        windows["paused"] = stream.occupancy.take()
+        await load()
+
+    stream.occupancy.take()  # a new window
+    ps = prompts(12)
+    await in_flight_refit(stream, [f"occ-{i}" for i in range(len(ps))], ps,
+                          lambda: stream.refit(slow_load, v0 + 1, "recompute"))
+    windows["after"] = stream.occupancy.take()
+    return {"source": stream.occupancy.source, "capacity": stream.occupancy.capacity, "requests": len(ps),
+            "windows": windows}
+
+
 async def groups_in_completion_order(rig: Rig) -> dict:
     """groups_as_completed on the engine: group 0 has one long sample, the later groups are short."""
     from megatron_rl.rollout.stream_groups import groups_as_completed
@@ -300,6 +322,7 @@ SCENARIOS = {  # in the order the tests are written: each swaps A and B
     "salted": salted,
     "silent_reset": silent_reset,
     "failed_load": failed_load,
+    "occupancy": occupancy,
     "groups": groups_in_completion_order,
     "episode": episode_across_refit,
     "episodes_at_once": episodes_step_at_once,

@@ -31,7 +31,7 @@ import torch
 
 from megatron_rl.models.tiny import make_tiny_model
 from megatron_rl.rollout.stream_engine import Segment
-from tests.e2e.stream_refit_scenarios import BLOCK, EPISODES_AT_ONCE, MAX_TOKENS
+from tests.e2e.stream_refit_scenarios import BLOCK, EPISODES_AT_ONCE, MAX_TOKENS, PAUSE_S
 from tests.reference import fresh_logprobs, stale_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -192,6 +192,18 @@ def test_a_failed_load_resumes_on_the_old_weights(rig):
 
 
 # ---- streaming rollouts: prompt groups as they complete ---------------------------------------------
+
+def test_occupancy_counts_what_vllms_scheduler_ran(rig):
+    """StreamEngine's occupancy comes from vLLM's scheduler step by step: requests kept through a refit's
+    pause run nothing there (an admitted-request count would read them as running: an upper bound)."""
+    got = scenario(rig, "occupancy")
+    windows, full = got["windows"], got["requests"] / got["capacity"]
+    assert got["source"] == "scheduler", got
+    assert windows["paused"]["seconds"] >= PAUSE_S * 0.9, windows
+    assert windows["paused"]["occupancy"] == 0.0 and windows["paused"]["idle_fraction"] == 1.0, windows
+    for name in ("generating", "after"):  # the requests ran, never more than there were
+        assert 0.0 < windows[name]["occupancy"] <= full + 1e-9, (name, windows)
+
 
 def test_groups_arrive_in_completion_order(rig):
     """groups_as_completed on the engine: a group with one long sample, submitted first, comes last."""

@@ -67,3 +67,39 @@ def test_engine_and_learner_idle_fractions_reach_the_step_metrics():
     assert out["system/learner_idle_fraction"] == pytest.approx(0.75)
     assert out["system/engine_occupancy"] == 0.7 and out["system/engine_idle_fraction"] == 0.1
     assert "system/unrelated" not in out
+
+
+def test_a_scheduler_fed_occupancy_counts_what_ran_not_what_was_admitted():
+    """Fed by vLLM's stat logger (RunningFeed), admissions no longer count; a refit's pause reads 0."""
+    from types import SimpleNamespace
+
+    from megatron_rl.rollout.occupancy import RunningFeed
+
+    clock = Clock()
+    occ = Occupancy(capacity=4, clock=clock)
+    feed = RunningFeed()
+    logger = feed.factory()(vllm_config=None, engine_index=0)
+    logger.record(SimpleNamespace(num_running_reqs=4), None)  # before attach: dropped
+    feed.attach(occ)
+    occ.change(4)                                  # 4 admitted (StreamEngine.generate): not what runs
+    logger.record(SimpleNamespace(num_running_reqs=2), None)
+    clock.now += 1.0                               # 1 s at 2 of 4
+    logger.record(None, None)                      # a record without scheduler stats changes nothing
+    occ.paused()
+    clock.now += 1.0                               # 1 s paused: nothing runs
+    logger.record(SimpleNamespace(num_running_reqs=4), None)
+    clock.now += 2.0                               # 2 s full
+    got = occ.take()
+    assert occ.source == "scheduler"
+    assert got["occupancy"] == pytest.approx((2 * 1 + 4 * 2) / (4 * 4.0))
+    assert got["idle_fraction"] == pytest.approx(1.0 / 4.0)
+
+
+def test_an_occupancy_without_a_feed_counts_admitted_requests_and_ignores_pauses():
+    clock = Clock()
+    occ = Occupancy(capacity=2, clock=clock)
+    occ.change(2)
+    occ.paused()                                   # the admitted requests are still in flight
+    occ.change(0, source="scheduler")              # not this occupancy's source
+    clock.now += 1.0
+    assert occ.take()["occupancy"] == pytest.approx(1.0)
