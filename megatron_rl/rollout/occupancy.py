@@ -13,7 +13,7 @@ idle_fraction   share of the window with nothing running at all (the engine had 
 
 Two sources, one per Occupancy.  Fed by a RunningFeed (what StreamEngine.start builds), "running" is vLLM's
 scheduler's count after each engine step (SchedulerStats.num_running_reqs, finished requests removed), held
-until the next step; an engine paused for a refit runs nothing (`paused`).  Without a feed (an engine built
+until the next step; a paused engine (a refit, a roll-back, an adapter session) runs nothing (`paused`).  Without a feed (an engine built
 elsewhere), "running" is the requests in flight from admission to last token, which counts requests vLLM
 keeps waiting (KV blocks short, or paused): an upper bound.  The window is the time between two `take`
 calls (the driver asks once per learner step).
@@ -49,7 +49,7 @@ class Occupancy:
             self._n = int(in_flight)
 
     def paused(self) -> None:
-        """The engine was paused (a refit): a scheduler-fed figure reads 0 until vLLM steps again."""
+        """The engine was paused: a scheduler-fed figure reads 0 until vLLM steps again."""
         self.change(0, source="scheduler")
 
     def take(self) -> dict[str, float]:

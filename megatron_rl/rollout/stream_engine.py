@@ -40,6 +40,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 from megatron_rl.drill.hooks import drill_spec, maybe_kill_engine_in_refit, record_injection
@@ -241,9 +242,7 @@ class StreamEngine:
     async def _refit_paused(self, load: Callable[[], Awaitable[Any]], version: int, mode: str,
                             label: str) -> RefitRecord:
         paused = time.perf_counter()
-        # "wait": requests in flight run to their end first (admissions wait on _serving meanwhile).
-        await self.engine.pause_generation(mode="wait" if mode == "wait" else "keep", clear_cache=False)
-        self.occupancy.paused()
+        await self._pause("wait" if mode == "wait" else "keep")  # "wait": requests in flight end first
         maybe_kill_engine_in_refit(version, len(self._flights))  # drill hook (refit_engine_death); else a no-op
         loading = time.perf_counter()
         try:
@@ -268,6 +267,11 @@ class StreamEngine:
         await self.engine.resume_generation()
         return RefitRecord(version, mode, len(kept), reset, load_s, time.perf_counter() - paused)
 
+    async def _pause(self, mode: str = "keep") -> None:
+        """Pause generation (module docstring); a scheduler-fed occupancy reads 0 until vLLM steps again."""
+        await self.engine.pause_generation(mode=mode, clear_cache=False)
+        self.occupancy.paused()
+
     async def _resume_if_alive(self) -> None:
         """Resume generation; an engine that died while paused cannot, and the error of what ran says why."""
         if self.engine.errored:
@@ -281,7 +285,7 @@ class StreamEngine:
         a LoRA run's engine closes a weight update session so (vLLM empties its adapter cache then, and the
         adapters of requests in flight must be back before the next step)."""
         async with self._refit_lock:
-            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            await self._pause()
             try:
                 return await call()
             finally:
@@ -321,7 +325,7 @@ class StreamEngine:
             self._serving.clear()
             try:
                 paused = time.perf_counter()
-                await self.engine.pause_generation(mode="keep", clear_cache=False)
+                await self._pause()
                 try:
                     await reload()
                 finally:
@@ -369,8 +373,6 @@ def _capacity(engine) -> int:
 
 def _whole(label: str, num_tokens: int) -> list:
     """One span of `label` over a response (a LoRA request's: sampled under one adapter throughout)."""
-    from types import SimpleNamespace
-
     return [SimpleNamespace(version=label, start=0, end=num_tokens)] if num_tokens else []
 
 
