@@ -107,6 +107,7 @@ class GlooTransport(Transport):
 
         from megatron_rl.publish.wire import host_store, open_group
 
+        self.close()  # a second connect replaces the group: the last one goes first
         # Listening before the workers are told the port: nothing can take it in between.
         store = host_store(self.host, world, self.timeout_s, port=self.port or 0)
         info = dict(master_address=self.host, master_port=store.port, world_size=world, timeout_s=self.timeout_s)
@@ -132,12 +133,21 @@ class GlooTransport(Transport):
                                         checksum_algo=self.checksum_algo, fault_hook=fault_hook)
         except RuntimeError as err:  # gloo timed out or lost a peer; a source error also lands here
             failure = err
-            self.group = None  # a failed collective leaves the group unusable: connect() again
+            self._drop_group()  # a failed collective leaves the group unusable: connect() again
             log.warning("publication of version %d broke off: %s", version, str(err).strip().splitlines()[-1])
         results = group_answers(refs, version, self.timeout_s)
         if failure is not None and not any(r.get("unresponsive") or r.get("broken_off") for r in results):
             raise failure  # no link broke: the trainer's side failed (e.g. its source raised)
         return manifest, results
+
+    def close(self) -> None:
+        """The group's threads, its sockets and the store's listening port go with it (release_gloo_group)."""
+        self._drop_group()
+        super().close()
+
+    def _drop_group(self) -> None:
+        group, self.group = self.group, None
+        release_gloo_group(group)
 
 
 class NcclTransport(Transport):
@@ -156,6 +166,7 @@ class NcclTransport(Transport):
 
         from megatron_rl.platform.spawn import free_port
 
+        self.close()  # a second connect replaces the communicator: the last one goes first
         # vLLM's fields; the worker decodes chunks as we encode them.
         info = dict(master_address=self.host, master_port=self.port or free_port(self.host), world_size=world,
                     packed=True, packed_buffer_size_bytes=self.bucket_bytes, packed_num_buffers=NCCL_BUFFERS)
@@ -167,9 +178,8 @@ class NcclTransport(Transport):
 
     def close(self) -> None:
         """An NCCL communicator holds device memory and a socket per peer until destroyed."""
-        if self.group is not None:
-            self.group.destroy()
-            self.group = None
+        group, self.group = self.group, None
+        destroy_communicator(group)
         super().close()
 
     def _send(self, version: int, tensors, fault_hook) -> tuple[PublicationManifest, Results]:
@@ -261,6 +271,45 @@ class IpcTransport(Transport):
         if self.replicas is not None:
             self.replicas.staging.release()
         super().close()
+
+
+def release_gloo_group(group) -> None:
+    """Free a publication gloo group (wire.open_group; the trainer's and each engine worker's side).
+
+    Nothing in torch.distributed destroys such a group explicitly: it is not registered there
+    (destroy_process_group refuses it), and in torch 2.13 a gloo backend's shutdown() does nothing.
+    Its destructor joins its threads and closes its sockets and its store (on rank 0, the listening
+    port) when the last reference to it goes.  So this calls shutdown() (the backend API for a clean
+    end, should a torch implement it for gloo), and the caller must drop its reference -- its last
+    one: wire.py keeps none, and a group held elsewhere stays alive.  None is accepted (no group)."""
+    if group is None:
+        return
+    try:
+        group.shutdown()
+    except Exception as err:  # noqa: BLE001 -- a group a failed collective broke: its destructor still frees it
+        log.debug("gloo group shutdown: %s", err)
+
+
+def destroy_communicator(comm) -> None:
+    """Free an NCCL communicator from vLLM (a PyNcclCommunicator; the trainer's and each engine
+    worker's side).  None is accepted (no communicator).
+
+    destroy() aborts it (ncclCommAbort: its device memory and its connection to every peer; vLLM
+    waits at most 5 s for the abort).  The communicator still holds its StatelessProcessGroup
+    after that, whose TCPStore (listening on the trainer's side) has no close(): the reference is
+    dropped here, and the store's sockets close with its last reference.  A communicator without
+    destroy() (not vLLM 0.32's) cannot be freed from Python: its resources stay until the process
+    exits, and a warning says so."""
+    if comm is None:
+        return
+    destroy = getattr(comm, "destroy", None)
+    if callable(destroy):
+        destroy()
+    else:
+        log.warning("%s has no destroy(): its NCCL resources stay allocated until this process exits",
+                    type(comm).__name__)
+    if getattr(comm, "group", None) is not None:
+        comm.group = None
 
 
 def group_answers(refs: list, version: int, timeout_s: float) -> Results:

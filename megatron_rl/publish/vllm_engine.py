@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from megatron_rl.publish.manifest import dtype_name
-from megatron_rl.publish.transports import GlooTransport, IpcTransport, NcclTransport
+from megatron_rl.publish.transports import GlooTransport, IpcTransport, NcclTransport, release_gloo_group
 from megatron_rl.publish.vllm_reload import checkpoint_tensors, reload_weights
 from megatron_rl.publish.wire import ReceivedPublication, StagingBuffers, open_group, receive_publication
 
@@ -284,6 +284,8 @@ class GlooWeightTransferEngine(VerifiedCommit, _engine_base()):
         self.staging = StagingBuffers()  # reused by every publication; emptied into the model at finish
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        """Join the trainer's group; a group joined before (a regroup, a restarted trainer) goes first."""
+        self._leave_group()
         pc = self.parallel_config
         self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         log.info("joining publication group at %s:%d as rank %d of %d",
@@ -305,9 +307,13 @@ class GlooWeightTransferEngine(VerifiedCommit, _engine_base()):
         self._stage(receive_publication(self.group, self.staging), update_info.version)
 
     def shutdown(self) -> None:
-        self.group = None
+        self._leave_group()
         self.staged = None
         self.staging = StagingBuffers()
+
+    def _leave_group(self) -> None:
+        group, self.group = self.group, None
+        release_gloo_group(group)
 
 
 class PublicationWorkerExtension:

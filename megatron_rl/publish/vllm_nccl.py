@@ -20,6 +20,11 @@ on the gloo path (VerifiedCommit).  The received chunks stay alive until finish:
 worker -- each TP rank -- holds the whole unsharded model once more in GPU memory during a
 publication, outside vLLM's gpu_memory_utilization budget; leave room for it.
 
+vLLM's init_transfer_engine assigns a new communicator over the old one without destroying it,
+and a communicator is not freed when dropped (its NCCL state lives outside Python): a regroup,
+a restarted trainer or a pooled run would leak one per init.  So the last one is destroyed first,
+and at shutdown (transports.destroy_communicator).
+
 Not run in CI (no GPU there); tests/gpu/test_gpu_publish_nccl.py checks it on two GPUs.
 """
 
@@ -32,6 +37,7 @@ import torch
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
 
+from megatron_rl.publish.transports import destroy_communicator
 from megatron_rl.publish.vllm_engine import VerifiedCommit
 
 log = logging.getLogger(__name__)
@@ -56,6 +62,7 @@ class CheckedNCCLWeightTransferEngine(VerifiedCommit, NCCLWeightTransferEngine):
         self.received: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
 
     def init_transfer_engine(self, init_info) -> None:
+        self._destroy_group()  # a group joined before: vLLM's init would drop it undestroyed
         super().init_transfer_engine(init_info)
         pc = self.parallel_config
         self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
@@ -92,4 +99,9 @@ class CheckedNCCLWeightTransferEngine(VerifiedCommit, NCCLWeightTransferEngine):
 
     def shutdown(self) -> None:
         self.staged, self.received = None, None
+        self._destroy_group()  # vLLM 0.32's shutdown does it too; this does not rely on that
         super().shutdown()
+
+    def _destroy_group(self) -> None:
+        comm, self.model_update_group = self.model_update_group, None
+        destroy_communicator(comm)
