@@ -54,8 +54,29 @@ def weights_digest(ckpt_dir: Path) -> str:
 
 
 def machine() -> dict:
-    """What bit-identity across machines depends on: the torch build and the CPU kernels it picks."""
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    """What bit-identity across machines depends on: the torch build and the CPU kernels it picks, which
+    follow the instruction set and the vendor (an AMD and an Intel AVX512 machine differ in the last bits
+    of run A's loss)."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_vendor": cpu_vendor()}
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...), "" where /proc/cpuinfo does not say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+def recording_for(recorded: list[dict], here: dict) -> dict | None:
+    """The recording made on a machine like `here`: one with every key equal, else one recorded before
+    the vendor was part of a machine's description whose other keys are equal; None when there is none."""
+    exact = [r for r in recorded if r["machine"] == here]
+    legacy = [r for r in recorded if "cpu_vendor" not in r["machine"]
+              and r["machine"] == {k: v for k, v in here.items() if k != "cpu_vendor"}]
+    return (exact or legacy or [None])[0]
 
 
 def figures(run_dir: Path) -> dict:

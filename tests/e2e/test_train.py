@@ -116,8 +116,9 @@ def _weights(ckpt_dir):
 
 
 REFERENCE = Path(__file__).parent / "data" / "run_a_reference.json"
-"""One recording per machine kind (run_a_reference*.json): AVX2 here, and _avx512 recorded from a run of the
-commit before the redesign (a55d003^) on an AVX512 machine."""
+"""One recording per machine kind (run_a_reference*.json), each from a run of the commit before the redesign
+(a55d003^): AVX2, _avx512 (both recorded before the vendor was part of a machine's description) and
+_avx512_amd (an AuthenticAMD AVX512 machine, whose last bits differ from the _avx512 one's)."""
 
 
 def test_run_a_is_bit_identical_to_the_run_recorded_before_the_redesign(run_a):
@@ -126,10 +127,10 @@ def test_run_a_is_bit_identical_to_the_run_recorded_before_the_redesign(run_a):
     weights, recorded with the code before it (`python -m benchmarks.differential_run DIR --record`).
     Bit-identity holds for one torch build and CPU kernel set: on another, the recording is not
     comparable and the test says so instead of passing."""
-    from benchmarks.differential_run import compare, figures, machine
+    from benchmarks.differential_run import compare, figures, machine, recording_for
 
     recorded = [json.loads(p.read_text()) for p in sorted(REFERENCE.parent.glob(REFERENCE.stem + "*.json"))]
-    want = next((r for r in recorded if r["machine"] == machine()), None)
+    want = recording_for(recorded, machine())
     if want is None:
         pytest.skip(f"references recorded on {[r['machine'] for r in recorded]}, this machine is {machine()}: "
                     f"record one here with the code before the redesign")
@@ -194,6 +195,11 @@ def test_resume_is_exact(run_a, run_b):
     b, _, proc = run_b
     assert proc is not None, "run B did not stop at step 1 (test_lag_p95_stop_checkpoints_and_exits_with_its_code)"
     assert "resumed from" in proc.stderr and "step_000001" in proc.stderr  # the stop's checkpoint
+    # The refit check of the resumed version runs on the sampled rows the checkpoint kept, not on random tokens.
+    manifest = json.loads((b / "checkpoints" / "step_000001" / "COMMITTED").read_text())
+    rows = manifest["extra"]["refit_probe_rows"]
+    assert rows and all(len(r) == len(rows[0]) > 1 for r in rows), rows
+    assert "uniformly random tokens" not in proc.stderr
     rows_a = {r["step"]: r for r in read_jsonl(a / "metrics" / "metrics.jsonl") if "learn/loss" in r}
     rows_b = {r["step"]: r for r in read_jsonl(b / "metrics" / "metrics.jsonl") if "learn/loss" in r}
     assert sorted(rows_b) == [1, 2, 3, 4]  # steps continue after the resume; nothing recomputed from 1
