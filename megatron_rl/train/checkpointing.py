@@ -9,7 +9,8 @@
 
 A checkpoint holds the learner (weights, optimizer, scheduler, per-rank RNG; with learner.lora the adapters
 and their optimizer state, and the digest of the base they belong to), the KL penalty's β (its manifest's
-`kl_control`: the adaptive controller's state, grpo/kl_control.py), a probe batch and
+`kl_control`: the adaptive controller's state, grpo/kl_control.py), the refit check's probe rows (its
+`refit_probe_rows`: tokens the engines sampled, train/policy.py), a probe batch and
 its logprobs (the shadow forward on resume, train/restart.py), the coordinator's queue (its SQLite
 log: admission leases, sampler RNG), the data cursor, and the rollout rounds generated ahead of
 the learner; COMMITTED (sha256 of every file) is written last.  The queue snapshot is put back
@@ -95,6 +96,7 @@ class Checkpointer:
             if (ckpt / PENDING_ROUNDS).is_file() else []
         state = TrainState(step=int(manifest["step"]), version=int(manifest["policy_version"]), rounds=rounds)
         policy.kl.load_state_dict(manifest.get("extra", {}).get("kl_control"))  # the adaptive KL's β
+        policy.probe_rows = manifest.get("extra", {}).get("refit_probe_rows")  # sampled: the bf16 bound holds
         logger.info("resumed from %s: step %d, policy version %d", ckpt, state.step, state.version)
         policy.publish(state.version)
         coordinator.set_version(state.version)
@@ -141,7 +143,7 @@ class Checkpointer:
                                coordinator_log_position=coordinator.position(),
                                extra={"initial_test_eval": initial_eval, "package_version": __version__,
                                       "pending_rounds": [r.index for r in rounds],
-                                      "kl_control": policy.kl.state_dict()})
+                                      "kl_control": policy.kl.state_dict(), "refit_probe_rows": policy.probe_rows})
         finally:
             source.unpause()
 

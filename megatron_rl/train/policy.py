@@ -89,7 +89,8 @@ class Policy:
         self.digests: dict[str, str] = {}
         """Policy version -> digest of what this process published as it (quarantine)."""
         self.probe_rows: list[list[int]] | None = None
-        """The refit probe: sampled tokens of the last batch learned (train/probe.py)."""
+        """The refit probe: sampled tokens of the last batch learned (train/probe.py), or of the last one
+        before the checkpoint a run resumed from (train/checkpointing.py)."""
         self.kl = settings.loss.kl_controller()
         """β of the KL penalty for the next step: loss.kl_coef, or the adaptive controller's (checkpointed)."""
         self._serving_dtype: str | None = None
@@ -244,9 +245,10 @@ class Policy:
 
     def _expect_probe(self, version: int) -> None:
         """Give every rollout group the learner's logprobs of the probe for `version` (its refit
-        check, rollout/worker.py): tokens the engines sampled in the last batch learned (random ones
-        before any), scored raw -- temperature 1, no truncation, as the engine's teacher-forced
-        logprobs are -- so the check runs whatever the sampling transform."""
+        check, rollout/worker.py): tokens the engines sampled in the last batch learned (a resumed run:
+        the checkpoint's; uniformly random ones only in a run that learned none, whose bf16 tail tokens may
+        exceed the bound: rollout/refit_check.py), scored raw -- temperature 1, no truncation, as the
+        engine's teacher-forced logprobs are -- so the check runs whatever the sampling transform."""
         import torch
 
         from megatron_rl.train.restart import probe_tokens
@@ -257,6 +259,7 @@ class Policy:
         if self.probe_rows is not None:
             tokens_bt = torch.tensor(self.probe_rows, dtype=torch.long)
         else:
+            logger.warning("refit check of version %d on uniformly random tokens: no batch sampled yet", version)
             tokens_bt = probe_tokens(self.settings.probe_rows, self.settings.vocab_size, seed=1)
         logprobs_bt = self.learner.forward_logprobs(tokens_bt, None, True)  # [B, T-1], raw
         seqs, lps = tokens_bt[:4].tolist(), logprobs_bt[:4].tolist()  # 4 rows are plenty for the engine
