@@ -2,6 +2,10 @@
 
     reload_weights(model, model_config, checkpoint_tensors(model_dir))   # inside a vLLM worker
 
+After vLLM's layerwise reload, CPU MoE experts are re-prepared (publish/vllm_moe.py) and so is a
+tied LM head (`refresh_tied_heads`).  Tested by tests/e2e/test_moe_reload.py and, for the tied head,
+tests/e2e/test_publish_from_learner.py.
+
 Used by publish/vllm_engine.py (every publication and rollback of full weights) and by the streaming
 worker's reload of the version-0 checkpoint (rollout/stream_worker.py).
 """
@@ -25,10 +29,38 @@ def reload_weights(model: torch.nn.Module, model_config, tensors) -> None:
         model.load_weights(tensors)
     finalize_layerwise_reload(model, model_config)
     rearm_moe_kernels(model)
+    refresh_tied_heads(model)
     if torch.cuda.is_available():
         # The staged tensors may live on other streams (NCCL path): finish every copy out of
         # them before they are freed and their memory reused.
         torch.cuda.synchronize()
+
+
+def refresh_tied_heads(model: torch.nn.Module) -> int:
+    """Re-prepare every unquantized LM head whose weight is an embedding's (tied embeddings,
+    e.g. Qwen2.5-1.5B), and that embedding, from the weight the reload just wrote; returns how many
+    layers.
+
+    The layerwise reload processes a layer when its own tensors arrive.  A tied head gets none (the
+    checkpoint and every publication hold only `model.embed_tokens.weight`): vLLM puts its
+    parameter back, which the embedding's reload has overwritten in place, but not what its
+    `process_weights_after_loading` derived from it at start-up.  On CPU that is a prepacked
+    oneDNN (or AMX) copy of the weight behind `cpu_linear`, so without this the engine embeds
+    tokens with the new weights and computes logits with the start-up ones (vLLM 0.32; measured
+    3.8 nats off after a reload).  On GPU the head reads its weight directly and this is a no-op."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            holders.setdefault(id(weight), []).append(module)
+    # Every holder of a shared weight, the embedding too (whichever of them the reload loaded).
+    tied = [m for group in holders.values() if len(group) > 1 for m in group
+            if isinstance(getattr(m, "quant_method", None), UnquantizedEmbeddingMethod)]
+    for module in tied:
+        module.quant_method.process_weights_after_loading(module)
+    return len(tied)
 
 
 def checkpoint_tensors(model_dir: str):

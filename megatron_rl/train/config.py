@@ -57,6 +57,9 @@ class TinyModelSpec:
     """Size preset of `megatron-rl make-tiny-model`."""
     seed: int = 0
     """Seed of its random initialisation."""
+    tie_embeddings: bool = False
+    """Share the input embedding and the LM head (HF `tie_word_embeddings`, no `lm_head.weight`
+    in the checkpoint; Megatron `share_embeddings_and_output_weights`), as Qwen2.5-1.5B and Qwen3-0.6B."""
 
 
 @dataclass(kw_only=True)
@@ -128,7 +131,8 @@ class RunConfig:
     """Refit check after each publication: a rollout group whose freshly loaded weights give logprobs
     on the probe (tokens the engines sampled) that differ from the learner's by more than this (median
     |Δ| over its tokens) rolls that version back, and the version is published once more. "auto": the
-    bound of the serving dtype (0.05 float32, 0.25 bfloat16: rollout/refit_check.py); None: no check."""
+    bound of the serving dtype and the model's depth (0.05 float32; bfloat16 0.08 per layer, measured:
+    rollout/refit_check.py); None: no check."""
     canary_lr_scale: float = 1.0
     """Learning-rate scale of the first step after a restart (the canary; its loss and grad norm must
     be finite).  1.0 keeps a resumed run bit-identical to an uninterrupted one; e.g. 0.1 eases back in."""

@@ -33,7 +33,7 @@ def model_config(cfg: TrainConfig):
     from megatron_rl.models.tiny import build_config
 
     spec = cfg.model.tiny
-    return load_hf_config(build_config(spec.arch, spec.size).to_dict())
+    return load_hf_config(build_config(spec.arch, spec.size, tie_embeddings=spec.tie_embeddings).to_dict())
 
 
 def run_tokenizer(cfg: TrainConfig):

@@ -38,7 +38,7 @@ def prepare_model(model: ModelConfig, run_dir: Path) -> Path:
     path = run_dir / "model"
     if not (path / "config.json").is_file():
         spec = model.tiny
-        make_tiny_model(path, arch=spec.arch, size=spec.size, seed=spec.seed)
+        make_tiny_model(path, arch=spec.arch, size=spec.size, seed=spec.seed, tie_embeddings=spec.tie_embeddings)
     return path
 
 

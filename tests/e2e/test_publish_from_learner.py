@@ -3,11 +3,21 @@
 The TP=2 group is exercised with Llama-3.x (rope scaling, which is a Llama otherwise: the Llama
 mapping and TP gather, so one run covers both the plain Llama publication and the rope-scaled config);
 the TP=1 group with Qwen3 (q/k norm with its own head_dim) and Qwen3-MoE, whose TP2 learner runs
-sequence parallel and splits each expert over the two ranks.  The same two-step GRPO run trains each
-tiny model end to end on CPU and publishes it.  Qwen3-MoE (8 experts, top-2) trains three steps on an
-expert-parallel learner (DP2, EP2: each rank holds 4 of each layer's experts, gathered over the EP
-group for publication) into vLLM's CPU MoE, whose refit must re-prepare the experts
-(publish/vllm_engine.disarm_moe_kernels): every version is accepted and served.
+sequence parallel and splits each expert over the two ranks.  The Qwen3 model ties its embeddings
+(as Qwen3-0.6B and Qwen2.5-1.5B): the learner's output layer is its embedding
+(share_embeddings_and_output_weights), the publication carries `model.embed_tokens.weight` and no
+`lm_head.weight`, and vLLM's LM head is the embedding it reloads.  Step 1's update changes that
+weight, so an engine whose head still held the start-up weights would miss the learner at step 2:
+without publish/vllm_reload.refresh_tied_heads (vLLM's CPU head keeps a prepacked copy) D_lag p99
+was 0.056, 560 times the bound, while the refit check's median still let it through.  A publication
+that skipped the shared tensor or added an `lm_head.weight` is refused by the completeness check,
+and the run fails; one that put another tensor there fails D_lag the same way.
+
+The same two-step GRPO run trains each tiny model end to end on CPU and publishes it.  Qwen3-MoE
+(8 experts, top-2) trains three steps on an expert-parallel learner (DP2, EP2: each rank holds 4
+of each layer's experts, gathered over the EP group for publication) into vLLM's CPU MoE, whose
+refit must re-prepare the experts (publish/vllm_engine.disarm_moe_kernels): every version is
+accepted and served.
 
     python -m pytest tests/e2e/test_publish_from_learner.py -q
 
@@ -25,20 +35,25 @@ import json
 import math
 
 import pytest
+from safetensors import safe_open
 
 from tests.e2e.conftest import TINY, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("arch,rollout_tp", [("llama3", 2), ("qwen3", 1), ("qwen3_moe", 1)])
-def test_tp2_learner_publishes_to_rollout_group(tmp_path, arch, rollout_tp):
+@pytest.mark.parametrize("arch,rollout_tp,tied", [("llama3", 2, False), ("qwen3", 1, True), ("qwen3_moe", 1, False)])
+def test_tp2_learner_publishes_to_rollout_group(tmp_path, arch, rollout_tp, tied):
     run_cli("train", "--config", str(TINY), f"run.dir={tmp_path}", "run.steps=2", "run.eval_every=0",
             "run.checkpoint_every=0", "learner.tensor_parallel_size=2",
             f"rollout.tensor_parallel_size={rollout_tp}", f"model.tiny.arch={arch}",
+            f"model.tiny.tie_embeddings={'true' if tied else 'false'}",
             # a TP2 group's two workers are vLLM processes of their own
             f"rollout.engine_in_process={'true' if rollout_tp == 1 else 'false'}")
     config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is tied
+    with safe_open(str(tmp_path / "model" / "model.safetensors"), framework="pt") as f:
+        assert ("lm_head.weight" in f.keys()) is not tied  # tied: the embedding is the only output layer
     assert config["architectures"] == [{"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(
         arch, "LlamaForCausalLM")]
     assert (config.get("rope_parameters") or {}).get("rope_type", "default") == ("llama3" if arch == "llama3" else "default")

@@ -220,3 +220,15 @@ def test_a_float_in_exponent_form_is_the_number_it_spells():
     for bad in ("3e", "1e-6x", "nan", "e5"):
         with pytest.raises(ConfigProblems, match=r"learner\.lr: expected float, got str"):
             load_train_config(str(base), [f"learner.lr={bad}"])
+
+
+def test_tiny_tie_embeddings_makes_a_tied_model(tmp_path):
+    from safetensors import safe_open
+
+    from megatron_rl.train.config import ModelConfig, TinyModelSpec
+    from megatron_rl.train.start_model import prepare_model
+
+    path = prepare_model(ModelConfig(tiny=TinyModelSpec(arch="qwen2", tie_embeddings=True)), tmp_path)
+    assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is True
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
