@@ -218,8 +218,8 @@ class StreamRolloutWorker(RolloutWorker):
     def engine_world_size(self) -> int:
         return self.stream.engine.vllm_config.parallel_config.world_size
 
-    def serving_dtype(self) -> str:
-        return str(self.stream.engine.vllm_config.model_config.dtype).removeprefix("torch.")
+    def _model_config(self):
+        return self.stream.engine.vllm_config.model_config
 
     def _commit(self, version: int, statuses: list[dict[str, Any]]) -> dict[str, Any]:
         """All or nothing, in flight: swap (StreamEngine.refit), then the refit check on the running engine."""

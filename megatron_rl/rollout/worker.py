@@ -170,9 +170,20 @@ class RolloutWorker:
         pc = self.llm.llm_engine.vllm_config.parallel_config
         return pc.world_size
 
+    def _model_config(self):
+        """vLLM's ModelConfig of the engine this group serves with."""
+        return self.llm.llm_engine.vllm_config.model_config
+
     def serving_dtype(self) -> str:
         """The dtype (name, e.g. "bfloat16") the engine serves; publications must carry it."""
-        return str(self.llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
+        return str(self._model_config().dtype).removeprefix("torch.")
+
+    def refit_tolerance(self, configured: float | str | None) -> float | None:
+        """run.refit_tolerance resolved for what this engine serves: its dtype and its model's depth."""
+        from megatron_rl.rollout.refit_check import refit_tolerance
+
+        hf = self._model_config().hf_text_config
+        return refit_tolerance(self.serving_dtype(), configured, int(getattr(hf, "num_hidden_layers", 1) or 1))
 
     def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
         """Join the trainer's publication group (blocks until every rank has joined)."""
@@ -284,13 +295,13 @@ class RolloutWorker:
         |Δ| within the tolerance: rollout/refit_check.py), else a failed status: bytes that verify but
         were laid out wrongly (a permuted or mis-mapped tensor) are refused like a failed load, and the
         group rolls back."""
-        from megatron_rl.rollout.refit_check import probe_verdict, refit_tolerance
+        from megatron_rl.rollout.refit_check import probe_verdict
 
         probe = getattr(self, "_probe", None)
         if probe is None or probe[0] != version:
             return None
         _, sequences, expected, configured = probe
-        tolerance = refit_tolerance(self.serving_dtype(), configured)
+        tolerance = self.refit_tolerance(configured)
         stats, problem = probe_verdict(self.score(sequences, version), expected, tolerance)
         if problem is None:
             log.info("refit check of version %d: median |Δ logprob| %.3g (mean %.3g) over %d probe tokens",

@@ -36,7 +36,7 @@ from megatron_rl.rollout.sleep import SleepCycle
 from megatron_rl.train.config import RunConfig
 from megatron_rl.train.learner_group import LearnerGroup, RankSpec
 from megatron_rl.train.learner_weights import PublishSettings
-from megatron_rl.train.probe import probe_sequences, reconcile_sampled, refit_tolerance
+from megatron_rl.train.probe import probe_sequences, reconcile_sampled
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class Policy:
         before the checkpoint a run resumed from (train/checkpointing.py)."""
         self.kl = settings.loss.kl_controller()
         """β of the KL penalty for the next step: loss.kl_coef, or the adaptive controller's (checkpointed)."""
-        self._serving_dtype: str | None = None
+        self._tolerance: float | None = None  # run.refit_tolerance as the engines resolve it
         learner.connect_rollout(list(fleet.workers), publishing)
         fleet.set_refitter(self.refit)
 
@@ -270,11 +270,11 @@ class Policy:
         (train/probe.py reconcile_sampled); {} otherwise."""
         if not self.settings.sampling.truncates or self.settings.refit_tolerance is None:
             return {}
-        if self._serving_dtype is None:
+        if self._tolerance is None:
             import ray
 
-            self._serving_dtype = ray.get(self.fleet.workers[0].serving_dtype.remote())
-        tol = refit_tolerance(self._serving_dtype, self.settings.refit_tolerance)
+            self._tolerance = ray.get(self.fleet.workers[0].refit_tolerance.remote(self.settings.refit_tolerance))
+        tol = self._tolerance
         return reconcile_sampled(self.learner.forward_logprobs, taken, version, rows=self.settings.probe_rows,
                                  tolerance=tol, pad_id=self.settings.pad_id)
 

@@ -15,19 +15,27 @@ import copy
 import pytest
 import torch
 
-from megatron_rl.rollout.refit_check import TOLERANCE, probe_verdict, refit_tolerance, sampled_probe
+from megatron_rl.rollout.refit_check import FLOOR, probe_verdict, refit_tolerance, sampled_probe
+
+SMALL_LAYERS = 8  # the `small` preset's depth
 
 pytestmark = pytest.mark.unit
 
 
-def test_the_tolerance_follows_the_serving_dtype():
-    assert refit_tolerance("float32", "auto") == pytest.approx(0.05) == TOLERANCE["float32"]
-    assert refit_tolerance("bfloat16", "auto") == pytest.approx(0.25)
-    assert refit_tolerance("torch.bfloat16", "auto") == pytest.approx(0.25)
-    assert refit_tolerance("float16", "auto") == pytest.approx(0.05)
-    assert refit_tolerance("bfloat16", 0.1) == 0.1 and refit_tolerance("float32", None) is None
+def test_the_tolerance_follows_the_serving_dtype_and_the_depth():
+    assert refit_tolerance("float32", "auto") == refit_tolerance("float32", "auto", 80) == FLOOR == 0.05
+    # bf16: 0.08 nat per layer, twice the worst correct load measured (benchmarks/refit_probe_bf16.md)
+    assert refit_tolerance("bfloat16", "auto", 24) == pytest.approx(1.92)
+    assert refit_tolerance("torch.bfloat16", "auto", 28) == pytest.approx(2.24)  # Qwen2.5-1.5B's depth
+    assert refit_tolerance("bfloat16", "auto", 2) == pytest.approx(0.16)
+    assert refit_tolerance("bfloat16", "auto") == pytest.approx(0.08)
+    assert refit_tolerance("float16", "auto", 24) == pytest.approx(0.24)
+    assert refit_tolerance("float16", "auto", 2) == FLOOR
+    assert refit_tolerance("bfloat16", 0.1, 24) == 0.1 and refit_tolerance("float32", None) is None
     with pytest.raises(ValueError, match="run.refit_tolerance"):
         refit_tolerance("float8", "auto")
+    with pytest.raises(ValueError, match="0 layers"):
+        refit_tolerance("bfloat16", "auto", 0)
 
 
 def test_the_median_ignores_a_few_tail_tokens_and_not_a_wrong_load():
@@ -94,15 +102,16 @@ def test_a_correct_bf16_load_passes_on_sampled_tokens_where_the_old_rule_refused
     old_rule = (learner_random - engine_random).abs().mean().item()  # main: mean over random tokens <= 0.05
     assert old_rule > 0.05
     stats, problem = probe_verdict(_engine_rows(_logprobs(bf16, sampled_bt)), _logprobs(fp32, sampled_bt).tolist(),
-                                   refit_tolerance("bfloat16", "auto"))
+                                   refit_tolerance("bfloat16", "auto", SMALL_LAYERS))
     assert problem is None, stats
-    assert stats["median"] < 0.25 / 2, stats  # a margin of at least 2 on this model
+    assert stats["median"] < refit_tolerance("bfloat16", "auto", SMALL_LAYERS) / 2, stats  # a margin of 2 at least
 
 
 def test_a_permuted_load_is_refused_at_the_bf16_bound(models):
     fp32, _, permuted, _, sampled_bt = models
     stats, problem = probe_verdict(_engine_rows(_logprobs(permuted, sampled_bt)),
-                                   _logprobs(fp32, sampled_bt).tolist(), refit_tolerance("bfloat16", "auto"))
+                                   _logprobs(fp32, sampled_bt).tolist(),
+                                   refit_tolerance("bfloat16", "auto", SMALL_LAYERS))
     assert problem is not None and stats["median"] > 1.0, stats
 
 
