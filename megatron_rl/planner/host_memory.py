@@ -4,16 +4,23 @@
     host.per_node_bytes, host.items                       # bytes per node, by item
     host_memory_problem(host, cluster_host_gib=512)       # None, or why the recipe does not fit
 
-Megatron's distributed-optimizer checkpoint load (the `fully_sharded_model_space` format the
-learner saves) materialises, on every rank, fp32 copies of that rank's whole model-parallel shard
-of the optimizer state before it keeps its data-parallel part: the fp32 master weights and Adam's m
-and v, 12 bytes per parameter of the stage, not divided by DP.  For the 7B TP2 x DP4 recipe that is
-7.6e9 / 2 x 12 B = 42 GiB per rank, on every rank at once.  Next to it, on a colocated node, each
-engine keeps its weights in host memory while it sleeps (vLLM sleep level 1, rollout/sleep.py) and
-a rollback copy of the serving weights (rollout.keep_rollback_copy).
+Megatron's distributed-optimizer checkpoint load (the `fully_reshardable` format the learner saves,
+Learner.OPTIMIZER_CKPT_METADATA) allocates, on every rank, fp32 world tensors for that rank's whole
+model-parallel shard before it keeps its data-parallel part: the fp32 master weights and Adam's m and
+v, 12 bytes per parameter of the stage, not divided by DP.  The load then concatenates each SwiGLU
+linear_fc1 (gate and up, which the checkpoint holds as two halves: Megatron's ShardedTensorFactory,
+apply_factory_merges) into new host tensors, so its parameters are held twice: 12 B more per fc1
+parameter, about 18 B per stage parameter for Qwen2 / Llama shapes (fc1 is half of their weights).
+Measured at TP1 x DP2 by tests/dist/test_optimizer_checkpoint.py (CPU tensor bytes at the load's
+peak, torch's profiler): 12 B per parameter + 12 B per fc1 parameter, within 1%.  For the 7B at TP4
+that is (7.6e9 + 3.8e9) / 4 x 12 B = 32 GiB per rank, on every rank at once.  Next to it, on a
+colocated node, each engine keeps its weights in host memory while it sleeps (vLLM sleep level 1,
+rollout/sleep.py) and a rollback copy of the serving weights (rollout.keep_rollback_copy).
 
-    optimizer_load   = ranks per node x P_stage x 12          P_stage = P / (TP x PP), learner ranks
-                       (LoRA: A_stage, the adapters' share of the GPU, ledger.py, instead of P_stage)
+    optimizer_load   = ranks per node x (P_stage + F_stage) x 12     P_stage = P / (TP x PP), learner ranks
+                       F_stage = L x 2 h x f / (TP x PP), the fc1 share (MoE: f = E x F_e, the experts')
+                       (LoRA: A_stage, the adapters' share of the GPU, ledger.py, instead of P_stage, and
+                       fc1's lora_B, L / PP x r x 2 f / TP when fc1 takes adapters, instead of F_stage)
     engine_sleep     = engines per node x P / TP_r x bytes(engine dtype)   (when the engines sleep)
     rollback_copy    = engines per node x P / TP_r x bytes(engine dtype)   (keep_rollback_copy)
     audit_ring       = ranks per node x P_stage x bytes(learner dtype) x (K + 1)   (audit.every > 0)
@@ -33,7 +40,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.planner.ledger import GIB, LearnerLayout, ModelDims, RolloutLayout, _bytes, adapter_params
 
-OPTIMIZER_LOAD_BYTES = 12  # fp32 master + Adam m + v, per parameter of the rank's stage
+OPTIMIZER_LOAD_BYTES = 12  # fp32 master + Adam m + v, per parameter of the rank's stage, and again per fc1 parameter
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,16 @@ class HostMemory:
         return sum(self.items.values())
 
 
+def swiglu_fc1_params(model: ModelDims, lay: LearnerLayout) -> float:
+    """F_stage: the linear_fc1 parameters (gate and up) on one learner rank, which a load holds twice;
+    with LoRA, fc1's lora_B (0 when fc1 takes no adapters)."""
+    if lay.lora_rank:
+        fc1 = "fc1" in lay.lora_targets
+        return model.num_layers / lay.pp * lay.lora_rank * 2 * model.intermediate_size / lay.tp if fc1 else 0.0
+    width = model.num_experts * model.moe_ffn_hidden_size if model.num_experts else model.intermediate_size
+    return model.num_layers * 2 * model.hidden_size * width / (lay.tp * lay.pp)
+
+
 def resume_host_memory(model: ModelDims, lay: LearnerLayout, roll: RolloutLayout, *, gpus_per_node: int,
                        sleep_mode: bool, rollback_copy: bool, audit_ring_versions: int = 0) -> HostMemory:
     """The module doc's formulas for the most loaded node."""
@@ -56,8 +73,9 @@ def resume_host_memory(model: ModelDims, lay: LearnerLayout, roll: RolloutLayout
     engines = min(gpus_per_node, roll.gpus)
     p_stage = model.num_params / (lay.tp * lay.pp)
     engine_weights = model.num_params / roll.tp * _bytes(roll.dtype)
+    trained = adapter_params(model, lay) if lay.lora_rank else p_stage
     return HostMemory({
-        "optimizer_load": ranks * (adapter_params(model, lay) if lay.lora_rank else p_stage) * OPTIMIZER_LOAD_BYTES,
+        "optimizer_load": ranks * (trained + swiglu_fc1_params(model, lay)) * OPTIMIZER_LOAD_BYTES,
         "engine_sleep": engines * engine_weights if sleep_mode else 0.0,
         "rollback_copy": engines * engine_weights if rollback_copy else 0.0,
         "audit_ring": ranks * p_stage * _bytes(lay.dtype) * (audit_ring_versions + 1) if audit_ring_versions else 0.0,

@@ -345,7 +345,9 @@ def test_plan_prints_the_reason_of_each_verdict(capsys):
 
 def test_resume_host_memory_of_the_7b_recipe_by_hand():
     """Issue 31, item 8: Megatron's distributed-optimizer load holds fp32 master + Adam m, v of the rank's
-    whole TP x PP shard (12 B per stage parameter) on every rank; the engines' rollback copies sit beside it."""
+    whole TP x PP shard (12 B per stage parameter) on every rank, and again for each linear_fc1 parameter
+    (the SwiGLU halves concatenated anew; measured in tests/dist/test_optimizer_checkpoint.py); the
+    engines' rollback copies sit beside it."""
     from megatron_rl.planner.cli import plan_for_config
     from megatron_rl.train.config import load_train_config
 
@@ -355,10 +357,11 @@ def test_resume_host_memory_of_the_7b_recipe_by_hand():
     lc, rc = cfg.learner, cfg.rollout
     p = plan["model_params"]
     ranks = min(8, lc.tensor_parallel_size * lc.pipeline_parallel_size * lc.data_parallel_size)
-    per_rank = p / (lc.tensor_parallel_size * lc.pipeline_parallel_size) * 12
+    fc1 = 28 * 2 * 3584 * 18944  # Qwen2.5-7B: layers x (gate + up) x hidden x intermediate, 3.8e9
+    per_rank = (p + fc1) / (lc.tensor_parallel_size * lc.pipeline_parallel_size) * 12
     host = plan["resume_host_gib_per_node"]
     assert host["optimizer_load"] == pytest.approx(ranks * per_rank / GIB)
-    assert per_rank / GIB == pytest.approx(7.6e9 / lc.tensor_parallel_size * 12 / GIB, rel=0.01)  # 21 GiB at TP4
+    assert per_rank / GIB == pytest.approx(11.4e9 / lc.tensor_parallel_size * 12 / GIB, rel=0.01)  # 32 GiB at TP4
     engines = min(8, rc.tensor_parallel_size * rc.data_parallel_size)
     assert host["rollback_copy"] == pytest.approx(engines * p / rc.tensor_parallel_size * 2 / GIB)  # bf16 engines
     assert host["total"] == pytest.approx(sum(v for k, v in host.items() if k != "total"))
