@@ -24,8 +24,8 @@ benchmarks/refit_probe_bf16.md): vLLM's CPU engine against a one-rank Megatron l
 models whose LM head is scaled x4 and x8 to a trained model's logit range, 16 rows of 32 sampled tokens,
 the check's statistic per 4-row probe.  Both sides float32 (24 layers): median |Δ| 1e-4.  Both sides
 bfloat16: worst probe median 0.05 at 2 layers, 0.21 at 8, 0.99 at 24 -- the rounding noise grows with
-depth, about 0.04 nat per layer at most -- while a load with one MLP matrix rolled by a row gives 28-90
-on sampled tokens (9-27 on random ones, whose correct-load median is 2-4x the sampled one's).  So
+depth, about 0.04 nat per layer at most -- while a load with one MLP matrix rolled by a row gives 12-90
+on sampled tokens (4-27 on random ones, whose correct-load median is 1.5-5x the sampled one's).  So
 "auto" is max(FLOOR, PER_LAYER[dtype] x layers): bfloat16 0.08 per layer (twice the worst measured),
 float16 8x less (its unit roundoff 2^-11 against 2^-8; not measured), float32 the FLOOR 0.05 it always
 had (500x the measured noise).  A 24-layer bf16 model gets 1.92 and Qwen2.5-1.5B (28 layers) 2.24, an

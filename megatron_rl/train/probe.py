@@ -25,10 +25,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_rl.rollout.refit_check import refit_tolerance, sampled_probe
+from megatron_rl.rollout.refit_check import sampled_probe
 
-__all__ = ["probe_sequences", "on_policy", "pack_sequences", "reconcile_sampled", "refit_tolerance",
-           "response_logprobs"]
+__all__ = ["probe_sequences", "on_policy", "pack_sequences", "reconcile_sampled", "response_logprobs"]
 
 log = logging.getLogger(__name__)
 
