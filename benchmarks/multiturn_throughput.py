@@ -12,6 +12,11 @@ max_tokens; temperature 1, seeded):
   plays them) with the `sleep_tool` environment registered here: --turns assistant turns of --turn-tokens
   tokens, each but the last followed by a tool call that sleeps --tool-ms ms off the event loop and answers
   a short observation.  Every turn is one engine request with the whole episode so far as its prompt.
+With --stop-tokens K, turns end as a policy's do, at a sampled stop token: K token ids of the tiny
+tokenizer's letters stop a turn (about K/128 of each sample's probability under the random model), so turn
+lengths vary (geometric, capped at --turn-tokens) and episodes fall out of step; the single arm then
+generates each episode's own total in one request (ignore_eos), so the arms still generate equal tokens.
+Without it every turn has exactly --turn-tokens tokens and all episodes meet their tools at once (lockstep).
 Occupancy (engine_occupancy.py): time-weighted running requests / --capacity over the arm, and for multi
 over the time at least one tool call sleeps.  Prints one JSON line per arm (with prompt tokens prefilled
 and taken from the prefix cache) and one with ratio = multi tok/s / single tok/s (goal >= 0.7: tool
@@ -37,7 +42,8 @@ from engine_occupancy import Occupancy, union  # benchmarks/engine_occupancy.py 
 
 from megatron_rl.envs.protocol import Environment, StepResult
 
-TOOL_CALLS: list[tuple[float, float]] = []  # (start, end) of every tool call; list.append is atomic
+TOOL_CALLS: list[tuple[float, float]] = []
+STOP_IDS = list(range(81, 97))  # the tiny tokenizer's letters k..z: --stop-tokens K of them end a turn  # (start, end) of every tool call; list.append is atomic
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -94,11 +100,12 @@ def texts(rng: random.Random, n: int) -> list[str]:
     return [" ".join("".join(rng.choices("abcdefghij", k=4)) for _ in range(5)) for _ in range(n)]
 
 
-async def single_arm(args, stream, prompts: list[list[int]], occupancy: Occupancy) -> dict:
-    sampling = {"temperature": 1.0, "ignore_eos": True, "max_tokens": args.turns * args.turn_tokens}
+async def single_arm(args, stream, prompts: list[list[int]], occupancy: Occupancy, lengths: list[int]) -> dict:
+    sampling = {"temperature": 1.0, "ignore_eos": True}
     start = time.perf_counter()
-    results = await asyncio.gather(*(stream.generate(f"single-{i}", p, {**sampling, "seed": args.seed + i})
-                                     for i, p in enumerate(prompts)))
+    results = await asyncio.gather(*(stream.generate(f"single-{i}", p, {**sampling, "seed": args.seed + i,
+                                                                        "max_tokens": n})
+                                     for i, (p, n) in enumerate(zip(prompts, lengths))))
     end = time.perf_counter()
     tokens = sum(len(r.response_tokens) for r in results)
     return {"arm": "single", "wall_s": end - start, "tokens": tokens, "tok_s": tokens / (end - start),
@@ -108,7 +115,8 @@ async def single_arm(args, stream, prompts: list[list[int]], occupancy: Occupanc
 
 
 async def multi_arm(args, stream, player, examples: list[str], occupancy: Occupancy, tag: str) -> dict:
-    params = {"temperature": 1.0, "ignore_eos": True, "seed": args.seed}
+    params = {"temperature": 1.0, "ignore_eos": not args.stop_tokens, "seed": args.seed,
+              "stop_token_ids": STOP_IDS[:args.stop_tokens]}
     TOOL_CALLS.clear()
     start = time.perf_counter()
     turns = Turns(stream)
@@ -116,7 +124,8 @@ async def multi_arm(args, stream, player, examples: list[str], occupancy: Occupa
     end = time.perf_counter()
     reasons = {s.extra["episode"]["terminal_reason"] for s in samples}
     assert reasons == {"done"}, f"episodes ended with {reasons}, not all done: raise --max-model-len"
-    tokens = sum(sum(s.action_mask) for s in samples)
+    lengths = [sum(s.action_mask) for s in samples]
+    tokens = sum(lengths)
     busy = union(TOOL_CALLS)
     events = sorted([(t0, 1) for t0, _ in TOOL_CALLS] + [(t1, -1) for _, t1 in TOOL_CALLS])
     return {"arm": "multi", "wall_s": end - start, "tokens": tokens, "tok_s": tokens / (end - start),
@@ -125,7 +134,8 @@ async def multi_arm(args, stream, player, examples: list[str], occupancy: Occupa
             "tool_calls": len(TOOL_CALLS), "tool_time_share": sum(b - a for a, b in busy) / (end - start),
             "max_concurrent_tools": max(itertools.accumulate(d for _, d in events), default=0),
             "prefill_tokens": sum(n - c for n, c in turns.seen), "cached_tokens": sum(c for _, c in turns.seen),
-            "episode_tokens": sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples) / len(samples)}
+            "episode_tokens": sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples) / len(samples),
+            "turn_tokens_mean": tokens / sum(s.extra["episode"]["turns"] for s in samples), "lengths": lengths}
 
 
 async def run(args, model_dir: str) -> list[dict]:
@@ -148,8 +158,10 @@ async def run(args, model_dir: str) -> list[dict]:
     rng = random.Random(args.seed)
     warm, episodes, singles = (texts(rng, n) for n in (args.capacity, args.episodes, args.episodes))
     await multi_arm(args, stream, player, warm, occupancy, "warm")  # untimed: first steps allocate, compile
-    single = await single_arm(args, stream, [player.chat.prompt_tokens(x) for x in singles], occupancy)
+    # multi first: the single arm generates, request by request, what each episode generated
     multi = await multi_arm(args, stream, player, episodes, occupancy, "multi")
+    single = await single_arm(args, stream, [player.chat.prompt_tokens(x) for x in singles], occupancy,
+                              multi.pop("lengths"))
     stream.shutdown()
     return [single, multi]
 
@@ -166,6 +178,8 @@ def parse(argv=None):
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=32, help="KV block (vLLM's CPU default 128 caches no prefix "
                                                                "shorter than 128 tokens: every turn prefilled whole)")
+    ap.add_argument("--stop-tokens", type=int, default=0, choices=range(0, len(STOP_IDS) + 1), metavar="K",
+                    help="turns end at any of K stop tokens (variable lengths); 0: every turn --turn-tokens long")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -180,11 +194,12 @@ def main() -> None:
 
                 args.model = str(make_tiny_model(Path(tmp) / "tiny", arch="llama", size=args.size, seed=0))
             single, multi = asyncio.run(run(args, args.model))
-        assert single["tokens"] == multi["tokens"] == args.episodes * args.turns * args.turn_tokens, (single, multi)
+        assert single["tokens"] == multi["tokens"], (single, multi)
+        assert args.stop_tokens or multi["tokens"] == args.episodes * args.turns * args.turn_tokens, multi
         for arm in (single, multi):
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in arm.items()}), flush=True)
         print(json.dumps({"episodes": args.episodes, "turns": args.turns, "turn_tokens": args.turn_tokens,
-                          "tool_ms": args.tool_ms, "capacity": args.capacity,
+                          "tool_ms": args.tool_ms, "capacity": args.capacity, "stop_tokens": args.stop_tokens,
                           "ratio": round(multi["tok_s"] / single["tok_s"], 3)}), flush=True)
         code = 0
     except BaseException:  # noqa: BLE001 -- printed, then the hard exit below

@@ -74,6 +74,11 @@ class ChatFormat:
             raise ConfigError(f"end_of_turn {self.end_of_turn!r} is {len(eot_ids)} tokens, not one token")
         self.end_of_turn_id = eot_ids[0]
         self._before, self._after = self._measure_separators()
+        self._specials = [tok for tok in getattr(tokenizer, "all_special_tokens", None) or [] if tok]
+        # A fast tokenizer's own encoder: the ids its __call__ gives without special tokens, for a tenth of
+        # the Python, and holding the GIL (__call__ releases it in Rust and waits to get it back: on a busy
+        # rollout actor's event loop that wait was 8x the encoding, benchmarks/multiturn_throughput.md).
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
 
     def messages(self, first_observation: str) -> list[dict]:
         """The prompt as chat messages: the system message (if any) and the user's first turn."""
@@ -101,11 +106,15 @@ class ChatFormat:
         return self._encode(head + text + self._after)
 
     def _encode(self, text: str) -> list[int]:
-        return _ids(self.tokenizer(text, add_special_tokens=False)) if text else []
+        if not text:
+            return []
+        if self._backend is not None and not getattr(self._backend, "encode_special_tokens", False):
+            # (a __call__ with split_special_tokens leaves the shared encoder splitting them until the next call)
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return _ids(self.tokenizer(text, add_special_tokens=False))
 
     def _has_special(self, text: str) -> bool:
-        added = getattr(self.tokenizer, "all_special_tokens", None) or []
-        return any(tok and tok in text for tok in added)
+        return any(tok in text for tok in self._specials)
 
     def _measure_separators(self) -> tuple[str, str]:
         """(text between an assistant's end of turn and the observation, text after the observation)."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from megatron_rl.envs.chat_format import env_chat_format
@@ -34,6 +33,7 @@ from megatron_rl.envs.config import EnvConfig
 from megatron_rl.envs.episode import Episode
 from megatron_rl.envs.registry import get_environment
 from megatron_rl.envs.runner import EpisodeRunner
+from megatron_rl.envs.step_threads import shared_step_threads
 from megatron_rl.rollout.sample import RolloutSample
 
 TURN_SEED_STRIDE = 7919
@@ -73,6 +73,7 @@ class EpisodePlayer:
         self.chat = env_chat_format(self.cfg, self.tokenizer)
         self.limits = self.cfg.limits()
         self.max_tokens_per_turn = max_tokens_per_turn
+        self.threads = shared_step_threads()
 
     def new_environment(self):
         return get_environment(self.cfg.name, self.cfg.options)
@@ -91,15 +92,16 @@ class EpisodePlayer:
     async def one(self, stream, rid: str, example, params: dict, extra: dict,
                   weights_of: Callable[[Any], dict]) -> RolloutSample:
         """One episode to its end: reset, then generate / step until a terminal reason."""
-        loop = asyncio.get_running_loop()
-        pool = ThreadPoolExecutor(1, thread_name_prefix=f"env-{rid}")  # this episode's: its steps wait for no other
+        threads, timeout = self.threads, self.limits.step_timeout_s
         env = self.new_environment()
-        runner = EpisodeRunner(env, self.chat, self.limits)
+        runner = EpisodeRunner(env, self.chat, self.limits, threads)
         started = time.time()
         weights: dict[str, str] = {}
         segments: list[list[int]] = []
         try:
-            ep = await loop.run_in_executor(pool, runner.start, example)
+            # The environment's calls run off the loop (envs/step_threads.py), one hand-off out and one back
+            # each; the episode's book-keeping (a few tokenizer calls) runs here, where it needs no hand-off.
+            ep = runner.opened((await threads.run_timed(lambda: env.reset(example), timeout))[1])
             turn = 0
             while not ep.finished:
                 room = ep.remaining_tokens
@@ -114,16 +116,19 @@ class EpisodePlayer:
                                        "not be rolled back; its requests in flight were aborted): sent again")
                 offset = len(ep.response_tokens)
                 versions = [g.version for g in result.segments for _ in range(g.end - g.start)]
-                # Off the loop, in one hop: weights_of may wait for a refit check's verdict (which needs this
-                # loop running), and the turn's environment step may take as long as its tool does.
-                weights.update(await loop.run_in_executor(pool, _after_turn, weights_of, runner, ep, result, versions))
+                text = runner.begin_turn(ep, result.response_tokens, result.logprobs, versions)
+                # weights_of may wait for a refit check's verdict (which needs this loop running): before the
+                # step, on the step's thread; the step's timeout starts when the step does.
+                got, outcome, seconds = await threads.run_timed(lambda: env.step(text), timeout,
+                                                                before=lambda: weights_of(result))
+                weights.update(got)
+                runner.end_turn(ep, result.response_tokens, outcome, seconds)
                 segments += [[offset + g.start, offset + g.end, g.version, g.kv_version] for g in result.segments]
                 if len(ep.response_tokens) > segments[-1][1]:  # the observation appended after this turn
                     segments.append([segments[-1][1], len(ep.response_tokens), *segments[-1][2:]])
                 turn += 1
         finally:
-            await loop.run_in_executor(pool, env.close)
-            pool.shutdown(wait=False)
+            await threads.run(env.close)
         return self._sample(ep, params, extra, started, weights, segments)
 
     def _sample(self, ep: Episode, params: dict, extra: dict, started: float, weights: dict,
@@ -152,13 +157,6 @@ def episode_score(episode: dict):
     reward = float(episode["reward"])
     return Score(reward=reward, correctness=reward, format=float(episode["terminal_reason"] == "done"), overlong=None,
                  error=None, grader_version=grader, components={"env": reward})
-
-
-def _after_turn(weights_of: Callable[[Any], dict], runner: EpisodeRunner, ep: Episode, result, versions: list[int]) -> dict:
-    """A finished turn's weights (their manifest digests), then its tokens and the environment's step."""
-    weights = weights_of(result)
-    runner.assistant_turn(ep, result.response_tokens, result.logprobs, versions)
-    return weights
 
 
 def _joined(segments: list[list[int]]) -> list[list[int]]:

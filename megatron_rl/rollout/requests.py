@@ -60,6 +60,18 @@ def prompt_params(params: dict[str, Any], extra: list[dict] | None, i: int) -> d
     return {**params, "max_tokens": min(int(params["max_tokens"]), budget)}
 
 
+def sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
+    """The sampled tokens' logprobs [T] from a vLLM completion's `logprobs`: a FlatLogprobs (what a request
+    made with flat_logprobs=True gets: one flat list, no dict and Logprob object per token for the garbage
+    collector to walk; each position's first entry is the sampled token's) or a list of {token: Logprob}."""
+    if logprobs is None:
+        return []
+    flat = getattr(logprobs, "start_indices", None)
+    if flat is not None:
+        return [float(logprobs.logprobs[i]) for i in flat]
+    return [float(lp[t].logprob) for lp, t in zip(logprobs, token_ids)]
+
+
 def to_sample(result, sampling: dict[str, Any], started: float, finished: float,
               extra: dict[str, Any] | None = None) -> RolloutSample:
     """A finished StreamResult (rollout/stream_engine.py) as a RolloutSample: per-token versions from its segments."""

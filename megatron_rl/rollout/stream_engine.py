@@ -47,7 +47,7 @@ from megatron_rl.drill.hooks import drill_spec, maybe_kill_engine_in_refit, reco
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
 from megatron_rl.rollout.occupancy import Occupancy, RunningFeed
-from megatron_rl.rollout.requests import SAMPLING_KEYS
+from megatron_rl.rollout.requests import SAMPLING_KEYS, sampled_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +180,10 @@ class StreamEngine:
         await self._serving.wait()
         if self._broken is not None:
             raise RuntimeError(f"this engine stopped serving: {self._broken}")
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind as Kind, SamplingParams
 
-        params = SamplingParams(logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA, **(sampling or {}))
+        params = SamplingParams(logprobs=0, flat_logprobs=True, detokenize=False, output_kind=Kind.DELTA,
+                                **(sampling or {}))
         # No await from here to the registration: a refit sees this request with this admission version.
         admitted = self.version
         flight = _Flight(StreamResult(request_id, list(prompt)), {admitted: admitted})
@@ -197,7 +197,7 @@ class StreamEngine:
                                                   lora_request=adapter[0] if adapter else None):
                 c = out.outputs[0]
                 result.response_tokens.extend(c.token_ids)
-                result.logprobs.extend(float(lp[t].logprob) for lp, t in zip(c.logprobs or [], c.token_ids))
+                result.logprobs.extend(sampled_logprobs(c.logprobs, c.token_ids))
                 result.num_cached_tokens = out.num_cached_tokens or 0
                 if out.finished:
                     result.finish_reason = c.finish_reason

@@ -31,7 +31,7 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import (engine_env, engine_identity, eos_token_ids, llm_kwargs, transfer_path,
                                               prepare_actor, watched)
 from megatron_rl.rollout.provenance import token_provenance, weights_label
-from megatron_rl.rollout.requests import call_params, check_prompts, prompt_params, sampling_defaults
+from megatron_rl.rollout.requests import call_params, check_prompts, prompt_params, sampled_logprobs, sampling_defaults
 from megatron_rl.rollout.sample import RolloutSample
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class RolloutWorker:
         per_prompt = []
         for i in range(len(prompts)):
             seed = None if params["seed"] is None else params["seed"] + i
-            per_prompt.append(SamplingParams(n=n, logprobs=0, detokenize=False,
+            per_prompt.append(SamplingParams(n=n, logprobs=0, flat_logprobs=True, detokenize=False,
                                              **{**prompt_params(params, extra, i), "seed": seed}))
         version = self._serving_version()
         started = time.time()
@@ -115,7 +115,7 @@ class RolloutWorker:
             used = {**prompt_params(params, extra, i), "seed": per_prompt[i].seed, "n": n}
             for c in out.outputs:
                 tokens = list(c.token_ids)
-                logprobs = [float(c.logprobs[j][t].logprob) for j, t in enumerate(tokens)]
+                logprobs = sampled_logprobs(c.logprobs, tokens)
                 # Each token's version as the engine labelled the weights that sampled it (rollout/provenance.py).
                 versions, weights = token_provenance(c.weight_versions, len(tokens), self.label)
                 samples.append(RolloutSample(

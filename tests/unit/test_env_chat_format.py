@@ -104,3 +104,17 @@ def test_templates_it_cannot_measure_are_refused_with_the_reason(tok):
                            "{% endif %}{{ m.content }}<|im_end|>{% endfor %}"
     with pytest.raises(ConfigError, match="cannot render a 'tool' message"):
         ChatFormat(strict)
+
+
+def test_observations_encode_as_the_tokenizers_own_call_does_before_and_after_a_forged_one(tok):
+    fmt = ChatFormat(tok)
+    texts = ["42", "  spaced  out\n", "Result: 3.5e-2 (ok)", "ünïcode ✓"]
+
+    def by_call(text):
+        return list(tok(fmt._before + text + fmt._after, add_special_tokens=False)["input_ids"])
+
+    before = [fmt.observation_tokens(t, assistant_ended=True) for t in texts]
+    fmt.observation_tokens("x<|im_end|>", assistant_ended=True)  # leaves the shared encoder splitting specials
+    after = [fmt.observation_tokens(t, assistant_ended=True) for t in texts]
+    assert before == after == [by_call(t) for t in texts]
+    assert all(b.count(tok.convert_tokens_to_ids("<|im_end|>")) == 1 for b in after)

@@ -85,3 +85,19 @@ def test_to_sample_spreads_segments_over_tokens():
     assert s.policy_versions == [3, 4, 4, 5] and s.extra["kv_versions"] == [3, 3, 3, 5]
     assert s.finish_reason == "stop" and s.extra["group"] == 0 and s.seconds == 1.0
     s.check()
+
+
+def test_sampled_logprobs_reads_vllms_flat_and_nested_forms_alike():
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from megatron_rl.rollout.requests import sampled_logprobs
+
+    tokens = [7, 3, 9]
+    nested = [{7: Logprob(-0.5, 4, None)}, {3: Logprob(-1.25, 1, None), 8: Logprob(-0.1, 1, None)},
+              {9: Logprob(-2.0, 9, None)}]
+    flat = FlatLogprobs()
+    for position in nested:
+        flat.append(position)
+    assert sampled_logprobs(flat, tokens) == sampled_logprobs(nested, tokens) == [-0.5, -1.25, -2.0]
+    assert sampled_logprobs(flat[1:], tokens[1:]) == [-1.25, -2.0]  # a DELTA output's slice
+    assert sampled_logprobs(None, []) == []
