@@ -45,6 +45,10 @@ class GRPOLossConfig:
     kl_horizon: int = 10
     """With kl_control "adaptive": learner steps over which β reacts (one step moves it by at most a factor
     1 ± 0.2 / kl_horizon)."""
+    kl_measure: bool = False
+    """Score the reference even at kl_coef 0: KL(π_θ‖π_ref) is measured and logged (learn/kl_ref_estimate)
+    but adds nothing to the loss, for one reference forward per micro-batch (a no-penalty arm made
+    comparable).  A run with kl_coef > 0 measures it anyway."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k2"
     """Schulman's estimator used as the penalty.  Expected gradient: k2 ∇KL(π_θ‖π_ref) (default),
     k3 ∇KL(π_ref‖π_θ), k1 zero on-policy."""
@@ -134,7 +138,12 @@ class GRPOLossConfig:
 
     def without_kl(self) -> "GRPOLossConfig":
         """This config with no KL penalty (SFT's learner: no reference model)."""
-        return dataclasses.replace(self, kl_coef=0.0, kl_control="fixed", kl_target=None)
+        return dataclasses.replace(self, kl_coef=0.0, kl_control="fixed", kl_target=None, kl_measure=False)
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether a run of this config scores the reference model (a KL penalty, or kl_measure)."""
+        return self.kl_coef > 0 or self.kl_measure
 
     def at_step(self, step: int) -> "GRPOLossConfig":
         """This config as learner step `step` uses it: β_H on its schedule, as a constant (itself when

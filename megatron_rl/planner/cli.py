@@ -40,7 +40,7 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
         dtype=dtype, use_distributed_optimizer=lc.use_distributed_optimizer, micro_batch_size=lc.micro_batch_size,
         seq_length=rc.max_model_len, activation_checkpointing=lc.recompute_activations,
         sequence_parallel=uses_sequence_parallel(hf.moe is not None, lc.tensor_parallel_size),
-        reference_model=cfg.loss.kl_coef > 0, publish_dtype="fp32" if rc.dtype == "float32" else "bf16",
+        reference_model=cfg.loss.has_reference, publish_dtype="fp32" if rc.dtype == "float32" else "bf16",
         publish_whole_model=whole_model_per_gpu(cfg.run.placement, rc.weight_transfer),
         lora_rank=lc.lora.rank if lc.lora.enabled else 0,
         lora_targets=tuple(lc.lora.target_modules) if lc.lora.enabled else ())

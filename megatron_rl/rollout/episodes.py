@@ -7,10 +7,11 @@
 An episode (envs/runner.py) is one token sequence.  Each assistant turn is one request to the engine with the
 whole sequence so far as its prompt (token-in/token-out: nothing is re-rendered), so its prefix comes from
 vLLM's prefix cache while the weights stay the same; a refit between two turns applies to the next turn,
-and its segments say so.  The environment's steps run on a thread of the episode's own, never on the
-engine's event loop and never queued behind another episode's step, so a slow tool stalls only its own
-episode (a shared pool of N threads serialised the tool calls of more than N episodes in flight:
-benchmarks/multiturn_throughput.md).  Sample j of example i is seeded like a single-turn request
+and its segments say so.  The environment's calls (reset, step, close) run on step threads
+(envs/step_threads.py), never on the engine's event loop and never queued behind another episode's call,
+so a slow tool stalls only its own episode; each is one hand-off out and one back, its timeout watched
+by the loop.  The episode's book-keeping (EpisodeRunner's rules, a few tokenizer calls) runs on the loop:
+a hand-off costs more than it does (benchmarks/multiturn_throughput.md).  Sample j of example i is seeded like a single-turn request
 (seed + i * n + j), each turn t of it with that seed + 7919 * t.
 
 What comes back per episode is a RolloutSample: the response is everything after the prompt (assistant

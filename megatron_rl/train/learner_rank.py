@@ -120,7 +120,7 @@ class LearnerWorker:
     def _build(self, spec: RankSpec, platform) -> None:
         self.spec = spec
         self.policy = InitialPolicy.load(spec, platform)
-        self.reference = Reference(self.policy) if spec.loss.kl_coef > 0 else None
+        self.reference = Reference(self.policy) if spec.loss.has_reference else None
         self.weights = WeightIO(self.rank, self.policy.learner, self.policy.hf_cfg, ring=spec.audit_ring)
 
     @property

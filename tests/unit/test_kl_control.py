@@ -120,3 +120,29 @@ def test_the_step_metrics_report_the_beta_the_step_used():
     kl = out[0.1][[k for k in out[0.1] if k.startswith("kl_ref_k")][0]]
     assert out[0.3]["loss"] - out[0.1]["loss"] == pytest.approx(0.2 * kl)  # the β in the loss is the one reported
     assert "kl_coef" not in grpo_metrics(grpo_loss(lp, mu, None, adv, mask, GRPOLossConfig())[1], GRPOLossConfig())
+
+
+def test_kl_measure_scores_the_reference_without_adding_a_penalty():
+    from megatron_rl.train.config import load_train_config
+
+    import torch
+
+    from megatron_rl.grpo.loss import grpo_loss
+    from megatron_rl.grpo.step_metrics import grpo_metrics
+
+    cfg = load_train_config(str(REPO / "configs" / "tiny_cpu.yaml"), ["loss.kl_coef=0", "loss.kl_measure=true"]).loss
+    assert cfg.kl_measure and cfg.has_reference
+    assert not GRPOLossConfig().has_reference and GRPOLossConfig(kl_coef=0.1).has_reference
+    assert not cfg.without_kl().has_reference  # SFT's learner loads no reference
+    torch.manual_seed(1)
+    lp, mu, ref = (torch.randn(2, 5) * 0.3 - 2 for _ in range(3))
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 5)
+    measured = grpo_metrics(grpo_loss(lp, mu, ref, adv, mask, cfg)[1], cfg)
+    plain = grpo_metrics(grpo_loss(lp, mu, None, adv, mask, cfg)[1], cfg)
+    rho = (lp - mu).exp()  # tokens were sampled by μ: k3 weighted by π_θ/μ, a token mean
+    exact = (rho * ((ref - lp).exp() - (ref - lp) - 1)).mean().item()
+    assert measured["kl_ref_estimate"] == pytest.approx(exact, rel=1e-5) and measured["kl_ref_estimate"] > 0
+    assert measured["loss"] == pytest.approx(plain["loss"]) == pytest.approx(measured["pg_loss"])
+    assert "kl_coef" not in measured and "kl_ref_estimate" not in plain
+    with pytest.raises(Exception, match="loss.kl_measure"):
+        load_train_config(str(REPO / "configs" / "tiny_cpu.yaml"), ["loss.kl_measure=3"])
