@@ -75,9 +75,9 @@ class ChatFormat:
         self.end_of_turn_id = eot_ids[0]
         self._before, self._after = self._measure_separators()
         self._specials = [tok for tok in getattr(tokenizer, "all_special_tokens", None) or [] if tok]
-        # A fast tokenizer's own encoder: the ids its __call__ gives without special tokens, for a tenth of
-        # the Python, and holding the GIL (__call__ releases it in Rust and waits to get it back: on a busy
-        # rollout actor's event loop that wait was 8x the encoding, benchmarks/multiturn_throughput.md).
+        # A fast tokenizer's own encoder: the ids its __call__ gives without special tokens, for less Python,
+        # and holding the GIL (__call__ releases it in Rust and waits to get it back: on a busy rollout
+        # actor's event loop a call took ~180 us against ~23 us alone, profiled on 2 cores).
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
 
     def messages(self, first_observation: str) -> list[dict]:

@@ -98,10 +98,8 @@ class StepThreads:
             began.append((time.monotonic(), first))
             try:
                 value = step()
-            except Exception as err:  # the step's failure is its caller's to judge
-                value = err
-            except BaseException as err:
-                value = RuntimeError(f"step ended with {type(err).__name__}: {err}")
+            except BaseException as err:  # the step's failure is its caller's to judge
+                value = _as_failure(err)
             return first, value, time.monotonic() - began[0][0]
 
         self.submit(job, lambda box: loop.call_soon_threadsafe(_settle, future, box))
@@ -123,15 +121,19 @@ class StepThreads:
             fn, box, notify = inbox.get()
             try:
                 box.value = fn()
-            except Exception as err:  # handed to the caller, which decides
-                box.error = err
-            except BaseException as err:  # sys.exit / KeyboardInterrupt inside a step: still the env's failure
-                box.error = RuntimeError(f"step ended with {type(err).__name__}: {err}")
+            except BaseException as err:  # handed to the caller, which decides
+                box.error = _as_failure(err)
             box.done.set()
             if notify is not None:
                 notify(box)
             with self._lock:  # only now free: a call that timed out never got here while it ran
                 self._idle.append(inbox)
+
+
+def _as_failure(err: BaseException) -> Exception:
+    """What a call raised, as its caller gets it: sys.exit / KeyboardInterrupt inside a step are still the
+    environment's failure, not the caller's."""
+    return err if isinstance(err, Exception) else RuntimeError(f"step ended with {type(err).__name__}: {err}")
 
 
 def _settle(future: asyncio.Future, box: _Box) -> None:

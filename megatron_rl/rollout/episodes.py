@@ -100,8 +100,6 @@ class EpisodePlayer:
         weights: dict[str, str] = {}
         segments: list[list[int]] = []
         try:
-            # The environment's calls run off the loop (envs/step_threads.py), one hand-off out and one back
-            # each; the episode's book-keeping (a few tokenizer calls) runs here, where it needs no hand-off.
             ep = runner.opened((await threads.run_timed(lambda: env.reset(example), timeout))[1])
             turn = 0
             while not ep.finished:
