@@ -21,6 +21,7 @@ the experiment runner and the drills receive it from a run in its own process.  
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -58,11 +59,15 @@ def run_one(command: str, cfg, pool=None) -> dict:
     stop = StopFlag()
     stop.install()
     try:
-        if cfg.sft.first:  # SFT, then GRPO from its result: the baseline the run is measured against
-            from megatron_rl.train.sft import sft_baseline
+        with contextlib.ExitStack() as stages:
+            if cfg.sft.first:  # SFT, then GRPO from its result: the baseline the run is measured against
+                from megatron_rl.train.engine_pool import engine_pool
+                from megatron_rl.train.sft import sft_baseline
 
-            cfg, baseline = sft_baseline(cfg, pool)
-        summary = train(cfg, stop, pool)
+                # SFT's learner actors (placed as GRPO's) are GRPO's learners: a pool for the two stages
+                pool = pool if pool is not None else stages.enter_context(engine_pool())
+                cfg, baseline = sft_baseline(cfg, pool)
+            summary = train(cfg, stop, pool)
     except StopConditionMet as exc:
         exc.summary = {**exc.condition.to_dict(), "checkpointed": True}
         print_summary(exc.summary)

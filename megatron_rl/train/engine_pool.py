@@ -24,7 +24,9 @@ Ray cluster, so a finished run's engines can serve the next run instead of endin
              state dropped, then everything built from that run's sections, initial policy and seed
              as a new actor would; torch.distributed stays up), which saves their process start and
              torch/Megatron imports.  An `sft` run's learner actors (outside any placement group) are
-             parked apart and rebuilt by the next `sft` run (train/sft.py).
+             parked apart and rebuilt by the next `sft` run (train/sft.py).  The SFT stage of a `train`
+             run (sft.first) builds its learners in that run's placement instead, and its GRPO stage
+             takes them; `train` opens a pool of its own for its two stages when given none (train/cli.py).
   placement  the run's Ray placement group is kept under its key (placement kind, learner ranks,
              rollout groups and TP), so parked actors keep their bundles; a run with another key
              drops the pool and reserves its own.
@@ -54,18 +56,29 @@ def engine_pool() -> Iterator["EnginePool"]:
         pool.drop()
 
 
-def sft_learner_group(pool: "EnginePool | None", **spec_fields):
-    """An `sft` run's LearnerGroup (train/learner_group.py) built from a RankSpec of `spec_fields`: the last
-    `sft` run's actors, rebuilt, when `pool` holds them for this layout, else new actors."""
+def sft_learner_group(pool: "EnginePool | None", *, before: object = None, **spec_fields):
+    """An `sft` run's LearnerGroup (train/learner_group.py) built from a RankSpec of `spec_fields`.  With a
+    `pool`: the last `sft` run's actors, rebuilt, when it holds them for this layout; with `before` (the config
+    of the GRPO run that follows, sft.first) the actors sit in that run's placement, reserved in the pool, and
+    are the parked placed learners rebuilt when there are any.  Else new actors."""
     from megatron_rl.train.learner_group import LearnerGroup, RankSpec
 
     spec = RankSpec(**spec_fields)
-    return LearnerGroup(spec, handed_over=pool.take_free_learners(spec.learner.world_size) if pool is not None else None)
+    ranks = spec.learner.world_size
+    if pool is None:
+        return LearnerGroup(spec)
+    if before is not None:
+        return LearnerGroup(spec, placement=pool.placement(before, ranks).learner,
+                            handed_over=pool.take_learners(ranks))
+    return LearnerGroup(spec, handed_over=pool.take_free_learners(ranks))
 
 
-def release_sft_learners(group, pool: "EnginePool | None") -> None:
-    """An `sft` run is done with its learner: parked in `pool` for the next `sft` run, else ended."""
-    if pool is not None:
+def release_sft_learners(group, pool: "EnginePool | None", *, placed: bool = False) -> None:
+    """An `sft` run is done with its learner.  With a pool: parked for the next `sft` run, or (`placed`: built
+    in the placement of the GRPO run that follows) for that run; else ended."""
+    if pool is not None and placed:
+        pool.park_learners(group)
+    elif pool is not None:
         pool.park_free_learners(group)
     group.shutdown()  # ends nothing once parked
 

@@ -32,11 +32,12 @@ from megatron_rl.train.sft_data import sft_batches
 logger = logging.getLogger(__name__)
 
 
-def sft(cfg, pool=None, *, final_eval: bool = True) -> dict:
+def sft(cfg, pool=None, *, before=None) -> dict:
     """Run (or resume) supervised fine-tuning; returns a summary with the test-split baseline.  `pool`: the
     experiment runner's engine pool (train/engine_pool.py), whose parked sft learner actors it rebuilds, or None.
-    `final_eval=False` (sft.first: the GRPO run that follows evaluates the same weights at its step 0, on its
-    own engines): no test eval, so no engine is started for it; the summary has no test figures.
+    `before`: the config of the GRPO run that follows (sft.first).  That run evaluates the same weights at its
+    step 0, on its own engines, so no test eval here (no engine is started; the summary has no test figures),
+    and with a pool the learner actors are built in its placement and left to it.
 
     The same parts as GRPO's driver: the learner group, the Checkpointer (resume point chosen once,
     train/resume.py; one cadence) and the Reporter (metrics, console line, the final test eval logged once)."""
@@ -59,7 +60,7 @@ def sft(cfg, pool=None, *, final_eval: bool = True) -> dict:
     learner = report = None
     try:  # with a pool: the last sft run's learner actors, rebuilt (train/engine_pool.py)
         make_batch = sft_batches(cfg, inputs, lc.micro_batch_size)  # before any actor: no expert stops here
-        learner = sft_learner_group(pool, learner=lc, loss=cfg.loss.without_kl(),
+        learner = sft_learner_group(pool, before=before, learner=lc, loss=cfg.loss.without_kl(),
                                     hf_dir=str(inputs.model_dir), seed=lc.seed, deterministic=cfg.run.deterministic,
                                     threads=cfg.run.torch_threads)
         manifest = checkpointer.restore(learner, cursor)
@@ -70,9 +71,9 @@ def sft(cfg, pool=None, *, final_eval: bool = True) -> dict:
                           steps=cfg.sft.steps)
         report.rewind(start)  # steps after the checkpoint are redone: log them once
         _train(cfg, lc, inputs, learner, cursor, checkpointer, report, start, make_batch)
-        release_sft_learners(learner, pool)  # with a pool: kept for the next sft run
+        release_sft_learners(learner, pool, placed=before is not None)  # with a pool: kept for the next run
         learner = None
-        if not final_eval:
+        if before is not None:
             return {"steps": cfg.sft.steps, "run_dir": str(run_dir)}
         result = report.final_eval(cfg.sft.steps)  # an attempt that ended here logged it: taken from there
         return {"steps": cfg.sft.steps, "test_correctness": result["correctness"], "test_reward": result["reward"],
@@ -150,11 +151,11 @@ def sft_baseline(cfg, pool=None) -> tuple[object, dict]:
     sft_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(sft_dir)))
     done = sft_dir / SFT_SUMMARY
     summary = json.loads(done.read_text()) if done.is_file() else None
+    model = dataclasses.replace(cfg.model, init_from=str(sft_dir), tiny=None, path=None)
+    grpo_cfg = dataclasses.replace(cfg, model=model, sft=dataclasses.replace(cfg.sft, first=False))
     if summary is None or summary.get("config_hash") != config_hash(sft_cfg):
-        summary = {**sft(sft_cfg, pool, final_eval=False), "config_hash": config_hash(sft_cfg)}
+        summary = {**sft(sft_cfg, pool, before=grpo_cfg), "config_hash": config_hash(sft_cfg)}
         done.write_text(json.dumps(summary))
     else:
         logger.info("SFT baseline %s already finished: reusing it", sft_dir)
-    model = dataclasses.replace(cfg.model, init_from=str(sft_dir), tiny=None, path=None)
-    grpo_cfg = dataclasses.replace(cfg, model=model, sft=dataclasses.replace(cfg.sft, first=False))
     return grpo_cfg, summary
