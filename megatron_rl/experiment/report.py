@@ -85,7 +85,11 @@ def run_costs(path: Path) -> dict[str, float]:
             "kl_last10": finite_mean(rows, "learn/kl_ref_estimate", last=10),
             "kl_coef_last10": finite_mean(rows, "learn/kl_coef", last=10),
             "response_length_first10": finite_mean(rows[::-1], "learn/response_length", last=10),
-            "response_length_last10": finite_mean(rows, "learn/response_length", last=10)}
+            "response_length_last10": finite_mean(rows, "learn/response_length", last=10),
+            "response_length_max": max((r["learn/response_length_max"] for r in rows
+                                        if "learn/response_length_max" in r), default=float("nan")),
+            "step_time_p99_s": finite_percentile(rows, "system/time_step_s", 99),
+            "loop_s": sum(r["system/time_step_s"] for r in rows if "system/time_step_s" in r)}
 
 
 def finite_mean(rows: list[dict], key: str, last: int | None = None) -> float:
@@ -94,6 +98,12 @@ def finite_mean(rows: list[dict], key: str, last: int | None = None) -> float:
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     vals = vals[-last:] if last else vals
     return float(np.mean(vals)) if vals else float("nan")
+
+
+def finite_percentile(rows: list[dict], key: str, q: float) -> float:
+    """The `q`-th percentile of `key` over the rows that hold a finite value of it; NaN when none does."""
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return float(np.percentile(vals, q)) if vals else float("nan")
 
 
 def failure_samples(path: Path, n: int = 3) -> list[dict]:
@@ -156,17 +166,19 @@ def write_report(cfg: ExperimentConfig) -> dict:
              f"{pre['hypothesis']}", "", f"Primary metric: hidden-test correctness (greedy pass@1); baseline arm "
              f"`{report['baseline_arm']}`; minimal effect {pre['minimal_effect']}; alpha {pre['alpha']}; seeds "
              f"{report['seeds']}.", "",
-             "| arm | test correctness | diff vs baseline | 95% CI | verdict | wall s | gen. tokens | gen. TPS | ESR "
-             "| eff. TPS | clip | D_lag | KL, last 10 steps | length, first -> last 10 steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| arm | test correctness | diff vs baseline | 95% CI | verdict | wall s | step s P99 | gen. tokens "
+             "| gen. TPS | ESR | eff. TPS | clip | D_lag | KL, last 10 steps | length, first -> last 10 steps (max) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, e in report["arms"].items():
         c = e["costs"]
         ci = f"[{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}]" if "ci" in e else "-"
         diff = f"{e['difference']:+.3f}" if "difference" in e else "-"
         lines.append(f"| {arm} | {e['test_correctness_mean']:.3f} | {diff} | {ci} | {e.get('verdict', 'baseline')} | "
-                     f"{c['wall_s']:.0f} | {c['generated_tokens']:.0f} | {c['generated_tokens_per_s']:.1f} | {c['esr']:.3f} | "
+                     f"{c['wall_s']:.0f} | {c['step_time_p99_s']:.2f} | {c['generated_tokens']:.0f} | "
+                     f"{c['generated_tokens_per_s']:.1f} | {c['esr']:.3f} | "
                      f"{c['effective_tokens_per_s']:.1f} | {c['clip_fraction']:.3f} | {c['d_lag']:.2e} | "
-                     f"{c['kl_last10']:.3f} | {c['response_length_first10']:.2f} -> {c['response_length_last10']:.2f} |")
+                     f"{c['kl_last10']:.3f} | {c['response_length_first10']:.2f} -> {c['response_length_last10']:.2f} "
+                     f"({c['response_length_max']:.0f}) |")
     lines += _cost_and_failures(report)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     _plots(cfg, report)
@@ -176,11 +188,13 @@ def write_report(cfg: ExperimentConfig) -> dict:
 def _cost_and_failures(report: dict) -> list[str]:
     """The report's cost table, failure samples and what was estimated or not run."""
     lines = ["", "## Cost (per run, mean over seeds)", "",
-             "| arm | CPU-hours | generated tokens | informative tokens | learned tokens (prompt + response) |", "|---|---|---|---|---|"]
+             "| arm | CPU-hours | generated tokens | informative tokens | learned tokens (prompt + response) "
+             "| training loop s | informative tokens / loop s |", "|---|---|---|---|---|---|---|"]
     for arm, e in report["arms"].items():
         c = e["costs"]
         lines.append(f"| {arm} | {c['cpu_hours']:.3f} | {c['generated_tokens']:.0f} | "
-                     f"{c['informative_tokens']:.0f} | {c['learned_tokens']:.0f} |")
+                     f"{c['informative_tokens']:.0f} | {c['learned_tokens']:.0f} | {c['loop_s']:.0f} | "
+                     f"{c['informative_tokens'] / c['loop_s'] if c['loop_s'] else float('nan'):.1f} |")
     lines += ["", f"## Failure samples (seed {report['seeds'][0]}: wrong hidden-test answers, up to 3 per arm)", ""]
     for arm, e in report["arms"].items():
         shown = "; ".join(f"`{f['id']}` answer {f['answer']!r}, response {f['response']!r}" for f in e["failures"])
@@ -189,6 +203,9 @@ def _cost_and_failures(report: dict) -> list[str]:
               "- CPU-hours are estimated: wall time x the machine's CPU count, not measured per process.",
               "- Informative tokens are each step's generated tokens x its ESR; learned tokens each step's learned "
               "tokens per second x its learn time.",
+              "- The training loop is the sum of the steps' times (start-up and evals left out); its informative "
+              "tokens per second are the system's effective TPS.  The main table's gen. and eff. TPS divide by the "
+              "time the driver waited for rollouts, which overlapped generation hides.",
               *(f"- Not run: {item}" for item in report["not_run"])]
     return lines
 

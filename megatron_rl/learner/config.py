@@ -12,6 +12,7 @@ import dataclasses
 from typing import Literal, Optional
 
 from megatron_rl.models.lora import LoraConfig
+from megatron_rl.platform.cores import parse_cores
 
 
 def uses_sequence_parallel(moe: bool, tp: int) -> bool:
@@ -91,6 +92,9 @@ class LearnerConfig:
     """Full activation recomputation per layer (saves memory, costs a forward)."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     """LoRA: train low-rank adapters beside the linear layers of a frozen base (megatron_rl.models.lora)."""
+    cpu_cores: Optional[str] = None
+    """The cores every learner rank's process runs on ("0", "0-1", "0,2-3"), so that the learner and
+    the rollout engines (rollout.cpu_cores) do not contend for the same ones (platform/cores.py).  None: any."""
 
     @property
     def world_size(self) -> int:
@@ -129,6 +133,8 @@ class LearnerConfig:
                              "whose experts take no adapters yet; turn one of them off")
         if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
             raise ValueError(f"learner.lr_decay_style={self.lr_decay_style!r} needs learner.lr_decay_steps")
+        if self.cpu_cores is not None:
+            parse_cores(self.cpu_cores, "learner.cpu_cores")
 
     def micro_batching(self) -> str:
         """How a batch is cut into micro-batches, in words (what 0 and null mean included)."""

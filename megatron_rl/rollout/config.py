@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_rl.platform.cores import parse_cores
+
 WEIGHT_TRANSFER = ("auto", "gloo", "nccl", "ipc", "none")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 INFLIGHT_REFIT = ("wait", "recompute", "keep_kv")
@@ -70,7 +72,13 @@ class RolloutConfig:
     one worker after others loaded it is rolled back on all of them (costs one copy of the model
     per worker).  Off: such a group serves nothing until the next publication commits."""
     cpu_threads_bind: str | None = None
-    """VLLM_CPU_OMP_THREADS_BIND; None picks "0|1|..." (one core per TP rank) when TP > 1 on CPU."""
+    """VLLM_CPU_OMP_THREADS_BIND; None picks rollout.cpu_cores when that is set (TP 1), else "0|1|..." (one core
+    per TP rank) when TP > 1 on CPU."""
+    cpu_cores: str | None = None
+    """The cores the rollout actor and the engine processes it starts run on ("1", "0-1", "0,2-3"), and
+    its OpenMP threads' binding unless cpu_threads_bind is set, so that the engines and the learner
+    (learner.cpu_cores) do not contend for the same ones (platform/cores.py).  None: any.  TP > 1 needs
+    cpu_threads_bind too (one core list per TP rank)."""
     num_cpus: float = 0.0
     """Ray CPUs reserved for the actor (vLLM's own processes are not Ray tasks)."""
     engine_in_process: bool = False
@@ -141,6 +149,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.logprobs_mode {self.logprobs_mode!r} is not one of {list(LOGPROBS_MODES)}")
         if self.engine_in_process is not True and self.engine_in_process is not False:
             raise ValueError(f"rollout.engine_in_process must be true or false, got {self.engine_in_process!r}")
+        if self.cpu_cores is not None:
+            parse_cores(self.cpu_cores, "rollout.cpu_cores")
+            if self.tensor_parallel_size > 1 and self.cpu_threads_bind is None:
+                raise ValueError(f"rollout.cpu_cores with rollout.tensor_parallel_size {self.tensor_parallel_size} "
+                                 "needs rollout.cpu_threads_bind: one core list per TP rank, separated by '|'")
         if self.engine_in_process and self.tensor_parallel_size != 1:
             raise ValueError(f"rollout.engine_in_process needs rollout.tensor_parallel_size 1 (one worker "
                              f"process per rank otherwise), got {self.tensor_parallel_size}")

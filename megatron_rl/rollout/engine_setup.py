@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any
 
+from megatron_rl.platform.cores import confine_process, format_cores, parse_cores
 from megatron_rl.platform.priority import RAY_ACTOR_ENV
 from megatron_rl.rollout.config import RolloutConfig
 
@@ -37,6 +38,8 @@ def engine_env(cfg: RolloutConfig, on_gpu: bool) -> dict[str, str]:
         return {**in_process, **transfer_path(cfg).engine_env}
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), **in_process}
     bind = cfg.cpu_threads_bind
+    if bind is None and cfg.cpu_cores is not None:  # TP 1 (config check): its one worker's threads on the cores
+        bind = format_cores(parse_cores(cfg.cpu_cores, "rollout.cpu_cores"))
     if bind is None and cfg.tensor_parallel_size > 1:
         # vLLM's "auto" binding wants one NUMA node per TP rank; give each rank one core.
         ncpu = os.cpu_count() or 1
@@ -83,6 +86,8 @@ def prepare_actor(cfg: RolloutConfig) -> None:
 
     configure_worker_logging()
     undo_ray_niceness()
+    if cfg.cpu_cores is not None:  # before vLLM starts: the processes and threads it starts inherit them
+        confine_process(parse_cores(cfg.cpu_cores, "rollout.cpu_cores"), os.sched_getaffinity(0), "rollout.cpu_cores")
     if cfg.weight_transfer != "none":
         import megatron_rl.publish.vllm_engine  # noqa: F401
 
@@ -138,7 +143,7 @@ def engine_identity(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     # A streaming group is another actor (rollout/stream_actor.py) around another engine (vLLM's async one).
     # A LoRA run's engine keeps the base it loaded (only adapters are published): the base must be the same.
     return {"llm": args, "env": engine_env(cfg, on_gpu), "model": shapes, "num_cpus": cfg.num_cpus,
-            "streaming": cfg.streaming, "lora_base": cfg.model if cfg.adapter is not None else None}
+            "cpu_cores": cfg.cpu_cores, "streaming": cfg.streaming, "lora_base": cfg.model if cfg.adapter is not None else None}
 
 
 def watched(llm, call):

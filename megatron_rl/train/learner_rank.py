@@ -30,6 +30,7 @@ from functools import partial
 
 import torch
 
+from megatron_rl.platform.cores import confine_process, parse_cores
 from megatron_rl.train.learner_build import InitialPolicy, Reference, Rendezvous, seed_everything
 from megatron_rl.train.learner_weights import PublishSettings, WeightIO
 
@@ -77,6 +78,8 @@ class LearnerWorker:
         self.publish_dtype = torch.float32
         """The engines' dtype, once connected: every rank casts to it (the gathers run in it)."""
         self.ooms = 0  # drill bookkeeping: injected out-of-memory errors so far
+        self.started_on = os.sched_getaffinity(0)
+        """The cores this process started with: those of a run with no learner.cpu_cores (platform/cores.py)."""
 
     # ---- building ------------------------------------------------------------------------------
 
@@ -118,6 +121,9 @@ class LearnerWorker:
         self.spec = self.policy = self.reference = self.weights = None
 
     def _build(self, spec: RankSpec, platform) -> None:
+        cores = spec.learner.cpu_cores
+        confine_process(parse_cores(cores, "learner.cpu_cores") if cores is not None else self.started_on,
+                        self.started_on, "learner.cpu_cores")
         self.spec = spec
         self.policy = InitialPolicy.load(spec, platform)
         self.reference = Reference(self.policy) if spec.loss.has_reference else None

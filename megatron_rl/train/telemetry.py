@@ -70,6 +70,7 @@ def _learn_metrics(samples: list, valid: list, learn: dict, logps: np.ndarray) -
         out[f"learn/reward_{comp}"] = _mean([t.reward_components.get(comp, 0.0) for t in valid])
     # the tokens the policy sampled: a multi-turn episode's observations are in its response, not in its length
     out["learn/response_length"] = sum(s.generated_tokens for s in samples) / max(len(samples), 1)
+    out["learn/response_length_max"] = float(max((s.generated_tokens for s in samples), default=0))  # the tail
     out["learn/entropy_estimate"] = float(-logps.mean()) if logps.size else float("nan")
     for key in ("loss", "pg_loss", "clip_fraction", "ratio_mean", "ratio_max", "grad_norm", "lr",
                 "d_lag", "d_lag/p50", "d_lag/p95", "d_lag/p99", "lag_weight", "entropy_coef", "kl_coef",

@@ -80,6 +80,10 @@ def test_sft_baseline_then_grpo_starts_from_it(tmp_path):
     assert grpo["baseline"] == "sft" and grpo["sft_steps"] == 6
     assert grpo["initial_test_correctness"] == grpo["baseline_test_correctness"] is not None
     assert not [r for r in read_jsonl(sft_dir / "metrics" / "metrics.jsonl") if "eval/test_correctness" in r]
+    # The SFT stage's learner actor is GRPO's learner: one learner process, rebuilt for GRPO (train/engine_pool.py).
+    learner_log = (run / "logs" / "ray_LearnerWorker.log").read_text().splitlines()
+    assert len({line.split(",")[0] for line in learner_log if line.startswith("(pid=")}) == 1
+    assert [line for line in learner_log if "rebuilt in its process" in line and "sft/export" in line]
     # The policy GRPO trained from the SFT run leaves the system (issue 30): `convert mcore-to-hf` finds the
     # config and tokenizer of the model the run started from (tests/unit/test_run_model_dir.py: every way).
     step = max(p for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").is_file())

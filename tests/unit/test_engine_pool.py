@@ -102,6 +102,8 @@ def test_engine_identity_is_shapes_and_engine_arguments_not_weights_or_sampling(
     other_kv = dataclasses.replace(a, kv_cache_gib=2)
     for other in (wider, longer, other_kv):
         assert engine_identity(other, False) != engine_identity(a, False)
+    bound = dataclasses.replace(a, cpu_threads_bind="0")  # the same binding, the actor on other cores
+    assert engine_identity(dataclasses.replace(bound, cpu_cores="0"), False) != engine_identity(bound, False)
 
 
 def test_a_serving_fleet_is_handed_to_the_next_run_stale_until_published(ray_local, tmp_path):

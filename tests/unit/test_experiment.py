@@ -281,3 +281,20 @@ def test_what_was_not_run_is_named_in_the_report(tmp_path):
     report = write_report(cfg)
     assert report["not_run"] == ["the colocated arm (needs a GPU)"]
     assert "- Not run: the colocated arm (needs a GPU)" in (Path(cfg.dir) / "report.md").read_text()
+
+
+def test_a_runs_costs_hold_its_step_time_p99_and_its_longest_response(tmp_path):
+    # The architecture experiment's columns: step-time P99 over the run's steps, the longest response of any step.
+    from megatron_rl.experiment.report import run_costs
+
+    (tmp_path / "metrics").mkdir()
+    rows = [{"step": s, "system/time_step_s": float(s), "learn/response_length": 2.0,
+             "learn/response_length_max": float(2 + (s == 37) * 22)} for s in range(1, 101)]
+    rows.append({"step": 100, "eval/test_correctness": 0.9})  # an eval row holds neither
+    (tmp_path / "metrics" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps({"run": {"prompts_per_step": 8, "group_size": 8}}))
+    (tmp_path / "result.json").write_text(json.dumps({"wall_s": 10.0}))
+    costs = run_costs(tmp_path)
+    assert costs["step_time_p99_s"] == pytest.approx(99.01)
+    assert costs["response_length_max"] == 24.0
+    assert costs["loop_s"] == sum(range(1, 101))
