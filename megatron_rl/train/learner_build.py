@@ -34,6 +34,15 @@ def seed_everything(seed: int, deterministic: bool | None, threads: int) -> None
     apply_determinism(deterministic, cuda=torch.cuda.is_available())
 
 
+def confine_learner(cores: str | None, started_on: set[int]) -> None:
+    """This rank's process on learner.cpu_cores, or back on `started_on` (the cores it started with) when
+    they are unset (platform/cores.py)."""
+    from megatron_rl.platform.cores import confine_process, parse_cores
+
+    wanted = parse_cores(cores, "learner.cpu_cores") if cores is not None else started_on
+    confine_process(wanted, started_on, "learner.cpu_cores")
+
+
 class Rendezvous:
     """How the learner ranks find each other: rank 0's store, bound before any rank hears its port."""
 

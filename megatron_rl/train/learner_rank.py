@@ -30,8 +30,7 @@ from functools import partial
 
 import torch
 
-from megatron_rl.platform.cores import confine_process, parse_cores
-from megatron_rl.train.learner_build import InitialPolicy, Reference, Rendezvous, seed_everything
+from megatron_rl.train.learner_build import InitialPolicy, Reference, Rendezvous, confine_learner, seed_everything
 from megatron_rl.train.learner_weights import PublishSettings, WeightIO
 
 logger = logging.getLogger(__name__)
@@ -121,9 +120,7 @@ class LearnerWorker:
         self.spec = self.policy = self.reference = self.weights = None
 
     def _build(self, spec: RankSpec, platform) -> None:
-        cores = spec.learner.cpu_cores
-        confine_process(parse_cores(cores, "learner.cpu_cores") if cores is not None else self.started_on,
-                        self.started_on, "learner.cpu_cores")
+        confine_learner(spec.learner.cpu_cores, self.started_on)
         self.spec = spec
         self.policy = InitialPolicy.load(spec, platform)
         self.reference = Reference(self.policy) if spec.loss.has_reference else None

@@ -114,8 +114,9 @@ def test_the_main_job_sft_then_grpo_evaluates_and_exports(tmp_path, monkeypatch)
     run = tmp_path / "tiny_cpu"
     stages = {}
 
-    def sft_stage(cfg, pool=None, *, final_eval=True):  # the SFT stage, a checkpoint of its start weights
-        assert not final_eval  # sft.first: the GRPO run's step-0 eval is the baseline's (train/sft.py)
+    def sft_stage(cfg, pool=None, *, before=None):  # the SFT stage, a checkpoint of its start weights
+        # sft.first: the GRPO run that follows is named (its step-0 eval is the baseline's, train/sft.py)
+        assert before is not None and before.model.init_from == str(run / "sft")
         stages["sft"] = start_run(cfg, kind="sft")
         return {"steps": 8, "run_dir": str(cfg.run.dir)}
 
