@@ -86,24 +86,28 @@ def run_costs(path: Path) -> dict[str, float]:
             "kl_coef_last10": finite_mean(rows, "learn/kl_coef", last=10),
             "response_length_first10": finite_mean(rows[::-1], "learn/response_length", last=10),
             "response_length_last10": finite_mean(rows, "learn/response_length", last=10),
-            "response_length_max": max((r["learn/response_length_max"] for r in rows
-                                        if "learn/response_length_max" in r), default=float("nan")),
+            "response_length_max": max(finite_values(rows, "learn/response_length_max"), default=float("nan")),
             "step_time_p99_s": finite_percentile(rows, "system/time_step_s", 99),
-            "loop_s": sum(r["system/time_step_s"] for r in rows if "system/time_step_s" in r)}
+            "loop_s": sum(finite_values(rows, "system/time_step_s"))}
 
 
 def finite_mean(rows: list[dict], key: str, last: int | None = None) -> float:
     """The mean of `key` over the rows that hold a finite value of it, or over the `last` of them (where a run
     ended up: the KL to the reference, β, the response length); NaN when none does."""
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    vals = finite_values(rows, key)
     vals = vals[-last:] if last else vals
     return float(np.mean(vals)) if vals else float("nan")
 
 
 def finite_percentile(rows: list[dict], key: str, q: float) -> float:
     """The `q`-th percentile of `key` over the rows that hold a finite value of it; NaN when none does."""
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    vals = finite_values(rows, key)
     return float(np.percentile(vals, q)) if vals else float("nan")
+
+
+def finite_values(rows: list[dict], key: str) -> list[float]:
+    """`key`'s values, in row order, of the rows that hold a finite number under it."""
+    return [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
 
 
 def failure_samples(path: Path, n: int = 3) -> list[dict]:

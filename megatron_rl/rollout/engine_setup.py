@@ -87,7 +87,8 @@ def prepare_actor(cfg: RolloutConfig) -> None:
     configure_worker_logging()
     undo_ray_niceness()
     if cfg.cpu_cores is not None:  # before vLLM starts: the processes and threads it starts inherit them
-        confine_process(parse_cores(cfg.cpu_cores, "rollout.cpu_cores"), os.sched_getaffinity(0), "rollout.cpu_cores")
+        field = "rollout.cpu_cores"
+        confine_process(parse_cores(cfg.cpu_cores, field), os.sched_getaffinity(0), field)
     if cfg.weight_transfer != "none":
         import megatron_rl.publish.vllm_engine  # noqa: F401
 
@@ -143,7 +144,8 @@ def engine_identity(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     # A streaming group is another actor (rollout/stream_actor.py) around another engine (vLLM's async one).
     # A LoRA run's engine keeps the base it loaded (only adapters are published): the base must be the same.
     return {"llm": args, "env": engine_env(cfg, on_gpu), "model": shapes, "num_cpus": cfg.num_cpus,
-            "cpu_cores": cfg.cpu_cores, "streaming": cfg.streaming, "lora_base": cfg.model if cfg.adapter is not None else None}
+            "cpu_cores": cfg.cpu_cores, "streaming": cfg.streaming,
+            "lora_base": cfg.model if cfg.adapter is not None else None}
 
 
 def watched(llm, call):
