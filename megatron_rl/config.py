@@ -100,6 +100,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return float(value)
     if hint is float and isinstance(value, str) and FLOAT_TEXT.fullmatch(value.strip()):
         return float(value)  # YAML 1.1 reads 1e-6 (no dot) as text: the number it spells
+    if hint is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # YAML reads a bare 0 as a number: a text field (a core list, a name) gets its digits
     if hint in (int, float, str, bool):
         if isinstance(value, bool) and hint is not bool:
             raise ConfigError(f"{where}: expected {hint.__name__}, got bool {value!r}")

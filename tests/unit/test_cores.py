@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from megatron_rl.config import ConfigError, apply_overrides, from_dict
 from megatron_rl.learner.config import LearnerConfig
 from megatron_rl.platform.cores import confine_process, format_cores, parse_cores
 from megatron_rl.rollout.config import RolloutConfig
@@ -69,3 +70,12 @@ def test_cores_outside_the_process_are_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"rollout.cpu_cores: core\(s\) 9999 are not among"):
         confine_process({9999}, allowed, "rollout.cpu_cores")
     assert os.sched_getaffinity(0) == allowed  # nothing moved
+
+
+def test_a_bare_core_number_from_yaml_or_an_override_is_a_core_list():
+    """`cpu_cores: 0` in YAML, or `learner.cpu_cores=0` on the command line, is read as the number 0."""
+    cfg = from_dict(LearnerConfig, apply_overrides({}, ["cpu_cores=0"]))
+    assert cfg.cpu_cores == "0" and parse_cores(cfg.cpu_cores, "f") == {0}
+    assert from_dict(RolloutConfig, {"cpu_cores": 1}).cpu_cores == "1"
+    with pytest.raises(ConfigError, match="cpu_cores"):  # true is no core list
+        from_dict(RolloutConfig, {"cpu_cores": True})
