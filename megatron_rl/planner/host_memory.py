@@ -18,7 +18,8 @@ colocated node, each engine keeps its weights in host memory while it sleeps (vL
 rollout/sleep.py) and a rollback copy of the serving weights (rollout.keep_rollback_copy).
 
     optimizer_load   = ranks per node x (P_stage + F_stage) x 12     P_stage = P / (TP x PP), learner ranks
-                       F_stage = L x 2 h x f / (TP x PP), the fc1 share (MoE: f = E x F_e, the experts')
+                       (MoE: the experts' P_exp / (EP x TP x PP): a rank's shard holds E / EP experts)
+                       F_stage = L x 2 h x f / (TP x PP), the fc1 share (MoE: f = E / EP x F_e, the experts')
                        (LoRA: A_stage, the adapters' share of the GPU, ledger.py, instead of P_stage, and
                        fc1's lora_B, L / PP x r x 2 f / TP when fc1 takes adapters, instead of F_stage)
     engine_sleep     = engines per node x P / TP_r x bytes(engine dtype)   (when the engines sleep)
@@ -60,8 +61,14 @@ def swiglu_fc1_params(model: ModelDims, lay: LearnerLayout) -> float:
     if lay.lora_rank:
         fc1 = "fc1" in lay.lora_targets
         return model.num_layers / lay.pp * lay.lora_rank * 2 * model.intermediate_size / lay.tp if fc1 else 0.0
-    width = model.num_experts * model.moe_ffn_hidden_size if model.num_experts else model.intermediate_size
+    width = model.num_experts // lay.ep * model.moe_ffn_hidden_size if model.num_experts else model.intermediate_size
     return model.num_layers * 2 * model.hidden_size * width / (lay.tp * lay.pp)
+
+
+def stage_params(model: ModelDims, lay: LearnerLayout) -> float:
+    """P_stage: the parameters of one learner rank's model-parallel shard; the experts are split over EP too."""
+    dense = model.num_params - model.expert_params
+    return dense / (lay.tp * lay.pp) + model.expert_params / (lay.ep * lay.tp * lay.pp)
 
 
 def resume_host_memory(model: ModelDims, lay: LearnerLayout, roll: RolloutLayout, *, gpus_per_node: int,
@@ -71,7 +78,7 @@ def resume_host_memory(model: ModelDims, lay: LearnerLayout, roll: RolloutLayout
         raise ValueError(f"cluster.gpus_per_node must be >= 1, got {gpus_per_node}")
     ranks = min(gpus_per_node, lay.gpus)
     engines = min(gpus_per_node, roll.gpus)
-    p_stage = model.num_params / (lay.tp * lay.pp)
+    p_stage = stage_params(model, lay)
     engine_weights = model.num_params / roll.tp * _bytes(roll.dtype)
     trained = adapter_params(model, lay) if lay.lora_rank else p_stage
     return HostMemory({

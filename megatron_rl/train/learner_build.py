@@ -36,9 +36,11 @@ def seed_everything(seed: int, deterministic: bool | None, threads: int) -> None
 
 def confine_learner(cores: str | None, started_on: set[int]) -> None:
     """This rank's process on learner.cpu_cores, or back on `started_on` (the cores it started with) when
-    they are unset (platform/cores.py)."""
+    they are unset (platform/cores.py); nothing to do when unset and never moved."""
     from megatron_rl.platform.cores import confine_process, parse_cores
 
+    if cores is None and os.sched_getaffinity(0) == started_on:
+        return  # every thread is where it started: confine_process moves all of them together
     wanted = parse_cores(cores, "learner.cpu_cores") if cores is not None else started_on
     confine_process(wanted, started_on, "learner.cpu_cores")
 

@@ -79,3 +79,21 @@ def test_a_bare_core_number_from_yaml_or_an_override_is_a_core_list():
     assert from_dict(RolloutConfig, {"cpu_cores": 1}).cpu_cores == "1"
     with pytest.raises(ConfigError, match="cpu_cores"):  # true is no core list
         from_dict(RolloutConfig, {"cpu_cores": True})
+
+
+def test_a_learner_without_cores_is_moved_only_back_to_where_it_started(monkeypatch):
+    """confine_learner: no affinity call at a build when learner.cpu_cores is unset and the process never moved;
+    the named cores, or the ones it started on after a move, for every thread (recorded, not applied)."""
+    from megatron_rl.train.learner_build import confine_learner
+
+    moves: list[set[int]] = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cores: moves.append(set(cores)))
+    started = os.sched_getaffinity(0)
+    confine_learner(None, started)
+    assert moves == []
+    confine_learner("0", started)
+    assert moves and all(m == {0} for m in moves)
+    moves.clear()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # as if a run before had moved it to core 0
+    confine_learner(None, started)
+    assert moves and all(m == started for m in moves)
