@@ -1,4 +1,5 @@
-"""Threads that run environment steps: reused, never shared by two calls at once, never joined at exit.
+"""Threads that run environment steps: reused, never shared by two calls at once, never joined at exit,
+retired after a while idle.
 
     threads = StepThreads()
     value = threads.call(lambda: env.step(text), timeout_s=30)   # blocking; StepTimeout past the limit
@@ -10,7 +11,8 @@ Every call gets a thread of its own for as long as it runs, so a slow tool makes
 A thread whose call finished goes back to the idle stack and takes the next call, so a turn costs a
 hand-off, not a thread start.  A call that outlives its timeout keeps its thread until it returns (then
 the thread is idle again); the threads are daemons, so a tool stuck for good never holds the process at
-exit.  Hand-offs cost more than they look: on a 2-core VM one thread waking another on the other core
+exit.  A thread idle for `idle_s` (60 s) ends, so a burst of many episodes at once leaves no crowd of
+idle threads behind for the rest of the run.  Hand-offs cost more than they look: on a 2-core VM one thread waking another on the other core
 took ~240 us (24 us on one core), so an awaited step takes one hand-off out and one back, and its
 timeout is watched by the event loop, not by a third thread.
 """
@@ -48,8 +50,10 @@ class _Box:
 class StepThreads:
     """An elastic set of daemon threads; idle ones are reused, a busy one is never waited for."""
 
-    def __init__(self, name: str = "env-step"):
-        self.name = name
+    def __init__(self, name: str = "env-step", idle_s: float = 60.0):
+        if not idle_s > 0:
+            raise ValueError(f"StepThreads idle_s must be > 0 seconds, got {idle_s!r}")
+        self.name, self.idle_s = name, idle_s
         self._idle: list[queue.SimpleQueue] = []
         self._lock = threading.Lock()
         self._count = itertools.count()
@@ -116,9 +120,26 @@ class StepThreads:
             if not future.done():  # timed out, or this task was cancelled: nobody takes the outcome
                 future.cancel()
 
-    def _serve(self, inbox: queue.SimpleQueue) -> None:
+    @property
+    def alive(self) -> int:
+        """Threads of this pool alive now, busy or idle."""
+        return sum(t.name.startswith(f"{self.name}-") for t in threading.enumerate())
+
+    def _next(self, inbox: queue.SimpleQueue) -> tuple | None:
+        """The next call for this thread, or None once it has been idle for idle_s and may end."""
         while True:
-            fn, box, notify = inbox.get()
+            try:
+                return inbox.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:  # nobody took it: off the stack, so nobody can
+                        self._idle.remove(inbox)
+                        return None
+                # submit() took this inbox and puts its call right after: wait for it
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while (item := self._next(inbox)) is not None:
+            fn, box, notify = item
             try:
                 box.value = fn()
             except BaseException as err:  # handed to the caller, which decides

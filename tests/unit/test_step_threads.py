@@ -95,3 +95,28 @@ def test_run_timed_raises_what_before_raised():
 
     with pytest.raises(LookupError, match="refit check refused"):
         asyncio.run(main())
+
+
+def test_threads_idle_past_idle_s_end_and_the_pool_still_serves():
+    threads, n = StepThreads("t-retire", idle_s=0.05), 8
+    barrier = threading.Barrier(n, timeout=5)
+    for box in [threads.submit(barrier.wait) for _ in range(n)]:
+        assert box.done.wait(10)
+    assert threads.alive >= n - 1  # a burst of n calls at once: n threads (one may be retiring already)
+    deadline = time.monotonic() + 5
+    while threads.alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert threads.alive == 0 and threads._idle == []
+    assert threads.call(lambda: 7, 5) == 7  # a new thread for the next call
+
+
+def test_a_call_handed_to_a_thread_as_it_retires_is_never_lost():
+    threads = StepThreads("t-race", idle_s=0.001)  # each thread times out about as often as it is handed a call
+    for i in range(300):
+        assert threads.call(lambda i=i: i, 5) == i
+        time.sleep(0.001 * (i % 3))
+
+
+def test_idle_s_must_be_positive():
+    with pytest.raises(ValueError, match="idle_s"):
+        StepThreads("t-bad", idle_s=0)
