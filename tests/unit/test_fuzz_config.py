@@ -93,11 +93,19 @@ def test_arbitrary_yaml_document(tmp_path_factory, doc):
 
 @pytest.mark.parametrize("overrides, match", [
     (["run.steps=["], "run.steps"),  # yaml.ParserError escaped apply_overrides
-    (["run.dir=5"], "run.dir"),  # Path(5): TypeError in load_train_config
 ])
 def test_override_regressions(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_train_config(TINY, overrides)
+
+
+def test_a_bare_number_for_a_text_field_is_its_digits():
+    """run.dir=5 once reached Path(5) (a TypeError in load_train_config); a text field given a number now takes
+    its digits (YAML reads `cpu_cores: 0` or a directory named 5 as a number)."""
+    cfg = load_train_config(TINY, ["run.dir=5", "learner.cpu_cores=0"])
+    assert str(cfg.run.dir) == "5" and cfg.learner.cpu_cores == "0"
+    with pytest.raises(ConfigError, match="run.dir"):
+        load_train_config(TINY, ["run.dir=[1]"])
 
 
 @pytest.mark.parametrize("text, match", [
