@@ -12,9 +12,9 @@ A thread whose call finished goes back to the idle stack and takes the next call
 hand-off, not a thread start.  A call that outlives its timeout keeps its thread until it returns (then
 the thread is idle again); the threads are daemons, so a tool stuck for good never holds the process at
 exit.  A thread idle for `idle_s` (60 s) ends, so a burst of many episodes at once leaves no crowd of
-idle threads behind for the rest of the run.  Hand-offs cost more than they look: on a 2-core VM one thread waking another on the other core
-took ~240 us (24 us on one core), so an awaited step takes one hand-off out and one back, and its
-timeout is watched by the event loop, not by a third thread.
+idle threads behind for the rest of the run.  Hand-offs cost more than they look: on a 2-core VM one
+thread waking another on the other core took ~240 us (24 us on one core), so an awaited step takes one
+hand-off out and one back, and its timeout is watched by the event loop, not by a third thread.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.planner.ledger import GIB, LearnerLayout, ModelDims, RolloutLayout, _bytes, adapter_params
+from megatron_rl.planner.ledger import (GIB, LearnerLayout, ModelDims, RolloutLayout, _bytes, adapter_params,
+                                        shard_params)
 
 OPTIMIZER_LOAD_BYTES = 12  # fp32 master + Adam m + v, per parameter of the rank's stage, and again per fc1 parameter
 
@@ -67,8 +68,7 @@ def swiglu_fc1_params(model: ModelDims, lay: LearnerLayout) -> float:
 
 def stage_params(model: ModelDims, lay: LearnerLayout) -> float:
     """P_stage: the parameters of one learner rank's model-parallel shard; the experts are split over EP too."""
-    dense = model.num_params - model.expert_params
-    return dense / (lay.tp * lay.pp) + model.expert_params / (lay.ep * lay.tp * lay.pp)
+    return sum(shard_params(model, lay))
 
 
 def resume_host_memory(model: ModelDims, lay: LearnerLayout, roll: RolloutLayout, *, gpus_per_node: int,

@@ -221,11 +221,17 @@ def adapter_params(model: ModelDims, lay: LearnerLayout) -> float:
     return model.num_layers / lay.pp * lay.lora_rank * sum(per_target[t] for t in lay.lora_targets)
 
 
+def shard_params(model: ModelDims, lay: LearnerLayout) -> tuple[float, float]:
+    """(dense, expert) parameters of one learner rank's shard: dense over TP x PP, experts over EP x TP x PP."""
+    dense, experts = model.num_params - model.expert_params, model.expert_params
+    return dense / (lay.tp * lay.pp), experts / (lay.ep * lay.tp * lay.pp)
+
+
 def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float) -> Ledger:
     """Per-GPU memory of the most loaded learner rank (first pipeline stage, last for logits)."""
     if model.num_experts and (model.num_experts % lay.ep or lay.dp % lay.ep):
         raise ValueError(f"expert parallel size {lay.ep} must divide num_experts {model.num_experts} and dp {lay.dp}")
-    p_stage = (model.num_params - model.expert_params) / (lay.tp * lay.pp)
+    p_stage = shard_params(model, lay)[0]
     w = _bytes(lay.dtype)
     grad_b = 4 if (lay.grad_reduce_in_fp32 or lay.dtype == "fp32") else w
     dp_opt = lay.dp if lay.use_distributed_optimizer else 1
@@ -264,7 +270,7 @@ def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float
 
 def _expert_items(model: ModelDims, lay: LearnerLayout, grad_b: int, layer_passes: float) -> dict[str, float]:
     """The MoE rows of the learner ledger (see the module doc); the reference model holds experts too."""
-    e_shard = model.expert_params / (lay.ep * lay.tp * lay.pp)
+    e_shard = shard_params(model, lay)[1]
     w = _bytes(lay.dtype)
     expert_dp = (lay.dp // lay.ep) if lay.use_distributed_optimizer else 1
     s, b, h = lay.seq_length, lay.micro_batch_size, model.hidden_size
