@@ -105,6 +105,14 @@ def train_cursor(cfg: TrainConfig, train) -> DataCursor:
     return DataCursor(len(train), seed=data_order_seed(cfg), dataset_version=train.dataset_version)
 
 
+def job_env_vars(environ=os.environ) -> dict[str, str]:
+    """The variables a run's actors must see as the driver does (MEGATRON_RL_*: drills' faults, test
+    settings).  A Ray this run starts hands its whole environment to its workers; workers of a cluster
+    started elsewhere have that cluster's environment, so a run joining one passes these in its job's
+    runtime_env."""
+    return {k: v for k, v in environ.items() if k.startswith("MEGATRON_RL_")}
+
+
 def start_ray(run) -> bool:
     """Connect to (run.use_existing_ray) or start Ray unless it is up; True when this run started it."""
     import ray
@@ -112,7 +120,9 @@ def start_ray(run) -> bool:
     if ray.is_initialized():
         return False
     if run.use_existing_ray:
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING)
+        env_vars = job_env_vars()
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING,
+                 runtime_env={"env_vars": env_vars} if env_vars else None)
     else:
         ray.init(num_cpus=run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     return True

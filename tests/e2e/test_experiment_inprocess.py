@@ -27,7 +27,8 @@ from megatron_rl.experiment.config import load_experiment
 from megatron_rl.experiment.runs import plan_run
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.own_ray("the cold run is the point: its own process, Ray and engine against the warm ones")]
 
 TIMING = ("system/", "latency/", "queue/", "time")  # clocks and snapshot gauges (differ run to run)
 

@@ -35,7 +35,8 @@ from megatron_rl.experiment.runner import shared_ray_cluster
 from megatron_rl.trajectory import Trajectory
 from tests.e2e.conftest import REPO, TINY, last_json, read_jsonl
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.own_ray("what it tests is the experiment runner's own shared cluster (shared_ray_cluster)")]
 
 COMMON = ["run.eval_every=0", "data.eval_size=8", "run.use_existing_ray=true", "rollout.engine_in_process=true"]
 BACKPRESSURE = ["run.mode=async", "coordinator.max_staleness=2", "coordinator.max_version_lag=2",

@@ -1,0 +1,60 @@
+"""Where the suite's time goes: each test's set-up + call + tear-down, summed per tier (the folder under
+tests/: unit, dist, e2e, security, gpu), and the slowest tests, printed at the end of every run and, when
+MEGATRON_RL_DURATIONS_OUT names a file, written there too (.ci/run prints that file last).
+
+    MEGATRON_RL_DURATIONS_OUT=durations.txt python -m pytest tests
+
+Budgets per tier are in tests/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+
+_TESTS = Path(__file__).resolve().parent
+_SLOWEST = 30
+_seconds: dict[str, float] = defaultdict(float)  # nodeid -> set-up + call + tear-down seconds
+_outcome: dict[str, str] = {}
+
+
+def tier_of(nodeid: str) -> str:
+    """The tier of a test id: the folder right under tests/ ('unit', 'dist', 'e2e', ...)."""
+    parts = nodeid.replace("\\", "/").split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid] += report.duration
+    if report.when == "call" or report.outcome != "passed":
+        _outcome.setdefault(report.nodeid, report.outcome)
+
+
+def durations_table(seconds: dict[str, float], outcome: dict[str, str], slowest: int = _SLOWEST) -> str:
+    """Per-tier totals (tests, seconds, minutes) and the `slowest` tests, as plain text."""
+    per_tier: dict[str, list[float]] = defaultdict(list)
+    for nodeid, s in seconds.items():
+        per_tier[tier_of(nodeid)].append(s)
+    lines = ["time per tier (set-up + call + tear-down):",
+             f"  {'tier':<10} {'tests':>6} {'seconds':>9} {'minutes':>8}"]
+    for tier in sorted(per_tier, key=lambda t: -sum(per_tier[t])):
+        total = sum(per_tier[tier])
+        lines.append(f"  {tier:<10} {len(per_tier[tier]):>6} {total:>9.1f} {total / 60:>8.1f}")
+    total = sum(seconds.values())
+    lines.append(f"  {'all':<10} {len(seconds):>6} {total:>9.1f} {total / 60:>8.1f}")
+    lines.append(f"the {min(slowest, len(seconds))} slowest tests:")
+    for nodeid, s in sorted(seconds.items(), key=lambda kv: -kv[1])[:slowest]:
+        lines.append(f"  {s:8.1f} s  {outcome.get(nodeid, '?'):<7} {nodeid}")
+    return "\n".join(lines)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _seconds:
+        return
+    table = durations_table(_seconds, _outcome)
+    terminalreporter.section("megatron-rl: where the time went")
+    terminalreporter.write_line(table)
+    out = os.environ.get("MEGATRON_RL_DURATIONS_OUT")
+    if out:
+        Path(out).write_text(table + "\n")

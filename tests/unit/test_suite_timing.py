@@ -1,0 +1,57 @@
+"""The suite's own plumbing: the durations table .ci/run ends with (tests/conftest.py), and which CLI runs
+join the shared Ray cluster (tests/e2e/conftest.py) and carry their MEGATRON_RL_* settings to its workers
+(train/run_setup.job_env_vars).
+
+    python -m pytest tests/unit/test_suite_timing.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.train.run_setup import job_env_vars
+from tests import conftest as suite
+from tests.e2e import conftest as e2e
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_test_id_belongs_to_the_folder_under_tests():
+    assert suite.tier_of("tests/unit/test_loss.py::test_a") == "unit"
+    assert suite.tier_of("tests/e2e/test_train.py::test_b[x-1]") == "e2e"
+    assert suite.tier_of("tests/security/test_box.py::test_c") == "security"
+    assert suite.tier_of("test_top.py::test_d") == "other"
+
+
+def test_the_table_sums_each_tier_and_lists_the_slowest_first():
+    seconds = {"tests/unit/a.py::t1": 1.0, "tests/unit/a.py::t2": 2.5, "tests/e2e/b.py::t3": 100.0,
+               "tests/dist/c.py::t4": 30.0}
+    outcome = {k: "passed" for k in seconds} | {"tests/dist/c.py::t4": "failed"}
+    table = suite.durations_table(seconds, outcome, slowest=2).splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table[2:6]}
+    assert rows["unit"] == ["2", "3.5", "0.1"] and rows["e2e"] == ["1", "100.0", "1.7"]
+    assert rows["all"] == ["4", "133.5", "2.2"]
+    assert [line.split()[0] for line in table[2:5]] == ["e2e", "dist", "unit"]  # the costliest tier first
+    slowest = table[table.index("the 2 slowest tests:") + 1:]
+    assert [line.split()[-1] for line in slowest] == ["tests/e2e/b.py::t3", "tests/dist/c.py::t4"]
+    assert "failed" in slowest[1]
+
+
+def test_cli_runs_that_start_ray_join_the_shared_cluster_unless_the_test_has_its_own(monkeypatch):
+    monkeypatch.setattr(e2e.SHARED_RAY, "start", lambda: "10.0.0.1:6379")
+    monkeypatch.setenv("RAY_ADDRESS", "leaked:1")
+    env, args = e2e.cli_env_and_args(("train", "--config", "c.yaml", "run.steps=2"))
+    assert env["RAY_ADDRESS"] == "10.0.0.1:6379" and args[-1] == "run.use_existing_ray=true"
+    env, args = e2e.cli_env_and_args(("train", "--config", "c.yaml", "--dry-run"))  # a dry run starts no Ray
+    assert "RAY_ADDRESS" not in env and "run.use_existing_ray=true" not in args
+    env, args = e2e.cli_env_and_args(("convert", "mcore-to-hf", "--mcore", "x"))
+    assert "RAY_ADDRESS" not in env and args == ("convert", "mcore-to-hf", "--mcore", "x")
+    monkeypatch.setattr(e2e, "_OWN_RAY", [pytest.mark.own_ray("why")])
+    env, args = e2e.cli_env_and_args(("drill", "oom", "--config", "c.yaml"))
+    assert "RAY_ADDRESS" not in env and args == ("drill", "oom", "--config", "c.yaml")
+
+
+def test_a_run_joining_a_cluster_hands_its_megatron_rl_settings_to_its_workers():
+    environ = {"MEGATRON_RL_DRILL": '{"fault": "oom"}', "MEGATRON_RL_X": "1", "PATH": "/bin", "HOME": "/root"}
+    assert job_env_vars(environ) == {"MEGATRON_RL_DRILL": '{"fault": "oom"}', "MEGATRON_RL_X": "1"}
+    assert job_env_vars({"PATH": "/bin"}) == {}
