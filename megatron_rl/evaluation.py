@@ -84,13 +84,18 @@ class EvalResult:
                 f.write(json.dumps(o) + "\n")
 
     def summary(self, ks: Sequence[int] = (1,)) -> dict[str, Any]:
+        """Means over the graded responses.  A grader that gives no correctness (a reward function without a
+        "correct" component) has correctness, format and pass@k None: its reward is never called correctness."""
         flat = [(o["rewards"][j], o["correctness"][j], o["format"][j])
-                for o in self.outcomes for j in range(len(o["responses"])) if o["correctness"][j] is not None]
+                for o in self.outcomes for j in range(len(o["responses"])) if o["rewards"][j] is not None]
+
+        def mean(i: int) -> float | None:
+            vals = [f[i] for f in flat if f[i] is not None]
+            return float(np.mean(vals)) if vals else (float("nan") if not flat else None)
+
         out: dict[str, Any] = {
             "split": self.split, "examples": len(self.outcomes), "decoding": dataclasses.asdict(self.decoding),
-            "reward": float(np.mean([f[0] for f in flat])) if flat else float("nan"),
-            "correctness": float(np.mean([f[1] for f in flat])) if flat else float("nan"),
-            "format": float(np.mean([f[2] for f in flat])) if flat else float("nan"),
+            "reward": mean(0), "correctness": mean(1), "format": mean(2),
             "verifier_errors": sum(o["errors"] for o in self.outcomes),
         }
         for k in ks:
@@ -101,7 +106,8 @@ class EvalResult:
                 graded = [c for c in o["correctness"] if c is not None]
                 if len(graded) >= k:
                     per_example.append(pass_at_k(len(graded), int(sum(c >= 1.0 for c in graded)), k))
-            out[f"pass@{k}"] = float(np.mean(per_example)) if per_example else float("nan")
+            out[f"pass@{k}"] = (float(np.mean(per_example)) if per_example
+                                else None if out["correctness"] is None else float("nan"))
         return out
 
 
@@ -123,7 +129,13 @@ def evaluate(fleet, verifier, examples: Sequence, template, tokenizer, decoding:
     texts = [tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
     if env is None:
         answers = [ex.reference for ex in examples for _ in range(n)]
-        scores = verifier.score(texts, answers, [len(s.response_tokens) for s in samples])
+        contexts = None
+        if getattr(verifier.cfg, "function", None):  # a reward function also sees the prompt and the fields
+            from megatron_rl.reward.function import reward_fields
+
+            contexts = [{"prompt": tokenizer.decode(s.prompt_tokens, skip_special_tokens=True),
+                         **reward_fields(examples[i // n])} for i, s in enumerate(samples)]
+        scores = verifier.score(texts, answers, [len(s.response_tokens) for s in samples], contexts)
     outcomes = [example_outcome(ex, texts[i * n:(i + 1) * n], scores[i * n:(i + 1) * n])
                 for i, ex in enumerate(examples)]
     return EvalResult(split=split, decoding=decoding, outcomes=outcomes)

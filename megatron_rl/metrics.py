@@ -219,7 +219,11 @@ def logged_test_evals(metrics_jsonl: str | Path) -> dict[int, dict]:
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             row = json.loads(line)
-            out[int(row["step"])] = {k: float(row[f"eval/test_{k}"]) for k in ("reward", "correctness", "format")}
+            if "eval/test_reward" not in row:
+                continue
+            # correctness and format are absent for a reward function without them: None, as eval gave
+            out[int(row["step"])] = {k: None if row.get(f"eval/test_{k}") is None else float(row[f"eval/test_{k}"])
+                                     for k in ("reward", "correctness", "format")}
         except (ValueError, KeyError, TypeError, AttributeError):
             continue  # another kind of row, or a torn line
     return out

@@ -73,6 +73,10 @@ class RewardConfig:
     """Per-response grading timeout in the pool; a timed-out worker is killed and replaced."""
     num_workers: int = 2
     """Grader worker processes in the pool."""
+    function: str | None = None
+    """Your own reward: "pkg.module:fn" or "path/to/file.py:fn", called per response as
+    fn(prompt=, response=, answer=, **fields) -> float | {component: float} (reward/function.py).  It replaces
+    the built-in grader; a component "correct" (0/1) is what eval reports as correctness."""
 
     def __post_init__(self) -> None:
         for name in ("extractors", "format_extractors"):
@@ -89,6 +93,13 @@ class RewardConfig:
                 raise ValueError(f"overlong_limit must be > 0 or None, got {self.overlong_limit}")
             if not 0 <= self.overlong_buffer < self.overlong_limit:
                 raise ValueError(f"overlong_buffer must be in [0, overlong_limit={self.overlong_limit}), got {self.overlong_buffer}")
+        if self.function is not None:
+            from megatron_rl.reward.function import absolute_ref, load_function
+
+            if self.grader != "math":
+                raise ValueError(f"reward.function replaces reward.grader; unset one (grader is {self.grader!r})")
+            self.function = absolute_ref(self.function)
+            load_function(self.function)  # import it now: a broken file fails the dry run, not step 1
         if self.grader not in GRADERS:
             raise ValueError(f"grader {self.grader!r} is not one of {list(GRADERS)}")
         if not self.timeout_s > 0:
@@ -97,7 +108,12 @@ class RewardConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
 
     def grader_version(self) -> str:
-        """Name, revision and a hash of the scoring-relevant settings, e.g. 'math-1:3fa2c9d1'."""
+        """Name, revision and a hash of the scoring-relevant settings, e.g. 'math-1:3fa2c9d1'; of a reward
+        function, its name and its source file's digest, e.g. 'function:my_reward@0c1d2e3f4a5b'."""
+        if self.function is not None:
+            from megatron_rl.reward.function import grader_version
+
+            return grader_version(self.function)
         scoring = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("timeout_s", "num_workers")}
         digest = hashlib.sha256(json.dumps(scoring, sort_keys=True).encode()).hexdigest()[:8]
         if self.grader == "math":

@@ -10,8 +10,9 @@ one started, so a hung grader never blocks the pool.  A worker that dies mid-tas
 `error == "crash"`; an exception raised by the grader gives `error == "grader_error"`.
 Errored scores carry no reward value (None), never a zero.
 
-`grader` is any picklable top-level function `(response, reference, cfg, length) -> Score`
-(default: the math verifier).  Tests pass doubles that sleep or exit to inject failures.
+`grader` is any picklable top-level function `(response, reference, cfg, length[, context]) -> Score`
+(default: reward/function.grade, the math verifier or the config's own reward function; `context` is
+passed only when the caller gives one).  Tests pass doubles that sleep or exit to inject failures.
 Processes start with the "spawn" method by default, so the calling script needs an
 `if __name__ == "__main__":` guard.
 """
@@ -27,7 +28,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from megatron_rl.reward.math_verifier import RewardConfig, Score, score_response
+from megatron_rl.reward.function import grade
+from megatron_rl.reward.math_verifier import RewardConfig, Score
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +52,12 @@ def _worker_main(conn: mp_conn.Connection, grader: Grader, cfg: RewardConfig) ->
             return
         if task is None:
             return
-        index, response, reference, length = task
+        index, response, reference, length, context = task
         if drill is not None and hangs(drill, response, reference):
             record_injection(drill, response=response[:40])
             time.sleep(3600)  # the pool's timeout kills this process
         try:
-            result: Any = grader(response, reference, cfg, length)
+            result: Any = grader(response, reference, cfg, length, *(() if context is None else (context,)))
             status = "ok"
         except Exception as err:  # a grader bug must come back as an error code, not kill the worker
             result, status = f"{type(err).__name__}: {err}", "grader_error"
@@ -73,7 +75,7 @@ class _Worker:
 class VerifierPool:
     """Grade responses in `cfg.num_workers` processes with a per-response timeout."""
 
-    def __init__(self, cfg: RewardConfig, *, grader: Grader = score_response, start_method: str = "spawn") -> None:
+    def __init__(self, cfg: RewardConfig, *, grader: Grader = grade, start_method: str = "spawn") -> None:
         self.cfg = cfg
         self.grader = grader
         self.grader_version = cfg.grader_version()
@@ -114,25 +116,29 @@ class VerifierPool:
         self._workers[slot] = self._start_worker()
 
     def score(self, responses: Sequence[str], references: Sequence[str],
-              lengths: Sequence[int] | None = None) -> list[Score]:
-        """Grade responses[i] against references[i]; lengths[i] (tokens) feeds the overlong penalty."""
+              lengths: Sequence[int] | None = None, contexts: Sequence[dict] | None = None) -> list[Score]:
+        """Grade responses[i] against references[i]; lengths[i] (tokens) feeds the overlong penalty;
+        contexts[i] (prompt text and the example's fields) goes to a reward function (reward/function.py)."""
         if len(responses) != len(references):
             raise ValueError(f"{len(responses)} responses but {len(references)} references")
         if lengths is not None and len(lengths) != len(responses):
             raise ValueError(f"{len(lengths)} lengths but {len(responses)} responses")
+        if contexts is not None and len(contexts) != len(responses):
+            raise ValueError(f"{len(contexts)} contexts but {len(responses)} responses")
         if self._closed:
             raise RuntimeError("VerifierPool is closed")
         with self._lock:
-            return self._score_locked(responses, references, lengths)
+            return self._score_locked(responses, references, lengths, contexts)
 
-    def _score_locked(self, responses, references, lengths) -> list[Score]:
+    def _score_locked(self, responses, references, lengths, contexts) -> list[Score]:
         results: list[Score | None] = [None] * len(responses)
         pending = collections.deque(range(len(responses)))
         while pending or any(w.task is not None for w in self._workers):
             for slot in range(len(self._workers)):
                 if self._workers[slot].task is None and pending:
                     i = pending[0]
-                    task = (i, responses[i], references[i], None if lengths is None else lengths[i])
+                    task = (i, responses[i], references[i], None if lengths is None else lengths[i],
+                            None if contexts is None else contexts[i])
                     try:
                         self._workers[slot].conn.send(task)
                     except (BrokenPipeError, ConnectionResetError):
@@ -206,11 +212,12 @@ class VerifierPool:
 
 
 def summarize_scores(scores: Sequence[Score]) -> dict[str, float]:
-    """Means of each reward component over valid scores, plus error counts (metric-ready, no panel prefix)."""
+    """Means of each reward component over valid scores, plus error counts (metric-ready, no panel prefix).
+    A value a grader does not give (a reward function's format) has mean NaN."""
     valid = [s for s in scores if s.ok]
     out: dict[str, float] = {"count": float(len(scores)), "valid": float(len(valid))}
     for name in ("reward", "correctness", "format", "overlong"):
-        vals = [getattr(s, name) for s in valid]
+        vals = [getattr(s, name) for s in valid if getattr(s, name) is not None]
         out[f"{name}_mean"] = sum(vals) / len(vals) if vals else float("nan")
     for code in ERROR_CODES:
         out[f"error_{code}"] = float(sum(1 for s in scores if s.error == code))

@@ -107,8 +107,8 @@ class Reporter:
         takes that result and logs nothing: metrics.jsonl and TensorBoard hold it once."""
         if step in self._logged_test:
             self.last_eval = dict(self._logged_test[step])
-            logger.info("the final test eval at step %d was logged by an earlier attempt: correctness %.3f",
-                        step, self.last_eval["correctness"])
+            logger.info("the final test eval at step %d was logged by an earlier attempt: reward %.3f",
+                        step, self.last_eval["reward"])
         else:
             self.log_eval(step, split="test")
         return self.last_eval
@@ -143,13 +143,17 @@ class Reporter:
         self.last_eval = s = self.evaluator.run(step, split)
         metrics = {f"eval/{split}_reward": s["reward"], f"eval/{split}_correctness": s["correctness"],
                    f"eval/{split}_format": s["format"], f"eval/{split}_verifier_errors": float(s["verifier_errors"])}
+        # A reward function without a "correct" component has no correctness (nor format): nothing is
+        # logged under those names rather than its reward.
+        metrics = {k: v for k, v in metrics.items() if v is not None}
         self.metrics.log(step, metrics)
         if self.stop_rules is not None:
             self.stop_rules.observe(step, metrics)
         if step == 0 and split == "test" and self.initial_eval is None:
             self.initial_eval = {k: s[k] for k in ("reward", "correctness", "format")}
-        logger.info("eval step %d on %s: mean reward %.3f, correctness %.3f", step, split, s["reward"],
-                    s["correctness"])
+        logger.info("eval step %d on %s: mean reward %.3f, correctness %s", step, split, s["reward"],
+                    "n/a (the reward function has no 'correct')" if s["correctness"] is None
+                    else f"{s['correctness']:.3f}")
         return s["reward"]
 
     def budget_spent(self) -> bool:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.data.cursor import DataCursor
 from megatron_rl.data.dataset import Dataset, PromptTemplate
+from megatron_rl.reward.function import reward_fields
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.train.config import RunConfig
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
@@ -65,13 +66,14 @@ class PromptStream:
 
     def next(self, round_: int, n: int, *, examples: bool = False) -> tuple[list, list[dict]]:
         """The next n prompts (token ids; with `examples`, the data Examples an episode starts from) and
-        their extras (prompt id, answer, round, the example's own response budget when it has one);
+        their extras (prompt id, answer, round, what a reward function is given beside the texts, the
+        example's own response budget when it has one);
         advances the cursor."""
         prompts, extra = [], []
         for idx in self.cursor.next_indices(n):
             ex = self.dataset[idx]
             prompts.append(ex if examples else self.template.encode(ex, self.tokenizer))
-            extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_}
+            extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_, "fields": reward_fields(ex)}
                          | ({"max_tokens": ex.max_tokens} if ex.max_tokens is not None else {}))
         return prompts, extra
 

@@ -44,7 +44,11 @@ class Scorer:
             return [episode_score(s.extra["episode"]) for s in samples]
         texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
         answers, lengths = [s.extra["answer"] for s in samples], [len(s.response_tokens) for s in samples]
-        return self.verifier.score(texts, answers, lengths)
+        contexts = None
+        if self.verifier.cfg.function:  # a reward function also sees the prompt and the example's fields
+            contexts = [{"prompt": self.tokenizer.decode(s.prompt_tokens, skip_special_tokens=True),
+                         **s.extra["fields"]} for s in samples]
+        return self.verifier.score(texts, answers, lengths, contexts)
 
     def score(self, samples: list) -> tuple[list, float]:
         """Grade every sample (unless graded already); build contract-complete trajectories."""

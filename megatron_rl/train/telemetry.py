@@ -159,8 +159,10 @@ def progress_line(step: int, total: int, metrics: dict, seconds_per_step: float)
         return "-" if value is None or not math.isfinite(value) else format(value, spec)
 
     eta = max(total - step, 0) * seconds_per_step
+    # the built-in verifier's component, or a reward function's "correct" (reward/function.py)
+    correct = "learn/reward_correctness" if "learn/reward_correctness" in metrics else "learn/reward_correct"
     return (f"step {step}/{total} v{fmt('queue/version', '.0f')} | reward {fmt('learn/reward_mean', '.3f')} "
-            f"correct {fmt('learn/reward_correctness', '.3f')} | kl {fmt('learn/kl_ref', '.3g')} "
+            f"correct {fmt(correct, '.3f')} | kl {fmt('learn/kl_ref', '.3g')} "
             f"dv95 {fmt('queue/taken_dv/p95', '.0f')} lag95 {fmt('learn/d_lag/p95', '.2g')} | "
             f"esr {fmt('system/esr', '.2f')} gen {fmt('system/generated_tokens_per_s', '.0f')} tok/s | "
             f"eta {_duration(eta)}")

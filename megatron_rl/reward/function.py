@@ -1,0 +1,170 @@
+"""A user's own reward function, named by import path: `reward.function: "my_pkg.rewards:fn"` or
+`"path/to/rewards.py:fn"`.
+
+    def fn(*, prompt, response, answer, **fields) -> float | dict[str, float]:
+        ...   # a float, or named components (summed into the reward; "correct", 0 or 1, is correctness)
+
+    score = grade(response, reference, cfg, length, context)   # what the verifier pool's workers call
+
+The function is called once per response, with keyword arguments: `prompt` (the prompt as the policy saw
+it, decoded), `response` (decoded, special tokens dropped), `answer` (the example's reference answer) and
+`fields`: the example's `question` and `id`, and its metadata's keys (reasoning-gym entries, a JSONL row's
+`metadata` object).  It runs in the verifier pool's worker processes (reward/pool.py) under
+`reward.timeout_s`, with that pool's contract: a timeout is not a zero, an exception is an error code
+(`grader_error`), both are excluded from the loss and counted.  A value that is not a finite number, or a
+`correct` component other than 0 or 1, is an error of the function, named in the trajectory's error.
+
+Correctness is only ever the `correct` component: a function without one trains and evaluates on its
+reward, and eval reports no correctness for it (never its reward under that name).
+
+Its grader version is `function:<name>@<sha256 of its source file, 12 hex>`, so every trajectory names
+the code that scored it, and a resume with a changed file is refused (run_manifest.json).  A path form is
+resolved against the working directory when the config is loaded (the run's config.json keeps it
+absolute); a module form is imported as Python would, with the working directory on sys.path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+CORRECT = "correct"
+"""The component eval reports as correctness (0 or 1)."""
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """("path/to/file.py" or "pkg.module", "fn") of "TARGET:NAME"; ValueError naming reward.function."""
+    target, sep, name = ref.rpartition(":")
+    if not sep or not target or not name.isidentifier():
+        raise ValueError(f"reward.function must be 'pkg.module:function' or 'path/to/file.py:function', got {ref!r}")
+    return target, name
+
+
+def is_path(target: str) -> bool:
+    return target.endswith(".py") or os.sep in target or "/" in target
+
+
+def absolute_ref(ref: str) -> str:
+    """The same reference with a file path made absolute (against the working directory)."""
+    target, name = split_ref(ref)
+    return f"{Path(target).expanduser().resolve()}:{name}" if is_path(target) else ref
+
+
+@functools.lru_cache(maxsize=8)
+def load_function(ref: str) -> Callable[..., Any]:
+    """Import the function `ref` names; ValueError with the reason (missing file, import error, no such name,
+    not callable, no keyword arguments it needs)."""
+    target, name = split_ref(ref)
+    try:
+        if is_path(target):
+            path = Path(target)
+            if not path.is_file():
+                raise ValueError(f"reward.function: file {path} does not exist")
+            module_name = f"megatron_rl_user_reward_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(target)
+    except ValueError:
+        raise
+    except Exception as err:  # the user's module failed to import: say which and why
+        raise ValueError(f"reward.function {ref!r}: importing {target} failed: {type(err).__name__}: {err}") from err
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"reward.function {ref!r}: {target} has no attribute {name!r}")
+    if not callable(fn):
+        raise ValueError(f"reward.function {ref!r}: {name} is not callable")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return fn
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    missing = [k for k in ("prompt", "response", "answer") if k not in named and not takes_any]
+    if missing:
+        raise ValueError(f"reward.function {ref!r}: it must take the keyword arguments prompt, response, answer "
+                         f"(and **fields); it lacks {', '.join(missing)}")
+    return fn
+
+
+def source_digest(ref: str) -> str:
+    """sha256 (12 hex) of the file that defines the function: what its grader version names."""
+    target, name = split_ref(ref)
+    path = Path(target) if is_path(target) else Path(inspect.getfile(load_function(ref)))
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def grader_version(ref: str) -> str:
+    return f"function:{split_ref(ref)[1]}@{source_digest(ref)}"
+
+
+def example_fields(example) -> dict[str, Any]:
+    """What a reward function receives beside prompt, response and answer: the example's question, id and
+    metadata keys."""
+    fields: dict[str, Any] = {}
+    if getattr(example, "metadata", ""):
+        meta = json.loads(example.metadata)
+        if isinstance(meta, dict):  # prompt / response / answer are the function's own arguments
+            fields.update({k: v for k, v in meta.items() if k not in ("prompt", "response", "answer")})
+    fields.update(question=example.question, id=example.id)
+    return fields
+
+
+def reward_fields(example) -> dict[str, Any]:
+    """The context a reward function gets for `example` beside the prompt: its answer and example_fields."""
+    return {**example_fields(example), "answer": example.answer}
+
+
+def components_of(value: Any, name: str) -> dict[str, float]:
+    """The named components of what the function returned (a float is one component named after the
+    function); ValueError naming what is wrong."""
+    items = value.items() if isinstance(value, dict) else [(name, value)]
+    out: dict[str, float] = {}
+    for key, v in items:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"reward function {name}: component names must be non-empty strings, got {key!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"reward function {name}: {key!r} must be a finite number, got {v!r}")
+        out[key] = float(v)
+    if not out:
+        raise ValueError(f"reward function {name}: returned no components")
+    if CORRECT in out and out[CORRECT] not in (0.0, 1.0):
+        raise ValueError(f"reward function {name}: {CORRECT!r} must be 0 or 1, got {out[CORRECT]!r}")
+    return out
+
+
+def score_with_function(response: str, reference: str, cfg, length: int | None = None,
+                        context: dict | None = None):
+    """The Score of one response by cfg.function (called in a verifier-pool worker)."""
+    from megatron_rl.reward.math_verifier import Score
+
+    context = dict(context or {})
+    prompt = context.pop("prompt", "")
+    answer = context.pop("answer", reference)
+    fn = load_function(cfg.function)
+    name = split_ref(cfg.function)[1]
+    components = components_of(fn(prompt=prompt, response=response, answer=answer, **context), name)
+    return Score(reward=sum(components.values()), correctness=components.get(CORRECT), format=None, overlong=None,
+                 error=None, grader_version=cfg.grader_version(), components=components)
+
+
+def grade(response: str, reference: str, cfg, length: int | None = None, context: dict | None = None):
+    """The pool's grader: the user's function when reward.function is set, else the built-in verifier."""
+    if cfg.function:
+        return score_with_function(response, reference, cfg, length, context)
+    from megatron_rl.reward.math_verifier import score_response
+
+    return score_response(response, reference, cfg, length)
