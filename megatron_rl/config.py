@@ -164,7 +164,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         # this one, and a GPU node's stage-1 check (tests/gpu/stage1.py) runs them without PyYAML
 
         try:
-            node[parts[-1]] = yaml.safe_load(raw)
+            value = yaml.safe_load(raw)
+            if value is None and raw.strip().startswith("#"):  # YAML reads `k=####` as a comment: keep the text
+                value = raw.strip()
+            node[parts[-1]] = value
         except (yaml.YAMLError, RecursionError) as err:
             raise ConfigError(f"override {key!r}: value {raw[:80]!r} is not valid YAML ({err!r})"[:400]) from None
     return data

@@ -45,6 +45,8 @@ class DataConfig:
     """JSONL field holding the problem text."""
     answer_field: str = "answer"
     """JSONL field holding the reference answer."""
+    answer_delimiter: Optional[str] = None
+    """Keep only the answer text after the last occurrence of this (GSM8K: "####"); None keeps it whole."""
     template: Optional[str] = None
     """Prompt template with {question}; None takes the task's own."""
     eval_size: int = 100

@@ -21,9 +21,11 @@ from megatron_rl.data.dataset import Dataset, Example
 from megatron_rl.config import DataError
 
 
-def _field(record: dict, field: str, where: str) -> str:
+def _field(record: dict, field: str, where: str, key: str | None = None) -> str:
+    """record[field] as text; a missing field is an error naming the config key that chooses it (`key`)."""
     if field not in record:
-        raise DataError(f"{where}: missing field {field!r} (fields present: {sorted(record)})")
+        hint = f": set {key} to the field that holds it" if key else ""
+        raise DataError(f"{where}: missing field {field!r} (fields present: {', '.join(sorted(record))}){hint}")
     value = record[field]
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise DataError(f"{where}: field {field!r} must be a string or number, got {type(value).__name__}")
@@ -56,11 +58,12 @@ def load_jsonl(
                 raise DataError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
             if not isinstance(record, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            question = _field(record, question_field, where)
-            answer = _field(record, answer_field, where)
+            question = _field(record, question_field, where, "data.question_field")
+            answer = _field(record, answer_field, where, "data.answer_field")
             if answer_delimiter is not None:
                 if answer_delimiter not in answer:
-                    raise DataError(f"{where}: field {answer_field!r} has no answer delimiter {answer_delimiter!r}")
+                    raise DataError(f"{where}: field {answer_field!r} has no answer delimiter {answer_delimiter!r} "
+                                    f"(data.answer_delimiter)")
                 answer = answer.rsplit(answer_delimiter, 1)[1]
             answer = answer.strip()
             if not answer:

@@ -33,7 +33,7 @@ def load_task(d) -> tuple[dict, PromptTemplate]:
                                     holdout_size=d.holdout_size)
         template = REASONING_GYM_TEMPLATE
     else:
-        kw = dict(question_field=d.question_field, answer_field=d.answer_field)
+        kw = dict(question_field=d.question_field, answer_field=d.answer_field, answer_delimiter=d.answer_delimiter)
         splits = holdout_splits(load_jsonl(d.train_file, split="train", **kw),
                                 dev=load_jsonl(d.dev_file, split="dev", **kw) if d.dev_file else None,
                                 test=load_jsonl(d.test_file, split="test", **kw) if d.test_file else None,

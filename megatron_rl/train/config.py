@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from megatron_rl.config import ConfigError, from_dict, read_config_data
+from megatron_rl.config import ConfigError, apply_overrides, from_dict, read_config_data
 from megatron_rl.data.config import DataConfig
 from megatron_rl.audit.config import AuditConfig
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
@@ -353,7 +353,7 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
     Keys the run derives (DERIVED, coordinator.run_section) and keys of earlier versions (RENAMED)
     are refused, naming what to write instead.
     """
-    data = read_config_data(path, overrides)
+    data = apply_overrides(with_bases(Path(path)) if path is not None else {}, list(overrides))
     for dotted, hint in [*((k, f"it was renamed: use {v}") for k, v in RENAMED.items()), *DERIVED.items()]:
         section, key = dotted.split(".")
         if isinstance(data.get(section), dict) and key in data[section]:
@@ -361,6 +361,34 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
     run = data.get("run") if isinstance(data.get("run"), dict) else {}
     data["coordinator"] = run_section(data.get("coordinator", {}), mode=run.get("mode", RunConfig.mode))
     return from_dict(TrainConfig, data)
+
+
+def with_bases(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """The YAML at `path` on top of its `base:` file (resolved against path's folder), recursively.  Mappings
+    merge key by key (the file's values win, lists are replaced whole); a key set to null takes the
+    default back (e.g. `model: {tiny: null, path: ...}` over a recipe with a tiny model)."""
+    data = read_config_data(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base must be the file name of another config, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in _seen or base_path == path.resolve():
+        raise ConfigError(f"{path}: base {base} leads back to itself")
+    return _merged(with_bases(base_path, (*_seen, path.resolve())), data)
+
+
+def _merged(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def resolved_dict(cfg: TrainConfig) -> dict:

@@ -164,9 +164,13 @@ def check_and_plan(cfg: TrainConfig) -> dict:
                     "dp": lc.data_parallel_size, "global_batch": lc.global_batch_size,
                     "micro_batch": lc.micro_batch_size, "micro_batches": lc.micro_batching(),
                     "distributed_optimizer": lc.use_distributed_optimizer},
+        "training": lc.lora.label,
+        "sft_first": cfg.sft.first,
         "rollout": {"groups": cfg.rollout.data_parallel_size, "tp": cfg.rollout.tensor_parallel_size,
                     "samples_per_step": cfg.samples_per_step, "group_size": cfg.run.group_size,
-                    "max_tokens": cfg.rollout.max_tokens},
+                    "max_tokens": cfg.rollout.max_tokens, "streaming": cfg.rollout.streaming},
+        "environment": cfg.data.env.name if cfg.data.env.enabled else None,
+        "reward": _reward_entry(cfg.reward),
         "data": {"task": cfg.data.task, "train": len(splits["train"]), "dev": len(splits["dev"]),
                  "test": len(splits["test"]), "version": splits["train"].dataset_version[:16],
                  "template": template.template, **fitted.record()},
@@ -175,6 +179,12 @@ def check_and_plan(cfg: TrainConfig) -> dict:
         "run_dir": cfg.run.dir,
         "resume_from": resume_from,
     }
+
+
+def _reward_entry(reward) -> dict:
+    """Who scores the responses: the user's function (its file digest in the grader version) or a grader."""
+    who = {"function": reward.function} if reward.function else {"grader": reward.grader}
+    return {**who, "grader_version": reward.grader_version(), "timeout_s": reward.timeout_s}
 
 
 def _param_count(hf) -> int:

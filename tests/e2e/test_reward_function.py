@@ -3,7 +3,7 @@ it: `megatron-rl train --config ... reward.function=/their/rewards.py:digit_rewa
 
     python -m pytest tests/e2e/test_reward_function.py -q
 
-One run of the tiny recipe, 3 steps (shares the suite's Ray cluster, tests/e2e/conftest.py): every
+One run of the tiny recipe, 3 steps, and one of the README's example task, 2 steps (shares the suite's Ray cluster, tests/e2e/conftest.py): every
 trajectory names the function's file digest as its grader_version, the function's components are logged
 apart, the hidden-test correctness is its "correct" component, and the run's config.json keeps the
 function's absolute path.  Dry runs refuse a broken or missing function by name, with no Ray started.
@@ -82,3 +82,18 @@ def test_the_dry_run_refuses_a_function_that_cannot_be_loaded(run, tmp_path, ref
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "reward.function" in proc.stderr and named in proc.stderr, proc.stderr[-2000:]
     assert "Started a local Ray instance" not in proc.stderr and not (tmp_path / "run" / "logs").exists()
+
+
+def test_the_readmes_example_task_trains_as_a_user_runs_it(tmp_path):
+    """configs/my_task.example.yaml (examples/arithmetic: a JSONL with its own keys and GSM8K's delimiter, a
+    reward function graded with math-verify), from the checkout as the README runs it, 2 steps."""
+    d = tmp_path / "run"
+    summary = last_json(run_cli("train", "--config", "configs/my_task.example.yaml", f"run.dir={d}", "run.steps=2",
+                                "run.eval_every=0", "data.eval_size=8", "run.checkpoint_every=0").stdout)
+    assert summary["steps"] == 2 and summary["final_test_correctness"] is not None
+    rows = [r for r in read_jsonl(d / "metrics" / "metrics.jsonl") if "learn/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all({"learn/reward_correct", "learn/reward_format"} <= set(r) for r in rows)
+    resolved = json.loads((d / "config.json").read_text())
+    assert resolved["reward"]["function"].endswith("examples/arithmetic/reward.py:arithmetic_reward")
+    assert resolved["data"]["answer_delimiter"] == "####" and resolved["data"]["question_field"] == "problem"

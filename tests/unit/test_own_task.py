@@ -1,0 +1,118 @@
+"""What a user brings their own task with, short of a run: config inheritance (`base:`), the JSONL keys and
+their errors, GSM8K's answer delimiter, the example task in examples/arithmetic, and what the dry run shows.
+
+    python -m pytest tests/unit/test_own_task.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import ConfigError, DataError
+from megatron_rl.data.dataset import Example
+from megatron_rl.data.jsonl import load_jsonl
+from megatron_rl.data.tasks import load_task
+from megatron_rl.reward.function import load_function, reward_fields
+from megatron_rl.train.config import load_train_config
+from megatron_rl.train.dry_run import check_and_plan
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "configs" / "my_task.example.yaml"
+
+
+def test_a_config_inherits_its_base_and_overrides_win(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "base.yaml").write_text(
+        "model: {tiny: {arch: llama}}\nlearner: {lr: 0.01, micro_batch_size: 8}\n"
+        "run: {steps: 7, prompts_per_step: 8, group_size: 8}\n"
+        "reward: {format_extractors: [boxed], extractors: [boxed, last_number]}\n")
+    (tmp_path / "mid.yaml").write_text("base: recipes/base.yaml\nlearner: {lr: 0.02}\n")
+    (tmp_path / "top.yaml").write_text("base: mid.yaml\nrun: {steps: 3}\nreward: {extractors: [boxed]}\n")
+    cfg = load_train_config(tmp_path / "top.yaml", ["learner.micro_batch_size=4"])
+    assert cfg.learner.lr == 0.02 and cfg.learner.micro_batch_size == 4  # mid's lr, the override's micro batch
+    assert cfg.run.steps == 3 and cfg.run.prompts_per_step == 8           # top's steps, base's batch
+    assert cfg.reward.extractors == ["boxed"]                             # a list is replaced whole
+
+
+def test_a_null_takes_the_default_back_and_a_cycle_or_a_bad_base_is_named(tmp_path):
+    (tmp_path / "base.yaml").write_text("model: {tiny: {arch: llama}}\ndata: {template: 'Q: {question}', eval_size: 9}\n")
+    (tmp_path / "top.yaml").write_text("base: base.yaml\ndata: {template: null}\n")
+    cfg = load_train_config(tmp_path / "top.yaml")
+    assert cfg.data.template is None and cfg.data.eval_size == 9
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="leads back to itself"):
+        load_train_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        load_train_config(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("base: [x]\n")
+    with pytest.raises(ConfigError, match="base must be the file name"):
+        load_train_config(tmp_path / "d.yaml")
+
+
+def test_a_missing_jsonl_field_names_the_key_to_set(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1", "solution": "2"}) + "\n")
+    with pytest.raises(DataError) as err:
+        load_jsonl(path)
+    assert "missing field 'question' (fields present: prompt, solution): set data.question_field" in str(err.value)
+    with pytest.raises(DataError, match="set data.answer_field"):
+        load_jsonl(path, question_field="prompt")
+    ds = load_jsonl(path, question_field="prompt", answer_field="solution")
+    assert (ds[0].question, ds[0].answer) == ("1+1", "2")
+
+
+def test_gsm8k_answers_keep_what_follows_the_delimiter(tmp_path):
+    path = tmp_path / "train.jsonl"
+    rows = [{"question": f"q{i}", "answer": f"work {i} #### {i * 2}"} for i in range(30)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_train_config(None, ["model.tiny.arch=llama", "data.task=jsonl", f"data.train_file={path}", "data.answer_delimiter=####"])
+    splits, _ = load_task(cfg.data)
+    answers = {ex.question: ex.answer for split in splits.values() for ex in split}
+    assert answers == {f"q{i}": str(i * 2) for i in range(30)}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "no delimiter"}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:1: field 'answer' has no answer delimiter '####' "
+                                        r"\(data.answer_delimiter\)"):
+        load_jsonl(bad, answer_delimiter="####")
+
+
+def test_the_example_task_loads_and_its_reward_grades_with_math_verify(monkeypatch):
+    monkeypatch.chdir(REPO)  # the example's paths are relative to the checkout, as the README runs it
+    cfg = load_train_config(EXAMPLE)
+    assert cfg.reward.function == f"{REPO / 'examples/arithmetic/reward.py'}:arithmetic_reward"
+    splits, template = load_task(cfg.data)
+    assert {len(s) for s in splits.values()} and all(ex.answer.lstrip("-").isdigit() for ex in splits["train"])
+    fn = load_function(cfg.reward.function)
+    ex = splits["test"][0]
+    kw = dict(prompt=template.render(ex), answer=ex.answer, **{k: v for k, v in reward_fields(ex).items()
+                                                                if k != "answer"})
+    assert fn(response=f" {ex.answer} apples", **kw) == {"correct": 1.0, "format": 0.2}
+    assert fn(response=f"{int(ex.answer) + 1}", **kw) == {"correct": 0.0, "format": 0.2}
+    assert fn(response="many", **kw) == {"correct": 0.0, "format": 0.0}
+    assert fn(response="", **kw) == {"correct": 0.0, "format": 0.0}
+
+
+def test_the_dry_run_shows_the_reward_rollout_and_training(monkeypatch, tmp_path):
+    monkeypatch.chdir(REPO)
+    cfg = load_train_config(EXAMPLE, [f"run.dir={tmp_path / 'run'}"])
+    plan = check_and_plan(cfg)
+    assert plan["reward"]["function"].endswith("reward.py:arithmetic_reward")
+    assert plan["reward"]["grader_version"].startswith("function:arithmetic_reward@")
+    assert plan["rollout"]["streaming"] is False and plan["environment"] is None
+    assert plan["training"] == "full" and plan["sft_first"] is False
+    assert plan["data"]["task"] == "jsonl" and plan["data"]["train"] > 0
+    builtin = check_and_plan(load_train_config(REPO / "configs" / "tiny_cpu_scratch.yaml",
+                                               [f"run.dir={tmp_path / 'run2'}"]))
+    assert builtin["reward"]["grader"] == "math" and "function" not in builtin["reward"]
+
+
+def test_reward_fields_never_shadow_the_functions_own_arguments():
+    ex = Example(id="7", question="q", answer="a", metadata=json.dumps({"response": 1, "prompt": 2, "level": 3}))
+    assert reward_fields(ex) == {"level": 3, "question": "q", "id": "7", "answer": "a"}
