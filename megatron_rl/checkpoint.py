@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from megatron_rl import __version__
+from megatron_rl.version import __version__
 from megatron_rl.config import ConfigError
 from megatron_rl.durable_files import files_sha256, fsync_path, write_json_atomic
 

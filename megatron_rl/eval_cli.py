@@ -17,6 +17,7 @@ goes to `OUT_DIR/logs/eval.log` (`--verbose` shows it on the console too).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -63,6 +64,19 @@ def _open_manifest(out: Path, cfg, model_dir: Path, ds, prompts: dict) -> str:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    summary = run_eval(args)
+    if not args.json:
+        for key in ("correctness", "format", "reward", *(k for k in summary if k.startswith("pass@"))):
+            value = summary[key]  # None: the reward function gives no correctness (reward/function.py)
+            print(f"{key:>12}: {'n/a' if value is None else format(value, '.4f')}")
+        print(f"{'errors':>12}: {summary['verifier_errors']} of {summary['responses']} responses")
+    print(json.dumps(summary))
+    return 0
+
+
+def run_eval(args: argparse.Namespace, reward_function=None) -> dict:
+    """The eval `megatron-rl eval` prints, as a dict (megatron_rl.api.evaluate calls it too); with
+    `reward_function` (a Python callable) it replaces the config's reward (reward/function.py)."""
     import ray
 
     from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
@@ -91,6 +105,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"--model: no config.json in {model_dir}")
         out = Path(args.out) if args.out else Path(f"eval_{model_dir.name}_{args.split}.jsonl")
+    if reward_function is not None:
+        from megatron_rl.reward.function import with_callable
+
+        cfg = dataclasses.replace(cfg, reward=with_callable(cfg.reward, reward_function))
     # vLLM and Ray start-up output goes to OUT_DIR/logs/eval.log (the console keeps the result).
     attach_run_dir(out.parent, log_name="eval.log")
     splits, template = load_task(cfg.data)
@@ -109,15 +127,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     summary.update(model=str(model_dir), dataset_version=ds.dataset_version, max_tokens=cfg.rollout.max_tokens,
                    prompts_dropped=fitted.dropped[args.split],
                    grader_version=cfg.reward.grader_version(), outcomes=str(out),
-                   manifest=str(out.parent / manifest))
+                   manifest=str(out.parent / manifest), responses=len(examples) * decoding.samples)
     result.write(out)
     end_progress()
-    if not args.json:
-        for key in ("correctness", "format", "reward", *(f"pass@{k}" for k in ks)):
-            print(f"{key:>12}: {summary[key]:.4f}")
-        print(f"{'errors':>12}: {summary['verifier_errors']} of {len(examples) * decoding.samples} responses")
-    print(json.dumps(summary))
-    return 0
+    return summary
 
 
 def register(sub) -> None:

@@ -131,10 +131,8 @@ def evaluate(fleet, verifier, examples: Sequence, template, tokenizer, decoding:
         answers = [ex.reference for ex in examples for _ in range(n)]
         contexts = None
         if getattr(verifier.cfg, "function", None):  # a reward function also sees the prompt and the fields
-            from megatron_rl.reward.function import reward_fields
-
             contexts = [{"prompt": tokenizer.decode(s.prompt_tokens, skip_special_tokens=True),
-                         **reward_fields(examples[i // n])} for i, s in enumerate(samples)]
+                         **examples[i // n].reward_fields()} for i, s in enumerate(samples)]
         scores = verifier.score(texts, answers, [len(s.response_tokens) for s in samples], contexts)
     outcomes = [example_outcome(ex, texts[i * n:(i + 1) * n], scores[i * n:(i + 1) * n])
                 for i, ex in enumerate(examples)]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl import __version__
+from megatron_rl.version import __version__
 from megatron_rl.conversion import mapping
 from megatron_rl.conversion.hf_io import HFCheckpoint, atomic_output_dir, copy_model_side_files
 from megatron_rl.conversion.dist_ckpt import DistCheckpointWriter

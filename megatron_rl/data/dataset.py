@@ -39,6 +39,15 @@ class Example:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise DataError(f"example {self.id!r}: max_tokens must be an int >= 1 (or unset), got {budget!r}")
 
+    def reward_fields(self) -> dict[str, Any]:
+        """What a reward function (reward.function) gets beside the prompt and the response: the answer, the
+        question, the id and the metadata's keys (prompt, response and answer are its own arguments)."""
+        fields: dict[str, Any] = {}
+        meta = json.loads(self.metadata) if self.metadata else None
+        if isinstance(meta, dict):
+            fields.update({k: v for k, v in meta.items() if k not in ("prompt", "response", "answer")})
+        return {**fields, "question": self.question, "id": self.id, "answer": self.answer}
+
     @property
     def reference(self) -> str:
         """What the verifier receives: the answer, or the whole task entry as JSON when the

@@ -4,12 +4,12 @@
     def fn(*, prompt, response, answer, **fields) -> float | dict[str, float]:
         ...   # a float, or named components (summed into the reward; "correct", 0 or 1, is correctness)
 
-    score = grade(response, reference, cfg, length, context)   # what the verifier pool's workers call
+    components = call_function(cfg.function, response, reference, context)   # in a verifier-pool worker
 
 The function is called once per response, with keyword arguments: `prompt` (the prompt as the policy saw
 it, decoded), `response` (decoded, special tokens dropped), `answer` (the example's reference answer) and
-`fields`: the example's `question` and `id`, and its metadata's keys (reasoning-gym entries, a JSONL row's
-`metadata` object).  It runs in the verifier pool's worker processes (reward/pool.py) under
+`fields`: the example's `question` and `id`, and its metadata's keys (reasoning-gym entries;
+data/dataset.Example.reward_fields).  It runs in the verifier pool's worker processes (reward/pool.py) under
 `reward.timeout_s`, with that pool's contract: a timeout is not a zero, an exception is an error code
 (`grader_error`), both are excluded from the loss and counted.  A value that is not a finite number, or a
 `correct` component other than 0 or 1, is an error of the function, named in the trajectory's error.
@@ -39,6 +39,46 @@ from typing import Any, Callable
 
 CORRECT = "correct"
 """The component eval reports as correctness (0 or 1)."""
+CALLABLE = "callable:"
+"""reward.function of a Python callable handed to megatron_rl.train(reward_function=fn): "callable:NAME@DIGEST"."""
+_CALLABLES: dict[str, bytes] = {}  # reward.function "callable:..." -> the callable, cloudpickled
+
+
+def _cloudpickle():
+    try:
+        import cloudpickle
+    except ImportError:  # Ray carries its own copy
+        from ray import cloudpickle
+    return cloudpickle
+
+
+def register_callable(fn: Callable[..., Any]) -> str:
+    """Make a local callable (a closure, a lambda, a function of __main__) a reward.function: it is pickled by
+    value (cloudpickle, as Ray ships functions), so the verifier pool's fresh worker processes can run it.
+    Returns the reference; its digest is that of the pickled code."""
+    if not callable(fn):
+        raise ValueError(f"reward_function must be callable, got {type(fn).__name__}")
+    payload = _cloudpickle().dumps(fn)
+    name = "".join(c if c.isalnum() or c == "_" else "_" for c in getattr(fn, "__name__", "fn")) or "fn"
+    ref = f"{CALLABLE}{name}@{hashlib.sha256(payload).hexdigest()[:12]}"
+    _CALLABLES[ref] = payload
+    return ref
+
+
+def with_callable(reward, fn: Callable[..., Any]):
+    """The `reward:` section scoring with the Python callable `fn` (it replaces a configured function or grader)."""
+    import dataclasses
+
+    return dataclasses.replace(reward, function=register_callable(fn), grader="math")
+
+
+def callable_payloads() -> dict[str, bytes]:
+    """The registered callables, for a worker process to install (reward/pool.py)."""
+    return dict(_CALLABLES)
+
+
+def install_callables(payloads: dict[str, bytes]) -> None:
+    _CALLABLES.update(payloads)
 
 
 def split_ref(ref: str) -> tuple[str, str]:
@@ -55,6 +95,8 @@ def is_path(target: str) -> bool:
 
 def absolute_ref(ref: str) -> str:
     """The same reference with a file path made absolute (against the working directory)."""
+    if ref.startswith(CALLABLE):
+        return ref
     target, name = split_ref(ref)
     return f"{Path(target).expanduser().resolve()}:{name}" if is_path(target) else ref
 
@@ -63,6 +105,12 @@ def absolute_ref(ref: str) -> str:
 def load_function(ref: str) -> Callable[..., Any]:
     """Import the function `ref` names; ValueError with the reason (missing file, import error, no such name,
     not callable, no keyword arguments it needs)."""
+    if ref.startswith(CALLABLE):
+        if ref not in _CALLABLES:
+            raise ValueError(f"reward.function {ref!r} is a Python callable given to megatron_rl.train("
+                             f"reward_function=...) in another process; from the command line name a file "
+                             f"('path/to/file.py:fn') or a module ('pkg.module:fn')")
+        return _cloudpickle().loads(_CALLABLES[ref])
     target, name = split_ref(ref)
     try:
         if is_path(target):
@@ -108,24 +156,9 @@ def source_digest(ref: str) -> str:
 
 
 def grader_version(ref: str) -> str:
+    if ref.startswith(CALLABLE):  # its name and the digest of its pickled code
+        return f"function:{ref[len(CALLABLE):]}"
     return f"function:{split_ref(ref)[1]}@{source_digest(ref)}"
-
-
-def example_fields(example) -> dict[str, Any]:
-    """What a reward function receives beside prompt, response and answer: the example's question, id and
-    metadata keys."""
-    fields: dict[str, Any] = {}
-    if getattr(example, "metadata", ""):
-        meta = json.loads(example.metadata)
-        if isinstance(meta, dict):  # prompt / response / answer are the function's own arguments
-            fields.update({k: v for k, v in meta.items() if k not in ("prompt", "response", "answer")})
-    fields.update(question=example.question, id=example.id)
-    return fields
-
-
-def reward_fields(example) -> dict[str, Any]:
-    """The context a reward function gets for `example` beside the prompt: its answer and example_fields."""
-    return {**example_fields(example), "answer": example.answer}
 
 
 def components_of(value: Any, name: str) -> dict[str, float]:
@@ -146,25 +179,11 @@ def components_of(value: Any, name: str) -> dict[str, float]:
     return out
 
 
-def score_with_function(response: str, reference: str, cfg, length: int | None = None,
-                        context: dict | None = None):
-    """The Score of one response by cfg.function (called in a verifier-pool worker)."""
-    from megatron_rl.reward.math_verifier import Score
-
+def call_function(ref: str, response: str, reference: str, context: dict | None = None) -> dict[str, float]:
+    """The components the function `ref` gives one response (called in a verifier-pool worker; the Score is
+    made by reward/math_verifier.grade)."""
     context = dict(context or {})
     prompt = context.pop("prompt", "")
     answer = context.pop("answer", reference)
-    fn = load_function(cfg.function)
-    name = split_ref(cfg.function)[1]
-    components = components_of(fn(prompt=prompt, response=response, answer=answer, **context), name)
-    return Score(reward=sum(components.values()), correctness=components.get(CORRECT), format=None, overlong=None,
-                 error=None, grader_version=cfg.grader_version(), components=components)
-
-
-def grade(response: str, reference: str, cfg, length: int | None = None, context: dict | None = None):
-    """The pool's grader: the user's function when reward.function is set, else the built-in verifier."""
-    if cfg.function:
-        return score_with_function(response, reference, cfg, length, context)
-    from megatron_rl.reward.math_verifier import score_response
-
-    return score_response(response, reference, cfg, length)
+    name = ref[len(CALLABLE):].split("@")[0] if ref.startswith(CALLABLE) else split_ref(ref)[1]
+    return components_of(load_function(ref)(prompt=prompt, response=response, answer=answer, **context), name)

@@ -262,3 +262,16 @@ def reward_components(correct: float, fmt: float, over: float, cfg: RewardConfig
         return {"correctness": float(correct)}
     return {"correctness": cfg.correctness_weight * correct, "format": cfg.format_weight * fmt,
             "overlong": cfg.overlong_weight * over}
+
+
+def grade(response: str, reference: str, cfg: RewardConfig, length: int | None = None,
+          context: dict | None = None) -> Score:
+    """The verifier pool's grader: the user's reward function when reward.function is set (reward/function.py;
+    `context`: the prompt and the example's fields), else this module's verifier."""
+    if not cfg.function:
+        return score_response(response, reference, cfg, length)
+    from megatron_rl.reward.function import CORRECT, call_function
+
+    components = call_function(cfg.function, response, reference, context)
+    return Score(reward=sum(components.values()), correctness=components.get(CORRECT), format=None, overlong=None,
+                 error=None, grader_version=cfg.grader_version(), components=components)

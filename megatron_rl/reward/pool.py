@@ -11,7 +11,7 @@ one started, so a hung grader never blocks the pool.  A worker that dies mid-tas
 Errored scores carry no reward value (None), never a zero.
 
 `grader` is any picklable top-level function `(response, reference, cfg, length[, context]) -> Score`
-(default: reward/function.grade, the math verifier or the config's own reward function; `context` is
+(default: reward/math_verifier.grade, the math verifier or the config's own reward function; `context` is
 passed only when the caller gives one).  Tests pass doubles that sleep or exit to inject failures.
 Processes start with the "spawn" method by default, so the calling script needs an
 `if __name__ == "__main__":` guard.
@@ -28,8 +28,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from megatron_rl.reward.function import grade
-from megatron_rl.reward.math_verifier import RewardConfig, Score
+from megatron_rl.reward.function import callable_payloads
+from megatron_rl.reward.math_verifier import RewardConfig, Score, grade
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,13 @@ STARTUP_TIMEOUT_S = 120.0
 Grader = Callable[[str, str, RewardConfig, "int | None"], Score]
 
 
-def _worker_main(conn: mp_conn.Connection, grader: Grader, cfg: RewardConfig) -> None:
-    """Worker loop: receive (index, response, reference, length), send back (index, status, payload)."""
+def _worker_main(conn: mp_conn.Connection, grader: Grader, cfg: RewardConfig, callables: dict) -> None:
+    """Worker loop: receive (index, response, reference, length, context), send back (index, status, payload).
+    `callables`: the reward functions handed to the Python API as callables (reward/function.py)."""
     from megatron_rl.drill.hooks import drill_spec, hangs, record_injection
+    from megatron_rl.reward.function import install_callables
+
+    install_callables(callables)
 
     drill = drill_spec("verifier_timeout")  # `megatron-rl drill verifier_timeout`: a share of calls hang
     conn.send(_READY)  # grading timeouts start only once the worker is up
@@ -87,7 +91,8 @@ class VerifierPool:
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.grader, self.cfg), daemon=True,
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.grader, self.cfg, callable_payloads()),
+                                 daemon=True,
                                  name="megatron-rl-grader")
         proc.start()
         child.close()  # only the worker holds its end: its death makes our end readable (EOF)

@@ -26,7 +26,7 @@ import shutil
 import sqlite3
 from pathlib import Path
 
-from megatron_rl import __version__
+from megatron_rl.version import __version__
 from megatron_rl.config import config_hash
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.train.config import TrainConfig

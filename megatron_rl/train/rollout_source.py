@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Callable
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.data.cursor import DataCursor
 from megatron_rl.data.dataset import Dataset, PromptTemplate
-from megatron_rl.reward.function import reward_fields
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.train.config import RunConfig
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
@@ -73,7 +72,7 @@ class PromptStream:
         for idx in self.cursor.next_indices(n):
             ex = self.dataset[idx]
             prompts.append(ex if examples else self.template.encode(ex, self.tokenizer))
-            extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_, "fields": reward_fields(ex)}
+            extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_, "fields": ex.reward_fields()}
                          | ({"max_tokens": ex.max_tokens} if ex.max_tokens is not None else {}))
         return prompts, extra
 

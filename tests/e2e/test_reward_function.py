@@ -97,3 +97,49 @@ def test_the_readmes_example_task_trains_as_a_user_runs_it(tmp_path):
     resolved = json.loads((d / "config.json").read_text())
     assert resolved["reward"]["function"].endswith("examples/arithmetic/reward.py:arithmetic_reward")
     assert resolved["data"]["answer_delimiter"] == "####" and resolved["data"]["question_field"] == "problem"
+
+
+SCRIPT = '''
+import json, sys
+from megatron_rl import train
+
+HIGH = "5"  # the closure below reads it: the function is shipped by value, not by import
+
+
+def reward(*, prompt, response, answer, **fields):
+    said = response.strip()[:1]
+    return {"correct": float(said == answer), "high": 0.1 * float(said >= HIGH)}
+
+
+if __name__ == "__main__":  # the verifier pool (and vLLM) start processes that import this script
+    summary = train(sys.argv[1], overrides=sys.argv[2:], reward_function=reward)
+    print(json.dumps(summary))
+'''
+
+
+def test_a_local_callable_through_the_python_api(tmp_path):
+    """A user's script: `from megatron_rl import train; train(config, overrides, reward_function=fn)` with fn a
+    function of the script itself (a closure over a global), 3 steps."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import REPO, cli_env_and_args
+
+    script = tmp_path / "my_script.py"
+    script.write_text(SCRIPT)
+    d = tmp_path / "run"
+    env, args = cli_env_and_args(("train", str(TINY), f"run.dir={d}", *SHORT))  # joins the suite's Ray
+    proc = subprocess.run([sys.executable, str(script), *args[1:]], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    summary = last_json(proc.stdout)
+    assert summary["steps"] == 3 and summary["final_test_correctness"] is not None
+    with sqlite3.connect(d / "queue.db") as db:
+        trajs = [Trajectory.from_bytes(row[0]) for row in db.execute("SELECT payload FROM traj")]
+    versions = {t.grader_version for t in trajs}
+    assert len(versions) == 1 and versions.pop().startswith("function:reward@")
+    assert all(set(t.reward_components) == {"correct", "high"} for t in trajs if t.status == "ok")
+    rows = [r for r in read_jsonl(d / "metrics" / "metrics.jsonl") if "learn/loss" in r]
+    assert len(rows) == 3 and all("learn/reward_high" in r for r in rows)
+    assert json.loads((d / "config.json").read_text())["reward"]["function"].startswith("callable:reward@")
+    assert str(REPO) not in str(script)  # the user's script lives outside the checkout

@@ -15,7 +15,7 @@ from megatron_rl.config import ConfigError, DataError
 from megatron_rl.data.dataset import Example
 from megatron_rl.data.jsonl import load_jsonl
 from megatron_rl.data.tasks import load_task
-from megatron_rl.reward.function import load_function, reward_fields
+from megatron_rl.reward.function import load_function
 from megatron_rl.train.config import load_train_config
 from megatron_rl.train.dry_run import check_and_plan
 
@@ -91,7 +91,7 @@ def test_the_example_task_loads_and_its_reward_grades_with_math_verify(monkeypat
     assert {len(s) for s in splits.values()} and all(ex.answer.lstrip("-").isdigit() for ex in splits["train"])
     fn = load_function(cfg.reward.function)
     ex = splits["test"][0]
-    kw = dict(prompt=template.render(ex), answer=ex.answer, **{k: v for k, v in reward_fields(ex).items()
+    kw = dict(prompt=template.render(ex), answer=ex.answer, **{k: v for k, v in ex.reward_fields().items()
                                                                 if k != "answer"})
     assert fn(response=f" {ex.answer} apples", **kw) == {"correct": 1.0, "format": 0.2}
     assert fn(response=f"{int(ex.answer) + 1}", **kw) == {"correct": 0.0, "format": 0.2}
@@ -115,4 +115,4 @@ def test_the_dry_run_shows_the_reward_rollout_and_training(monkeypatch, tmp_path
 
 def test_reward_fields_never_shadow_the_functions_own_arguments():
     ex = Example(id="7", question="q", answer="a", metadata=json.dumps({"response": 1, "prompt": 2, "level": 3}))
-    assert reward_fields(ex) == {"level": 3, "question": "q", "id": "7", "answer": "a"}
+    assert ex.reward_fields() == {"level": 3, "question": "q", "id": "7", "answer": "a"}

@@ -16,7 +16,6 @@ import pytest
 from megatron_rl.data.dataset import Example
 from megatron_rl.evaluation import Decoding, EvalResult, example_outcome
 from megatron_rl.metrics import logged_test_evals
-from megatron_rl.reward.function import reward_fields
 from megatron_rl.reward.math_verifier import RewardConfig, Score
 from megatron_rl.reward.pool import VerifierPool, summarize_scores
 
@@ -87,7 +86,7 @@ def test_components_sum_into_the_reward_and_correct_is_correctness(plugin):
 
 def test_the_function_gets_the_prompt_and_the_examples_fields(plugin):
     ex = Example(id="e1", question="2+2", answer="4", metadata='{"level": 3, "answer": "not this", "prompt": "x"}')
-    fields = reward_fields(ex)
+    fields = ex.reward_fields()
     assert fields == {"level": 3, "question": "2+2", "id": "e1", "answer": "4"}  # the example's answer wins
     with VerifierPool(cfg_of(plugin, "echo")) as pool:
         [s] = pool.score(["4"], [ex.reference], contexts=[{"prompt": "Q: 2+2\nA:", **fields}])
@@ -185,3 +184,25 @@ def test_a_resumed_final_eval_without_correctness_is_read_back(tmp_path):
                     '{"step": 4, "learn/loss": 1.0}\n')
     assert logged_test_evals(path) == {3: {"reward": 0.1, "correctness": None, "format": None},
                                        4: {"reward": 0.5, "correctness": 0.25, "format": 1.0}}
+
+
+def test_a_local_closure_is_shipped_by_value_to_the_pools_processes():
+    from megatron_rl.reward.function import with_callable
+
+    bonus = 0.25
+
+    def closing_over(*, prompt, response, answer, **fields):
+        return {"correct": float(response == answer), "bonus": bonus}
+
+    cfg = with_callable(RewardConfig(num_workers=1, grader="math_verify"), closing_over)
+    assert cfg.function.startswith("callable:closing_over@") and cfg.grader == "math"
+    assert cfg.grader_version() == "function:" + cfg.function.split(":", 1)[1]
+    with VerifierPool(cfg) as pool:
+        right, wrong = pool.score(["4", "5"], ["4", "4"])
+    assert right.components == {"correct": 1.0, "bonus": 0.25} and wrong.correctness == 0.0
+    assert with_callable(RewardConfig(), lambda **kw: 1.0).function.startswith("callable:_lambda_@")
+
+
+def test_a_callable_from_another_process_is_refused_naming_the_forms_to_use():
+    with pytest.raises(ValueError, match="from the command line name a file"):
+        RewardConfig(function="callable:reward@0123456789ab")
