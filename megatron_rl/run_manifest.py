@@ -96,7 +96,8 @@ def _hardware() -> dict[str, Any]:
 
 def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config_hash: str,
              resuming: bool, name: str = NAME, model_dir: str | Path | None = None,
-             prompts: dict[str, Any] | None = None, training: str | None = None) -> dict[str, Any]:
+             prompts: dict[str, Any] | None = None, training: str | None = None,
+             config_changed: list[str] | None = None) -> dict[str, Any]:
     """Write the manifest of a new run, or check and extend the one of a run being resumed.
     `name`: the file in run_dir (an eval writes one next to its outcomes file).  `model_dir`: the
     HF directory the run starts from, recorded as `model_dir` (where its checkpoints' config and
@@ -104,13 +105,16 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
     the same model resumes).  `prompts`: the prompt-length filter's record (data/prompt_length.py:
     the limit and the prompts dropped per split), kept as `prompts` and in the attempt.  `training`: what
     trains ("full", or a LoRA run's settings: models/lora.py LoraConfig.label), kept as `training`, so that
-    a LoRA result is never read as a full-parameter one."""
+    a LoRA result is never read as a full-parameter one.  `config_changed`: the learning keys a resume changed
+    with --allow-config-change (train/run_setup.check_config_change), kept in the attempt."""
     missing = [k for k in IDENTITY if k not in identity]
     if missing:
         raise ValueError(f"run manifest: identity fields {missing} missing")
     path = Path(run_dir) / name
     attempt = {"started_at": _now(), "ended_at": None, "host": socket.gethostname(), "pid": os.getpid(), "git": _git(),
                "versions": _versions(), "hardware": _hardware(), "config_hash": config_hash}
+    if config_changed:
+        attempt["config_changed"] = list(config_changed)
     if resuming and path.is_file():
         manifest = json.loads(path.read_text())
         if manifest.get("kind") != kind:

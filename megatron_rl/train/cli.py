@@ -108,7 +108,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if args.summary_out is not None:
         args.summary_out.unlink(missing_ok=True)  # a file there after the run is this run's
-    cfg = load_train_config(args.config, args.overrides)
+    extra = ["run.allow_config_change=true"] if args.allow_config_change else []
+    cfg = load_train_config(args.config, [*args.overrides, *extra])
     plan_or_attach(cfg, args.dry_run)
     if args.dry_run:
         return 0
@@ -142,12 +143,16 @@ def register(sub) -> None:
     p.add_argument("--config", required=True, help="training config YAML")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
     p.add_argument("--summary-out", type=Path, metavar="PATH", help="also write the final summary (JSON) to PATH")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume even if learning keys (lr, loss, reward, data, sampling) changed (run.allow_config_change)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. run.steps=10")
     p.set_defaults(func=_cmd_run)
     f = sub.add_parser("sft", help="supervised fine-tuning on the train split: the baseline GRPO starts from")
     f.add_argument("--config", required=True, help="training config YAML (its sft section sets steps and lr)")
     f.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
     f.add_argument("--summary-out", type=Path, metavar="PATH", help="also write the final summary (JSON) to PATH")
+    f.add_argument("--allow-config-change", action="store_true",
+                   help="resume even if learning keys (lr, loss, reward, data, sampling) changed (run.allow_config_change)")
     f.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. sft.steps=20")
     f.set_defaults(func=_cmd_run)
     r = sub.add_parser("reconcile", help="one-step reconciliation report: logprobs, reward, advantage, loss, grad sign")

@@ -101,6 +101,9 @@ class RunConfig:
     """Keep this many newest COMMITTED checkpoints."""
     resume: bool = True
     """Resume from the newest COMMITTED checkpoint in run.dir if one exists."""
+    allow_config_change: bool = False
+    """Resume even when keys that shape what the run learns (RESUME_LOCKED: lr, loss, reward, data, sampling)
+    differ from the run's config.json (`--allow-config-change`); the changed keys go into run_manifest.json."""
     seed: int = 0
     """Seed of sampling, of the order training visits examples, and of everything random in the driver."""
     deterministic: Optional[bool] = None
@@ -361,6 +364,40 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
     run = data.get("run") if isinstance(data.get("run"), dict) else {}
     data["coordinator"] = run_section(data.get("coordinator", {}), mode=run.get("mode", RunConfig.mode))
     return from_dict(TrainConfig, data)
+
+
+RESUME_LOCKED = (
+    "model.", "loss.", "reward.", "data.", "dynamic_sampling.", "sft.",
+    "learner.lr", "learner.min_lr", "learner.weight_decay", "learner.adam_", "learner.clip_grad", "learner.seed",
+    "learner.lora.", "learner.global_batch_size", "learner.dtype",
+    "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_tokens", "rollout.seed",
+    "rollout.stop_token_ids", "rollout.ignore_eos", "rollout.dtype",
+    "run.mode", "run.seed", "run.prompts_per_step", "run.group_size", "run.deterministic",
+    "coordinator.max_staleness", "coordinator.max_version_lag", "coordinator.sampling", "coordinator.priority_alpha",
+)
+"""Keys (dotted prefixes) that shape what a run learns: a resume with one of them changed is refused."""
+RESUME_FREE = ("data.eval_size", "data.train_file", "data.dev_file", "data.test_file", "model.path",
+               "reward.function", "reward.timeout_s", "reward.num_workers")
+"""Exceptions: how much is evaluated, where the same inputs live (run_manifest.json checks their content), how
+the reward is run."""
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_on_resume(before: dict, now: dict) -> list[str]:
+    """The RESUME_LOCKED keys whose value differs between a run's saved config and this attempt's, as
+    "key: old -> new"."""
+    old, new = _flat(before), _flat(now)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if k.startswith(RESUME_LOCKED) and not k.startswith(RESUME_FREE) and old.get(k) != new.get(k)]
 
 
 def with_bases(path: Path, _seen: tuple[Path, ...] = ()) -> dict:

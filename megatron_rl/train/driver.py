@@ -44,7 +44,7 @@ from megatron_rl.rollout.fleet import RolloutFailed
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.learner_group import LearnerDied, LearnerOutOfMemory
 from megatron_rl.train.restart import EXIT_CANARY, CanaryFailed, check_canary
-from megatron_rl.train.resume import choose_resume
+from megatron_rl.train.resume import choose_resume, finished_summary
 from megatron_rl.train.policy import PublicationError
 from megatron_rl.train.roles import Roles
 from megatron_rl.train.stop import StopConditionMet
@@ -79,6 +79,11 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
     condition holds; both after a checkpoint."""
     stop = stop or StopFlag()
     resume_from = choose_resume(cfg)                                     # once; another layout refused here
+    done = finished_summary(cfg, resume_from)
+    if done is not None:                                                 # run.steps reached: nothing starts
+        logger.warning("%s already reached step %d of run.steps %d: nothing to train (raise run.steps to go on)",
+                       cfg.run.dir, done["steps"], cfg.run.steps)
+        return done
     roles = Roles.build(cfg, pool, resume_from=resume_from)
     source, scorer, coordinator = roles.source, roles.scorer, roles.coordinator
     policy, report = roles.policy, roles.reporter

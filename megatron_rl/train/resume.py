@@ -30,6 +30,26 @@ def choose_resume(cfg) -> Path | None:
     return ckpt
 
 
+def finished_summary(cfg, ckpt: Path | None) -> dict | None:
+    """The summary of a run that already reached run.steps, with its final test eval logged: a rerun has
+    nothing to do (it says so and exits 0, starting nothing); None otherwise."""
+    from megatron_rl.metrics import logged_test_evals
+
+    if ckpt is None:
+        return None
+    manifest = read_manifest(ckpt)
+    step = int(manifest["step"])
+    final = logged_test_evals(Path(cfg.run.dir).resolve() / "metrics" / "metrics.jsonl").get(step)
+    if step < cfg.run.steps or final is None:
+        return None
+    first = manifest.get("extra", {}).get("initial_test_eval") or {}
+    return {"steps": step, "version": int(manifest["policy_version"]),
+            "initial_test_correctness": first.get("correctness"), "final_test_correctness": final["correctness"],
+            "initial_test_reward": first.get("reward"), "final_test_reward": final["reward"],
+            "final_test_format": final["format"], "run_dir": str(Path(cfg.run.dir).resolve()),
+            "training": cfg.learner.lora.label, "already_done": True}
+
+
 def learner_world(cfg) -> dict:
     """The learner layout a checkpoint records: (tensor, pipeline, data) parallel sizes."""
     lc = cfg.learner

@@ -143,3 +143,24 @@ def test_a_local_callable_through_the_python_api(tmp_path):
     assert len(rows) == 3 and all("learn/reward_high" in r for r in rows)
     assert json.loads((d / "config.json").read_text())["reward"]["function"].startswith("callable:reward@")
     assert str(REPO) not in str(script)  # the user's script lives outside the checkout
+
+
+def test_a_finished_run_says_so_and_a_changed_lr_is_refused_by_name(run):
+    """Rerunning the finished run (its 3 steps done, final eval logged) starts nothing and says so; a resume
+    with another learner.lr or loss.kl_coef is refused naming both, the dry run too; --allow-config-change
+    lets it through."""
+    d, plugin, summary, _ = run
+    common = ["train", "--config", str(TINY), f"run.dir={d}", f"reward.function={plugin}:digit_reward", *SHORT]
+    again = run_cli(*common)
+    done = last_json(again.stdout)
+    assert done["already_done"] is True and done["steps"] == 3
+    assert done["final_test_correctness"] == summary["final_test_correctness"]
+    assert "already reached step 3 of run.steps 3" in again.stderr + again.stdout
+    assert "Started a local Ray instance" not in again.stderr
+    for dry in ([], ["--dry-run"]):
+        proc = run_cli(*common, "run.steps=4", "learner.lr=0.5", "loss.kl_coef=0.2", *dry, check=False)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert "refusing to resume" in proc.stderr and "learner.lr: 0.001 -> 0.5" in proc.stderr, proc.stderr[-3000:]
+        assert "loss.kl_coef: 0.001 -> 0.2" in proc.stderr and "--allow-config-change" in proc.stderr
+    allowed = run_cli(*common, "run.steps=4", "learner.lr=0.5", "--allow-config-change", "--dry-run")
+    assert json.loads(allowed.stdout[allowed.stdout.index("{"):])["resume_from"].endswith("step_000003")
