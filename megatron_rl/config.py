@@ -195,6 +195,37 @@ def read_config_data(path: str | Path | None, overrides: list[str] = ()) -> dict
     return apply_overrides(data, list(overrides))
 
 
+
+
+
+def read_config_chain(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """The YAML at `path` on top of its `base:` file (resolved against path's folder), recursively.  Mappings
+    merge key by key (the file's values win, lists are replaced whole); a key set to null takes the
+    default back (e.g. `model: {tiny: null, path: ...}` over a recipe with a tiny model)."""
+    data = read_config_data(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base must be the file name of another config, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in _seen or base_path == path.resolve():
+        raise ConfigError(f"{path}: base {base} leads back to itself")
+    return _merged(read_config_chain(base_path, (*_seen, path.resolve())), data)
+
+
+def _merged(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
     """Read YAML `path` (optional), apply dotted `overrides`, build and validate `cls`."""
     return from_dict(cls, read_config_data(path, overrides))

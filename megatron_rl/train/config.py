@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from megatron_rl.config import ConfigError, apply_overrides, from_dict, read_config_data
+from megatron_rl.config import ConfigError, apply_overrides, from_dict, read_config_chain
 from megatron_rl.data.config import DataConfig
 from megatron_rl.audit.config import AuditConfig
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
@@ -356,7 +356,7 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
     Keys the run derives (DERIVED, coordinator.run_section) and keys of earlier versions (RENAMED)
     are refused, naming what to write instead.
     """
-    data = apply_overrides(with_bases(Path(path)) if path is not None else {}, list(overrides))
+    data = apply_overrides(read_config_chain(Path(path)) if path is not None else {}, list(overrides))
     for dotted, hint in [*((k, f"it was renamed: use {v}") for k, v in RENAMED.items()), *DERIVED.items()]:
         section, key = dotted.split(".")
         if isinstance(data.get(section), dict) and key in data[section]:
@@ -364,68 +364,6 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
     run = data.get("run") if isinstance(data.get("run"), dict) else {}
     data["coordinator"] = run_section(data.get("coordinator", {}), mode=run.get("mode", RunConfig.mode))
     return from_dict(TrainConfig, data)
-
-
-RESUME_LOCKED = (
-    "model.", "loss.", "reward.", "data.", "dynamic_sampling.", "sft.",
-    "learner.lr", "learner.min_lr", "learner.weight_decay", "learner.adam_", "learner.clip_grad", "learner.seed",
-    "learner.lora.", "learner.global_batch_size", "learner.dtype",
-    "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_tokens", "rollout.seed",
-    "rollout.stop_token_ids", "rollout.ignore_eos", "rollout.dtype",
-    "run.mode", "run.seed", "run.prompts_per_step", "run.group_size", "run.deterministic",
-    "coordinator.max_staleness", "coordinator.max_version_lag", "coordinator.sampling", "coordinator.priority_alpha",
-)
-"""Keys (dotted prefixes) that shape what a run learns: a resume with one of them changed is refused."""
-RESUME_FREE = ("data.eval_size", "data.train_file", "data.dev_file", "data.test_file", "model.path",
-               "reward.function", "reward.timeout_s", "reward.num_workers")
-"""Exceptions: how much is evaluated, where the same inputs live (run_manifest.json checks their content), how
-the reward is run."""
-
-
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def changed_on_resume(before: dict, now: dict) -> list[str]:
-    """The RESUME_LOCKED keys whose value differs between a run's saved config and this attempt's, as
-    "key: old -> new"."""
-    old, new = _flat(before), _flat(now)
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if k.startswith(RESUME_LOCKED) and not k.startswith(RESUME_FREE) and old.get(k) != new.get(k)]
-
-
-def with_bases(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
-    """The YAML at `path` on top of its `base:` file (resolved against path's folder), recursively.  Mappings
-    merge key by key (the file's values win, lists are replaced whole); a key set to null takes the
-    default back (e.g. `model: {tiny: null, path: ...}` over a recipe with a tiny model)."""
-    data = read_config_data(path)
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    if not isinstance(base, str) or not base:
-        raise ConfigError(f"{path}: base must be the file name of another config, got {base!r}")
-    base_path = (path.parent / base).resolve()
-    if base_path in _seen or base_path == path.resolve():
-        raise ConfigError(f"{path}: base {base} leads back to itself")
-    return _merged(with_bases(base_path, (*_seen, path.resolve())), data)
-
-
-def _merged(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for key, value in top.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merged(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def resolved_dict(cfg: TrainConfig) -> dict:

@@ -153,11 +153,7 @@ def check_and_plan(cfg: TrainConfig) -> dict:
     splits, template = load_task(cfg.data)
     fitted = fit_prompts(splits, template, run_tokenizer(cfg), cfg.prompt_token_limit)
     splits = fitted.splits
-    resume_from = check_resume_tokenizer(cfg)
-    if resume_from is not None:  # a resume with changed learning keys is refused now, not at start-up
-        from megatron_rl.train.run_setup import check_config_change
-
-        check_config_change(cfg, Path(cfg.run.dir).resolve())
+    resume_from = check_resume_tokenizer(cfg)  # and a resume with changed learning keys (choose_resume)
     ranks = lc.world_size
     return {
         "mode": cfg.run.mode,

@@ -15,18 +15,28 @@ choice this rule makes (train/dry_run.py).
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
+from typing import Any
 
 from megatron_rl.checkpoint import CheckpointError, read_manifest, resume_checkpoint
+from megatron_rl.config import ConfigError
 from megatron_rl.learner.config import world_size
+from megatron_rl.train.config import resolved_dict
+
+logger = logging.getLogger(__name__)
 
 
 def choose_resume(cfg) -> Path | None:
     """The checkpoint this start of `cfg`'s run resumes from (verified), or None to start at step 0.
-    Raises CheckpointError when none is intact, or when it was saved by another learner layout."""
+    Raises CheckpointError when none is intact, or when it was saved by another learner layout; ConfigError
+    when learning keys changed since the run's config.json (check_config_change)."""
     ckpt = resume_checkpoint(Path(cfg.run.dir).resolve() / "checkpoints") if cfg.run.resume else None
     if ckpt is not None:
         check_resume_world(ckpt, cfg)
+        # learning keys changed since the run's config.json: refused (ConfigError) unless allowed
+        check_config_change(resolved_dict(cfg), Path(cfg.run.dir).resolve(), cfg.run.allow_config_change)
     return ckpt
 
 
@@ -113,3 +123,54 @@ def lora_record(digest: str | None) -> dict:
     from megatron_rl.models.lora_checkpoint import BASE_DIGEST
 
     return {BASE_DIGEST: digest} if digest else {}
+
+
+RESUME_LOCKED = (
+    "model.", "loss.", "reward.", "data.", "dynamic_sampling.", "sft.",
+    "learner.lr", "learner.min_lr", "learner.weight_decay", "learner.adam_", "learner.clip_grad", "learner.seed",
+    "learner.lora.", "learner.global_batch_size", "learner.dtype",
+    "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_tokens", "rollout.seed",
+    "rollout.stop_token_ids", "rollout.ignore_eos", "rollout.dtype",
+    "run.mode", "run.seed", "run.prompts_per_step", "run.group_size", "run.deterministic",
+    "coordinator.max_staleness", "coordinator.max_version_lag", "coordinator.sampling", "coordinator.priority_alpha",
+)
+"""Keys (dotted prefixes) that shape what a run learns: a resume with one of them changed is refused."""
+RESUME_FREE = ("data.eval_size", "data.train_file", "data.dev_file", "data.test_file", "model.path",
+               "reward.function", "reward.timeout_s", "reward.num_workers")
+"""Exceptions: how much is evaluated, where the same inputs live (run_manifest.json checks their content), how
+the reward is run."""
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_on_resume(before: dict, now: dict) -> list[str]:
+    """The RESUME_LOCKED keys whose value differs between a run's saved config and this attempt's, as
+    "key: old -> new"."""
+    old, new = _flat(before), _flat(now)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if k.startswith(RESUME_LOCKED) and not k.startswith(RESUME_FREE) and old.get(k) != new.get(k)]
+
+
+def check_config_change(resolved: dict, run_dir: Path, allow: bool) -> list[str]:
+    """The RESUME_LOCKED keys changed between the run's config.json (an earlier attempt's) and `resolved`
+    (this attempt's, train/config.py resolved_dict): refused, naming them, unless `allow`
+    (run.allow_config_change); then returned, for run_manifest.json."""
+    try:
+        before = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []  # no readable config of an earlier attempt: nothing to compare (its checkpoints are checked)
+    changed = changed_on_resume(before, resolved) if isinstance(before, dict) else []
+    if changed and not allow:
+        raise ConfigError(f"refusing to resume {run_dir} with a changed config: " + "; ".join(changed)
+                          + " (start a new run directory, or pass --allow-config-change)")
+    if changed:
+        logger.warning("resuming %s with a changed config (allowed): %s", run_dir, "; ".join(changed))
+    return changed

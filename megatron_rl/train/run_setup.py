@@ -73,11 +73,11 @@ def open_run_dir(cfg: TrainConfig, kind: str, *, resuming: bool = False, resume_
     from megatron_rl.models.tokenizer import tokenizer_hash
     from megatron_rl.run_manifest import model_identity, open_run
     from megatron_rl.train.learner_build import seed_everything
-    from megatron_rl.train.resume import check_lora
+    from megatron_rl.train.resume import check_config_change, check_lora
 
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    changed = check_config_change(cfg, run_dir) if resuming else []
+    changed = check_config_change(resolved_dict(cfg), run_dir, cfg.run.allow_config_change) if resuming else []
     (run_dir / "config.json").write_text(json.dumps(resolved_dict(cfg), indent=2, sort_keys=True))
     seed_everything(cfg.run.seed, cfg.run.deterministic, cfg.run.torch_threads)
     model_dir = prepare_model(cfg.model, run_dir)
@@ -96,27 +96,6 @@ def open_run_dir(cfg: TrainConfig, kind: str, *, resuming: bool = False, resume_
                        "dataset_version": splits["train"].dataset_version,
                        "grader_version": cfg.reward.grader_version()})
     return RunInputs(run_dir, model_dir, tokenizer, tok_hash, splits, template, fitted.dropped, digest)
-
-def check_config_change(cfg: TrainConfig, run_dir: Path) -> list[str]:
-    """The keys that shape learning (train/config.py RESUME_LOCKED) changed since the run's config.json:
-    a resume with any is refused, naming them, unless run.allow_config_change (then they are returned, for
-    run_manifest.json)."""
-    from megatron_rl.config import ConfigError
-    from megatron_rl.train.config import changed_on_resume
-
-    path = run_dir / "config.json"
-    try:
-        before = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []  # no readable config of an earlier attempt: nothing to compare (its checkpoints are checked)
-    changed = changed_on_resume(before, resolved_dict(cfg)) if isinstance(before, dict) else []
-    if changed and not cfg.run.allow_config_change:
-        raise ConfigError(f"refusing to resume {run_dir} with a changed config: " + "; ".join(changed)
-                          + " (start a new run directory, or pass --allow-config-change)")
-    if changed:
-        logger.warning("resuming %s with a changed config (allowed): %s", run_dir, "; ".join(changed))
-    return changed
-
 
 def close_run_dir(run_dir: Path) -> None:
     """The end of this attempt, in run_manifest.json (open_run_dir began it)."""

@@ -119,23 +119,23 @@ def test_reward_fields_never_shadow_the_functions_own_arguments():
 
 
 def test_a_resume_names_the_learning_keys_that_changed_and_ignores_operational_ones(tmp_path):
-    from megatron_rl.train.config import changed_on_resume, resolved_dict
-    from megatron_rl.train.run_setup import check_config_change
+    from megatron_rl.train.config import resolved_dict
+    from megatron_rl.train.resume import changed_on_resume, check_config_change
 
     base = ["model.tiny.arch=llama", f"run.dir={tmp_path}"]
     before = load_train_config(None, base)
     (tmp_path / "config.json").write_text(json.dumps(resolved_dict(before)))
     same = load_train_config(None, [*base, "run.steps=99", "run.eval_every=3", "learner.micro_batch_size=4",
                                     "data.eval_size=7", "run.use_existing_ray=true", "run.learner_timeout_s=9"])
-    assert check_config_change(same, tmp_path) == []
+    assert check_config_change(resolved_dict(same), tmp_path, same.run.allow_config_change) == []
     changed = load_train_config(None, [*base, "learner.lr=0.5", "reward.format_weight=0.3", "rollout.temperature=0.5"])
     with pytest.raises(ConfigError) as err:
-        check_config_change(changed, tmp_path)
+        check_config_change(resolved_dict(changed), tmp_path, False)
     message = str(err.value)
     assert "learner.lr: 1e-06 -> 0.5" in message
     assert "reward.format_weight" in message and "rollout.temperature" in message and "run.steps" not in message
     allowed = load_train_config(None, [*base, "learner.lr=0.5", "run.allow_config_change=true"])
-    assert [c.split(":")[0] for c in check_config_change(allowed, tmp_path)] == ["learner.lr"]
+    assert [c.split(":")[0] for c in check_config_change(resolved_dict(allowed), tmp_path, allowed.run.allow_config_change)] == ["learner.lr"]
     assert changed_on_resume({"loss": {"kl_coef": 0.1}}, {"loss": {"kl_coef": 0.1}}) == []
     (tmp_path / "config.json").write_text("not json")
-    assert check_config_change(changed, tmp_path) == []  # nothing readable to compare with: not refused here
+    assert check_config_change(resolved_dict(changed), tmp_path, False) == []  # nothing readable to compare with: not refused here
