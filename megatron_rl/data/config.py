@@ -10,6 +10,7 @@ Read by data/tasks.py `load_task`; the root config (train/config.py) checks it a
 
 from __future__ import annotations
 
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -49,6 +50,9 @@ class DataConfig:
     """Keep only the answer text after the last occurrence of this (GSM8K: "####"); None keeps it whole."""
     template: Optional[str] = None
     """Prompt template with {question}; None takes the task's own."""
+    chat_template: str = "auto"
+    """The chat template single-turn prompts are wrapped in (data/chat.py): auto (the tokenizer's own when it
+    has one, else raw text), none (raw text), plain, or a .jinja file."""
     eval_size: int = 100
     """Held-out examples scored at each evaluation (<= the split's size)."""
     max_prompt_tokens: Optional[int] = None
@@ -61,6 +65,14 @@ class DataConfig:
     """Multi-turn episodes with an environment (envs/config.py): off while data.env.name is unset."""
 
     def __post_init__(self) -> None:
+        from megatron_rl.data.chat import CHOICES
+
+        if self.chat_template not in CHOICES:
+            path = Path(self.chat_template).expanduser()
+            if path.suffix != ".jinja" or not path.is_file():
+                raise ConfigError(f"data.chat_template must be one of {list(CHOICES)} or an existing .jinja file, "
+                                  f"got {self.chat_template!r}")
+            self.chat_template = str(path.resolve())
         if self.task == "env" and not self.env.enabled:
             raise ConfigError("data.task 'env' takes its examples from the environment, but data.env.name is unset")
         if self.task == "jsonl" and not self.train_file:

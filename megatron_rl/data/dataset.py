@@ -109,7 +109,10 @@ class PromptTemplate:
 
     template: str = "{question}"
     add_special_tokens: bool = True
-    """Passed to the tokenizer (e.g. to prepend BOS)."""
+    """Passed to the tokenizer (e.g. to prepend BOS); raw-text prompts only."""
+    chat: str = "none"
+    """The chat template prompts are wrapped in (data/chat.py): "auto" (the tokenizer's own, if any), "none",
+    "plain", or a Jinja template's text."""
 
     def __post_init__(self) -> None:
         try:
@@ -126,6 +129,18 @@ class PromptTemplate:
         return self.template.format(question=example.question, id=example.id)
 
     def encode(self, example: Example, tokenizer: Any) -> list[int]:
-        """Prompt token ids from a HF tokenizer (anything callable returning {"input_ids": [...]})."""
+        """Prompt token ids from a HF tokenizer (anything callable returning {"input_ids": [...]}): the
+        rendered text, as one user turn of the chat template when there is one (`chat`)."""
+        from megatron_rl.data.chat import chat_jinja, chat_prompt_ids
+
+        jinja = chat_jinja(self.chat, tokenizer)
+        if jinja is not None:
+            return chat_prompt_ids(tokenizer, self.render(example), jinja)
         ids = tokenizer(self.render(example), add_special_tokens=self.add_special_tokens)["input_ids"]
         return [int(i) for i in ids]
+
+    def describe(self, tokenizer: Any) -> str:
+        """Which chat template the prompts get with `tokenizer`, in words."""
+        from megatron_rl.data.chat import describe_chat
+
+        return describe_chat(self.chat, tokenizer)

@@ -10,7 +10,11 @@ Tasks: the built-in `digit_max` (builtin.py), a `reasoning_gym` generator (reaso
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 from megatron_rl.data.builtin import DIGIT_MAX_TEMPLATE, make_digit_max
+from megatron_rl.data.chat import CHOICES
 from megatron_rl.config import DataError
 from megatron_rl.data.dataset import Dataset, PromptTemplate
 from megatron_rl.data.jsonl import load_jsonl
@@ -41,6 +45,9 @@ def load_task(d) -> tuple[dict, PromptTemplate]:
         template = PromptTemplate("{question}")
     if d.template is not None:
         template = PromptTemplate(d.template)
+    if d.task != "env":  # episodes render their turns with data.env's chat format
+        chat = d.chat_template
+        template = dataclasses.replace(template, chat=chat if chat in CHOICES else Path(chat).read_text())
     return splits, template
 
 

@@ -23,19 +23,7 @@ from typing import Any, Optional
 from megatron_rl.config import ConfigError
 from megatron_rl.envs.protocol import EpisodeLimits
 
-PLAIN_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'system' -%}{{ m.content + '\n' }}"
-    "{%- elif m.role == 'user' -%}{{ 'U: ' + m.content + '\n' }}"
-    "{%- elif m.role == 'tool' -%}{{ 'T: ' + m.content + '\n' }}"
-    "{%- elif m.role == 'assistant' -%}{{ 'A: ' + (m.content or '') + eos_token + '\n' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ 'A: ' }}{%- endif -%}"
-)
-"""A chat template of plain ASCII lines for tokenizers that have none (the tiny models' character
-tokenizer): `U: ` user, `T: ` tool, `A: ` assistant turns, each assistant turn ended by the EOS token."""
-TEMPLATES = {"plain": PLAIN_TEMPLATE}
+from megatron_rl.data.chat import PLAIN_TEMPLATE, TEMPLATES  # noqa: F401 - the plain template, shared with prompts
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -151,7 +151,8 @@ def check_and_plan(cfg: TrainConfig) -> dict:
         raise ConfigError(f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} does not divide "
                          f"num_heads {hf.num_heads} and num_kv_heads {hf.num_kv_heads}")
     splits, template = load_task(cfg.data)
-    fitted = fit_prompts(splits, template, run_tokenizer(cfg), cfg.prompt_token_limit)
+    tokenizer = run_tokenizer(cfg)
+    fitted = fit_prompts(splits, template, tokenizer, cfg.prompt_token_limit)
     splits = fitted.splits
     resume_from = check_resume_tokenizer(cfg)  # and a resume with changed learning keys (choose_resume)
     ranks = lc.world_size
@@ -173,12 +174,21 @@ def check_and_plan(cfg: TrainConfig) -> dict:
         "reward": _reward_entry(cfg.reward),
         "data": {"task": cfg.data.task, "train": len(splits["train"]), "dev": len(splits["dev"]),
                  "test": len(splits["test"]), "version": splits["train"].dataset_version[:16],
-                 "template": template.template, **fitted.record()},
+                 "template": template.template, **fitted.record(),
+                 "prompt": _first_prompt(splits["train"], template, tokenizer)},
         "steps": cfg.run.steps,
         "coordinator": plan_entry(cfg.coordinator),
         "run_dir": cfg.run.dir,
         "resume_from": resume_from,
     }
+
+
+def _first_prompt(train, template, tokenizer) -> dict | None:
+    """The first training prompt as the policy will see it: its chat template, its text and its token count."""
+    if not len(train):
+        return None
+    ids = template.encode(train[0], tokenizer)
+    return {"chat_template": template.describe(tokenizer), "text": tokenizer.decode(ids), "tokens": len(ids)}
 
 
 def _reward_entry(reward) -> dict:

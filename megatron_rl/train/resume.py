@@ -153,10 +153,10 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def changed_on_resume(before: dict, now: dict) -> list[str]:
     """The RESUME_LOCKED keys whose value differs between a run's saved config and this attempt's, as
-    "key: old -> new"."""
+    "key: old -> new".  A key the saved config lacks (added by a later version, at its default) is not one."""
     old, new = _flat(before), _flat(now)
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if k.startswith(RESUME_LOCKED) and not k.startswith(RESUME_FREE) and old.get(k) != new.get(k)]
+            if k.startswith(RESUME_LOCKED) and not k.startswith(RESUME_FREE) and k in old and old[k] != new.get(k)]
 
 
 def check_config_change(resolved: dict, run_dir: Path, allow: bool) -> list[str]:

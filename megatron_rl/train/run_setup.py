@@ -83,6 +83,8 @@ def open_run_dir(cfg: TrainConfig, kind: str, *, resuming: bool = False, resume_
     model_dir = prepare_model(cfg.model, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     splits, template = load_task(cfg.data)
+    if cfg.data.task != "env":
+        logger.info("prompts: %s", template.describe(tokenizer))
     check_encodable(splits, template, tokenizer)
     fitted = fit_prompts(splits, template, tokenizer, cfg.prompt_token_limit)
     splits = fitted.splits

@@ -1,0 +1,61 @@
+"""Chat templates for prompts: which one a run uses (`data.chat_template`), and the plain one for tokenizers
+that have none.
+
+    ids = chat_prompt_ids(tokenizer, "What is 2+2?", template)   # a user turn + the assistant header
+    describe_chat(choice, tokenizer)                              # what `auto` chose, in words
+
+`data.chat_template`: `auto` (the default) wraps each prompt in the tokenizer's own chat template when it has
+one (an Instruct model is trained on the prompts it was tuned on) and leaves it raw text when it has none;
+`none` always raw text; `plain` the ASCII template below; or a `.jinja` file.  The prompt is one user message
+rendered with `add_generation_prompt`, so the response starts where the assistant's turn does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PLAIN_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}{{ m.content + '\n' }}"
+    "{%- elif m.role == 'user' -%}{{ 'U: ' + m.content + '\n' }}"
+    "{%- elif m.role == 'tool' -%}{{ 'T: ' + m.content + '\n' }}"
+    "{%- elif m.role == 'assistant' -%}{{ 'A: ' + (m.content or '') + eos_token + '\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'A: ' }}{%- endif -%}"
+)
+"""A chat template of plain ASCII lines for tokenizers that have none (the tiny models' character
+tokenizer): `U: ` user, `T: ` tool, `A: ` assistant turns, each assistant turn ended by the EOS token."""
+TEMPLATES = {"plain": PLAIN_TEMPLATE}
+CHOICES = ("auto", "none", "plain")
+
+
+def chat_jinja(choice: str, tokenizer: Any) -> str | None:
+    """The Jinja template `choice` means with `tokenizer` (None: raw text)."""
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return getattr(tokenizer, "chat_template", None) or None
+    return TEMPLATES.get(choice, choice)
+
+
+def describe_chat(choice: str, tokenizer: Any) -> str:
+    """Which template prompts get, in words (the run's log and the dry run say it)."""
+    if choice == "auto":
+        return ("the tokenizer's own chat template (data.chat_template auto)" if chat_jinja(choice, tokenizer)
+                else "raw text: the tokenizer has no chat template (data.chat_template auto)")
+    if choice == "none":
+        return "raw text (data.chat_template none)"
+    return "the plain chat template" if choice == "plain" else "the chat template of data.chat_template"
+
+
+def _ids(encoded: Any) -> list[int]:
+    if hasattr(encoded, "keys") and "input_ids" in encoded:
+        encoded = encoded["input_ids"]
+    return [int(t) for t in encoded]
+
+
+def chat_prompt_ids(tokenizer: Any, text: str, template: str) -> list[int]:
+    """`text` as one user turn in `template`, ending with the assistant header, as token ids."""
+    return _ids(tokenizer.apply_chat_template([{"role": "user", "content": text}], chat_template=template,
+                                              add_generation_prompt=True, tokenize=True))
