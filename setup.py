@@ -31,8 +31,13 @@ EXTRAS = {
     # torch, so launch/install.sh installs it in a second step (GPU_TE_REQUIREMENT below, with
     # --no-build-isolation).  benchmarks/gpu_install_resolution.txt: the resolution, proven.
     "gpu": ["torch==2.13.0", "vllm==0.32.*"],
-    # peft (and the accelerate it imports): tests load an exported LoRA adapter as transformers + PEFT would.
-    "test": ["pytest>=8", "hypothesis>=6", "peft==0.21.2", "accelerate>=1.0"],
+    # Data files of your own beyond JSONL (data.format parquet / hf), and Weights & Biases (tracking.wandb).
+    "data": ["pyarrow>=15", "datasets>=3"],
+    "tracking": ["wandb>=0.19"],
+    # peft (and the accelerate it imports): tests load an exported LoRA adapter as transformers + PEFT would;
+    # the optional data readers and W&B are tested too.
+    "test": ["pytest>=8", "hypothesis>=6", "peft==0.21.2", "accelerate>=1.0", "pyarrow>=15", "datasets>=3",
+             "wandb>=0.19"],
 }
 
 # Megatron-Core 0.16.1 declares transformer-engine[core_cu13,pytorch] >=2.9,<2.12 (its "dev" extra;

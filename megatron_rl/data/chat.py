@@ -55,7 +55,9 @@ def _ids(encoded: Any) -> list[int]:
     return [int(t) for t in encoded]
 
 
-def chat_prompt_ids(tokenizer: Any, text: str, template: str) -> list[int]:
-    """`text` as one user turn in `template`, ending with the assistant header, as token ids."""
-    return _ids(tokenizer.apply_chat_template([{"role": "user", "content": text}], chat_template=template,
-                                              add_generation_prompt=True, tokenize=True))
+def chat_prompt_ids(tokenizer: Any, text: str | list[dict], template: str) -> list[int]:
+    """`text` as one user turn (or a list of {role, content} turns) in `template`, ending with the assistant
+    header, as token ids."""
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+    return _ids(tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                              tokenize=True))

@@ -35,7 +35,10 @@ class DataConfig:
     """Seed that freezes the task's train/dev/test split (the order training visits examples
     follows run.seed, so runs of different seeds share the held-out sets)."""
     train_file: Optional[str] = None
-    """JSONL training file (task=jsonl)."""
+    """Training data (task=jsonl): a JSONL file, a Parquet file or a Hugging Face datasets save_to_disk
+    directory (data.format)."""
+    format: str = "auto"
+    """How the data files are read: auto (by suffix; a directory is a datasets directory), jsonl, parquet, hf."""
     dev_file: Optional[str] = None
     """JSONL dev split, evaluated during training (task=jsonl); None carves it from train_file."""
     test_file: Optional[str] = None
@@ -66,6 +69,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         from megatron_rl.data.chat import CHOICES
+        from megatron_rl.data.jsonl import FORMATS
+
+        if self.format not in FORMATS:
+            raise ConfigError(f"data.format must be one of {list(FORMATS)}, got {self.format!r}")
 
         if self.chat_template not in CHOICES:
             path = Path(self.chat_template).expanduser()

@@ -33,6 +33,9 @@ class Example:
     max_tokens: int | None = None
     """This prompt's response budget in tokens (a JSONL row's `max_tokens`): its samples stop after
     min(max_tokens, rollout.max_tokens) tokens.  None: rollout.max_tokens alone."""
+    messages: str = ""
+    """A chat prompt as JSON ([{role, content}, ...], a data row's `messages`), rendered with the chat template
+    in place of the prompt template; empty for a question prompt."""
 
     def __post_init__(self) -> None:
         budget = self.max_tokens
@@ -46,6 +49,8 @@ class Example:
         meta = json.loads(self.metadata) if self.metadata else None
         if isinstance(meta, dict):
             fields.update({k: v for k, v in meta.items() if k not in ("prompt", "response", "answer")})
+        if self.messages:
+            fields["messages"] = json.loads(self.messages)
         return {**fields, "question": self.question, "id": self.id, "answer": self.answer}
 
     @property
@@ -63,6 +68,7 @@ def content_hash(examples: Sequence[Example]) -> str:
     for ex in examples:
         fields = [ex.id, ex.question, ex.answer] + ([ex.metadata] if ex.metadata else [])
         fields += [{"max_tokens": ex.max_tokens}] if ex.max_tokens is not None else []
+        fields += [{"messages": ex.messages}] if ex.messages else []
         h.update(json.dumps(fields, ensure_ascii=False).encode())
         h.update(b"\n")
     return h.hexdigest()
@@ -131,9 +137,11 @@ class PromptTemplate:
     def encode(self, example: Example, tokenizer: Any) -> list[int]:
         """Prompt token ids from a HF tokenizer (anything callable returning {"input_ids": [...]}): the
         rendered text, as one user turn of the chat template when there is one (`chat`)."""
-        from megatron_rl.data.chat import chat_jinja, chat_prompt_ids
+        from megatron_rl.data.chat import PLAIN_TEMPLATE, chat_jinja, chat_prompt_ids
 
         jinja = chat_jinja(self.chat, tokenizer)
+        if example.messages:  # a chat prompt: its turns, in the chat template (plain when there is none)
+            return chat_prompt_ids(tokenizer, json.loads(example.messages), jinja or PLAIN_TEMPLATE)
         if jinja is not None:
             return chat_prompt_ids(tokenizer, self.render(example), jinja)
         ids = tokenizer(self.render(example), add_special_tokens=self.add_special_tokens)["input_ids"]

@@ -37,7 +37,8 @@ def load_task(d) -> tuple[dict, PromptTemplate]:
                                     holdout_size=d.holdout_size)
         template = REASONING_GYM_TEMPLATE
     else:
-        kw = dict(question_field=d.question_field, answer_field=d.answer_field, answer_delimiter=d.answer_delimiter)
+        kw = dict(question_field=d.question_field, answer_field=d.answer_field, answer_delimiter=d.answer_delimiter,
+                  fmt=d.format)
         splits = holdout_splits(load_jsonl(d.train_file, split="train", **kw),
                                 dev=load_jsonl(d.dev_file, split="dev", **kw) if d.dev_file else None,
                                 test=load_jsonl(d.test_file, split="test", **kw) if d.test_file else None,
@@ -73,7 +74,7 @@ def check_encodable(splits: dict[str, Dataset], template: PromptTemplate, tokeni
     bad: dict[str, str] = {}
     for ds in splits.values():
         for ex in ds:
-            for text in (template.render(ex), ex.answer):
+            for text in (ex.question if ex.messages else template.render(ex), ex.answer):
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
                 if tokenizer.decode(ids) != text:
                     for ch in sorted(set(text)):

@@ -20,10 +20,13 @@ are tokenized as plain text, so a tool cannot forge a turn boundary.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 from megatron_rl.config import ConfigError
 from megatron_rl.envs.protocol import OBSERVATION_ROLES
+
+logger = logging.getLogger(__name__)
 
 _Q, _A, _O = "\u2063PROBE_QUESTION\u2063", "\u2063PROBE_ANSWER\u2063", "\u2063PROBE_OBSERVATION\u2063"
 
@@ -37,12 +40,18 @@ def _ids(encoded: Any) -> list[int]:
 
 def env_chat_format(cfg, tokenizer) -> "ChatFormat":
     """The chat format of an `env:` section's episodes (envs/config.py EnvConfig) with `tokenizer`: its chat
-    template (cfg.template replaces the tokenizer's), the environment's system prompt (or cfg.system_prompt)
+    template (cfg.template replaces the tokenizer's; a tokenizer without one gets the plain template), the
+    environment's system prompt (or cfg.system_prompt)
     and tools, and the role its observations take.  One construction for rollouts and demonstrations."""
     from megatron_rl.envs.registry import get_environment
 
     if cfg.template is not None:
         tokenizer.chat_template = cfg.template
+    elif not getattr(tokenizer, "chat_template", None):  # a tokenizer without one: the plain template, said once
+        from megatron_rl.data.chat import PLAIN_TEMPLATE
+
+        logger.warning("the tokenizer has no chat template: episodes use the plain one (data.env.chat_template)")
+        tokenizer.chat_template = PLAIN_TEMPLATE
     probe = get_environment(cfg.name, cfg.options)
     try:
         system = probe.system_prompt if cfg.system_prompt is None else (cfg.system_prompt or None)

@@ -31,7 +31,8 @@ class EnvConfig:
     """Multi-turn episodes with an environment (issue 28); off while `name` is unset."""
 
     name: Optional[str] = None
-    """Environment name (envs/registry.py: calculator, guess_number, python); None: single-turn rollouts."""
+    """Environment name (envs/registry.py: calculator, guess_number, python), or your own class by import path
+    ("my_envs.py:MyEnv", "my_pkg.envs:MyEnv"); None: single-turn rollouts."""
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The environment's own config section (e.g. GuessNumberConfig's keys); unknown keys are refused."""
     max_turns: int = 8
@@ -49,14 +50,28 @@ class EnvConfig:
         if self.name is None:
             return
         from megatron_rl.envs.registry import ENVIRONMENTS, environment_config
+        from megatron_rl.plugins import absolute_ref, is_ref
 
-        if self.name not in ENVIRONMENTS:
-            raise ConfigError(f"data.env.name {self.name!r} is not a known environment; known: {sorted(ENVIRONMENTS)}")
-        environment_config(self.name, self.options)  # its own keys and values, named
+        if not is_ref(self.name) and self.name not in ENVIRONMENTS:
+            raise ConfigError(f"data.env.name {self.name!r} is not a known environment; known: {sorted(ENVIRONMENTS)},"
+                              f" or your own class as 'path/to/file.py:Class' or 'package.module:Class'")
+        if is_ref(self.name):  # your own class by import path (megatron_rl/plugins.py)
+            try:
+                self.name = absolute_ref(self.name, "data.env.name")
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        environment_config(self.name, self.options)  # known or importable; its own keys and values, named
         self.limits()  # max_turns / max_total_tokens / step_timeout_s, named
         if self.chat_template is not None and not self.chat_template.strip():
             raise ConfigError("data.env.chat_template is empty: unset it (the tokenizer's own) or name one of "
                               f"{sorted(TEMPLATES)} or give a Jinja template")
+
+    def package_dirs(self) -> list[str]:
+        """The local package of an environment named by module path: what the run's Ray job ships to the
+        rollout workers that play it (megatron_rl/plugins.py)."""
+        from megatron_rl.plugins import is_ref, local_package_dirs
+
+        return local_package_dirs([self.name]) if self.name and is_ref(self.name) else []
 
     @property
     def enabled(self) -> bool:

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
-import importlib.util
 import inspect
-import json
 import math
-import os
-import sys
-from pathlib import Path
 from typing import Any, Callable
+
+from megatron_rl.plugins import absolute_ref as _absolute_ref
+from megatron_rl.plugins import load_object, source_file
+from megatron_rl.plugins import split_ref as _split_ref
 
 CORRECT = "correct"
 """The component eval reports as correctness (0 or 1)."""
@@ -81,27 +79,19 @@ def install_callables(payloads: dict[str, bytes]) -> None:
     _CALLABLES.update(payloads)
 
 
+KEY = "reward.function"
+
+
 def split_ref(ref: str) -> tuple[str, str]:
     """("path/to/file.py" or "pkg.module", "fn") of "TARGET:NAME"; ValueError naming reward.function."""
-    target, sep, name = ref.rpartition(":")
-    if not sep or not target or not name.isidentifier():
-        raise ValueError(f"reward.function must be 'pkg.module:function' or 'path/to/file.py:function', got {ref!r}")
-    return target, name
-
-
-def is_path(target: str) -> bool:
-    return target.endswith(".py") or os.sep in target or "/" in target
+    return _split_ref(ref, KEY)
 
 
 def absolute_ref(ref: str) -> str:
     """The same reference with a file path made absolute (against the working directory)."""
-    if ref.startswith(CALLABLE):
-        return ref
-    target, name = split_ref(ref)
-    return f"{Path(target).expanduser().resolve()}:{name}" if is_path(target) else ref
+    return ref if ref.startswith(CALLABLE) else _absolute_ref(ref, KEY)
 
 
-@functools.lru_cache(maxsize=8)
 def load_function(ref: str) -> Callable[..., Any]:
     """Import the function `ref` names; ValueError with the reason (missing file, import error, no such name,
     not callable, no keyword arguments it needs)."""
@@ -110,29 +100,9 @@ def load_function(ref: str) -> Callable[..., Any]:
             raise ValueError(f"reward.function {ref!r} is a Python callable given to megatron_rl.train("
                              f"reward_function=...) in another process; from the command line name a file "
                              f"('path/to/file.py:fn') or a module ('pkg.module:fn')")
-        return _cloudpickle().loads(_CALLABLES[ref])
-    target, name = split_ref(ref)
-    try:
-        if is_path(target):
-            path = Path(target)
-            if not path.is_file():
-                raise ValueError(f"reward.function: file {path} does not exist")
-            module_name = f"megatron_rl_user_reward_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
-            spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
-            spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(target)
-    except ValueError:
-        raise
-    except Exception as err:  # the user's module failed to import: say which and why
-        raise ValueError(f"reward.function {ref!r}: importing {target} failed: {type(err).__name__}: {err}") from err
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise ValueError(f"reward.function {ref!r}: {target} has no attribute {name!r}")
+        return _loaded_callable(ref)
+    fn = load_object(ref, KEY)
+    name = split_ref(ref)[1]
     if not callable(fn):
         raise ValueError(f"reward.function {ref!r}: {name} is not callable")
     try:
@@ -148,11 +118,15 @@ def load_function(ref: str) -> Callable[..., Any]:
     return fn
 
 
+@functools.lru_cache(maxsize=8)
+def _loaded_callable(ref: str) -> Callable[..., Any]:
+    return _cloudpickle().loads(_CALLABLES[ref])
+
+
 def source_digest(ref: str) -> str:
     """sha256 (12 hex) of the file that defines the function: what its grader version names."""
-    target, name = split_ref(ref)
-    path = Path(target) if is_path(target) else Path(inspect.getfile(load_function(ref)))
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    load_function(ref)
+    return hashlib.sha256(source_file(ref, KEY).read_bytes()).hexdigest()[:12]
 
 
 def grader_version(ref: str) -> str:

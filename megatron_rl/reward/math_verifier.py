@@ -107,6 +107,15 @@ class RewardConfig:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
 
+    def package_dirs(self) -> list[str]:
+        """The local package of a reward function named by module path, for the run's Ray job to ship (grading
+        runs in the driver's pool today; an actor that grades would need it)."""
+        if not self.function or self.function.startswith("callable:"):
+            return []
+        from megatron_rl.plugins import local_package_dirs
+
+        return local_package_dirs([self.function])
+
     def grader_version(self) -> str:
         """Name, revision and a hash of the scoring-relevant settings, e.g. 'math-1:3fa2c9d1'; of a reward
         function, its name and its source file's digest, e.g. 'function:my_reward@0c1d2e3f4a5b'."""

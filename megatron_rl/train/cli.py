@@ -55,7 +55,7 @@ def run_one(command: str, cfg, pool=None) -> dict:
     from megatron_rl.train.run_setup import start_ray
 
     baseline = None
-    own_ray = cfg.sft.first and start_ray(cfg.run)  # SFT then GRPO: one Ray for both stages
+    own_ray = cfg.sft.first and start_ray(cfg)  # SFT then GRPO: one Ray for both stages
     stop = StopFlag()
     stop.install()
     try:

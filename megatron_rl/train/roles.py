@@ -62,7 +62,7 @@ class Roles:
         it, and go back to it at close); None, the run starts and ends its own.  `resume_from`: the
         checkpoint this start resumes from, or None (chosen once by the caller: train/resume.py `choose_resume`)."""
         inputs = open_run_dir(cfg, kind="train", resuming=resume_from is not None, resume_from=resume_from)
-        own_ray = start_ray(cfg.run)
+        own_ray = start_ray(cfg)
         restore_queue_snapshot(inputs.run_dir, resume_from, inputs.tokenizer_hash)
         coordinator = Coordinator.start(cfg.coordinator, wal_path=inputs.run_dir / QUEUE_DB,
                                         tokenizer_hash=inputs.tokenizer_hash, take_timeout_s=cfg.run.take_timeout_s)

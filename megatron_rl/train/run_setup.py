@@ -4,7 +4,7 @@ directory with its resolved config, seeds, the model to start from, its tokenize
 
     inputs = open_run_dir(cfg, kind="train")   # RunInputs: run_dir, model_dir, tokenizer, splits, template
     cursor = train_cursor(cfg, inputs.splits["train"])   # the order training visits its examples
-    own_ray = start_ray(cfg.run)                          # connect to or start Ray; True if this run started it
+    own_ray = start_ray(cfg)                              # connect to or start Ray; True if this run started it
 
 A resume with other inputs (model, tokenizer, data, grader) is refused by run_manifest.json.
 """
@@ -119,16 +119,21 @@ def job_env_vars(environ=os.environ) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k.startswith("MEGATRON_RL_")}
 
 
-def start_ray(run) -> bool:
-    """Connect to (run.use_existing_ray) or start Ray unless it is up; True when this run started it."""
+def start_ray(cfg: TrainConfig) -> bool:
+    """Connect to (run.use_existing_ray) or start Ray unless it is up; True when this run started it.  The job
+    carries the run's MEGATRON_RL_* settings and its own code's packages (EnvConfig / RewardConfig
+    package_dirs: megatron_rl/plugins.py) to every worker."""
     import ray
 
     if ray.is_initialized():
         return False
+    run, modules = cfg.run, [*cfg.data.env.package_dirs(), *cfg.reward.package_dirs()]
+    env_vars = job_env_vars() if run.use_existing_ray else {}
+    runtime_env = {k: v for k, v in (("env_vars", env_vars), ("py_modules", modules)) if v} or None
     if run.use_existing_ray:
-        env_vars = job_env_vars()
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING,
-                 runtime_env={"env_vars": env_vars} if env_vars else None)
+                 runtime_env=runtime_env)
     else:
-        ray.init(num_cpus=run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(num_cpus=run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+                 runtime_env=runtime_env)
     return True

@@ -56,7 +56,7 @@ def sft(cfg, pool=None, *, before=None) -> dict:
     cursor = train_cursor(cfg, inputs.splits["train"])
     checkpointer = Checkpointer(run_dir, cfg, tokenizer_hash=inputs.tokenizer_hash, resume_from=resume_from)
     lc = _sft_learner_config(cfg)
-    own_ray = start_ray(cfg.run)
+    own_ray = start_ray(cfg)
     learner = report = None
     try:  # with a pool: the last sft run's learner actors, rebuilt (train/engine_pool.py)
         make_batch = sft_batches(cfg, inputs, lc.micro_batch_size)  # before any actor: no expert stops here

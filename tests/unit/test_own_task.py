@@ -139,3 +139,88 @@ def test_a_resume_names_the_learning_keys_that_changed_and_ignores_operational_o
     assert changed_on_resume({"loss": {"kl_coef": 0.1}}, {"loss": {"kl_coef": 0.1}}) == []
     (tmp_path / "config.json").write_text("not json")
     assert check_config_change(resolved_dict(changed), tmp_path, False) == []  # nothing readable to compare with: not refused here
+
+
+ROWS = [{"problem": f"{i} plus {i}?", "solution": f"work #### {2 * i}", "level": i % 3} for i in range(12)]
+
+
+def _same_examples(ds, rows=ROWS):
+    assert [(ex.question, ex.answer) for ex in ds] == [(r["problem"], r["solution"].split("####")[1].strip())
+                                                       for r in rows]
+
+
+def test_parquet_and_a_datasets_directory_load_as_jsonl_does(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    kw = dict(question_field="problem", answer_field="solution", answer_delimiter="####")
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "d.parquet")
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:8]),
+                          "validation": datasets.Dataset.from_list(ROWS[8:])}).save_to_disk(str(tmp_path / "dict"))
+    reference = load_jsonl(jsonl, **kw)
+    for path in (tmp_path / "d.parquet", tmp_path / "one"):
+        ds = load_jsonl(path, **kw)
+        _same_examples(ds)
+        assert ds.dataset_version == reference.dataset_version  # the same rows, the same version
+    _same_examples(load_jsonl(tmp_path / "dict", split="train", **kw), ROWS[:8])
+    _same_examples(load_jsonl(tmp_path / "dict", split="dev", **kw), ROWS[8:])  # validation is the dev split
+    with pytest.raises(DataError, match=r"no test split among \['train', 'validation'\]"):
+        load_jsonl(tmp_path / "dict", split="test", **kw)
+    (tmp_path / "d.bin").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match="set data.format"):
+        load_jsonl(tmp_path / "d.bin", **kw)
+    with pytest.raises(DataError, match="not a readable Parquet file"):
+        load_jsonl(tmp_path / "d.bin", fmt="parquet", **kw)
+    with pytest.raises(DataError, match=r"row 3: missing field 'problem'"):
+        pq.write_table(pa.Table.from_pylist([*ROWS[:2], {"solution": "#### 1"}]), tmp_path / "bad.parquet")
+        load_jsonl(tmp_path / "bad.parquet", **kw)
+    cfg = load_train_config(None, ["model.tiny.arch=llama", "data.task=jsonl", f"data.train_file={tmp_path / 'one'}",
+                                   "data.question_field=problem", "data.answer_field=solution",
+                                   "data.answer_delimiter='####'", "data.holdout_fraction=0.25"])
+    splits, _ = load_task(cfg.data)
+    assert sum(len(s) for s in splits.values()) == len(ROWS)
+    with pytest.raises(ConfigError, match="data.format must be one of"):
+        load_train_config(None, ["model.tiny.arch=llama", "data.format=csv"])
+
+
+def test_chat_message_prompts_render_with_the_chat_template(tmp_path):
+    from megatron_rl.data.dataset import PromptTemplate
+    from tests.unit.tiny_chat import tiny_chat_tokenizer
+
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}+1?"}],
+             "answer": str(i + 1)} for i in range(4)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = load_jsonl(path)
+    ex = ds[0]
+    assert ex.question == "0+1?" and json.loads(ex.messages) == rows[0]["messages"]
+    tok = tiny_chat_tokenizer()
+    ids = PromptTemplate("{question}", chat="auto").encode(ex, tok)
+    expected = tok.apply_chat_template(rows[0]["messages"], add_generation_prompt=True, tokenize=True)
+    assert ids == [int(t) for t in (expected["input_ids"] if hasattr(expected, "keys") else expected)]
+    assert ex.reward_fields()["messages"] == rows[0]["messages"]
+    path.write_text(json.dumps({"messages": [{"role": "user"}], "answer": "1"}) + "\n")
+    with pytest.raises(DataError, match="field 'messages' must be a non-empty list"):
+        load_jsonl(path)
+
+
+def test_only_local_packages_named_by_module_are_shipped_to_ray(tmp_path, monkeypatch):
+    from megatron_rl.envs.config import EnvConfig
+    from megatron_rl.plugins import local_package_dirs
+
+    pkg = tmp_path / "my_plugins"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "envs.py").write_text((REPO / "examples" / "two_step_env" / "env.py").read_text())
+    (tmp_path / "lonely.py").write_text("def f(**kw):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert local_package_dirs(["my_plugins.envs:TwoStep"]) == [str(pkg.resolve())]
+    assert local_package_dirs(["yaml:safe_load", "lonely:f", f"{tmp_path}/lonely.py:f"]) == []  # installed, a
+    # top-level module file, a file path: nothing to ship
+    env = EnvConfig(name="my_plugins.envs:TwoStep", options={"bonus": 0.5})
+    assert env.package_dirs() == [str(pkg.resolve())]
+    assert EnvConfig(name="guess_number").package_dirs() == []

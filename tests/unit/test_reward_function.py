@@ -113,7 +113,7 @@ def test_a_function_past_its_timeout_is_a_timeout_and_counted(plugin):
 
 
 @pytest.mark.parametrize("ref, message", [
-    ("no_colon.py", "must be 'pkg.module:function'"),
+    ("no_colon.py", "must be 'pkg.module:name'"),
     ("{dir}/missing.py:fn", "does not exist"),
     ("{plugin}:absent", "has no attribute 'absent'"),
     ("{plugin}:not_callable", "not callable"),
