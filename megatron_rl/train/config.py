@@ -183,6 +183,24 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True)
+class WandbConfig:
+    project: Optional[str] = None
+    """Weights & Biases project; None: no W&B (TensorBoard and metrics.jsonl only).  Needs `pip install wandb`."""
+    entity: Optional[str] = None
+    """W&B entity (user or team); None: your default."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """online, offline (files under RUN_DIR/wandb, `wandb sync` later) or disabled."""
+    name: Optional[str] = None
+    """Run name; None: the run directory's name.  A resumed run continues the same W&B run."""
+
+
+@dataclass(kw_only=True)
+class TrackingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases beside TensorBoard (megatron_rl/tracking.py): the same metric names, the resolved config."""
+
+
+@dataclass(kw_only=True)
 class SFTConfig:
     steps: int = 50
     """Optimizer steps of `megatron-rl sft` (sft.global_batch_size examples each)."""
@@ -220,6 +238,7 @@ class TrainConfig:
     stop: StopConfig = field(default_factory=StopConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         # Derived, never written: one batch size for the learner and the coordinator, the staleness

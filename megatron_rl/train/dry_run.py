@@ -172,6 +172,7 @@ def check_and_plan(cfg: TrainConfig) -> dict:
                     "max_tokens": cfg.rollout.max_tokens, "streaming": cfg.rollout.streaming},
         "environment": cfg.data.env.name if cfg.data.env.enabled else None,
         "reward": _reward_entry(cfg.reward),
+        "tracking": _tracking_entry(cfg.tracking),
         "data": {"task": cfg.data.task, "train": len(splits["train"]), "dev": len(splits["dev"]),
                  "test": len(splits["test"]), "version": splits["train"].dataset_version[:16],
                  "template": template.template, **fitted.record(),
@@ -189,6 +190,19 @@ def _first_prompt(train, template, tokenizer) -> dict | None:
         return None
     ids = template.encode(train[0], tokenizer)
     return {"chat_template": template.describe(tokenizer), "text": tokenizer.decode(ids), "tokens": len(ids)}
+
+
+def _tracking_entry(tracking) -> dict:
+    """Where the metrics go beside TensorBoard and metrics.jsonl; W&B without wandb installed is refused now."""
+    import importlib.util
+
+    w = tracking.wandb
+    if not w.project or w.mode == "disabled":
+        return {"wandb": None}
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("tracking.wandb.project is set but wandb is not installed: pip install wandb "
+                          "(or unset tracking.wandb.project)")
+    return {"wandb": {"project": w.project, "entity": w.entity, "mode": w.mode}}
 
 
 def _reward_entry(reward) -> dict:

@@ -86,12 +86,14 @@ class Reporter:
     @classmethod
     def create(cls, stop: StopConfig, *, steps: int, eval_size: int, run_dir: Path, fleet: RolloutFleet,
                verifier: VerifierPool, splits: dict, template: PromptTemplate,
-               tokenizer: PreTrainedTokenizerBase, env: dict | None = None) -> "Reporter":
-        """Metrics under run_dir/metrics, the `stop:` section's rules, evals of `eval_size` examples (multi-turn
-        episodes with `env`, the `env:` section as a dict)."""
+               tokenizer: PreTrainedTokenizerBase, env: dict | None = None, tracking=None,
+               config: dict | None = None) -> "Reporter":
+        """Metrics under run_dir/metrics (and W&B with the `tracking:` section, given the resolved `config`), the
+        `stop:` section's rules, evals of `eval_size` examples (multi-turn episodes with `env`, the `env:`
+        section as a dict)."""
         evaluator = Evaluator(fleet, verifier, splits, template, tokenizer, eval_size=eval_size,
                               out_dir=run_dir / "eval", env=env)
-        return cls(run_dir, MetricsLogger(run_dir / "metrics"), StopRules(stop), evaluator, steps=steps)
+        return cls(run_dir, metrics_logger(run_dir, tracking, config), StopRules(stop), evaluator, steps=steps)
 
     def rewind(self, step: int) -> None:
         """Steps after `step` are redone by a resumed run: drop what an earlier attempt logged of them,
@@ -177,3 +179,10 @@ class Reporter:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def metrics_logger(run_dir: Path, tracking=None, config: dict | None = None) -> MetricsLogger:
+    """TensorBoard and metrics.jsonl under run_dir/metrics, plus the sinks `tracking` asks for (W&B)."""
+    from megatron_rl.tracking import tracking_sinks
+
+    return MetricsLogger(run_dir / "metrics", sinks=tracking_sinks(tracking, run_dir, config or {}))

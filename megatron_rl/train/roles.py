@@ -17,6 +17,8 @@ Who owns what:
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 import logging
 from pathlib import Path
@@ -94,7 +96,8 @@ class Roles:
                                     base_digest=inputs.base_digest)  # LoRA: recorded in each checkpoint
         reporter = Reporter.create(cfg.stop, steps=cfg.run.steps, eval_size=cfg.data.eval_size, run_dir=inputs.run_dir,
                                    fleet=fleet, verifier=scorer.verifier, splits=inputs.splits,
-                                   template=inputs.template, tokenizer=inputs.tokenizer, env=source.spec.env)
+                                   template=inputs.template, tokenizer=inputs.tokenizer, env=source.spec.env,
+                                   tracking=cfg.tracking, config=json.loads((inputs.run_dir / "config.json").read_text()))
         auditor = Auditor(cfg.audit, policy.learner, mode=cfg.rollout.inflight_refit, rows=policy.settings.probe_rows,
                           pad_id=inputs.pad_id)
         return cls(inputs, coordinator, source, scorer, policy, checkpointer, reporter, auditor, place, own_ray, pool)

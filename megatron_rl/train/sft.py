@@ -23,6 +23,7 @@ from that export.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -43,10 +44,9 @@ def sft(cfg, pool=None, *, before=None) -> dict:
     train/resume.py; one cadence) and the Reporter (metrics, console line, the final test eval logged once)."""
     import ray
 
-    from megatron_rl.metrics import MetricsLogger
     from megatron_rl.train.checkpointing import Checkpointer
     from megatron_rl.train.engine_pool import release_sft_learners, sft_learner_group
-    from megatron_rl.train.reporting import Reporter
+    from megatron_rl.train.reporting import Reporter, metrics_logger
     from megatron_rl.train.resume import choose_resume
     from megatron_rl.train.run_setup import close_run_dir, open_run_dir, start_ray, train_cursor
 
@@ -67,8 +67,9 @@ def sft(cfg, pool=None, *, before=None) -> dict:
         start = int(manifest["step"]) if manifest is not None else 0
         if manifest is not None:
             logger.info("resumed SFT from %s at step %d", resume_from, start)
-        report = Reporter(run_dir, MetricsLogger(run_dir / "metrics"), None, ExportEvaluator(cfg, inputs),
-                          steps=cfg.sft.steps)
+        resolved = json.loads((run_dir / "config.json").read_text())
+        report = Reporter(run_dir, metrics_logger(run_dir, cfg.tracking, resolved), None,
+                          ExportEvaluator(cfg, inputs), steps=cfg.sft.steps)
         report.rewind(start)  # steps after the checkpoint are redone: log them once
         _train(cfg, lc, inputs, learner, cursor, checkpointer, report, start, make_batch)
         release_sft_learners(learner, pool, placed=before is not None)  # with a pool: kept for the next run
