@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from megatron_rl.train.config import TrainConfig
-from megatron_rl.train.start_model import init_from_model_dir
+from megatron_rl.train.start_model import init_from_model_dir, resolve_model_path
 from megatron_rl.config import ConfigError
 
 
@@ -134,15 +134,64 @@ def check_weight_files(model_dir: str | Path) -> int:
     return len(files)
 
 
+def check_model_dir(model_dir: str | Path) -> None:
+    """A model directory the run can start from: intact weights (safetensors) and a tokenizer, named if not."""
+    if check_weight_files(model_dir) == 0:
+        raise ConfigError(f"model.path {model_dir}: no *.safetensors weights there (convert a .bin checkpoint "
+                          f"with transformers' save_pretrained, or point at the directory that has them)")
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model.path {model_dir}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)})")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_device(cfg: TrainConfig) -> None:
+    """A GPU recipe (bf16 / fp16 learner or engines, a GPU-only weight transfer) on a machine without a CUDA
+    GPU is refused here, naming the keys, instead of failing once Ray and the engines are up."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    gpu_keys = [f"learner.dtype {cfg.learner.dtype}" for _ in [0] if cfg.learner.dtype in ("bf16", "fp16")]
+    gpu_keys += [f"rollout.dtype {cfg.rollout.dtype}" for _ in [0] if cfg.rollout.dtype in ("bfloat16", "float16")]
+    gpu_keys += [f"rollout.weight_transfer {cfg.rollout.weight_transfer}" for _ in [0]
+                 if cfg.rollout.weight_transfer in ("nccl", "ipc")]
+    if gpu_keys:
+        raise ConfigError(f"this recipe needs CUDA GPUs ({', '.join(gpu_keys)}) and this machine has none: run it "
+                          f"on a GPU node, or try it here with learner.dtype=fp32 rollout.dtype=float32 "
+                          f"rollout.weight_transfer=auto")
+
+
+def check_answers(cfg: TrainConfig, splits: dict) -> None:
+    """What would mislead late: a built-in grader that can never find a reference answer of this data (numbers
+    only, answers that are not numbers).  (An eval larger than its split scores the whole split: the plan
+    shows how many examples each eval takes, `data.eval_examples`.)"""
+    from megatron_rl.reward.math_verifier import parse_number
+
+    r = cfg.reward
+    numbers_only = set(r.extractors) <= {"leading_number", "last_number"}
+    if r.function or r.grader != "math" or not numbers_only or cfg.data.env.enabled:
+        return
+    answers = [ex.answer for ex in list(splits["test"])[:50]]
+    if answers and not any(parse_number(a) is not None for a in answers):
+        raise ConfigError(f"reward.extractors {r.extractors} only find numbers, but none of the test split's first "
+                          f"{len(answers)} answers is a number (e.g. {answers[0]!r}): add 'boxed' or 'answer_is', "
+                          f"set data.answer_delimiter, or use reward.function")
+
+
 def check_and_plan(cfg: TrainConfig) -> dict:
     from megatron_rl.coordinator.config import plan_entry
     from megatron_rl.models.hf_config import check_parallel_layout
     from megatron_rl.data.tasks import fit_prompts, load_task
 
     check_run_dir(cfg)
+    check_device(cfg)
+    if cfg.model.path is not None:  # a hub id: its snapshot in the local cache, or the way to fetch it
+        cfg.model.path = str(resolve_model_path(cfg.model.path))
     hf = model_config(cfg)
     if cfg.model.path is not None:
-        check_weight_files(cfg.model.path)
+        check_model_dir(cfg.model.path)
     elif cfg.model.init_from is None and (Path(cfg.run.dir) / "model").is_dir():
         check_weight_files(Path(cfg.run.dir) / "model")  # the tiny model made by an earlier attempt
     lc = cfg.learner
@@ -154,6 +203,7 @@ def check_and_plan(cfg: TrainConfig) -> dict:
     tokenizer = run_tokenizer(cfg)
     fitted = fit_prompts(splits, template, tokenizer, cfg.prompt_token_limit)
     splits = fitted.splits
+    check_answers(cfg, splits)
     resume_from = check_resume_tokenizer(cfg)  # and a resume with changed learning keys (choose_resume)
     ranks = lc.world_size
     return {
@@ -176,7 +226,8 @@ def check_and_plan(cfg: TrainConfig) -> dict:
         "data": {"task": cfg.data.task, "train": len(splits["train"]), "dev": len(splits["dev"]),
                  "test": len(splits["test"]), "version": splits["train"].dataset_version[:16],
                  "template": template.template, **fitted.record(),
-                 "prompt": _first_prompt(splits["train"], template, tokenizer)},
+                 "prompt": _first_prompt(splits["train"], template, tokenizer),
+                 "eval_examples": {k: min(cfg.data.eval_size, len(splits[k])) for k in ("dev", "test")}},
         "steps": cfg.run.steps,
         "coordinator": plan_entry(cfg.coordinator),
         "run_dir": cfg.run.dir,

@@ -3,7 +3,8 @@
     model_dir = prepare_model(cfg.model, run_dir)     # at the start of a run
     model_dir = run_model_dir(run_dir)                # later (megatron_rl/run_model.py)
 
-`model.path` is used as it is; `model.tiny` is made in RUN_DIR/model on first use (no network);
+`model.path` is a local directory, or a Hugging Face hub id found in the local cache (`resolve_model_path`);
+`model.tiny` is made in RUN_DIR/model on first use (no network);
 `model.init_from` exports another run's newest COMMITTED checkpoint on first use.
 
 The run records the directory it started from in RUN_DIR/run_manifest.json (`model_dir`), and
@@ -29,7 +30,7 @@ def prepare_model(model: ModelConfig, run_dir: Path) -> Path:
 
         return export_run_checkpoint(Path(model.init_from).resolve())
     if model.path is not None:
-        path = Path(model.path).resolve()
+        path = resolve_model_path(model.path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path: no config.json in {path}")
         return path
@@ -40,6 +41,31 @@ def prepare_model(model: ModelConfig, run_dir: Path) -> Path:
         spec = model.tiny
         make_tiny_model(path, arch=spec.arch, size=spec.size, seed=spec.seed, tie_embeddings=spec.tie_embeddings)
     return path
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A local directory as it is; a Hugging Face hub id ("org/name", no such local directory) as its snapshot
+    in the local Hugging Face cache (HF_HOME, HF_HUB_CACHE).  Nothing is downloaded here: an id that is not
+    cached is a FileNotFoundError that says how to fetch it first."""
+    local = Path(path).expanduser()
+    if local.exists() or not _looks_like_hub_id(str(path)):
+        return local.resolve()
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=str(path), local_files_only=True)).resolve()
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        raise FileNotFoundError(
+            f"model.path {path!r} is not a local directory and not in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); download it first, on a machine with network: "
+            f"`hf download {path}` (or `huggingface-cli download {path}`), with the same HF_HOME") from None
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return (len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+            and all(c.isalnum() or c in "-_." for c in "".join(parts)))
 
 
 def init_from_model_dir(run_dir: str | Path) -> Path:

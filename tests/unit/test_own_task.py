@@ -224,3 +224,67 @@ def test_only_local_packages_named_by_module_are_shipped_to_ray(tmp_path, monkey
     env = EnvConfig(name="my_plugins.envs:TwoStep", options={"bonus": 0.5})
     assert env.package_dirs() == [str(pkg.resolve())]
     assert EnvConfig(name="guess_number").package_dirs() == []
+
+
+def test_the_dry_run_refuses_what_would_fail_late(tmp_path):
+    """A model directory without weights or without a tokenizer; a number-only grader on answers that are not
+    numbers; and it shows how many examples each eval really takes."""
+    from megatron_rl.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", arch="llama", seed=0)
+    base = [f"model.path={model}", f"run.dir={tmp_path / 'run'}"]
+    assert check_and_plan(load_train_config(None, base))["data"]["eval_examples"]["test"] > 0
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).rename(model / f"{name}.away")
+    with pytest.raises(ConfigError, match="no tokenizer there"):
+        check_and_plan(load_train_config(None, base))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / f"{name}.away").rename(model / name)
+    (model / "model.safetensors").rename(model / "model.bin")
+    with pytest.raises(ConfigError, match=r"no \*.safetensors weights there"):
+        check_and_plan(load_train_config(None, base))
+    (model / "model.bin").rename(model / "model.safetensors")
+    rows = tmp_path / "words.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"word{i}x"}) + "\n" for i in range(40)))
+    words = [*base, "data.task=jsonl", f"data.train_file={rows}", "reward.extractors=[leading_number]",
+             "reward.format_extractors=[leading_number]", "data.eval_size=50"]
+    with pytest.raises(ConfigError, match="only find numbers, but none of the test split's first 4 answers"):
+        check_and_plan(load_train_config(None, words))
+    plan = check_and_plan(load_train_config(None, [*words, "reward.extractors=[answer_is]",
+                                                   "reward.format_extractors=[answer_is]"]))
+    assert plan["data"]["eval_examples"] == {"dev": 4, "test": 4}  # data.eval_size 50: the whole split
+
+
+def test_a_hub_id_resolves_through_the_local_cache_and_says_how_to_fetch_it(tmp_path, monkeypatch):
+    from megatron_rl.models.tiny import make_tiny_model
+    from megatron_rl.train.start_model import resolve_model_path
+
+    hub = tmp_path / "hf" / "hub"
+    snapshot = hub / "models--tiny-org--tiny-llama" / "snapshots" / "0123abcd"
+    make_tiny_model(snapshot, arch="llama", seed=0)
+    (hub / "models--tiny-org--tiny-llama" / "refs").mkdir(parents=True)
+    (hub / "models--tiny-org--tiny-llama" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("tiny-org/tiny-llama") == snapshot.resolve()
+    plan = check_and_plan(load_train_config(None, ["model.path=tiny-org/tiny-llama", f"run.dir={tmp_path / 'r'}"]))
+    assert plan["model"] == str(snapshot.resolve())
+    with pytest.raises(FileNotFoundError, match="hf download other-org/missing"):
+        resolve_model_path("other-org/missing")
+    (tmp_path / "local-org").mkdir()
+    (tmp_path / "local-org" / "dir").mkdir()
+    assert resolve_model_path("local-org/dir") == (tmp_path / "local-org" / "dir").resolve()  # a local dir wins
+
+
+def test_a_gpu_recipe_on_a_machine_without_cuda_is_refused_naming_its_keys(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_train_config(REPO / "configs" / "qwen2_1.5b_1gpu.yaml", [f"run.dir={tmp_path}"])
+    with pytest.raises(ConfigError) as err:
+        check_and_plan(cfg)
+    assert "needs CUDA GPUs (learner.dtype bf16, rollout.dtype bfloat16)" in str(err.value)
+    assert "learner.dtype=fp32 rollout.dtype=float32" in str(err.value)
