@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 
 from megatron_rl.config import ConfigError
@@ -117,7 +118,10 @@ def run_eval(args: argparse.Namespace, reward_function=None) -> dict:
     ds = fitted.splits[args.split]
     examples = [ds[i] for i in range(min(args.limit or cfg.data.eval_size, len(ds)))]
     manifest = _open_manifest(out, cfg, model_dir, ds, fitted.record())
-    ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    if os.environ.get("RAY_ADDRESS"):  # inside a cluster's job (Slurm, a script joined to one): its Ray
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.WARNING)
+    else:
+        ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     try:
         result = evaluate_model(model_dir, cfg.rollout, cfg.reward, examples, template, decoding, split=args.split)
     finally:

@@ -112,14 +112,17 @@ def reward(*, prompt, response, answer, **fields):
 
 
 if __name__ == "__main__":  # the verifier pool (and vLLM) start processes that import this script
+    from megatron_rl import evaluate
+
     summary = train(sys.argv[1], overrides=sys.argv[2:], reward_function=reward)
     print(json.dumps(summary))
+    print(json.dumps({"eval": evaluate(run=summary["run_dir"], limit=8, reward_function=reward)}))
 '''
 
 
 def test_a_local_callable_through_the_python_api(tmp_path):
     """A user's script: `from megatron_rl import train; train(config, overrides, reward_function=fn)` with fn a
-    function of the script itself (a closure over a global), 3 steps."""
+    function of the script itself (a closure over a global), 3 steps, then `evaluate(run=...)` with it."""
     import subprocess
     import sys
 
@@ -132,8 +135,12 @@ def test_a_local_callable_through_the_python_api(tmp_path):
     proc = subprocess.run([sys.executable, str(script), *args[1:]], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    summary = last_json(proc.stdout)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    summary, evaluated = lines[-2], lines[-1]["eval"]
     assert summary["steps"] == 3 and summary["final_test_correctness"] is not None
+    # evaluate() from the same script: the run's checkpoint, scored by the same callable, 8 examples
+    assert evaluated["examples"] == 8 and evaluated["grader_version"].startswith("function:reward@")
+    assert 0.0 <= evaluated["correctness"] <= 1.0 and evaluated["reward"] >= evaluated["correctness"]
     with sqlite3.connect(d / "queue.db") as db:
         trajs = [Trajectory.from_bytes(row[0]) for row in db.execute("SELECT payload FROM traj")]
     versions = {t.grader_version for t in trajs}
