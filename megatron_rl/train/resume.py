@@ -126,7 +126,7 @@ def lora_record(digest: str | None) -> dict:
 
 
 RESUME_LOCKED = (
-    "model.", "loss.", "reward.", "data.", "dynamic_sampling.", "sft.",
+    "loss.", "reward.", "data.", "dynamic_sampling.", "sft.",
     "learner.lr", "learner.min_lr", "learner.weight_decay", "learner.adam_", "learner.clip_grad", "learner.seed",
     "learner.lora.", "learner.global_batch_size", "learner.dtype",
     "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_tokens", "rollout.seed",
@@ -135,10 +135,11 @@ RESUME_LOCKED = (
     "coordinator.max_staleness", "coordinator.max_version_lag", "coordinator.sampling", "coordinator.priority_alpha",
 )
 """Keys (dotted prefixes) that shape what a run learns: a resume with one of them changed is refused."""
-RESUME_FREE = ("data.eval_size", "data.train_file", "data.dev_file", "data.test_file", "model.path",
-               "reward.function", "reward.timeout_s", "reward.num_workers")
-"""Exceptions: how much is evaluated, where the same inputs live (run_manifest.json checks their content), how
-the reward is run."""
+RESUME_FREE = ("data.eval_size", "data.train_file", "data.dev_file", "data.test_file", "model.",
+               "reward.function", "reward.timeout_s", "reward.num_workers", "sft.first")
+"""Exceptions: how much is evaluated; where the same inputs live and which model the run starts from
+(run_manifest.json refuses other content: model, tokenizer, data, grader); how the reward is run; and what
+`sft.first` rewrites in the GRPO stage's config (model.init_from, sft.first: train/sft.py sft_baseline)."""
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
