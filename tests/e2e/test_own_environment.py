@@ -56,7 +56,7 @@ def run(plugin, tmp_path_factory):
 def test_the_episodes_are_played_by_the_users_class_in_the_rollout_workers(run):
     d, summary, trajs = run
     assert summary["steps"] == 2 and len(trajs) >= 2 * 16
-    assert {t.grader_version for t in trajs} == {"env:two_step"}
+    assert {t.grader_version for t in trajs} == {"env:two_step_env.env:TwoStep"}
     done = [t for t in trajs if t.status == "ok"]
     assert done and all(t.terminal_reason in ("done", "max_turns", "max_tokens") for t in done)
     # 0 (wrong), 0.5 (first right only), 1 (second right only... never: both must be), 1.5 (both right)
