@@ -144,9 +144,9 @@ class EpisodePlayer:
 
 def episode_score(episode: dict):
     """The Score of a multi-turn episode (rollout/episodes.py EpisodeSummary as a dict): the sum of its
-    environment's rewards; its format is 1.0 when the environment ended it (terminal reason done: the policy
-    followed the protocol to its end) and 0.0 at a turn or token limit; an episode ended by env_error or
-    timeout is not scored (excluded, counted)."""
+    environment's rewards (its correctness too when that is 0 or 1, else none); its format is 1.0 when the
+    environment ended it (terminal reason done: the policy followed the protocol to its end) and 0.0 at a turn
+    or token limit; an episode ended by env_error or timeout is not scored (excluded, counted)."""
     from megatron_rl.reward.math_verifier import Score
 
     grader = f"env:{episode['env']}"
@@ -154,7 +154,10 @@ def episode_score(episode: dict):
         error = "timeout" if episode["terminal_reason"] == "timeout" else "env_error"
         return Score.failed(error, grader, detail=episode["error"][:300])
     reward = float(episode["reward"])
-    return Score(reward=reward, correctness=reward, format=float(episode["terminal_reason"] == "done"), overlong=None,
+    # An episode's reward is its correctness only when it is a success or a failure (0 or 1): a partial
+    # credit (0.5, 1.5) is never reported as correctness (eval then reports the reward alone).
+    correct = reward if reward in (0.0, 1.0) else None
+    return Score(reward=reward, correctness=correct, format=float(episode["terminal_reason"] == "done"), overlong=None,
                  error=None, grader_version=grader, components={"env": reward})
 
 

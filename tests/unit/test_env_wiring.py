@@ -68,6 +68,8 @@ def test_an_episode_is_scored_by_its_environment_and_a_failed_one_not_at_all():
     done, limit = episode_score(episode("done", 1.0)), episode_score(episode("max_turns", 0.0))
     assert (done.reward, done.correctness, done.format, done.components) == (1.0, 1.0, 1.0, {"env": 1.0})
     assert (limit.reward, limit.format, limit.ok) == (0.0, 0.0, True)
+    partial = episode_score(episode("done", 0.5))  # partial credit: a reward, never a correctness
+    assert (partial.reward, partial.correctness, partial.ok) == (0.5, None, True)
     timeout, error = episode_score(episode("timeout", None, "slow")), episode_score(episode("env_error", None, "x"))
     assert (timeout.ok, timeout.error, timeout.reward) == (False, "timeout", None)
     assert (error.ok, error.error, error.grader_version) == (False, "env_error", "env:guess_number")
