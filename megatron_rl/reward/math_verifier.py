@@ -107,6 +107,13 @@ class RewardConfig:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
 
+    def can_match_any(self, answers: list[str]) -> bool:
+        """Whether this built-in grader could ever find one of `answers` (number-only extractors need answers that
+        are numbers); a reward function or another grader is not judged here (True)."""
+        if self.function or self.grader != "math" or not set(self.extractors) <= {"leading_number", "last_number"}:
+            return True
+        return any(parse_number(a) is not None for a in answers)
+
     def package_dirs(self) -> list[str]:
         """The local package of a reward function named by module path, for the run's Ray job to ship (grading
         runs in the driver's pool today; an actor that grades would need it)."""

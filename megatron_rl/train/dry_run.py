@@ -167,14 +167,11 @@ def check_answers(cfg: TrainConfig, splits: dict) -> None:
     """What would mislead late: a built-in grader that can never find a reference answer of this data (numbers
     only, answers that are not numbers).  (An eval larger than its split scores the whole split: the plan
     shows how many examples each eval takes, `data.eval_examples`.)"""
-    from megatron_rl.reward.math_verifier import parse_number
-
     r = cfg.reward
-    numbers_only = set(r.extractors) <= {"leading_number", "last_number"}
-    if r.function or r.grader != "math" or not numbers_only or cfg.data.env.enabled:
+    if cfg.data.env.enabled:
         return
     answers = [ex.answer for ex in list(splits["test"])[:50]]
-    if answers and not any(parse_number(a) is not None for a in answers):
+    if answers and not r.can_match_any(answers):
         raise ConfigError(f"reward.extractors {r.extractors} only find numbers, but none of the test split's first "
                           f"{len(answers)} answers is a number (e.g. {answers[0]!r}): add 'boxed' or 'answer_is', "
                           f"set data.answer_delimiter, or use reward.function")
