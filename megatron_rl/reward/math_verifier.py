@@ -30,6 +30,7 @@ processes with a timeout, which is where timeouts and crashes become error codes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -290,4 +291,13 @@ def grade(response: str, reference: str, cfg: RewardConfig, length: int | None =
 
     components = call_function(cfg.function, response, reference, context)
     return Score(reward=sum(components.values()), correctness=components.get(CORRECT), format=None, overlong=None,
-                 error=None, grader_version=cfg.grader_version(), components=components)
+                 error=None, grader_version=_function_version(cfg.function), components=components)
+
+
+@functools.lru_cache(maxsize=8)
+def _function_version(ref: str) -> str:
+    """A reward function's grader version, read once per grading process (its file hashed once, not per
+    response; the pool's processes live as long as the run's pool, whose own version is fixed at its start)."""
+    from megatron_rl.reward.function import grader_version
+
+    return grader_version(ref)
