@@ -11,6 +11,19 @@ if [ -z "$device" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then device=gpu; else device=cpu; fi
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
+# The policy's code runs in bubblewrap (megatron_rl/envs/bwrap.py); add it where apt can.  Without it, a
+# run of the `python` environment refuses to start (`megatron-rl sandbox check` says what the node gives).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "install.sh: installing bubblewrap (the sandbox for the policy's code) ..." >&2
+    { apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 &&
+      apt-get install -y -q bubblewrap >/dev/null 2>&1; }; } ||
+      echo "install.sh: apt-get could not install bubblewrap; install it to run the python environment" >&2
+  else
+    echo "install.sh: bubblewrap (bwrap) is not installed: ask for it (apt/dnf package 'bubblewrap') to run" \
+         "the python environment's sandbox" >&2
+  fi
+fi
 stamp=".venv/.megatron-rl-installed"
 want="$device $(sha256sum setup.py | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -87,8 +87,8 @@ CHARTS: tuple[Chart, ...] = (
     Chart(panel="env", title="Episodes: turns and tool calls", feature="env/",
           series=("env/turns_mean", "env/tool_calls_per_episode", "env/tool_success_rate")),
     Chart(panel="env", title="Environment step time P50/P95/P99", series=_pcts("env/step_seconds"), feature="env/"),
-    Chart(panel="env", title="Terminal reasons and env errors", feature="env/",
-          series=(r"env/terminal/.*", "env/env_errors", "env/dropped_groups")),
+    Chart(panel="env", title="Terminal reasons, env errors and sandbox violations", feature="env/",
+          series=(r"env/terminal/.*", "env/env_errors", "env/dropped_groups", "env/sandbox_violations")),
     Chart(panel="eval", title="Held-out correctness", series=(r"eval/.*_correctness",), in_report=False),
     Chart(panel="eval", title="Held-out reward", series=(r"eval/.*_reward",), in_report=False),
 )

@@ -62,6 +62,7 @@ class Episode:
         self.turns = 0
         self.tool_calls = 0  # counted by the runner from StepResult.info, for metrics (metrics.py)
         self.tool_errors = 0
+        self.sandbox_violations = 0  # what the policy's code tried and the sandbox refused (python_tool.py)
         self.step_seconds: list[float] = []  # wall time of each environment step
         self.terminal_reason: str | None = None
         self.error = ""

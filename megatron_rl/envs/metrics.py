@@ -5,7 +5,9 @@
 
 env/episodes, env/turns_mean, env/tool_calls_per_episode, env/tool_success_rate (tool calls that
 did not fail; absent without tool calls), env/step_seconds/p50|p95|p99 (environment time per step),
-env/env_errors (episodes ended by env_error or timeout: excluded from the loss), and
+env/env_errors (episodes ended by env_error or timeout: excluded from the loss),
+env/sandbox_violations (what the policy's code tried that the sandbox refused or flagged: writes outside
+scratch, processes, sockets, signals, reads outside what it may read; envs/sandbox_child.py), and
 env/terminal/<reason> (the share of episodes per terminal reason, every reason present).
 """
 
@@ -32,6 +34,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "env/turns_mean": sum(ep.turns for ep in episodes) / n,
         "env/tool_calls_per_episode": calls / n,
         "env/env_errors": float(sum(ep.terminal_reason in ("env_error", "timeout") for ep in episodes)),
+        "env/sandbox_violations": float(sum(getattr(ep, "sandbox_violations", 0) for ep in episodes)),
     }
     if calls:
         out["env/tool_success_rate"] = 1.0 - sum(ep.tool_errors for ep in episodes) / calls

@@ -100,7 +100,8 @@ class PythonEnvironment(QuestionToolEnvironment):
         failed = int(run.killed_by is not None or run.exit_code != 0)
         # a run killed by close() (the episode's step timed out) reads as killed by signal 9; no one reads it
         return StepResult(describe_run(run, self.config.sandbox), info={
-            "tool_calls": 1, "tool_errors": failed, "tool_seconds": run.seconds})
+            "tool_calls": 1, "tool_errors": failed, "tool_seconds": run.seconds,
+            "sandbox_violations": len(run.violations)})
 
     def close(self) -> None:
         """Kill the code still running (the runner closes an environment whose step timed out)."""

@@ -103,11 +103,13 @@ class EpisodeRunner:
             return
         try:
             calls, errors = int(result.info.get("tool_calls", 0)), int(result.info.get("tool_errors", 0))
+            violations = int(result.info.get("sandbox_violations", 0))
         except Exception as err:  # a malformed info is the environment's failure too
             episode.finish("env_error", error=f"step raised {_describe(err)}")
             return
         episode.tool_calls += calls
         episode.tool_errors += errors
+        episode.sandbox_violations += violations
         episode.add_reward(result.reward)
         if result.done:
             episode.finish("done")

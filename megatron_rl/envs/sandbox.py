@@ -1,21 +1,26 @@
-"""A subprocess sandbox for the policy's Python: CPU, memory, output and wall-clock limits, no network,
-a scratch directory.
+"""The sandbox for the policy's code: bubblewrap by default, a sandbox service at scale, `weak` only if asked.
 
     box = Sandbox(SandboxConfig(cpu_seconds=2, memory_mb=512, output_bytes=8192))
     run = box.run("print(sum(range(10)))")
-    run.output, run.exit_code, run.killed_by          # "45\\n", 0, None
-    box.isolation                                      # "namespace" or "audit_hook" (chosen once)
+    run.output, run.exit_code, run.killed_by, run.violations   # "45\\n", 0, None, ()
+    box.isolation                                                # "bwrap" (chosen once)
 
-Layers (sandbox_child.py has the child's side):
-- kernel: a new session (the whole process group is SIGKILLed at the wall-clock limit or when the
-  output passes its cap); with `unshare` allowed (user namespaces), new user and network
-  namespaces: no network interface but a downed loopback.  Where `unshare` is refused (`network_isolation: auto` falls back, `namespace` refuses
-  to start) the audit hook is the only network barrier: a documented best effort.
-- resource limits in the child: CPU seconds, address space, file size, processes, open files.
-- an audit hook in the child refusing process creation, sockets and ctypes.
-Each run gets a fresh scratch directory as cwd, HOME and TMPDIR, removed afterwards.  What ends a
-run is reported (`killed_by`: cpu, wall, output; or the exit code), never hidden: the python
-environment turns it into an observation.  Failing to start the sandbox raises SandboxError.
+`sandbox.isolation` picks the backend:
+- `bwrap` (default): each call in a fresh bubblewrap sandbox (bwrap.py has what it sees: read-only
+  interpreter and allowed packages, a private tmpfs scratch, its own PID and network namespaces, a
+  non-root uid, the seccomp filter of seccomp.py) inside a control group of its own (cgroups.py:
+  memory with tmpfs and shm, processes) where the host allows.  Where bubblewrap cannot run the
+  Sandbox is not built: SandboxError says what the node lacks (the run refuses to start).
+- `service`: the code goes over HTTP to a sandbox server (sandbox_service.py; SandboxFusion's
+  /run_code shape; `megatron-rl sandbox serve` is one).
+- `weak`: a subprocess with rlimits, an audit hook and, where `unshare` works, a network namespace;
+  it isolates neither files nor processes.  Used only when set explicitly, logged at start and
+  recorded in the run manifest.
+In every local backend the child (sandbox_child.py) applies rlimits (CPU seconds, address space,
+file size, processes, open files) and an audit hook that refuses process creation, sockets, signals,
+ctypes look-ups and writes outside scratch, reporting each attempt: `RunResult.violations`.  What
+ends a run is reported (`killed_by`: cpu, wall, output; or the exit code), never hidden.  Failing to
+run the code at all raises SandboxError (an env_error, never a score).
 """
 
 from __future__ import annotations
@@ -33,67 +38,25 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+
+from megatron_rl.envs import bwrap, cgroups
+from megatron_rl.envs.sandbox_types import OUTPUT_KILL_FACTOR, HeadTail, RunResult, SandboxConfig, SandboxError
+
+__all__ = ["OUTPUT_KILL_FACTOR", "RunResult", "Sandbox", "SandboxConfig", "SandboxError", "namespaces_available"]
 
 logger = logging.getLogger(__name__)
 
 CHILD = str(Path(__file__).with_name("sandbox_child.py"))
 # no --fork/--pid: unshare then execs the interpreter, whose own exit status (signal) we see
-OUTPUT_KILL_FACTOR = 8  # a run writing more than this many times output_bytes is killed
 _UNSHARE = ["unshare", "--user", "--map-root-user", "--net"]
-
-
-class SandboxError(RuntimeError):
-    """The sandbox itself could not run the code (not the code's fault): an env_error."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class SandboxConfig:
-    """Limits of one sandboxed run (the `python` environment's `sandbox` section)."""
-
-    cpu_seconds: int = 2
-    """CPU seconds of the code (RLIMIT_CPU); past it the process is killed."""
-    wall_seconds: float = 5.0
-    """Wall-clock seconds of one run, start-up included; past it the process group is killed."""
-    memory_mb: int = 512
-    """Address space in MiB (RLIMIT_AS); a larger allocation raises MemoryError."""
-    output_bytes: int = 8192
-    """stdout + stderr kept (its first and last halves); the run is killed past 8x this (OUTPUT_KILL_FACTOR)."""
-    file_mb: int = 16
-    """Largest file the code may write (RLIMIT_FSIZE)."""
-    max_processes: int = 16
-    """RLIMIT_NPROC (not enforced by the kernel for root)."""
-    network_isolation: Literal["auto", "namespace", "audit_hook"] = "auto"
-    """auto: a network namespace when unshare works, else the audit hook only; namespace: require it."""
-    python: str = ""
-    """Interpreter for the code; empty = the one running the project."""
-
-    def __post_init__(self) -> None:
-        for name in ("cpu_seconds", "memory_mb", "output_bytes", "file_mb", "max_processes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"sandbox.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.wall_seconds, (int, float)) or self.wall_seconds <= 0:
-            raise ValueError(f"sandbox.wall_seconds must be > 0, got {self.wall_seconds!r}")
-        if self.network_isolation not in ("auto", "namespace", "audit_hook"):
-            raise ValueError(f"sandbox.network_isolation must be auto, namespace or audit_hook, "
-                             f"got {self.network_isolation!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class RunResult:
-    output: str
-    """stdout and stderr interleaved: the first and last output_bytes / 2 (UTF-8, errors replaced)."""
-    exit_code: int | None
-    """The process's exit code; negative: killed by that signal; None when the sandbox killed it."""
-    killed_by: str | None
-    """"cpu", "wall" or "output" when a limit ended the run, else None."""
-    seconds: float
+# what the code may read without it counting as a violation (besides scratch and the interpreter)
+_READABLE = ["/usr", "/lib", "/lib64", "/bin", "/dev/null", "/dev/zero", "/dev/urandom", "/dev/random",
+             "/proc/self", "/proc/thread-self", "/sys/devices/system/cpu", bwrap.SANDBOX_DIR]
 
 
 @functools.lru_cache(maxsize=None)
 def namespaces_available() -> bool:
-    """Whether this machine lets us create user + network namespaces (probed once)."""
+    """Whether this machine lets us create user + network namespaces (probed once; the weak backend)."""
     if shutil.which("unshare") is None:
         return False
     try:
@@ -103,52 +66,107 @@ def namespaces_available() -> bool:
     return probe.returncode == 0
 
 
-def choose_isolation(mode: str) -> str:
-    if mode == "audit_hook":
-        return "audit_hook"
+def choose_isolation(config: SandboxConfig) -> str:
+    """The backend this config gets here: 'bwrap', 'service', 'weak:namespace' or 'weak:audit_hook'."""
+    if config.isolation == "bwrap":
+        status = bwrap.probe(config.python)
+        if not status["runs"]:
+            raise SandboxError(f"sandbox.isolation is 'bwrap' but {status['error']}; install bubblewrap "
+                               f"(`megatron-rl sandbox check` shows what this node gives), or set "
+                               f"sandbox.isolation: weak to accept a sandbox without file or process isolation")
+        return "bwrap"
+    if config.isolation == "service":
+        return "service"
+    logger.warning("sandbox.isolation is 'weak': the policy's code can read and write the trainer's files "
+                   "and see its processes (only rlimits and an audit hook hold it)")
+    if config.network_isolation == "audit_hook":
+        return "weak:audit_hook"
     if namespaces_available():
-        return "namespace"
-    if mode == "namespace":
+        return "weak:namespace"
+    if config.network_isolation == "namespace":
         raise SandboxError("sandbox.network_isolation is 'namespace' but unshare cannot create user/network "
                            "namespaces here; use 'auto' (audit hook only) or allow user namespaces")
-    logger.warning("unshare cannot create namespaces here: the sandbox's only network barrier is the audit hook")
-    return "audit_hook"
+    logger.warning("unshare cannot create namespaces here: the weak sandbox's only network barrier is the audit hook")
+    return "weak:audit_hook"
 
 
 class Sandbox:
     def __init__(self, config: SandboxConfig):
         self.config = config
-        self.isolation = choose_isolation(config.network_isolation)
-        self.python = shutil.which(config.python or sys.executable)
-        if self.python is None:
-            raise SandboxError(f"sandbox.python {config.python!r} is not an executable on PATH")
         self.running: subprocess.Popen | None = None  # the run in progress, for kill()
+        self.python = shutil.which(config.python or sys.executable)
+        if self.python is None and config.isolation != "service":
+            raise SandboxError(f"sandbox.python {config.python!r} is not an executable on PATH")
+        self.isolation = choose_isolation(config)
+        if self.isolation == "service":
+            from megatron_rl.envs.sandbox_service import ServiceClient
+            self.service = ServiceClient(config)
+            return
+        self.bwrap = None
+        if self.isolation == "bwrap":
+            try:
+                self.bwrap = bwrap.BwrapCommand(self.python, packages=config.packages,
+                                                scratch_bytes=config.scratch_mb << 20)
+            except (OSError, ValueError) as err:
+                raise SandboxError(str(err)) from None
         c = config
-        self._limits = json.dumps({"cpu_seconds": c.cpu_seconds, "memory_bytes": c.memory_mb << 20,
-                                   "file_bytes": c.file_mb << 20, "max_processes": c.max_processes})
+        self._limits = {"cpu_seconds": c.cpu_seconds, "memory_bytes": c.memory_mb << 20,
+                        "file_bytes": c.file_mb << 20, "max_processes": c.max_processes}
 
     def run(self, code: str) -> RunResult:
         if not isinstance(code, str):
             raise TypeError(f"code must be a str, got {type(code).__name__}")
-        scratch = tempfile.mkdtemp(prefix="sandbox-")
+        if self.isolation == "service":
+            return self.service.run(code)
+        host_dir = tempfile.mkdtemp(prefix="sandbox-")
         try:
-            return self._run_in(scratch, code)
+            return self._run_in(host_dir, code)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(host_dir, ignore_errors=True)
 
-    def _run_in(self, scratch: str, code: str) -> RunResult:
-        code_path = os.path.join(scratch, "main.py")
-        with open(code_path, "w", encoding="utf-8") as f:
+    def _command(self, host_dir: str, report_fd: int, seccomp_fd: int | None) -> tuple[list[str], str]:
+        """(argv, cwd) of one call; host_dir holds the code (and, for bwrap, the child script)."""
+        settings = dict(self._limits, report_fd=report_fd)
+        if self.bwrap is not None:
+            shutil.copy(CHILD, os.path.join(host_dir, "child.py"))
+            os.chmod(host_dir, 0o755)  # the sandbox's uid reads them through a read-only bind
+            for name in os.listdir(host_dir):
+                os.chmod(os.path.join(host_dir, name), 0o644)
+            packages = [f"{bwrap.PACKAGES_DIR}"] if self.bwrap.packages else []
+            settings.update(scratch=["/tmp", "/dev/shm"], readable=[self.bwrap.prefix, *_READABLE, *packages],
+                            paths=packages)
+            inner = [self.bwrap.python, "-I", "-B", "-u", f"{bwrap.SANDBOX_DIR}/child.py", json.dumps(settings),
+                     f"{bwrap.SANDBOX_DIR}/main.py"]
+            return self.bwrap.argv(inner, host_dir, seccomp_fd), "/"
+        settings.update(scratch=[host_dir], readable=[sys.base_prefix, *_READABLE], paths=[])
+        prefix = _UNSHARE if self.isolation == "weak:namespace" else []
+        inner = [*prefix, self.python, "-I", "-B", "-u", CHILD, json.dumps(settings),
+                 os.path.join(host_dir, "main.py")]
+        return inner, host_dir
+
+    def _run_in(self, host_dir: str, code: str) -> RunResult:
+        with open(os.path.join(host_dir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
-        prefix = _UNSHARE if self.isolation == "namespace" else []
-        env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
-        start = time.monotonic()
-        try:
-            proc = subprocess.Popen([*prefix, self.python, "-I", "-B", "-u", CHILD, self._limits, code_path],
-                                    cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as err:
-            raise SandboxError(f"cannot start the sandbox ({self.python}): {err}") from None
+        report_r, report_w = os.pipe()
+        os.set_blocking(report_r, False)
+        group = None
+        with bwrap.FilterFd(self.bwrap.filter if self.bwrap else None) as seccomp_fd:
+            argv, cwd = self._command(host_dir, report_w, seccomp_fd)
+            if self.bwrap is not None:
+                group = cgroups.CallGroup.create(memory_bytes=(self.config.memory_mb + 2 * self.config.scratch_mb) << 20,
+                                                 max_pids=self.config.max_processes + 2)
+                argv = group.enter_argv(argv) if group else argv
+            env = {"PATH": "/usr/bin:/bin", "HOME": host_dir, "TMPDIR": host_dir, "LANG": "C.UTF-8"}
+            start = time.monotonic()
+            fds = (report_w,) if seccomp_fd is None else (report_w, seccomp_fd)
+            try:
+                proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds)
+            except OSError as err:
+                os.close(report_r)
+                raise SandboxError(f"cannot start the sandbox ({argv[0]}): {err}") from None
+            finally:
+                os.close(report_w)
         self.running = proc
         try:
             output, killed_by = self._collect(proc, start)
@@ -157,21 +175,30 @@ class Sandbox:
             proc.wait()
             proc.stdout.close()
             self.running = None
+            violations = _read_reports(report_r)
+            if group is not None:
+                group.remove()
         seconds = time.monotonic() - start
-        if prefix and proc.returncode in (126, 127) and output.startswith(b"unshare:"):
+        returncode = proc.returncode
+        if self.isolation == "weak:namespace" and returncode in (126, 127) and output.startswith(b"unshare:"):
             raise SandboxError(f"unshare could not start the interpreter: {output[:300].decode(errors='replace')}")
-        exit_code = None if killed_by in ("wall", "output") else proc.returncode
+        if self.bwrap is not None:
+            if output.startswith(b"bwrap:") or output.startswith(b"setpriv:"):
+                raise SandboxError(f"bubblewrap could not start the code: {output[:300].decode(errors='replace')}")
+            if returncode > 128:  # bwrap reports a child killed by signal N as 128 + N
+                returncode = -(returncode - 128)
+        exit_code = None if killed_by in ("wall", "output") else returncode
         # RLIMIT_CPU sends SIGXCPU, then SIGKILL at the hard limit; CPU time never exceeds wall time
-        if killed_by is None and (proc.returncode == -signal.SIGXCPU or
-                                  (proc.returncode == -signal.SIGKILL and seconds >= self.config.cpu_seconds)):
+        if killed_by is None and (returncode == -signal.SIGXCPU or
+                                  (returncode == -signal.SIGKILL and seconds >= self.config.cpu_seconds)):
             killed_by = "cpu"
         return RunResult(output=output.decode("utf-8", errors="replace"), exit_code=exit_code,
-                         killed_by=killed_by, seconds=seconds)
+                         killed_by=killed_by, seconds=seconds, violations=violations)
 
     def _collect(self, proc: subprocess.Popen, start: float) -> tuple[bytes, str | None]:
         """Read the output until EOF or the wall-clock deadline; kill past OUTPUT_KILL_FACTOR x the cap."""
         deadline = start + self.config.wall_seconds
-        kept = _HeadTail(self.config.output_bytes)
+        kept = HeadTail(self.config.output_bytes)
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
             while True:
@@ -192,34 +219,11 @@ class Sandbox:
             return kept.value(), "wall"
         return kept.value(), None
 
-
     def kill(self) -> None:
         """SIGKILL the run in progress, if any (from another thread: a step that timed out)."""
         proc = self.running
         if proc is not None and proc.poll() is None:
             _kill_group(proc)
-
-
-class _HeadTail:
-    """The first and last `cap // 2` bytes of a stream (a traceback's last line is what matters)."""
-
-    def __init__(self, cap: int):
-        self.half = max(cap // 2, 1)
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def add(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.half - len(self.head)
-        self.head += data[:max(room, 0)]
-        self.tail += data[max(room, 0):]
-        del self.tail[:-self.half]
-
-    def value(self) -> bytes:
-        cut = self.total - len(self.head) - len(self.tail)
-        middle = f"\n[... {cut} bytes cut ...]\n".encode() if cut > 0 else b""
-        return bytes(self.head) + middle + bytes(self.tail)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -228,3 +232,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _read_reports(fd: int) -> tuple[str, ...]:
+    """The child's violation reports (one per line) from the pipe's read end, then close it."""
+    data = b""
+    try:
+        while len(data) < 1 << 16:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+    except BlockingIOError:  # a process of the call still holds the write end: what arrived is enough
+        pass
+    finally:
+        os.close(fd)
+    return tuple(line for line in data.decode("utf-8", errors="replace").splitlines() if line)[:100]

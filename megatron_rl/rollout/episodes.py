@@ -52,11 +52,12 @@ class EpisodeSummary:
     tool_calls: int
     tool_errors: int
     step_seconds: list[float]
+    sandbox_violations: int = 0
 
     @classmethod
     def of(cls, env: str, ep: Episode) -> "EpisodeSummary":
         return cls(env, ep.terminal_reason, ep.reward, ep.error, ep.turns, ep.tool_calls, ep.tool_errors,
-                   list(ep.step_seconds))
+                   list(ep.step_seconds), ep.sandbox_violations)
 
 
 class EpisodePlayer:

@@ -39,7 +39,7 @@ def _observe(env, code: str):
 
 def test_code_runs_in_a_scratch_directory_and_is_scored_from_the_answer(env):
     result = _observe(env, "import os\nopen('note.txt', 'w').write('hi')\nprint(6 * 7, sorted(os.listdir('.')))")
-    assert result.observation == "42 ['main.py', 'note.txt']\n[exit code 0]"
+    assert result.observation == "42 ['note.txt']\n[exit code 0]"  # the code itself is read-only, elsewhere
     assert result.info["tool_calls"] == 1 and result.info["tool_errors"] == 0
     assert "note.txt" not in _observe(env, "import os; print(os.listdir('.'))").observation  # fresh each run
     final = env.step("Answer: 42")
@@ -77,8 +77,8 @@ def test_each_limit_ends_as_a_clear_observation_within_its_limit(env, code, expe
 
 @pytest.mark.skipif(not namespaces_available(), reason="unshare cannot create user/network namespaces here")
 def test_the_network_namespace_has_no_interface_but_loopback():
-    box = Sandbox(SandboxConfig(**LIMITS, network_isolation="namespace"))
-    assert box.isolation == "namespace"
+    box = Sandbox(SandboxConfig(**LIMITS, isolation="weak", network_isolation="namespace"))
+    assert box.isolation == "weak:namespace"
     run = box.run("print(open('/proc/net/dev').read())")
     interfaces = [line.split(":")[0].strip() for line in run.output.splitlines() if ":" in line]
     assert run.exit_code == 0 and interfaces == ["lo"], run.output
@@ -97,12 +97,16 @@ def test_malformed_calls_are_observations_and_a_broken_sandbox_is_env_error(env)
         SandboxConfig(cpu_seconds=0)
     if not namespaces_available():
         with pytest.raises(SandboxError, match="network_isolation is 'namespace'"):
-            Sandbox(SandboxConfig(network_isolation="namespace"))
+            Sandbox(SandboxConfig(isolation="weak", network_isolation="namespace"))
+    with pytest.raises(ValueError, match="sandbox.isolation must be one of bwrap, service, weak, got 'docker'"):
+        SandboxConfig(isolation="docker")
+    with pytest.raises(ValueError, match="needs sandbox.service_url"):
+        SandboxConfig(isolation="service")
 
 
 def test_without_a_namespace_the_audit_hook_still_refuses_raw_sockets():
-    box = Sandbox(SandboxConfig(**LIMITS, network_isolation="audit_hook"))
-    assert box.isolation == "audit_hook"
+    box = Sandbox(SandboxConfig(**LIMITS, isolation="weak", network_isolation="audit_hook"))
+    assert box.isolation == "weak:audit_hook"
     run = box.run("import _socket\ns = _socket.socket()\ns.settimeout(1)\ns.connect(('1.1.1.1', 80))")
     assert run.exit_code == 1 and "PermissionError: socket.__new__ is not allowed" in run.output, run.output
 
