@@ -39,8 +39,8 @@ except OSError:
 scratch = os.statvfs('.')
 print(json.dumps({
     'uid': os.getuid(), 'pid': os.getpid(), 'parent_pid': os.getppid(),
-    'host_files_visible': [p for p in ('/etc/passwd', '/root', '/home', '/var/run', '/sys/fs/cgroup')
-                           if os.path.exists(p)],
+    'host_files_visible': [p for p in ('/etc/passwd', '/etc/hostname', '/home', '/var', '/run', '/sys/fs/cgroup',
+                                       '/root/.ssh', '/root/.bashrc') if os.path.exists(p)],
     'interfaces': ifaces, 'interpreter_writable': interpreter_writable,
     'scratch_mb': scratch.f_blocks * scratch.f_frsize >> 20, 'seccomp': status('Seccomp'),
     'no_new_privs': status('NoNewPrivs'),
@@ -69,8 +69,8 @@ def _layers(box: Sandbox, seen: dict) -> list[tuple[str, bool, str]]:
             ("own PID namespace", seen["parent_pid"] in (0, 1) or seen["pid"] < 10,
              f"pid {seen['pid']}, parent {seen['parent_pid']}"),
             ("host files hidden", not seen["host_files_visible"],
-             ", ".join(seen["host_files_visible"]) + " visible" if seen["host_files_visible"] else "none of /etc, /root, "
-             "/home, /var/run, /sys/fs/cgroup"),
+             ", ".join(seen["host_files_visible"]) + " visible" if seen["host_files_visible"] else "none of /etc, /home, /var, "
+             "/run, /sys/fs/cgroup, root's files"),
             ("interpreter read-only", not seen["interpreter_writable"], "write to sys.base_prefix refused"
              if not seen["interpreter_writable"] else "the code can write the interpreter's files"),
             ("no network", seen["interfaces"] in ([], ["lo"]), "interfaces: " + (", ".join(seen["interfaces"]) or "none")),

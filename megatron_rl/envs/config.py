@@ -66,6 +66,20 @@ class EnvConfig:
             raise ConfigError("data.env.chat_template is empty: unset it (the tokenizer's own) or name one of "
                               f"{sorted(TEMPLATES)} or give a Jinja template")
 
+    def preflight(self) -> dict:
+        """What the environment checks on the node that runs it before a run starts (its config's `preflight`,
+        e.g. the python environment's sandbox isolation), as a record for the run manifest; {} for most.
+        A node that cannot give what the config asks for is a ConfigError naming what it lacks."""
+        from megatron_rl.envs.registry import environment_config
+
+        if not self.enabled:
+            return {}
+        check = getattr(environment_config(self.name, self.options), "preflight", None)
+        try:
+            return dict(check()) if check is not None else {}
+        except RuntimeError as err:  # SandboxError and its kind: the node, not the code
+            raise ConfigError(f"data.env ({self.name}): {err}") from None
+
     def package_dirs(self) -> list[str]:
         """The local package of an environment named by module path: what the run's Ray job ships to the
         rollout workers that play it (megatron_rl/plugins.py)."""

@@ -20,7 +20,8 @@ import dataclasses
 from megatron_rl.envs.answers import check_extractors
 from megatron_rl.envs.calculator import QuestionToolEnvironment, tool_schema
 from megatron_rl.envs.protocol import EnvError, StepResult
-from megatron_rl.envs.sandbox import OUTPUT_KILL_FACTOR, RunResult, Sandbox, SandboxConfig, SandboxError
+from megatron_rl.envs.sandbox import (OUTPUT_KILL_FACTOR, RunResult, Sandbox, SandboxConfig, SandboxError,
+                                     choose_isolation)
 from megatron_rl.envs.tool_calls import parse_tool_calls
 
 TOOL_NAME = "python"
@@ -40,6 +41,11 @@ class PythonConfig:
         if isinstance(self.sandbox, dict):
             self.sandbox = SandboxConfig(**self.sandbox)
         check_extractors(self.answer_extractors)
+
+    def preflight(self) -> dict:
+        """At run start, on the node that runs it: the isolation the sandbox gets here (for the run manifest);
+        SandboxError (one line: what the node lacks) where bubblewrap was asked for and cannot run."""
+        return {"sandbox": choose_isolation(self.sandbox)}
 
 
 def describe_run(run: RunResult, config: SandboxConfig) -> str:

@@ -81,9 +81,13 @@ class _Doors:
                 raise PermissionError(f"writing {path!r} is not allowed: only the scratch directory is writable")
             if not writes and not self._under(path, self.readable):
                 self.report(f"read {path}")
-        elif event in WRITE_EVENTS and args and not self._under(args[0], self.scratch):
-            self.report(f"{event} {args[0]}")
-            raise PermissionError(f"{event} on {args[0]!r} is not allowed: only the scratch directory is writable")
+        elif event in WRITE_EVENTS and args:
+            # os.symlink / os.link (src, dst): the new name is what is written; os.rename: both ends
+            paths = args[1:2] if event in ("os.symlink", "os.link") else args[:2] if event == "os.rename" else args[:1]
+            for path in paths:
+                if not self._under(path, self.scratch):
+                    self.report(f"{event} {path}")
+                    raise PermissionError(f"{event} on {path!r} is not allowed: only the scratch directory is writable")
         elif event in READ_EVENTS and args and not self._under(args[0] or ".", self.readable):
             self.report(f"{event} {args[0]}")
         elif event == "import" and args and args[0] in RAW_MODULES and args[0] not in self.imported:
