@@ -187,7 +187,7 @@ def read_config_data(path: str | Path | None, overrides: list[str] = ()) -> dict
         except UnicodeDecodeError as err:
             raise ConfigError(f"{path}: not UTF-8 text ({err})") from None
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML ({err})") from None
+            raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(err)})") from None
         except RecursionError:
             raise ConfigError(f"{path}: YAML nested too deeply to read") from None
         if not isinstance(data, dict):
@@ -224,6 +224,15 @@ def _merged(base: dict, top: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+def _yaml_problem(err: Exception) -> str:
+    """A YAML error on one line: where (line, column) and what, without the excerpt PyYAML draws under it."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(err).split())[:300]
+    context = getattr(err, "context", None)
+    return f"line {mark.line + 1} column {mark.column + 1}: {problem}" + (f", {context}" if context else "")
 
 
 def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:

@@ -75,15 +75,10 @@ class History:
 
     @classmethod
     def read(cls, path: Path) -> "History":
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                logger.warning("%s line %d is not JSON (a torn last write?); skipped", path, n)
-        return cls(rows)
+        """A line that is not a metrics record (a torn write, damaged bytes) is skipped, with one warning."""
+        from megatron_rl.run_files import read_jsonl
+
+        return cls(read_jsonl(path, key="step"))
 
     def get(self, key: str) -> list[tuple[int, float]]:
         return self.series.get(key, [])
@@ -326,13 +321,16 @@ def check_checkpoints(run_dir: Path, h: History, checkpoint_every: int) -> list[
 
 
 def diagnose(run_dir: str | Path) -> dict:
-    """Every finding for the run in RUN_DIR; raises FileNotFoundError without metrics.jsonl."""
+    """Every finding for the run in RUN_DIR; raises FileNotFoundError without metrics.jsonl, ConfigError (naming
+    the file) for a config.json that cannot be read."""
+    from megatron_rl.run_files import read_json
+
     run_dir = Path(run_dir)
     path = run_dir / "metrics" / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: not a run directory, or the run logged nothing yet")
     h = History.read(path)
-    cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    cfg = read_json(run_dir / "config.json") if (run_dir / "config.json").is_file() else {}
     run, stop, coord = cfg.get("run", {}), cfg.get("stop", {}), cfg.get("coordinator", {})
     lim = dict(DEFAULTS)
     lag_limits = [v for v in (stop.get("d_lag_p95_max"), coord.get("backpressure_d_lag_p95")) if v is not None]

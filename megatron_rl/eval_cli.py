@@ -30,17 +30,14 @@ logger = logging.getLogger(__name__)
 
 
 def _run_config(run_dir: Path, overrides: list[str]):
-    from megatron_rl.config import from_dict, read_config_data
+    from megatron_rl.config import apply_overrides, from_dict
+    from megatron_rl.run_files import read_json
     from megatron_rl.train.config import TrainConfig
 
     path = run_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"--run {run_dir}: no config.json (not a training run directory)")
-    data = json.loads(path.read_text())
-    extra = read_config_data(None, overrides)
-    for section, values in extra.items():
-        data.setdefault(section, {}).update(values)
-    return from_dict(TrainConfig, data)
+    return from_dict(TrainConfig, apply_overrides(read_json(path), list(overrides)))
 
 
 def _tokenizer(model_dir: Path):

@@ -17,7 +17,8 @@ TensorBoard event files in `<log_dir>/tb/`, which also carry the custom-scalars 
 megatron_rl/panels.py (grouped charts per panel, P50/P95/P99 on one chart).
 
 Resume: `log.rewind(S)` after resuming from the checkpoint of step S drops the JSONL records of
-steps > S (an abandoned attempt's, about to be redone) and starts a new TensorBoard event file
+steps > S (an abandoned attempt's, about to be redone) and lines that are not records (torn or damaged:
+counted in a warning, never an error), and starts a new TensorBoard event file
 with purge_step S+1, so readers discard the older files' events of those steps.
 `logged_test_evals(path)` reads back the test evals a metrics.jsonl holds.
 """
@@ -32,6 +33,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+from megatron_rl.run_files import read_jsonl, skipped_lines
 
 logger = logging.getLogger(__name__)
 
@@ -66,24 +69,21 @@ class JsonlSink:
         self._fh.close()
 
     def rewind(self, keep_through: int) -> int:
-        """Drop the records of steps > keep_through (and a torn last line); returns how many."""
+        """Drop the records of steps > keep_through; returns how many.  Lines that are not records (a line
+        torn by a crash, damaged bytes) are dropped too, counted in a warning of their own."""
         self._fh.close()
-        kept, dropped = [], 0
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                keep = int(json.loads(line)["step"]) <= keep_through
-            except (ValueError, KeyError, TypeError):
-                keep = False  # a line torn by a crash
-            if keep:
-                kept.append(line)
-            else:
-                dropped += 1
-        if dropped:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-            os.replace(tmp, self.path)
-        self._fh = self.path.open("a", encoding="utf-8")
-        return dropped
+        try:
+            rows = read_jsonl(self.path, key="step", warn=False)
+            kept = [line for row, line in zip(rows, rows.lines) if row["step"] <= keep_through]
+            if len(kept) < len(rows) or rows.skipped:
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+                os.replace(tmp, self.path)
+        finally:
+            self._fh = self.path.open("a", encoding="utf-8")
+        if rows.skipped:
+            logger.warning("%s: %s, dropped by the resume's rewind", self.path, skipped_lines(rows.skipped))
+        return len(rows) - len(kept)
 
 
 class TensorBoardSink:
@@ -216,9 +216,8 @@ def logged_test_evals(metrics_jsonl: str | Path) -> dict[int, dict]:
     path, out = Path(metrics_jsonl), {}
     if not path.is_file():
         return out
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for row in read_jsonl(path, key="step"):  # a torn or damaged line is skipped, with one warning
         try:
-            row = json.loads(line)
             if "eval/test_reward" not in row:
                 continue
             # correctness and format are absent for a reward function without them: None, as eval gave

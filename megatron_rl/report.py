@@ -14,12 +14,12 @@ skipped silently; a chart with nothing to draw gets no PNG and says so.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 
 from megatron_rl.panels import CHARTS, Chart
+from megatron_rl.run_files import read_json, read_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -32,19 +32,11 @@ def load_series(path: str | Path) -> Series:
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path} (is this a run directory?)")
     by_key: dict[str, dict[int, float]] = {}
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            step = int(record["step"])
-        except (ValueError, KeyError, TypeError):
-            logger.warning("%s line %d: not a metrics record, skipped (torn by a crash?)", path, n)
-            continue
+    for record in read_jsonl(path, key="step"):  # a torn or damaged line is skipped, with one warning
         for key, value in record.items():
             if key in ("step", "time") or not isinstance(value, (int, float)):
                 continue
-            by_key.setdefault(key, {})[step] = float(value)
+            by_key.setdefault(key, {})[record["step"]] = float(value)
     return {k: sorted(v.items()) for k, v in by_key.items()}
 
 
@@ -85,12 +77,14 @@ def _fmt(value) -> str:
 
 def _training(run_dir: Path) -> str:
     """What trained in the run (its run_manifest.json's `training`: "full" or a LoRA run's settings)."""
-    import json
-
-    try:
-        return json.loads((run_dir / "run_manifest.json").read_text()).get("training") or "not recorded"
-    except (OSError, ValueError):
+    path = run_dir / "run_manifest.json"
+    if not path.is_file():
         return "not recorded (no run_manifest.json)"
+    try:
+        return str(read_json(path).get("training") or "not recorded")
+    except ValueError as err:  # ConfigError: damaged; the report goes on without it
+        logger.warning("%s", err)
+        return "not recorded (run_manifest.json cannot be read)"
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:

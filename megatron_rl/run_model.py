@@ -10,9 +10,10 @@ followed through their resolved config.json.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from megatron_rl.config import ConfigError
+from megatron_rl.run_files import read_json
 from megatron_rl.run_manifest import NAME as MANIFEST
 
 
@@ -32,7 +33,9 @@ def _run_model_dir(run_dir: Path, seen: tuple[Path, ...]) -> Path:
     if not config_path.is_file():
         raise FileNotFoundError(f"{run_dir}: no config.json (the run's resolved config, which names its model)"
                                 + _recorded_note(recorded))
-    model = json.loads(config_path.read_text()).get("model") or {}
+    model = read_json(config_path).get("model") or {}
+    if not isinstance(model, dict):
+        raise ConfigError(f"{config_path}: model is not a section ({type(model).__name__}); the file is damaged")
     if model.get("init_from"):
         source = Path(model["init_from"])
         if not (source / "config.json").is_file():
@@ -52,10 +55,10 @@ def _recorded_model_dir(run_dir: Path) -> Path | None:
     if not path.is_file():
         return None
     try:
-        recorded = json.loads(path.read_text()).get("model_dir")
-    except ValueError:
+        recorded = read_json(path).get("model_dir")
+    except ValueError:  # damaged (ConfigError): the run's config.json names the model too
         return None
-    return Path(recorded) if recorded else None
+    return Path(recorded) if isinstance(recorded, str) and recorded else None
 
 
 def _recorded_note(recorded: Path | None) -> str:

@@ -12,7 +12,8 @@ a JSON summary line.
 
 Exit codes: 0 every judged segment within the tolerance (default the run's audit.tolerance), or nothing
 to audit (the message says why); 89 a judged segment over it (the lines name sequence and segment, see
-RUNBOOK.md "Audit failed"); 2 RUN_DIR is not a training run directory.
+RUNBOOK.md "Audit failed"); 2 RUN_DIR is not a training run directory, or a file it keeps is damaged (one
+line names the file: run_files.py), or a bad option.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from megatron_rl.audit.offline import audit_offline
     from megatron_rl.audit.run_dir import kept_trajectories, kept_weights, run_config
     from megatron_rl.cli import CommandError
+    from megatron_rl.config import ConfigError
 
+    if args.sequences < 1:
+        raise ConfigError(f"--sequences must be at least 1, got {args.sequences}")
+    if args.tolerance is not None and not args.tolerance >= 0:
+        raise ConfigError(f"--tolerance must be a number >= 0, got {args.tolerance}")
     run_dir = Path(args.run_dir).resolve()
     cfg = run_config(run_dir)
     tolerance = cfg.audit.tolerance if args.tolerance is None else args.tolerance

@@ -16,13 +16,12 @@ log is read first, so a trajectory found in both is taken from it.
 
 from __future__ import annotations
 
-import json
 import logging
-import sqlite3
 from pathlib import Path
 
 from megatron_rl.config import ConfigError, from_dict
-from megatron_rl.trajectory import Trajectory, TrajectoryError
+from megatron_rl.run_files import query_sqlite, read_json
+from megatron_rl.trajectory import Trajectory, TrajectoryError, validate
 
 logger = logging.getLogger(__name__)
 
@@ -37,25 +36,33 @@ def run_config(run_dir: Path):
     if not path.is_file():
         raise ConfigError(f"{run_dir} is not a training run directory: it has no config.json (the resolved config "
                           "every `megatron-rl train` writes into run.dir)")
+    data = read_json(path)  # ConfigError naming the file when it is not a JSON object
     try:
-        return from_dict(TrainConfig, json.loads(path.read_text()))
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+        return from_dict(TrainConfig, data)
+    except ConfigError as err:  # written by another version, or edited: one line naming the file
+        problems = getattr(err, "problems", [str(err)])
+        raise ConfigError(f"{path}: not the resolved config of a training run ({'; '.join(problems)})") from None
 
 
 def kept_trajectories(run_dir: Path) -> list[Trajectory]:
-    """Every trajectory whose bytes the run still keeps, each once (by id), in id order."""
+    """Every trajectory whose bytes the run still keeps, each once (by id), in id order.  A log that is not a
+    readable SQLite database, or a trajectory that decodes but breaks the trajectory contract (segments that
+    do not tile its response, a checksum that does not match), is a ConfigError naming the file: an audit
+    of what is left would silently depend on what the damage took."""
     logs = [run_dir / "queue.db", *sorted(run_dir.glob("checkpoints/step_*/queue_snapshot.db"))]
     found: dict[str, Trajectory] = {}
     for db in (p for p in logs if p.is_file()):
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-            for (payload,) in conn.execute("SELECT payload FROM traj"):
-                try:
-                    traj = Trajectory.from_bytes(payload)
-                except TrajectoryError as err:
-                    logger.warning("%s: a trajectory that does not decode is skipped (%s)", db, err)
-                    continue
-                found.setdefault(traj.id, traj)
+        for (payload,) in query_sqlite(db, "SELECT payload FROM traj"):
+            try:
+                traj = Trajectory.from_bytes(payload)
+            except TrajectoryError as err:
+                logger.warning("%s: a trajectory that does not decode is skipped (%s)", db, err)
+                continue
+            try:
+                validate(traj)
+            except TrajectoryError as err:
+                raise ConfigError(f"{db}: {err}; the log is damaged") from None
+            found.setdefault(traj.id, traj)
     return [found[k] for k in sorted(found)]
 
 
@@ -84,9 +91,10 @@ def _start_model(run_dir: Path) -> Path | None:
     from megatron_rl.run_manifest import NAME
 
     manifest = run_dir / NAME
-    recorded = json.loads(manifest.read_text()).get("model_dir") if manifest.is_file() else None
-    if recorded and (Path(recorded) / "config.json").is_file():
+    recorded = read_json(manifest).get("model_dir") if manifest.is_file() else None
+    if isinstance(recorded, str) and recorded and (Path(recorded) / "config.json").is_file():
         return Path(recorded)
-    model = json.loads((run_dir / "config.json").read_text()).get("model") or {}
+    model = read_json(run_dir / "config.json").get("model")
+    model = model if isinstance(model, dict) else {}
     candidate = Path(model["path"]) if model.get("path") else run_dir / "model" if model.get("tiny") else None
     return candidate if candidate is not None and (candidate / "config.json").is_file() else None

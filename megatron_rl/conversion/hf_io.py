@@ -228,16 +228,29 @@ def copy_model_side_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
+def check_output_dir(out: Path, force: bool) -> None:
+    """Refuse (FileExistsError) an existing `out` unless `force`, and whatever is not a directory even with
+    `force`: --force replaces an output directory, never deletes a file (nor a link, whose target stays)."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if out.is_symlink() or not out.is_dir():
+        kind = "a symbolic link" if out.is_symlink() else "a file, not a directory"
+        raise FileExistsError(f"output {out} exists and is {kind}: refusing to replace it"
+                              + (" (--force replaces only an output directory)" if force else ""))
+    if not force:
+        raise FileExistsError(f"output directory {out} already exists (use --force to replace it)")
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: str | Path, force: bool = False):
     """Yield a temporary sibling of `out`; rename it to `out` only if the block completes.
 
-    An existing `out` is refused (FileExistsError) unless `force`; with `force` it is replaced
-    only after the new directory is complete.  On any exception the temporary dir is removed.
+    An existing `out` is refused (FileExistsError) unless `force`; with `force` a directory is replaced
+    only after the new one is complete, and anything else is still refused (check_output_dir).  On any
+    exception the temporary dir is removed.
     """
     out = Path(out)
-    if out.exists() and not force:
-        raise FileExistsError(f"output directory {out} already exists (use --force to replace it)")
+    check_output_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

@@ -27,7 +27,7 @@ import torch
 
 from megatron_rl.version import __version__
 from megatron_rl.conversion import mapping
-from megatron_rl.conversion.hf_io import HFCheckpoint, atomic_output_dir, copy_model_side_files
+from megatron_rl.conversion.hf_io import HFCheckpoint, atomic_output_dir, check_output_dir, copy_model_side_files
 from megatron_rl.conversion.dist_ckpt import DistCheckpointWriter
 from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, write_manifest
 
@@ -79,8 +79,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     from megatron_rl.models.tokenizer import tokenizer_hash
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"output directory {out_dir} already exists (use --force to replace it)")
+    check_output_dir(out_dir, force)
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype {dtype!r} is not one of {list(DTYPE_CHOICES)}")
     if not hf_dir.is_dir():

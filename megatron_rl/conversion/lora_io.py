@@ -130,11 +130,14 @@ def export_lora_checkpoint(ckpt_dir: str | Path, out_dir: str | Path | None = No
                            force: bool = False) -> list[Path]:
     """Write a committed LoRA checkpoint's adapters as a PEFT directory (`out_dir`) and/or merged into its
     base as a full HF model (`merged`); returns what was written."""
+    from megatron_rl.conversion.hf_io import check_output_dir
     from megatron_rl.models.hf_config import load_hf_config
     from megatron_rl.models.lora_checkpoint import lora_config_of
 
     if out_dir is None and merged is None:
         raise ConfigError("nothing to write: give a PEFT output directory, a merged one, or both")
+    for out in (o for o in (out_dir, merged) if o is not None):
+        check_output_dir(Path(out), force)  # before anything is read; --force never replaces a file
     ckpt_dir = Path(ckpt_dir)
     model_dir = checked_base(ckpt_dir, base)
     adapters, record = read_adapters(ckpt_dir / "weights")

@@ -32,7 +32,7 @@ import torch
 
 from megatron_rl.conversion import mapping
 from megatron_rl.conversion.dist_ckpt import DistCheckpointReader
-from megatron_rl.conversion.hf_io import HFWriter, atomic_output_dir, copy_model_side_files
+from megatron_rl.conversion.hf_io import HFWriter, atomic_output_dir, check_output_dir, copy_model_side_files
 from megatron_rl.conversion.hf_to_mcore import DTYPE_CHOICES, TORCH_DTYPES, GroupProgress
 from megatron_rl.checkpoint import MANIFEST as COMMITTED
 from megatron_rl.conversion.model_io import HF_DIR, WEIGHTS_DIR, read_manifest
@@ -75,8 +75,7 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, dtype: st
     from megatron_rl.models.hf_config import load_hf_config
 
     mcore_dir, out_dir = Path(mcore_dir), Path(out_dir)
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"output directory {out_dir} already exists (use --force to replace it)")
+    check_output_dir(out_dir, force)
     if (mcore_dir / COMMITTED).is_file() and (mcore_dir / WEIGHTS_DIR / "lora.json").is_file():
         from megatron_rl.conversion.lora_io import export_lora_checkpoint  # adapters only: merge into the base
 

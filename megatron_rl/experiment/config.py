@@ -180,14 +180,12 @@ def replaced_keys(data: dict) -> list[str]:
 
 
 def load_experiment(path: str | Path) -> ExperimentConfig:
-    import yaml
-
-    from megatron_rl.config import from_dict
+    from megatron_rl.config import from_dict, read_config_data
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"experiment file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = read_config_data(path)  # ConfigError, one line, when it is not UTF-8 YAML of a mapping
     replaced = replaced_keys(data) if isinstance(data, dict) else []
     try:
         cfg = from_dict(ExperimentConfig, data)

@@ -21,6 +21,7 @@ import numpy as np
 
 from megatron_rl.experiment.config import MIN_SEEDS, ExperimentConfig
 from megatron_rl.experiment.runs import run_dir
+from megatron_rl.run_files import read_json, read_jsonl
 
 
 def test_outcomes(path: Path) -> dict[str, float]:
@@ -29,8 +30,7 @@ def test_outcomes(path: Path) -> dict[str, float]:
     if not files:
         raise FileNotFoundError(f"{path}: no eval/test_step_*.jsonl (did the run finish its final eval?)")
     out = {}
-    for line in files[-1].read_text().splitlines():
-        o = json.loads(line)
+    for o in read_jsonl(files[-1], strict=True):
         graded = [c for c in o["correctness"] if c is not None]
         if graded:  # an ungraded example (verifier error) has no pair
             out[o["id"]] = float(np.mean(graded))
@@ -62,9 +62,8 @@ def paired_difference_ci(arm: np.ndarray, base: np.ndarray, *, alpha: float, see
 
 def run_costs(path: Path) -> dict[str, float]:
     """What one run spent and how its samples fared, from its metrics, config and result."""
-    rows = [json.loads(x) for x in (path / "metrics" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    cfg = json.loads((path / "config.json").read_text())
-    result = json.loads((path / "result.json").read_text())
+    rows = read_jsonl(path / "metrics" / "metrics.jsonl", key="step")  # a damaged line: skipped, with a warning
+    cfg, result = read_json(path / "config.json"), read_json(path / "result.json")
     per_step = cfg["run"]["prompts_per_step"] * cfg["run"]["group_size"]
 
     def mean(key):
@@ -114,8 +113,7 @@ def failure_samples(path: Path, n: int = 3) -> list[dict]:
     """Up to `n` examples a run's final hidden-test eval got wrong: id, reference answer, the response."""
     files = sorted((path / "eval").glob("test_step_*.jsonl"))
     out = []
-    for line in files[-1].read_text().splitlines() if files else []:
-        o = json.loads(line)
+    for o in read_jsonl(files[-1], strict=True) if files else []:
         wrong = [r for r, c in zip(o.get("responses", []), o["correctness"]) if c is not None and c < 1]
         if wrong:
             out.append({"id": o["id"], "answer": o.get("answer"), "response": wrong[0]})
@@ -142,7 +140,7 @@ def analyse(cfg: ExperimentConfig) -> dict:
             diff, lo, hi = paired_difference_ci(a, b, alpha=pre.alpha)
             entry.update(difference=diff, ci=[lo, hi], pairs=len(pairs), verdict=verdict(diff, lo, hi, pre, cfg))
         arms[arm] = entry
-    return {"preregistration": json.loads((Path(cfg.dir) / "preregistration.json").read_text()),
+    return {"preregistration": read_json(Path(cfg.dir) / "preregistration.json"),
             "baseline_arm": base_name, "seeds": cfg.seeds, "arms": arms, "not_run": list(cfg.not_run)}
 
 
@@ -235,7 +233,7 @@ def _plots(cfg: ExperimentConfig, report: dict) -> None:
     for arm in names:
         curves = []
         for s in cfg.seeds:
-            rows = [json.loads(x) for x in (run_dir(cfg, arm, s) / "metrics" / "metrics.jsonl").read_text().splitlines()]
+            rows = read_jsonl(run_dir(cfg, arm, s) / "metrics" / "metrics.jsonl", key="step", warn=False)
             curves.append({r["step"]: r["eval/dev_correctness"] for r in rows if "eval/dev_correctness" in r})
         steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
         if steps:

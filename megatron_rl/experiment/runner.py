@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 from megatron_rl.config import ConfigError
 from megatron_rl.experiment.config import ExperimentConfig, Runner
 from megatron_rl.experiment.runs import Outcome, Run, log_path, plan_runs, run_dir
+from megatron_rl.run_files import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,13 @@ def preregister(cfg: ExperimentConfig) -> dict:
         record["budget_generated_tokens"] = cfg.budget_generated_tokens
     path = Path(cfg.dir) / "preregistration.json"
     if path.is_file():
-        old = json.loads(path.read_text())
+        old = read_json(path)
+        registered = dict(old)
         old.pop("registered_at", None)
         if old != record:
             raise ConfigError(f"{path} differs from this experiment file: a pre-registration cannot change after "
                              f"runs started (use a new experiment dir)")
-        return json.loads(path.read_text())
+        return registered
     path.parent.mkdir(parents=True, exist_ok=True)
     record["registered_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path.write_text(json.dumps(record, indent=2, sort_keys=True))
@@ -105,7 +107,7 @@ def read_summary(path: Path) -> dict:
     if not path.is_file():
         logger.warning("the run wrote no summary to %s", path)
         return {}
-    return json.loads(path.read_text())
+    return read_json(path)
 
 
 def launch_process(run: Run, log: Path) -> Outcome:

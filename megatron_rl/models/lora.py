@@ -76,6 +76,11 @@ _SITES = {"qkv": ("self_attention", "linear_qkv", "column"), "proj": ("self_atte
 """target -> (the layer's submodule, the linear's attribute in it, how Megatron splits it)."""
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes as max_lora_rank (vllm/config/lora.py, MaxLoRARanks): the rollout engines serve an
+adapter of rank r with the smallest of them >= r, so a LoRA run's rank can be at most the last."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class LoraConfig:
     """Low-rank adapters on a frozen base: which layers get them, their rank and scale."""
@@ -97,6 +102,9 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"learner.lora.rank must be a positive integer, got {self.rank!r}")
+        if self.enabled and self.rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"learner.lora.rank {self.rank} is more than the rollout engines serve: vLLM's LoRA "
+                             f"takes rank <= {VLLM_LORA_RANKS[-1]} (max_lora_rank one of {list(VLLM_LORA_RANKS)})")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
             raise ValueError(f"learner.lora.alpha must be > 0, got {self.alpha!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:

@@ -21,17 +21,16 @@ from __future__ import annotations
 
 from typing import Any
 
-_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM accepts as max_lora_rank (its LoRAConfig)."""
-
 
 def adapter_engine_options(serving: dict[str, Any]) -> dict[str, Any]:
     """vllm.LLM keyword arguments of an engine serving `serving` (RolloutConfig.adapter): LoRA on, one
     slot per kept version, and one for a version being installed, in a batch and in the adapter cache."""
+    from megatron_rl.models.lora import VLLM_LORA_RANKS  # the config refuses a larger rank (LoraConfig)
+
     rank = int(serving["rank"])
-    fits = [r for r in _VLLM_RANKS if r >= rank]
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
     if not fits:
-        raise ValueError(f"learner.lora.rank {rank}: vLLM serves adapters of rank <= {_VLLM_RANKS[-1]}")
+        raise ValueError(f"learner.lora.rank {rank}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}")
     slots = int(serving["versions"]) + 1
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": slots, "max_cpu_loras": slots}
 

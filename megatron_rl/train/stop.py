@@ -32,7 +32,6 @@ after a resume they start afresh, except the generated-token count (`StopRules.r
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Literal, Mapping, Optional
 
 from megatron_rl.config import ConfigError
+from megatron_rl.run_files import read_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -161,14 +161,13 @@ class StopRules:
         A run that had already spent its budget is still over it: `triggered` says so at once."""
         self.generated_tokens, last_step = 0.0, 0
         if metrics_jsonl.is_file():
-            for line in metrics_jsonl.read_text(encoding="utf-8").splitlines():
+            for row in read_jsonl(metrics_jsonl, key="step"):  # a torn or damaged line: skipped (the rewind drops it)
                 try:
-                    row = json.loads(line)
                     if "system/generated_tokens" in row:
                         self.generated_tokens += float(row["system/generated_tokens"])
-                        last_step = max(last_step, int(row.get("step", 0)))
-                except (ValueError, AttributeError, TypeError):
-                    continue  # a torn line: the rewind drops those
+                        last_step = max(last_step, row["step"])
+                except (ValueError, TypeError):
+                    continue
         budget = self.cfg.max_generated_tokens
         if budget is not None and self.generated_tokens >= budget:
             self.triggered = StopCondition("max_generated_tokens", last_step, "system/generated_tokens",
