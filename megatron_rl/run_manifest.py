@@ -101,7 +101,7 @@ def _hardware() -> dict[str, Any]:
 def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config_hash: str,
              resuming: bool, name: str = NAME, model_dir: str | Path | None = None,
              prompts: dict[str, Any] | None = None, training: str | None = None,
-             config_changed: list[str] | None = None) -> dict[str, Any]:
+             config_changed: list[str] | None = None, environment: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the manifest of a new run, or check and extend the one of a run being resumed.
     `name`: the file in run_dir (an eval writes one next to its outcomes file).  `model_dir`: the
     HF directory the run starts from, recorded as `model_dir` (where its checkpoints' config and
@@ -110,7 +110,9 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
     the limit and the prompts dropped per split), kept as `prompts` and in the attempt.  `training`: what
     trains ("full", or a LoRA run's settings: models/lora.py LoraConfig.label), kept as `training`, so that
     a LoRA result is never read as a full-parameter one.  `config_changed`: the learning keys a resume changed
-    with --allow-config-change (train/run_setup.check_config_change), kept in the attempt."""
+    with --allow-config-change (train/run_setup.check_config_change), kept in the attempt.  `environment`: what
+    the environment's preflight found on this node (envs/config.py EnvConfig.preflight, e.g. {"sandbox":
+    "bwrap"}), kept in the attempt (a resume may run on another node) and as the run's latest."""
     missing = [k for k in IDENTITY if k not in identity]
     if missing:
         raise ValueError(f"run manifest: identity fields {missing} missing")
@@ -119,6 +121,8 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
                "versions": _versions(), "hardware": _hardware(), "config_hash": config_hash}
     if config_changed:
         attempt["config_changed"] = list(config_changed)
+    if environment:
+        attempt["environment"] = dict(environment)
     if resuming and path.is_file():
         manifest = read_json(path)
         if manifest.get("kind") != kind:
@@ -138,6 +142,8 @@ def open_run(run_dir: str | Path, *, kind: str, identity: dict[str, str], config
         manifest["prompts"] = attempt["prompts"] = dict(prompts)
     if training is not None:
         manifest["training"] = training
+    if environment:
+        manifest["environment"] = dict(environment)
     _write(path, manifest)
     return manifest
 

@@ -54,6 +54,22 @@ def _cmd_together(args: argparse.Namespace) -> int:
     return 0 if all_recovered(result) else 1
 
 
+def _cmd_reward_hacking(args: argparse.Namespace) -> int:
+    from megatron_rl.config import ConfigError, read_config_data
+    from megatron_rl.drill.reward_hacking import reward_hacking, run_targets
+
+    targets = [Path(t) for t in args.target] + (run_targets(Path(args.from_run)) if args.from_run else [])
+    if not targets:
+        raise ConfigError("drill reward_hacking: give --from-run RUN_DIR or --target FILE")
+    for t in targets:
+        if not t.is_file():
+            raise FileNotFoundError(f"drill reward_hacking: target {t} is not a file")
+    sandbox = read_config_data(None, [f"s.{o}" for o in args.set]).get("s", {})
+    record = reward_hacking(targets, sandbox)
+    print(json.dumps(record))
+    return 0 if record["recovered"] else 1
+
+
 def _common_options(d) -> None:
     d.add_argument("--config", required=True, help="training config YAML (e.g. configs/tiny_cpu_scratch.yaml)")
     d.add_argument("--at-step", type=int, default=None,
@@ -84,3 +100,10 @@ def register(sub) -> None:
     t.add_argument("--run-dir", default=None, help="run directory (default runs/drills/together; replaced)")
     t.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the training config")
     t.set_defaults(func=_cmd_together)
+    r = names.add_parser("reward_hacking", help="the policy's code attacks the grader, a checkpoint and the data "
+                                                "through the python environment's sandbox; every attempt must fail")
+    r.add_argument("--from-run", default=None, help="take the targets from this run directory")
+    r.add_argument("--target", action="append", default=[], help="a file to attack (repeatable)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a sandbox setting of the python environment, e.g. wall_seconds=5 (repeatable)")
+    r.set_defaults(func=_cmd_reward_hacking)

@@ -218,6 +218,7 @@ def check_and_plan(cfg: TrainConfig) -> dict:
                     "samples_per_step": cfg.samples_per_step, "group_size": cfg.run.group_size,
                     "max_tokens": cfg.rollout.max_tokens, "streaming": cfg.rollout.streaming},
         "environment": cfg.data.env.name if cfg.data.env.enabled else None,
+        **({"environment_checks": cfg.data.env.preflight()} if cfg.data.env.enabled else {}),
         "reward": _reward_entry(cfg.reward),
         "tracking": _tracking_entry(cfg.tracking),
         "data": {"task": cfg.data.task, "train": len(splits["train"]), "dev": len(splits["dev"]),

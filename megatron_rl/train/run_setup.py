@@ -75,6 +75,7 @@ def open_run_dir(cfg: TrainConfig, kind: str, *, resuming: bool = False, resume_
     from megatron_rl.train.learner_build import seed_everything
     from megatron_rl.train.resume import check_config_change, check_lora
 
+    environment = cfg.data.env.preflight()  # e.g. the sandbox this node gives: refused before anything is written
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     changed = check_config_change(resolved_dict(cfg), run_dir, cfg.run.allow_config_change) if resuming else []
@@ -93,7 +94,7 @@ def open_run_dir(cfg: TrainConfig, kind: str, *, resuming: bool = False, resume_
     open_run(run_dir, kind=kind, config_hash=config_hash(cfg),
              resuming=resuming, model_dir=model_dir,
              prompts=fitted.record(), training=cfg.learner.lora.label if kind == "train" else "full",
-             config_changed=changed,
+             config_changed=changed, environment=environment,
              identity={"model": model_identity(model_dir), "tokenizer_hash": tok_hash,
                        "dataset_version": splits["train"].dataset_version,
                        "grader_version": cfg.reward.grader_version()})

@@ -140,3 +140,26 @@ def test_a_step_past_the_episode_timeout_ends_with_timeout_and_kills_the_code():
     assert time.monotonic() - start < 3.0
     seen["proc"].wait(timeout=2.0)  # killed by close(), not by its 10 s wall limit
     assert seen["proc"].returncode == -9
+
+
+def test_a_run_on_a_node_without_bubblewrap_refuses_to_start_and_weak_is_recorded(tmp_path, monkeypatch, caplog):
+    """EnvConfig.preflight (run_setup calls it before writing the run directory; the dry run shows it)."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.envs import bwrap
+    from megatron_rl.envs.config import EnvConfig
+    from megatron_rl.run_manifest import open_run
+
+    assert EnvConfig(name="python").preflight() == {"sandbox": "bwrap"}
+    assert EnvConfig(name="calculator").preflight() == {}
+    with caplog.at_level("WARNING"):
+        weak = EnvConfig(name="python", options={"sandbox": {"isolation": "weak"}}).preflight()
+    assert weak["sandbox"].startswith("weak:") and "isolation is 'weak'" in caplog.text
+    # the node's lack, injected: bubblewrap does not run here
+    monkeypatch.setattr(bwrap, "probe", lambda python="": {"runs": False, "error": "bubblewrap (bwrap) is not "
+                                                           "installed: apt-get install bubblewrap"})
+    with pytest.raises(ConfigError, match=r"^data.env \(python\): sandbox.isolation is 'bwrap' but bubblewrap \(bwrap\) "
+                                          r"is not installed.*sandbox.isolation: weak"):
+        EnvConfig(name="python").preflight()
+    manifest = open_run(tmp_path, kind="train", config_hash="h", resuming=False, environment=weak,
+                        identity={"model": "m", "tokenizer_hash": "t", "dataset_version": "d", "grader_version": "g"})
+    assert manifest["environment"] == weak and manifest["attempts"][-1]["environment"] == weak
