@@ -232,7 +232,8 @@ def test_checkpoint_problems(tmp_path):
 
 def test_cli_exit_codes_and_json(tmp_path, capsys):
     assert main(["doctor", str(make_run(tmp_path))]) == 0
-    assert "healthy" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "healthy" in out and "sandbox on this node: bubblewrap" in out and " runs (uid " in out
 
     def edit(step, row):
         row["learn/clip_fraction"] = 0.5
@@ -243,6 +244,7 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     assert main(["doctor", str(bad), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["healthy"] is False and report["findings"][0]["leaf"] == "clip-fraction-high"
+    assert report["sandbox"]["runs"] is True and report["sandbox"]["bwrap"]
     assert main(["doctor", str(tmp_path / "nowhere")]) == 2
 
 
