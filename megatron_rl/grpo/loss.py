@@ -34,6 +34,19 @@ rollout engine's μ differs from the learner's π_old, so each token is re-weigh
 With one optimiser step per batch pass `old_logprobs_bt=logprobs_bt.detach()`: r_t = 1 in
 value and the update is w_t Â ∇log π_θ.
 
+Masking extreme tokens instead (`off_policy_mask`; each masked token leaves the pg term, counted in
+`off_policy_masked_sum`):
+- "icepop" (IcePop, Ring-1T report, Ling team 2025): like TIS with π_old, but the weight is masked rather
+  than truncated, k_t = exp(log π_old - log μ):
+
+      w_t = k_t · 1[α <= k_t <= β]          (α = icepop_low, β = icepop_high; no gradient)
+
+- "m2po" (M2PO, Zheng et al. 2025, "Prosperity before Collapse"): with s_t = (log π_θ - log μ)² (no
+  gradient) over the micro-batch's tokens, the k largest s_t are masked, k the smallest count for which the
+  mean of the rest, M2 = (1/(n-k)) Σ_rest s_t, is <= τ_M2 (`m2po_threshold`).  A batch whose M2 is within τ
+  already loses nothing; stale batches lose only their outliers.  The paper computes M2 over the batch; here
+  it is per micro-batch (the same when a step is one micro-batch).
+
 Reference KL (Schulman 2020, "Approximating KL Divergence"), δ_t = log π_ref - log π_θ:
 
     k1 = -δ                 value: unbiased for KL(π_θ‖π_ref) under x ~ π_θ, can be < 0
@@ -259,10 +272,43 @@ def _clipped_surrogate(logprobs_bt, anchor, behavior, advantages_b, mask, cfg: G
         pg_bt = pg_bt * tis_w_bt
         stats["tis_weight_sum"] = (tis_w_bt * mask).sum()
         stats["tis_truncated_sum"] = ((raw_w_bt > cfg.tis_cap).to(mask) * mask).sum()
+    if cfg.off_policy_mask is not None:
+        with torch.no_grad():
+            weight_bt = off_policy_weights(logprobs_bt.detach(), anchor, behavior, mask, cfg)
+        pg_bt = pg_bt * weight_bt
+        stats["off_policy_masked_sum"] = ((weight_bt == 0).to(mask) * mask).sum()
     return pg_bt, ratio_bt, adv_bt
 
 
+def off_policy_weights(logprobs_bt, anchor, behavior, mask, cfg: GRPOLossConfig) -> torch.Tensor:
+    """[B, T] per-token weights of `off_policy_mask` (module docstring): IcePop's masked k_t, or M2PO's 0/1."""
+    keep_bt = mask > 0
+    if cfg.off_policy_mask == "icepop":
+        k_bt = _exp_log_ratio(anchor - behavior)
+        inside = (k_bt >= cfg.icepop_low) & (k_bt <= cfg.icepop_high)
+        return torch.where(inside & keep_bt, k_bt, torch.zeros_like(k_bt))
+    s_bt = (logprobs_bt - behavior).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) ** 2
+    values = s_bt[keep_bt]
+    n = values.numel()
+    weight_bt = keep_bt.to(mask)
+    if n == 0:
+        return weight_bt
+    ordered, order = values.sort(descending=True)
+    # rest_mean[k] = mean of ordered[k:], k = 0..n-1: the second moment after masking the k largest
+    suffix = ordered.flip(0).cumsum(0).flip(0)
+    rest_mean = suffix / torch.arange(n, 0, -1, dtype=suffix.dtype, device=suffix.device)
+    within = (rest_mean <= cfg.m2po_threshold).nonzero()
+    k = int(within[0]) if within.numel() else n
+    flat = weight_bt[keep_bt]
+    flat[order[:k]] = 0.0
+    weight_bt[keep_bt] = flat
+    return weight_bt
+
+
 def _check_inputs(cfg: GRPOLossConfig, ref_logprobs_bt, old_logprobs_bt) -> None:
+    if cfg.off_policy_mask == "icepop" and old_logprobs_bt is None:
+        raise ValueError("off_policy_mask 'icepop' weighs by π_old/μ: pass old_logprobs_bt (logprobs_bt.detach() "
+                         "for one optimiser step per batch)")
     if cfg.tis_cap is not None and old_logprobs_bt is None:
         raise ValueError(
             "tis_cap is set but old_logprobs_bt is None: TIS weights min(π_old/μ, C) need the proximal "

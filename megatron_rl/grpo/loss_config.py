@@ -32,6 +32,17 @@ class GRPOLossConfig:
     the batch's sequences in the loss."""
     tis_cap: float | None = None
     """C for truncated importance weights min(π_old/μ, C); None disables TIS.  Needs old_logprobs_bt."""
+    off_policy_mask: Literal["icepop", "m2po"] | None = None
+    """Tokens whose train/behavior mismatch is extreme leave the policy-gradient term (grpo/loss.py):
+    "icepop" (Ring-1T's IcePop): weight k = π_old/μ where icepop_low <= k <= icepop_high, 0 outside (instead of
+    TIS's truncation); "m2po" (M2PO): the tokens of largest (log π_θ/μ)² are masked until the second moment of
+    the rest is <= m2po_threshold.  Masked tokens are counted (off_policy_masked_fraction).  None: off."""
+    icepop_low: float = 0.5
+    """α of "icepop": tokens with π_old/μ below it are masked."""
+    icepop_high: float = 5.0
+    """β of "icepop": tokens with π_old/μ above it are masked."""
+    m2po_threshold: float = 0.04
+    """τ_M2 of "m2po": the largest mean (log π_θ/μ)² over the tokens kept in the loss."""
     kl_coef: float = 0.0
     """β, weight of the KL penalty to the reference model; 0 disables it (ref logprobs unused).  The
     reference is scored at rollout.temperature, untruncated (no top-k/top-p: every token has a
@@ -86,6 +97,7 @@ class GRPOLossConfig:
             raise ValueError(f"aggregation must be 'token' or 'sequence', got {self.aggregation!r}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"tis_cap must be > 0 or None, got {self.tis_cap}")
+        self._check_off_policy_mask()
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         self._check_kl_control()
@@ -112,6 +124,23 @@ class GRPOLossConfig:
                              "exists to learn from; use one or the other")
         if self.lag_action not in ("quarantine", "downweight"):
             raise ValueError(f"lag_action must be 'quarantine' or 'downweight', got {self.lag_action!r}")
+
+    def _check_off_policy_mask(self) -> None:
+        if self.off_policy_mask not in (None, "icepop", "m2po"):
+            raise ValueError(f"off_policy_mask must be 'icepop', 'm2po' or null, got {self.off_policy_mask!r}")
+        if self.off_policy_mask == "icepop" and self.tis_cap is not None:
+            raise ValueError("off_policy_mask 'icepop' replaces TIS's truncation by masking: set tis_cap or "
+                             "icepop, not both")
+        if not 0 <= self.icepop_low < 1 < self.icepop_high:
+            raise ValueError(f"icepop_low / icepop_high must satisfy 0 <= low < 1 < high, got "
+                             f"{self.icepop_low} / {self.icepop_high}")
+        if not self.m2po_threshold > 0:
+            raise ValueError(f"m2po_threshold must be > 0, got {self.m2po_threshold}")
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether the loss takes π_old (TIS and IcePop weigh by π_old/μ)."""
+        return self.tis_cap is not None or self.off_policy_mask == "icepop"
 
     def _check_kl_control(self) -> None:
         if self.kl_control not in ("fixed", "adaptive"):

@@ -29,7 +29,7 @@ def grpo_micro_batch_loss(logprobs_bt: torch.Tensor, mb: dict, cfg):
     token_den, seq_den = micro_batch_denominators(mb)
     return grpo_loss(
         logprobs_bt, mb["behavior_logprobs"], mb.get("ref_logprobs"), mb["advantages"], mb["loss_mask"], cfg,
-        old_logprobs_bt=logprobs_bt.detach() if cfg.tis_cap is not None else None,
+        old_logprobs_bt=logprobs_bt.detach() if cfg.needs_old_logprobs else None,
         token_denominator=token_den,
         sequence_denominator=seq_den,
     )

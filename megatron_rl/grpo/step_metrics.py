@@ -69,7 +69,8 @@ def grpo_metrics(stats: Mapping, cfg: GRPOLossConfig) -> dict[str, float]:
     if cfg.entropy_coef > 0:  # β_H this step used (on its schedule: GRPOLossConfig.at_step)
         out["entropy_coef"] = cfg.entropy_coef
     for key, name in (("entropy_sum", "entropy"), ("tis_weight_sum", "tis_weight_mean"),
-                      ("tis_truncated_sum", "tis_truncated_fraction")):
+                      ("tis_truncated_sum", "tis_truncated_fraction"),
+                      ("off_policy_masked_sum", "off_policy_masked_fraction")):
         if key in stats:
             out[name] = _scalar(stats[key]) / per_token
     return out
