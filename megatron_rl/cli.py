@@ -36,6 +36,7 @@ COMMAND_MODULES = [
     "megatron_rl.drill.cli",
     "megatron_rl.audit.cli",
     "megatron_rl.sandbox_cli",
+    "megatron_rl.replay_cli",
     "megatron_rl.models.tiny_cli",
 ]
 

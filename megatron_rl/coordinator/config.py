@@ -73,6 +73,9 @@ class CoordinatorConfig:
     """Compact the log after this many logged batch operations."""
     take_replay_window: int = 8
     """How many recent take request ids keep their batch, so a retried take gets the same trajectories."""
+    keep_consumed: bool = False
+    """Keep every consumed trajectory's bytes in the log (table `kept`) when compacting, so `megatron-rl
+    replay` can re-run the learner side exactly; costs the trajectories' size on disk (README, Replay)."""
 
     def __post_init__(self):
         for name in ("batch_size", "compact_every", "take_replay_window"):

@@ -335,7 +335,7 @@ class TrajectoryQueue:
         self._ledger.forget(floor=self._version - self.config.max_version_lag)
         if self._wal is not None:
             self._wal.compact(current_version=self._version, max_version_lag=self.config.max_version_lag,
-                              keep_takes=self.config.take_replay_window)
+                              keep_takes=self.config.take_replay_window, keep_consumed=self.config.keep_consumed)
 
     def compact(self) -> None:
         """Compact now (also happens every `compact_every` logged operations)."""

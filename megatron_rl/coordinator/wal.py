@@ -20,6 +20,8 @@ Tables:
     takes (request_id, pos, ids, probs)                 recent take batches, for replay
     meta  (key, value)                                  position, version, counters, admission
                                                         leases, priority-sampler RNG state
+    kept  (id, payload)                                 consumed trajectories' bytes compaction kept
+                                                        (coordinator.keep_consumed: what `replay` reads)
 A trajectory is queued iff its `traj` row has no `done` row (matched by seq; the queue
 keeps ids unique, so `traj.id` needs no index).  `position` counts commits; checkpoints
 record it.  Compaction deletes the payloads of finished trajectories
@@ -54,6 +56,7 @@ CREATE INDEX IF NOT EXISTS done_request ON done (request_id);
 CREATE TABLE IF NOT EXISTS takes (request_id TEXT PRIMARY KEY, pos INTEGER NOT NULL, ids TEXT NOT NULL,
                                   probs TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS kept (id TEXT PRIMARY KEY, payload BLOB NOT NULL) WITHOUT ROWID;
 """
 
 
@@ -230,13 +233,19 @@ class WriteAheadLog:
         self.position += 1
         return self.position
 
-    def compact(self, *, current_version: int, max_version_lag: int, keep_takes: int) -> None:
-        """Delete what replay no longer needs; later inserts reuse the freed pages."""
+    def compact(self, *, current_version: int, max_version_lag: int, keep_takes: int,
+                keep_consumed: bool = False) -> None:
+        """Delete what replay no longer needs; later inserts reuse the freed pages.  `keep_consumed`: the
+        payloads of consumed trajectories move to `kept` first (a run's exact replay reads them)."""
         db = self._db
         with self._transaction():
             db.execute("DELETE FROM takes WHERE request_id NOT IN "
                        "(SELECT request_id FROM takes ORDER BY pos DESC LIMIT ?)", (keep_takes,))
             unreplayable = "(request_id IS NULL OR request_id NOT IN (SELECT request_id FROM takes))"
+            if keep_consumed:
+                db.execute("INSERT OR IGNORE INTO kept (id, payload) SELECT t.id, t.payload FROM traj t JOIN done d "
+                           "ON t.seq = d.seq WHERE d.outcome = 'consumed' AND (d.request_id IS NULL OR d.request_id NOT IN "
+                           "(SELECT request_id FROM takes))")
             n_payloads = db.execute("DELETE FROM traj WHERE seq IN (SELECT seq FROM done WHERE seq IS NOT NULL "
                                     f"AND {unreplayable})").rowcount
             # A finished id older than the version TTL would be dropped on arrival anyway.

@@ -126,3 +126,34 @@ def test_log_is_compacted_and_stays_bounded(tmp_path):
 def test_missing_directory_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         open_queue(tmp_path / "nope" / "q.db")
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_keep_consumed_keeps_every_consumed_payload_through_compaction_for_replay(tmp_path, keep):
+    """coordinator.keep_consumed (issue 47, exact replay): compaction moves consumed payloads to `kept`
+    instead of deleting them; without it they are gone; dropped ones are never kept; restart is unchanged."""
+    from megatron_rl.replay import load_trajectories
+
+    db = tmp_path / "q.db"
+    q = open_queue(db, max_staleness=1, max_version_lag=1, compact_every=2, take_replay_window=1,
+                   keep_consumed=keep)
+    consumed = []
+    for step in range(6):
+        q.put_many([traj(10 * step + i, version=step) for i in range(4)])
+        consumed += [t.id for t in q.take(3, request_id=f"step-{step}")]
+        q.set_version(step + 1)
+    q.compact()
+    queued = q.queued_ids()
+    q.close()
+    found = load_trajectories(db, set(consumed))
+    if keep:
+        assert set(found) == set(consumed)
+        assert all(found[i].id == i for i in consumed)
+        with sqlite3.connect(db) as c:
+            kept = {row[0] for row in c.execute("SELECT id FROM kept")}
+        assert kept <= set(consumed)  # never a dropped or queued one
+    else:
+        assert len(found) < len(consumed) / 2  # compaction dropped most consumed payloads
+    q = open_queue(db, max_staleness=1, max_version_lag=1, keep_consumed=keep)
+    assert q.queued_ids() == queued  # kept payloads are not queued again on restart
+    q.close()
