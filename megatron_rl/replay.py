@@ -123,16 +123,11 @@ class ReplayLearner:
             return weights_digest(Path(tmp) / "weights")
 
 
-def replay(run_dir: Path, *, to_step: int | None = None, from_step: int = 0, overrides: list[str] = ()) -> dict:
-    """Re-run the learner side of `run_dir` (module docstring); the report, `identical` and `first_difference`."""
-    from megatron_rl.config import ConfigError, apply_overrides, from_dict
-    from megatron_rl.run_files import read_json
-    from megatron_rl.run_model import run_model_dir
-    from megatron_rl.train.batch import build_batch
-    from megatron_rl.train.config import TrainConfig
+def _inputs(run_dir: Path, from_step: int, to_step: int | None) -> tuple[dict, dict, int]:
+    """(the consumed steps, the trajectories of steps from_step+1..to_step, to_step); ConfigError when the log
+    lacks any of them or the range is not the run's."""
+    from megatron_rl.config import ConfigError
 
-    run_dir = Path(run_dir)
-    cfg = from_dict(TrainConfig, apply_overrides(read_json(run_dir / "config.json"), list(overrides)))
     steps = consumed_steps(run_dir)
     last = max(steps) if steps else 0
     to_step = last if to_step is None else to_step
@@ -146,6 +141,20 @@ def replay(run_dir: Path, *, to_step: int | None = None, from_step: int = 0, ove
         raise ConfigError(f"{run_dir / 'queue.db'}: {len(missing)} of the {len(wanted)} trajectories these steps "
                           f"learned from are not in the log (compaction dropped them): replay needs a run made "
                           f"with coordinator.keep_consumed: true")
+    return steps, trajs, to_step
+
+
+def replay(run_dir: Path, *, to_step: int | None = None, from_step: int = 0, overrides: list[str] = ()) -> dict:
+    """Re-run the learner side of `run_dir` (module docstring); the report, `identical` and `first_difference`."""
+    from megatron_rl.config import ConfigError, apply_overrides, from_dict
+    from megatron_rl.run_files import read_json
+    from megatron_rl.run_model import run_model_dir
+    from megatron_rl.train.batch import build_batch
+    from megatron_rl.train.config import TrainConfig
+
+    run_dir = Path(run_dir)
+    cfg = from_dict(TrainConfig, apply_overrides(read_json(run_dir / "config.json"), list(overrides)))
+    steps, trajs, to_step = _inputs(run_dir, from_step, to_step)
     from transformers import AutoTokenizer
 
     model_dir = run_model_dir(run_dir)
