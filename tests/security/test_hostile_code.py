@@ -336,3 +336,37 @@ def test_weak_isolation_lets_the_bypasses_through_and_says_so(host, caplog):
     assert box.isolation.startswith("weak") and "isolation is 'weak'" in caplog.text
     run = box.run(f"print(open({str(host.outside / 'secret.txt')!r}).read())")
     assert SECRET in run.output and run.violations  # read, and flagged: but nothing stopped it
+
+
+def test_each_call_gets_its_own_control_group_with_memory_and_process_limits():
+    """Where the host lets us create control groups (CI's machine does), the call runs inside one with
+    pids.max and a memory limit that counts tmpfs and shm, and the group is gone after the call."""
+    from megatron_rl.envs import cgroups
+
+    if not cgroups.available():
+        pytest.skip("this host lets us create no control group (rlimits and tmpfs sizes still hold)")
+    box = Sandbox(SandboxConfig(**LIMITS))
+    seen: dict[str, str] = {}
+
+    def watch():
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not seen:
+            for controller, base in cgroups.controllers().items():
+                for group in base.glob(f"megatron-rl-sandbox-{os.getpid()}-*"):
+                    for name in ("pids.max", "memory.max", "memory.limit_in_bytes"):
+                        if (group / name).exists():
+                            seen[f"{controller}:{name}"] = (group / name).read_text().strip()
+            time.sleep(0.02)
+    thread = threading.Thread(target=watch)
+    thread.start()
+    run = box.run("import time\ntime.sleep(1.5)\nprint('done')")
+    thread.join()
+    assert run.output.startswith("done")
+    limits = {key.split(":")[1]: value for key, value in seen.items()}
+    if "pids" in cgroups.controllers():
+        assert limits.get("pids.max") == str(LIMITS["max_processes"] + 2), seen
+    if "memory" in cgroups.controllers():
+        memory = limits.get("memory.max") or limits.get("memory.limit_in_bytes")
+        assert memory == str((LIMITS["memory_mb"] + 2 * LIMITS["scratch_mb"]) << 20), seen
+    leftovers = [g for base in cgroups.controllers().values() for g in base.glob(f"megatron-rl-sandbox-{os.getpid()}-*")]
+    assert not leftovers, leftovers
