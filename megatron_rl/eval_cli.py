@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 from pathlib import Path
 
 from megatron_rl.config import ConfigError
@@ -78,7 +77,7 @@ def run_eval(args: argparse.Namespace, reward_function=None) -> dict:
     import ray
 
     from megatron_rl.conversion.mcore_to_hf import export_run_checkpoint
-    from megatron_rl.evaluation import Decoding, evaluate_model
+    from megatron_rl.evaluation import Decoding, evaluate_model, start_eval_ray
     from megatron_rl.run_manifest import close_run
     from megatron_rl.train.config import load_train_config
     from megatron_rl.data.tasks import fit_prompts, load_task
@@ -115,10 +114,7 @@ def run_eval(args: argparse.Namespace, reward_function=None) -> dict:
     ds = fitted.splits[args.split]
     examples = [ds[i] for i in range(min(args.limit or cfg.data.eval_size, len(ds)))]
     manifest = _open_manifest(out, cfg, model_dir, ds, fitted.record())
-    if os.environ.get("RAY_ADDRESS"):  # inside a cluster's job (Slurm, a script joined to one): its Ray
-        ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.WARNING)
-    else:
-        ray.init(num_cpus=cfg.run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    start_eval_ray(cfg.run.ray_num_cpus)  # a cluster's at RAY_ADDRESS, else its own on loopback
     try:
         result = evaluate_model(model_dir, cfg.rollout, cfg.reward, examples, template, decoding, split=args.split)
     finally:

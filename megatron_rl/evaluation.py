@@ -139,6 +139,22 @@ def evaluate(fleet, verifier, examples: Sequence, template, tokenizer, decoding:
     return EvalResult(split=split, decoding=decoding, outcomes=outcomes)
 
 
+def start_eval_ray(num_cpus: int) -> None:
+    """Ray for an eval: the cluster at RAY_ADDRESS when one is set (a Slurm job, a script joined to one), else
+    a cluster of its own on this node, listening on loopback only with a private token (platform/local_ray.py)."""
+    import logging
+    import os
+
+    import ray
+
+    from megatron_rl.platform.local_ray import local_ray_options
+
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.WARNING)
+    else:
+        ray.init(num_cpus=num_cpus, logging_level=logging.WARNING, **local_ray_options())
+
+
 def evaluate_model(model_dir, rollout_cfg, reward_cfg, examples: Sequence, template, decoding: Decoding,
                    split: str = "test", env: dict | None = None) -> EvalResult:
     """`evaluate` on a fresh vLLM engine serving the HF directory `model_dir` (no publication,

@@ -72,17 +72,20 @@ def _arm_record(arm) -> dict:
 @contextlib.contextmanager
 def shared_ray_cluster(cfg: ExperimentConfig) -> Iterator[str | None]:
     """One local Ray cluster for all of an experiment's runs, owned by this process; yields its address
-    (exported as RAY_ADDRESS for the runs) or None when cfg.shared_ray is off.  Ray stops it on exit."""
+    (exported as RAY_ADDRESS for the runs) or None when cfg.shared_ray is off.  Ray stops it on exit.  It
+    listens on loopback only and authenticates with a private token, which the runs started from here
+    find in their environment (platform/local_ray.py)."""
     if not cfg.shared_ray:
         yield None
         return
     import ray
 
+    from megatron_rl.platform.local_ray import local_ray_options
     from megatron_rl.train.config import load_train_config
 
     cpus = load_train_config(cfg.base, cfg.overrides).run.ray_num_cpus
     t0 = time.time()
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(num_cpus=cpus, logging_level=logging.WARNING, **local_ray_options())
     address = ray.get_runtime_context().gcs_address
     logger.info("shared Ray cluster for the runs at %s (up in %.1f s)", address, time.time() - t0)
     before = os.environ.get("RAY_ADDRESS")

@@ -95,7 +95,8 @@ def init_distributed(
 
     rank / world_size default to env RANK / WORLD_SIZE.  The rendezvous is `store` when given (every
     rank must then pass one: rank 0 the TCPStore it already listens on, the others a client of it;
-    train/learner_build.py), else MASTER_ADDR / MASTER_PORT from the environment (env://).
+    train/learner_build.py), else MASTER_ADDR / MASTER_PORT from the environment: rank 0 listens there
+    on MASTER_ADDR alone (not on every interface, as env:// would: platform/listen.py).
     """
     if platform.is_cpu:
         from megatron_rl.platform.cpu_compat import enable_cpu_compat
@@ -112,6 +113,8 @@ def init_distributed(
     for name in ("MASTER_ADDR", "MASTER_PORT") if store is None else ():
         if name not in os.environ:
             raise ValueError(f"environment variable {name} is not set (needed for init_distributed)")
+    if store is None:
+        store = _env_store(rank, world_size, timeout_s)
     if platform.device.type == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         torch.cuda.set_device(local_rank)
@@ -123,6 +126,17 @@ def init_distributed(
         store=store,
     )
     logger.info("torch.distributed up: rank %d/%d on %s", rank, world_size, platform.backend)
+
+
+def _env_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The rendezvous at MASTER_ADDR:MASTER_PORT: rank 0 listens on that address alone, the others join it."""
+    from megatron_rl.platform.listen import listening_store, pin_gloo
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    pin_gloo(host)
+    if rank == 0:
+        return listening_store(host, world_size, timeout_s, port=port)
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1) -> None:

@@ -76,10 +76,12 @@ def join_publication(workers: list, *, rank: int, transport: str, bucket_bytes: 
     """A learner rank's part in forming the publication group with `workers` (every rank, in step): its
     transport, joined; on rank 0 the WeightPublisher connected to every engine (None elsewhere); and the
     engines' dtype, which every rank casts to (the gathers run in it)."""
-    import ray
+    from megatron_rl.platform.listen import bind_address
 
     dtype = engine_dtype(workers)
-    path = make_transport(transport, host=ray.util.get_node_ip_address(), bucket_bytes=bucket_bytes,
+    # The group's store listens on loopback when the run is on one node, on this node's cluster address
+    # when it spans several (platform/listen.py); the engines connect to it there.
+    path = make_transport(transport, host=bind_address(), bucket_bytes=bucket_bytes,
                           checksum_algo=checksum, timeout_s=timeout_s)
     path.join(workers)
     publisher = None

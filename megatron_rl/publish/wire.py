@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_rl.platform.listen import listening_store, pin_gloo
 from megatron_rl.publish.checksum import CHECKSUMS, DEFAULT_CHECKSUM, byte_view, checksum_parts, new_hasher
 from megatron_rl.publish.manifest import (
     DEFAULT_BUCKET_BYTES,
@@ -81,11 +82,10 @@ def _yield_to_transfer() -> None:
 
 
 def host_store(host: str, world_size: int, timeout_s: float = 600.0, port: int = 0) -> dist.TCPStore:
-    """Rank 0's TCPStore, listening before anyone is told its port (`store.port`).  Port 0 lets the
-    OS pick a free one while binding it, so no other process can take it in between (a port
-    probed free and bound later can be)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
+    """Rank 0's TCPStore, listening on `host` alone (never every interface: platform/listen.py) before
+    anyone is told its port (`store.port`).  Port 0 lets the OS pick a free one while binding it, so no
+    other process can take it in between (a port probed free and bound later can be)."""
+    return listening_store(host, world_size, timeout_s, port=port)
 
 
 def open_group(
@@ -95,9 +95,12 @@ def open_group(
     made here), everyone builds a gloo group."""
     if not 0 <= rank < world_size:
         raise ValueError(f"publication rank {rank} is outside world_size {world_size}")
+    pin_gloo(host)  # gloo's sockets on the interface of the trainer's address when it is on this node
     timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), wait_for_workers=False, timeout=timeout)
+    if store is None and rank == 0:
+        store = listening_store(host, world_size, timeout_s, port=port)
+    elif store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=False, wait_for_workers=False, timeout=timeout)
     return dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, world_size, timeout)
 
 

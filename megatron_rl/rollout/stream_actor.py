@@ -35,6 +35,7 @@ from typing import Any
 
 from megatron_rl.publish.vllm_adapters import ServedAdapters
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.engine_close import quiesce
 from megatron_rl.rollout.engine_setup import eos_token_ids, prepare_actor
 from megatron_rl.rollout.provenance import parse_label, weights_label
 from megatron_rl.rollout.stream_engine import BrokenWeights
@@ -300,7 +301,10 @@ class StreamRolloutWorker(RolloutWorker):
     def shutdown(self) -> None:
         stream, self.stream = getattr(self, "stream", None), None
         if stream is not None:
-            stream.shutdown()
+            try:
+                self._run(quiesce(stream), timeout=60)  # vLLM's output handler stops first (rollout/engine_close.py)
+            finally:
+                stream.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 

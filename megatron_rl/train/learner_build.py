@@ -53,16 +53,15 @@ class Rendezvous:
         self.store = None
 
     def address(self) -> tuple[str, int]:
-        """(this node's IP, the port rank 0's rendezvous store listens on).  The store binds port 0
-        (the OS picks a free one and binds it at once) before any rank is told the port, so no other
-        process can take it in between, as a port probed free and bound later by
+        """(the address rank 0's rendezvous store listens on, its port): loopback when the run is on one
+        node, this node's cluster address otherwise, never every interface (platform/listen.py).  The store
+        binds port 0 (the OS picks a free one and binds it at once) before any rank is told the port, so no
+        other process can take it in between, as a port probed free and bound later by
         init_process_group could be (EADDRINUSE; the publication group had the same fix, wire.host_store)."""
-        import ray
+        from megatron_rl.platform.listen import bind_address, listening_store
 
-        from megatron_rl.publish.wire import host_store
-
-        host = ray.util.get_node_ip_address()
-        self.store = host_store(host, self.world_size)
+        host = bind_address()
+        self.store = listening_store(host, self.world_size)
         return host, self.store.port
 
     def join(self, master_addr: str, master_port: int, platform) -> None:
@@ -73,9 +72,11 @@ class Rendezvous:
 
         import torch.distributed as dist
 
+        from megatron_rl.platform.listen import pin_gloo
         from megatron_rl.platform.parallel import init_distributed
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        pin_gloo(master_addr)  # gloo's sockets on the interface of rank 0's address when it is on this node
         if dist.is_initialized():  # a process that is already a rank (tests/dist): nothing to join
             init_distributed(platform, rank=self.rank, world_size=self.world_size)
             return

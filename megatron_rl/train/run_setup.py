@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rl.config import config_hash
-from megatron_rl.data.cursor import DataCursor
-from megatron_rl.data.dataset import Dataset, PromptTemplate
+from megatron_rl.data import DataCursor, Dataset, PromptTemplate
 from megatron_rl.data.tasks import check_encodable, fit_prompts, load_task
 from megatron_rl.train.config import TrainConfig, data_order_seed, resolved_dict
+from megatron_rl.platform.local_ray import NODE_LOCAL, local_ray_options
 from megatron_rl.train.start_model import prepare_model
 
 logger = logging.getLogger(__name__)
@@ -116,14 +116,15 @@ def job_env_vars(environ=os.environ) -> dict[str, str]:
     """The variables a run's actors must see as the driver does (MEGATRON_RL_*: drills' faults, test
     settings).  A Ray this run starts hands its whole environment to its workers; workers of a cluster
     started elsewhere have that cluster's environment, so a run joining one passes these in its job's
-    runtime_env."""
-    return {k: v for k, v in environ.items() if k.startswith("MEGATRON_RL_")}
+    runtime_env.  Not the driver's node's listening address (MEGATRON_RL_BIND_ADDRESS): each node has its own."""
+    return {k: v for k, v in environ.items() if k.startswith("MEGATRON_RL_") and k not in NODE_LOCAL}
 
 
 def start_ray(cfg: TrainConfig) -> bool:
     """Connect to (run.use_existing_ray) or start Ray unless it is up; True when this run started it.  The job
     carries the run's MEGATRON_RL_* settings and its own code's packages (EnvConfig / RewardConfig
-    package_dirs: megatron_rl/plugins.py) to every worker."""
+    package_dirs: megatron_rl/plugins.py) to every worker.  A Ray the run starts listens on loopback only
+    and authenticates with a private token (platform/local_ray.py)."""
     import ray
 
     if ray.is_initialized():
@@ -135,6 +136,6 @@ def start_ray(cfg: TrainConfig) -> bool:
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING,
                  runtime_env=runtime_env)
     else:
-        ray.init(num_cpus=run.ray_num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-                 runtime_env=runtime_env)
+        ray.init(num_cpus=run.ray_num_cpus, logging_level=logging.WARNING, runtime_env=runtime_env,
+                 **local_ray_options())
     return True

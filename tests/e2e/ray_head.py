@@ -20,11 +20,14 @@ import sys
 def main() -> int:
     import ray
 
-    ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    # Ray turns on token authentication for the cluster it starts (RAY_AUTH_MODE in this process); a
-    # client must ask for it too, so the variables go out with the address.
-    auth = {k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH_")}
-    print(json.dumps({"address": ray.get_runtime_context().gcs_address, "env": auth}), flush=True)
+    from megatron_rl.platform.local_ray import LOCAL_ONLY, local_ray_options
+
+    # Started as a run on one node starts its own (train/run_setup.start_ray): every server on loopback, a
+    # private token.  A client must ask for token authentication, know where the token is and take the
+    # cluster's loopback address as it is, so those variables go out with the address.
+    ray.init(logging_level=logging.WARNING, log_to_driver=False, **local_ray_options())
+    env = {k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH_") or k == LOCAL_ONLY}
+    print(json.dumps({"address": ray.get_runtime_context().gcs_address, "env": env}), flush=True)
     sys.stdin.read()  # until the suite closes our stdin (or dies)
     ray.shutdown()
     return 0

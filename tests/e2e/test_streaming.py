@@ -18,7 +18,11 @@ the finished ones); B resumes the same run directory to step 5.  What must hold:
 - the audit (megatron_rl/audit/): audit.every=1 re-scores the taken sequences that span versions under
   their recorded versions with the learner's weight ring, within audit.tolerance; `megatron-rl audit RUN_DIR`
   re-scores them afterwards from what the run directory keeps (version 0 and the checkpoints' versions),
-  and refuses a directory that is not a run.
+  and refuses a directory that is not a run;
+- (issue 44, item 7, on the same runs) no process of run A -- driver, learner rank, rollout worker and its
+  vLLM engine, coordinator, and the Ray cluster they run in -- listens beyond loopback (tests/listeners.py
+  samples their sockets while it runs), and neither run prints a traceback on the console (the engine's
+  shutdown at the end: rollout/engine_close.py).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import pytest
 from megatron_rl.audit.config import AuditConfig
 from megatron_rl.drill.streaming import STREAMING
 from megatron_rl.trajectory import Trajectory
-from tests.e2e.conftest import REPO, TINY, last_json, read_jsonl, run_cli
+from tests.e2e.conftest import REPO, SHARED_RAY, TINY, last_json, read_jsonl, run_cli
+from tests.listeners import RunWatch, is_loopback
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -42,12 +47,18 @@ STREAM = [*STREAMING, "run.eval_every=0", "run.checkpoint_every=3", "data.eval_s
 """The streaming drills' recipe (megatron_rl/drill/streaming.py: async, 200-token responses, 8 sequences at once)."""
 
 
+SEEN: dict = {}
+"""What the runs showed beside their results: run A's listeners, both runs' console output."""
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("stream") / "run"
-    a = last_json(run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=3", *STREAM).stdout)
-    b = last_json(run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=5", *STREAM).stdout)
-    return d, a, b
+    with RunWatch(also=lambda: SHARED_RAY.proc.pid if SHARED_RAY.proc is not None else None) as watch:
+        pa = run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=3", *STREAM)
+    pb = run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=5", *STREAM)
+    SEEN.update(listeners=watch.seen, tagged=watch.processes, console=[pa.stdout + pa.stderr, pb.stdout + pb.stderr])
+    return d, last_json(pa.stdout), last_json(pb.stdout)
 
 
 def test_the_run_resumes_and_finishes(run):
@@ -56,6 +67,22 @@ def test_the_run_resumes_and_finishes(run):
     assert (b["steps"], b["version"]) == (5, 5)
     consumed = [i for row in read_jsonl(d / "consumed.jsonl") for i in row["ids"]]
     assert len(consumed) == 5 * 4 * 4 and len(set(consumed)) == len(consumed)  # nothing trained twice
+
+
+def test_no_process_of_the_run_listens_beyond_loopback(run):
+    seen = SEEN["listeners"]
+    print(f"run A: {len(SEEN['tagged'])} process(es) of its own, {len(seen)} listening socket(s) of them and of "
+          f"the Ray cluster: {sorted({s.address for s in seen})}")
+    names = " ".join(s.name for s in seen)
+    assert "LearnerWorker" in names and "megatron_rl.cli" in names, sorted(map(str, seen))  # the watch saw the run
+    wide = sorted(str(s) for s in seen if not is_loopback(s.address))
+    assert not wide, "listeners of a single-node run beyond loopback (0.0.0.0 / :: is every interface):\n" + \
+        "\n".join(wide)
+
+
+def test_a_normal_run_prints_no_traceback(run):
+    for console in SEEN["console"]:
+        assert "Traceback" not in console and "EngineDeadError" not in console, console[-4000:]
 
 
 def test_publications_landed_while_requests_were_in_flight(run):
