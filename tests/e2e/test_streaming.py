@@ -43,7 +43,8 @@ from tests.listeners import RunWatch, is_loopback
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 AUDIT_TOLERANCE = AuditConfig().tolerance  # the default; the run measures ~4e-6 (printed by the audit tests)
-STREAM = [*STREAMING, "run.eval_every=0", "run.checkpoint_every=3", "data.eval_size=8", "audit.every=1"]
+STREAM = [*STREAMING, "run.eval_every=0", "run.checkpoint_every=3", "data.eval_size=8", "audit.every=1",
+          "coordinator.keep_consumed=true"]
 """The streaming drills' recipe (megatron_rl/drill/streaming.py: async, 200-token responses, 8 sequences at once)."""
 
 
@@ -171,3 +172,24 @@ def test_the_audit_command_names_a_forged_segment(run, tmp_path):
     proc = run_cli("audit", str(copy), "--sequences", "1000", f"--tolerance={AUDIT_TOLERANCE}", check=False)
     assert proc.returncode == 89, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"sequence {traj.id} segment {index} " in proc.stderr, proc.stderr[-2000:]
+
+
+def test_replay_of_the_async_streaming_resumed_run_is_bit_identical(run):
+    d, _, _ = run
+    report = last_json(run_cli("replay", str(d), "--json").stdout)
+    assert report["identical"] is True and report["first_difference"] is None, report
+    assert [r["step"] for r in report["steps"]] == [1, 2, 3, 4, 5]
+    assert report["checkpoints"] == {"step_000003": True, "step_000005": True}
+    with sqlite3.connect(d / "queue.db") as db:
+        n, size = db.execute("SELECT count(*), sum(length(payload)) FROM traj").fetchone()
+        kept_n, kept_size = db.execute("SELECT count(*), coalesce(sum(length(payload)), 0) FROM kept").fetchone()
+    print(f"log: {n} trajectories in traj ({size} bytes), {kept_n} kept by compaction ({kept_size} bytes): "
+          f"{(size + kept_size) / max(n + kept_n, 1):.0f} bytes per trajectory of up to 200 response tokens")
+
+
+def test_a_replay_with_another_learning_rate_differs_at_step_1(run):
+    d, _, _ = run
+    proc = run_cli("replay", str(d), "--to-step", "1", "--set", "learner.lr=0.5", "--json", check=False)
+    report = last_json(proc.stdout)
+    assert proc.returncode == 1 and report["first_difference"] == 1 and not report["identical"], report
+    assert "lr" in report["steps"][0]["differs"], report["steps"][0]
