@@ -80,12 +80,17 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
 
 
 def prepare_actor(cfg: RolloutConfig) -> None:
-    """A rollout actor's process before its engine starts: worker logging, normal priority, and our
-    weight-transfer backends registered with vLLM here too (publish/vllm_engine.py)."""
+    """A rollout actor's process before its engine starts: worker logging, normal priority, gloo's sockets
+    where the run listens, and our weight-transfer backends registered with vLLM here too
+    (publish/vllm_engine.py)."""
     from megatron_rl.console import configure_worker_logging
+    from megatron_rl.platform.listen import bind_address, pin_gloo
 
     configure_worker_logging()
     undo_ray_niceness()
+    # vLLM's own gloo groups and the publication group's: loopback when the run is on one node (not the
+    # address the host name resolves to), this node's cluster address otherwise; vLLM's processes inherit it.
+    pin_gloo(bind_address())
     if cfg.cpu_cores is not None:  # before vLLM starts: the processes and threads it starts inherit them
         field = "rollout.cpu_cores"
         confine_process(parse_cores(cfg.cpu_cores, field), os.sched_getaffinity(0), field)
