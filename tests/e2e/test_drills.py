@@ -4,7 +4,8 @@
 
 Each drill runs once (2-5 steps, no dev evals): worker_crash (2 training attempts; a checkpoint at every
 step, its run also the base of tests/e2e/test_bad_checkpoint.py: tests/e2e/conftest.py), oom (1), oom_twice
-(2: the stop, then the rerun with a smaller micro-batch), the shadow-forward check (1 attempt on a copy
+(2: the stop, then the rerun with a smaller micro-batch; these three run two at a time, conftest.py
+_sync_drills), the shadow-forward check (1 attempt on a copy
 of the oom run, refused at resume), partition (1, two rollout groups, 12 short steps).  The one-run
 drills share runs through `megatron-rl drill together` (each judged on the shared run by its own rules,
 timed from its own injection): engine_crash and engine_crash_publish in one run (the engine dies while
@@ -81,12 +82,7 @@ def test_worker_crash_exits_75_and_resumes(worker_crash):  # the fixture: tests/
     _common(rec, redone=0)  # step 3 never finished before the kill: nothing learned twice
 
 
-@pytest.fixture(scope="module")
-def oom(tmp_path_factory):
-    return _drill(tmp_path_factory, "oom")
-
-
-def test_oom_retries_at_half_micro_batch(oom, worker_crash):
+def test_oom_retries_at_half_micro_batch(oom, worker_crash):  # both fixtures: tests/e2e/conftest.py
     code, rec = oom
     assert code == 0 and rec["recovered"], rec
     assert "micro_batch_size 64" in rec["evidence"], rec
@@ -101,8 +97,8 @@ def test_oom_retries_at_half_micro_batch(oom, worker_crash):
             assert got[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
-def test_oom_twice_stops_cleanly_then_resumes_smaller(tmp_path_factory):
-    code, rec = _drill(tmp_path_factory, "oom_twice", "--at-step", "2", "--steps", "3")
+def test_oom_twice_stops_cleanly_then_resumes_smaller(oom_twice):  # tests/e2e/conftest.py, beside worker_crash
+    code, rec = oom_twice
     assert code == 0 and rec["clean_stop"] and rec["recovered"], rec
     assert [a["exit"] for a in rec["attempts"]] == [87, 0], rec
     assert "micro_batch_size 64 and again at 32" in rec["evidence"], rec

@@ -10,7 +10,8 @@ placement); B, with the disaggregated placement, is ended at step 1 by a stop co
 checkpoint step 1, exit 85 (lag_p95) naming the condition in the log and in its final JSON line, and
 leave a run `megatron-rl doctor` points at the lag leaf of the runbook; then B resumes from that
 checkpoint without the condition to step 4.  Placement moves actors, not numbers: A and B must
-agree exactly.
+agree exactly.  Independent runs start two at a time (`_runs`): A beside B's stopped attempt, then B's resume
+beside the reconcile run; each is read and checked by its own fixture.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from megatron_rl.train.stop import EXIT_CODES
-from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
+from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli, start_cli, wanted
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -31,10 +32,43 @@ COMMON = ["run.eval_every=2", "run.checkpoint_every=2", "run.keep_checkpoints=3"
 CONSOLE: dict = {}  # run directory -> the lines its `megatron-rl train` printed (stdout + stderr)
 
 
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 20}  # test_reconcile_at_step_zero_with_temperature_top_p_top_k
+
+
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory):
-    d = tmp_path_factory.mktemp("run_a")
-    proc = run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=4", *COMMON)
+def _runs(tmp_path_factory):
+    """The module's CLI runs, each started once, by whichever fixture needs it first (`_start`); at the end,
+    one that no fixture waited for (its reader errored) is ended."""
+    runs = SimpleNamespace(a=tmp_path_factory.mktemp("run_a"), b=tmp_path_factory.mktemp("run_b"),
+                           rec=tmp_path_factory.mktemp("reconcile") / "rec", started={})
+    yield runs
+    for started in runs.started.values():
+        started.kill()
+
+
+def _b_args(runs) -> tuple:
+    return ("train", "--config", str(TINY), f"run.dir={runs.b}", "run.steps=4", "run.placement=disaggregated",
+            *COMMON)
+
+
+def _start(runs, key: str):
+    if key not in runs.started:
+        args = {"a": ("train", "--config", str(TINY), f"run.dir={runs.a}", "run.steps=4", *COMMON),
+                "b_stopped": (*_b_args(runs), "stop.d_lag_p95_max=0"),
+                "b_resumed": _b_args(runs),
+                "reconcile": ("reconcile", "--config", str(TINY), f"run.dir={runs.rec}",
+                              *(f"rollout.{k}={v}" for k, v in SAMPLING.items()))}[key]
+        runs.started[key] = start_cli(*args, check=key != "b_stopped")
+    return runs.started[key]
+
+
+@pytest.fixture(scope="module")
+def run_a(_runs, request):
+    started = _start(_runs, "a")
+    if wanted(request, "run_b"):
+        _start(_runs, "b_stopped")  # beside A: independent, and no test of either reads timing
+    proc = started.result()
+    d = _runs.a
     CONSOLE[d] = proc.stdout.splitlines() + proc.stderr.splitlines()
     return d, last_json(proc.stdout)
 
@@ -159,18 +193,23 @@ def test_every_queued_token_names_the_weights_that_sampled_it(run_a):
 
 
 @pytest.fixture(scope="module")
-def run_b(tmp_path_factory):
+def run_b(_runs, request):
     """B: stopped at step 1 by stop.d_lag_p95_max=0 (what it left then, and doctor on it), then resumed to 4."""
-    b = tmp_path_factory.mktemp("run_b")
-    args = ("train", "--config", str(TINY), f"run.dir={b}", "run.steps=4", "run.placement=disaggregated", *COMMON)
-    stopped = run_cli(*args, "stop.d_lag_p95_max=0", check=False)
+    b = _runs.b
+    stopped = _start(_runs, "b_stopped").result()
     ckpts = sorted((b / "checkpoints").iterdir()) if (b / "checkpoints").is_dir() else []
     at_stop = SimpleNamespace(
         proc=stopped, ckpts=[c.name for c in ckpts], committed=[(c / "COMMITTED").is_file() for c in ckpts],
         steps=[r["step"] for r in read_jsonl(b / "metrics" / "metrics.jsonl") if "learn/loss" in r],
-        condition=json.loads((b / "stop_condition.json").read_text()) if (b / "stop_condition.json").is_file() else None,
+        condition=(json.loads((b / "stop_condition.json").read_text()) if (b / "stop_condition.json").is_file()
+                   else None),
         doctor=run_cli("doctor", str(b), "--json", check=False))
-    resumed = run_cli(*args) if stopped.returncode == EXIT_CODES["lag_p95"] else None
+    resumed = None
+    if stopped.returncode == EXIT_CODES["lag_p95"]:
+        resuming = _start(_runs, "b_resumed")
+        if wanted(request, "reconciled"):
+            _start(_runs, "reconcile")  # beside B's resume: independent, and no test of either reads timing
+        resumed = resuming.result()
     return b, at_stop, resumed
 
 
@@ -212,14 +251,22 @@ def test_resume_is_exact(run_a, run_b):
         assert torch.equal(wa[name], wb[name]), name
 
 
-def test_reconcile_at_step_zero_with_temperature_top_p_top_k(tmp_path):
+@pytest.fixture(scope="module")
+def reconciled(_runs):
+    """`megatron-rl reconcile` at step 0 with SAMPLING (started beside B's resume when both are wanted), ended;
+    the test reads and checks its result."""
+    started = _start(_runs, "reconcile")
+    started.finish()
+    return started
+
+
+def test_reconcile_at_step_zero_with_temperature_top_p_top_k(reconciled):
     """The learner scores vLLM's processed distribution: temperature 0.7, top_p 0.9, top_k 20 in one run.
 
     One reconcile start-up for both claims: the default sampling's agreement is also measured at every
     step of run_a (learn/d_lag/p99 < 1e-4 in test_every_panel_reaches_tensorboard)."""
-    sampling = {"temperature": 0.7, "top_p": 0.9, "top_k": 20}
-    proc = run_cli("reconcile", "--config", str(TINY), f"run.dir={tmp_path / 'rec'}",
-                   *(f"rollout.{k}={v}" for k, v in sampling.items()))
+    sampling = SAMPLING
+    proc = reconciled.result()
     summary = last_json(proc.stdout)
     assert summary["step"] == 0 and summary["tokens"] > 0 and summary["sampling"] == sampling
     # Before the learner applied the sampling settings this was 0.68 (max 1.16).
