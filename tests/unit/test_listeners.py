@@ -138,7 +138,7 @@ def test_the_slurm_script_names_each_nodes_address_and_a_run_keeps_it_on_its_nod
     for iface, expect in [("", None), ("lo", "127.0.0.1")]:
         if iface and shutil.which("ip") is None:
             continue
-        out = subprocess.run(["bash", "-c", f"set -euo pipefail; {helper}\nnode_address; echo \"${GLOO_SOCKET_IFNAME:-}\""],
+        out = subprocess.run(["bash", "-c", f"set -euo pipefail; {helper}\nnode_address; echo \"${{GLOO_SOCKET_IFNAME:-}}\""],
                              env={"PATH": os.environ["PATH"], "CLUSTER_IFACE": iface}, capture_output=True,
                              text=True, check=True).stdout.split("\n")
         address, gloo = out[0], out[1]
