@@ -93,7 +93,8 @@ def listening_store(host: str, world_size: int, timeout_s: float = 600.0, port: 
     import torch.distributed as dist
 
     _checked(host, "the store's host")
-    family, _, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, where = min(found, key=lambda info: info[0] != socket.AF_INET)  # a name: its IPv4 first
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
