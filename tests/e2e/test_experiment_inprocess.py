@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_rl.experiment.config import load_experiment
 from megatron_rl.experiment.runs import plan_run
-from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
+from tests.e2e.conftest import TINY, last_json, read_jsonl, start_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.own_ray("the cold run is the point: its own process, Ray and engine against the warm ones")]
@@ -46,12 +47,25 @@ def warm_and_cold(tmp_path_factory):
                  "grpo": {"command": "train", "init_from": "sft", "overrides": ["run.steps=2"]},
                  "again": {"command": "train", "init_from": "sft",
                            "overrides": ["run.steps=2", "rollout.max_tokens=3"]}}}))
-    run_cli("experiment", "--config", str(path))
+    experiment = start_cli("experiment", "--config", str(path))
     cfg = load_experiment(path)
     cold_dir = d / "cold"
     args = [a for a in plan_run(cfg, "again", 0).argv() if not a.startswith(("run.dir=", "run.use_existing_ray="))]
-    cold = run_cli(*args, f"run.dir={cold_dir}")
     runs = d / "exp" / "runs"
+    # The cold run starts from the sft arm's checkpoint, which the first GRPO run exports on first use
+    # (train/start_model.py; into a hidden .step_N.partial-* folder renamed step_N when complete): it starts
+    # once that export is there, beside the rest of the experiment (two runs at a time; no test here reads
+    # timing), else at the experiment's end.
+    while experiment.running() and not list((runs / "sft" / "seed_0" / "export").glob("step_*/config.json")):
+        time.sleep(1)
+    if not experiment.running():
+        experiment.result()  # fails here if the experiment did
+    cold_run = start_cli(*args, f"run.dir={cold_dir}")
+    try:
+        experiment.result()
+        cold = cold_run.result()
+    finally:
+        cold_run.kill()  # the experiment failed first; a finished run is left as it is
     return SimpleNamespace(warm=runs / "again" / "seed_0", first=runs / "grpo" / "seed_0", cold=cold_dir,
                            sft=runs / "sft" / "seed_0", sft_again=runs / "sft_again" / "seed_0",
                            warm_final=last_json((d / "exp" / "logs" / "again_seed_0.log").read_text()),
