@@ -22,6 +22,19 @@ def _wandb_files(run_dir):
     return sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
 
 
+def _written(path, wanted: list[bytes], wait_s: float = 60.0) -> bytes:
+    """The run file once it holds `wanted`: W&B's service process writes it after finish() returns, which on a
+    loaded machine can take seconds (a CI run saw only the file's header right after close)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        data = path.read_bytes()
+        if all(w in data for w in wanted) or time.monotonic() > deadline:
+            return data
+        time.sleep(0.2)
+
+
 def test_offline_wandb_gets_the_metrics_config_and_manifest(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = load_train_config(None, ["model.tiny.arch=llama", "tracking.wandb.project=megatron-rl-test",
@@ -35,7 +48,7 @@ def test_offline_wandb_gets_the_metrics_config_and_manifest(tmp_path, monkeypatc
         log.log(step, {"learn/loss": 1.0 / step, "eval/test_reward": 0.25 * step})
     log.close()
     [run_file] = _wandb_files(tmp_path)
-    data = run_file.read_bytes()
+    data = _written(run_file, [b"learn/loss", b"eval/test_reward", b"0.000123"])
     assert b"learn/loss" in data and b"eval/test_reward" in data and b"0.000123" in data
     files = run_file.parent / "files"
     assert json.loads((files / "config.json").read_text()) == resolved
