@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.e2e.conftest import TINY, read_jsonl, run_cli
+from tests.e2e.conftest import TINY, read_jsonl, run_cli, start_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -30,9 +30,16 @@ ONE_STEP_OFF = ["run.mode=one_step_off", "run.checkpoint_every=2",
 def runs(tmp_path_factory):
     a = tmp_path_factory.mktemp("one_step_off_a")
     b = tmp_path_factory.mktemp("one_step_off_b")
-    run_cli("train", "--config", str(TINY), f"run.dir={a}", "run.steps=4", *ONE_STEP_OFF)
-    run_cli("train", "--config", str(TINY), f"run.dir={b}", "run.steps=2", *ONE_STEP_OFF)
-    resumed = run_cli("train", "--config", str(TINY), f"run.dir={b}", "run.steps=4", *ONE_STEP_OFF)
+    # A beside B's first attempt (independent runs; no test here reads their timing), then B's resume.
+    started = [start_cli("train", "--config", str(TINY), f"run.dir={a}", "run.steps=4", *ONE_STEP_OFF)]
+    try:
+        run_cli("train", "--config", str(TINY), f"run.dir={b}", "run.steps=2", *ONE_STEP_OFF)
+        started.append(start_cli("train", "--config", str(TINY), f"run.dir={b}", "run.steps=4", *ONE_STEP_OFF))
+        started[0].result()
+        resumed = started[1].result()
+    finally:
+        for s in started:
+            s.kill()  # after a failure only: a finished run is left as it is
     return a, b, resumed
 
 
