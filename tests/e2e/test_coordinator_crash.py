@@ -41,8 +41,10 @@ def traj(tid, version=0):
                            terminal_reason="eos", rollout_started_at=time.time(), scored_at=time.time())
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_session():
+    """One Ray for the module's two tests: each starts its own coordinator (no name, num_cpus 0, its own WAL)
+    and ends it."""
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     yield ray
@@ -112,6 +114,7 @@ def test_sigkill_loses_nothing_and_consumes_nothing_twice(ray_session, tmp_path)
     assert not acked - set(received) - set(queued), "acknowledged trajectories were lost"
     assert acked == set(received) and not queued  # the consumer drained everything
     assert ray.get(coord.position.remote()) > 0
+    ray.kill(coord, no_restart=True)  # the module's Ray goes on to the next test
 
 
 def test_one_step_off_keeps_staleness_bound_across_a_restart_after_admission(ray_session, tmp_path):

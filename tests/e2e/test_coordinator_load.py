@@ -1,5 +1,6 @@
 """The coordinator under load (issue #12 acceptance, short form): 8 producers, 2 consumers,
-45 s of load with random SIGKILLs of the real coordinator actor; 0 lost, 0 duplicated.
+30 s of load with random SIGKILLs of the real coordinator actor (one every 4-8 s: about 4, and at least 2
+land by about 16 s plus the restarts); 0 lost, 0 duplicated.
 
     python -m pytest tests/e2e/test_coordinator_load.py -q
 
@@ -21,8 +22,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 def test_sigkills_under_load_lose_nothing_and_duplicate_nothing():
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run([sys.executable, "benchmarks/coordinator_load.py", "--duration", "45", "--producers", "8",
-                           "--consumers", "2", "--kill-every", "6", "12", "--seed", "1", "--json"],
+    proc = subprocess.run([sys.executable, "benchmarks/coordinator_load.py", "--duration", "30", "--producers", "8",
+                           "--consumers", "2", "--kill-every", "4", "8", "--seed", "1", "--json"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no result (exit {proc.returncode})\n{proc.stderr[-4000:]}"
