@@ -10,6 +10,8 @@ engine scores under the newest adapter, an older kept version still scores as it
 its adapter), and bad publications -- a corrupt bucket, a missing or misshapen tensor, full weights, an
 adapter whose refit check fails -- are refused while every kept adapter stays as it was.  On the streaming
 engine a publication lands while requests generate: each keeps the adapter it started with to its end.
+One Ray cluster, model and set of transformers references for both engines (`_rig`); the streaming engine
+starts loading with the offline one, and the offline one ends before the streaming tests run.
 """
 
 import pytest
@@ -31,16 +33,33 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 LORA = LoraConfig(enabled=True, rank=8, alpha=16.0)
 
 
-@pytest.fixture(scope="module", params=["offline", "stream"])
-def engine(request, tmp_path_factory):
+KINDS = ("offline", "stream")
+
+
+@pytest.fixture(scope="module")
+def _rig(tmp_path_factory):
+    """The module's one Ray cluster, tiny model and reference logprobs (`_versions`), and both engines,
+    created at once: the streaming one loads while the offline one's tests run."""
     model = make_tiny_model(tmp_path_factory.mktemp("lora") / "qwen2", arch="qwen2", seed=2)
-    cfg = RolloutConfig(model=str(model), tensor_parallel_size=2, max_model_len=256, dtype="float32", max_tokens=8,
-                        adapter=LORA.serving(2), streaming=request.param == "stream")
     with rollout_cluster() as workers:
-        workers.append(create_stream_worker(cfg) if cfg.streaming else create_rollout_worker(cfg))
-        publisher = WeightPublisher(bucket_bytes=64 * 1024)
-        publisher.connect(workers)
-        yield model, workers[0], publisher, _versions(model), request.param
+        for kind in KINDS:
+            cfg = RolloutConfig(model=str(model), tensor_parallel_size=2, max_model_len=256, dtype="float32",
+                                max_tokens=8, adapter=LORA.serving(2), streaming=kind == "stream")
+            workers.append(create_stream_worker(cfg) if cfg.streaming else create_rollout_worker(cfg))
+        yield model, dict(zip(KINDS, workers)), _versions(model)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def engine(request, _rig):
+    """One engine (its own publisher, the test process as the trainer); ended with its param's tests."""
+    import ray
+
+    model, workers, versions = _rig
+    worker = workers[request.param]
+    publisher = WeightPublisher(bucket_bytes=64 * 1024)
+    publisher.connect([worker])
+    yield model, worker, publisher, versions, request.param
+    ray.get(worker.shutdown.remote(), timeout=60)  # (again at the cluster's end: a no-op then)
 
 
 def _versions(model):
