@@ -14,10 +14,8 @@ weights) as JSON, the form tests/e2e/test_train.py compares a fresh run against.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -34,23 +32,11 @@ def step_rows(run_dir: Path) -> dict[int, dict[str, float]]:
     return rows
 
 
-def checkpoint_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """The model and optimizer tensors of a committed checkpoint (its Megatron distributed checkpoint)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "w.pt"
-        dcp_to_torch_save(str(ckpt_dir / "weights"), str(out))
-        state = torch.load(out, weights_only=False)
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
 def weights_digest(ckpt_dir: Path) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(checkpoint_weights(ckpt_dir).items()):
-        h.update(name.encode())
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    """sha256 of a committed checkpoint's model and optimizer tensors (the one digest `megatron-rl replay` uses)."""
+    from megatron_rl.replay import weights_digest as digest_of_weights_dir
+
+    return digest_of_weights_dir(ckpt_dir / "weights")
 
 
 def machine() -> dict:
