@@ -42,8 +42,10 @@ _SYSTEM = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/bin")
 _LINKS = {"/lib": "usr/lib", "/lib64": "usr/lib64", "/bin": "usr/bin"}
 
 
+@functools.lru_cache(maxsize=None)
 def interpreter(python: str) -> tuple[str, str]:
-    """(the real interpreter binary, its installation prefix) behind `python` (a venv's link included)."""
+    """(the real interpreter binary, its installation prefix) behind `python` (a venv's link included); asked once
+    per interpreter (a sandbox server builds a Sandbox for every request that lowers its limits)."""
     binary = os.path.realpath(shutil.which(python) or python)
     out = subprocess.run([binary, "-I", "-c", "import sys; print(sys.base_prefix)"], capture_output=True,
                          text=True, timeout=30)
