@@ -57,8 +57,9 @@ CHARTS: tuple[Chart, ...] = (
           feature="learn/kl_coef"),
     Chart(panel="learn", title="Entropy", series=("learn/entropy_estimate",)),
     Chart(panel="learn", title="Response length", series=("learn/response_length",)),
-    Chart(panel="learn", title="Clip fraction and off-policy masked tokens",
-          series=("learn/clip_fraction", "learn/off_policy_masked_fraction")),
+    Chart(panel="learn", title="Clip fraction", series=("learn/clip_fraction",)),
+    Chart(panel="learn", title="Off-policy masked tokens", series=("learn/off_policy_masked_fraction",),
+          feature="learn/off_policy_masked_fraction"),  # loss.off_policy_mask set
     Chart(panel="learn", title="Grad norm", series=("learn/grad_norm",)),
     Chart(panel="learn", title="D_lag P50/P95/P99", series=_pcts("learn/d_lag")),
     Chart(panel="learn", title="LoRA adapter norm and update ratio", feature="learn/adapter_",  # learner.lora
