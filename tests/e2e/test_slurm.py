@@ -55,8 +55,17 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 2.0):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def test_sbatch_two_ray_nodes_requeue_and_resume(slurm, tmp_path):
+def job_logs(run_dir, chars: int = 1500) -> str:
+    """The tails of the job's own output and of each attempt's logs, for a failure message that says why."""
+    files = sorted(run_dir.glob("slurm-*.out")) + sorted((run_dir / "logs").glob("job*/*.log"))
+    return "\n".join(f"--- {f.relative_to(run_dir)}:\n{f.read_text(errors='replace')[-chars:]}" for f in files)
+
+
+def test_sbatch_two_ray_nodes_requeue_and_resume(slurm, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
+    # What a single-node Ray started in the submitting shell leaves in its environment (platform/local_ray.py),
+    # which sbatch hands on: the job must still assemble a multi-node cluster.
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     steps = 24  # long enough that the signal, sent once step 2 is committed, lands mid-run even on a loaded machine
     proc = run_cli("submit", "--config", str(TINY), "--run-dir", str(run_dir), "--nodes", "1",
                    "--tasks-per-node", "2", "--cpus-per-task", "1", "--time", "00:30:00",
@@ -67,7 +76,7 @@ def test_sbatch_two_ray_nodes_requeue_and_resume(slurm, tmp_path):
     ckpts = run_dir / "checkpoints"
     wait_for(lambda: (ckpts / "step_000002" / "COMMITTED").exists() or job_state(job) in ("FAILED", "COMPLETED"),
              600, "a committed checkpoint at step 2")
-    assert job_state(job) == "RUNNING", f"job {job} is {job_state(job)} before the drill; see {run_dir}"
+    assert job_state(job) == "RUNNING", f"job {job} is {job_state(job)} before the drill\n{job_logs(run_dir)}"
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
     wait_for(lambda: job_state(job) == "PENDING", 300, "the job to requeue itself")
     # A requeued job waits out Slurm's begin-time delay; release it now instead.
@@ -76,7 +85,7 @@ def test_sbatch_two_ray_nodes_requeue_and_resume(slurm, tmp_path):
 
     out_file = next(run_dir.glob("slurm-*.out"))
     out = out_file.read_text()
-    assert job_state(job) == "COMPLETED", out[-4000:]
+    assert job_state(job) == "COMPLETED", job_logs(run_dir)
     assert out.count("ray cluster ready: 2 nodes") == 2, "each attempt must assemble a 2-node Ray cluster"
     attempts = sorted(p.name for p in (run_dir / "logs").iterdir() if p.is_dir())
     assert attempts == [f"job{job}.attempt0", f"job{job}.attempt1"], attempts
