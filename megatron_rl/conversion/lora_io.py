@@ -101,11 +101,20 @@ def write_merged(base_dir: str | Path, adapters: dict[str, torch.Tensor], lora_c
     return Path(out_dir)
 
 
+def base_digest(model_dir: str | Path) -> str:
+    """blake3 of the weight files of the HF model directory a LoRA learner's frozen base comes from
+    (recorded in each checkpoint, models/lora_checkpoint.py BASE_DIGEST)."""
+    from megatron_rl.conversion.hf_io import HFCheckpoint
+    from megatron_rl.models.hf_config import load_hf_config
+
+    return "blake3:" + HFCheckpoint(Path(model_dir), load_hf_config(model_dir)).content_hash()
+
+
 def checked_base(ckpt_dir: Path, base: str | Path | None) -> Path:
     """The HF directory of a LoRA checkpoint's base: `base`, else the run's model directory; its digest
     must be the one the checkpoint recorded (ConfigError naming both otherwise)."""
     from megatron_rl.checkpoint import load_checkpoint
-    from megatron_rl.models.lora_checkpoint import BASE_DIGEST, base_digest
+    from megatron_rl.models.lora_checkpoint import BASE_DIGEST
     from megatron_rl.models.tokenizer import tokenizer_hash
     from megatron_rl.run_model import training_checkpoint_model_dir
 

@@ -43,7 +43,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from megatron_rl.conversion.tp_layout import tp_gather, tp_kind, tp_shard
+from megatron_rl.models.tp_layout import tp_gather, tp_kind, tp_shard
 
 __all__ = [
     "SUPPORTED_ARCHS",

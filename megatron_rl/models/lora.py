@@ -17,7 +17,7 @@ adapter tensors), and every base parameter is frozen (requires_grad False): Mega
 frozen parameters no grad buffer and its optimizer no state.
 
 Tensor parallelism.  Each adapter tensor is split like the weight it sits beside
-(conversion/tp_layout.py holds the layout by name):
+(models/tp_layout.py holds the layout by name):
   column parallel (qkv, fc1): rank k holds W_k, the rows of W for its slice y_k of the output, and
     the input x whole.  B is split the same way (rows of B follow the rows of W: whole KV groups for
     qkv, [gate_k; up_k] for fc1) and A is replicated: y_k += s B_k (A x).  h = A x [s, b, r] is the
@@ -62,7 +62,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.conversion.tp_layout import tp_shard
+from megatron_rl.models.tp_layout import tp_shard
 
 TARGET_MODULES = {
     "qkv": "attention's fused query/key/value projection (linear_qkv, column parallel)",

@@ -4,14 +4,14 @@ which adapters on which base they are.
     sd = adapter_sharded_state_dict(model.sharded_state_dict())   # Learner.sharded_state_dict with lora
     write_adapter_record(weights_dir, lora_cfg)                     # weights/lora.json (rank 0)
     check_adapter_record(weights_dir, lora_cfg)                     # before loading: ConfigError naming the field
-    digest = base_digest(model_dir)                                 # the frozen base the adapters belong to
+    digest = base_digest(model_dir)            # conversion/lora_io.py: the frozen base the adapters belong to
     check_base_digest(ckpt_dir, manifest, digest, model_dir)        # CheckpointError: adapters of another base
 
 The base is frozen, so a checkpoint keeps only the adapter tensors and (Learner.sharded_state_dict
 hands this model state to the optimizer) their optimizer state.  Megatron's linear layers take a
 child module's tensors as replicated over TP (make_sharded_tensors_for_checkpoint knows only the
 layer's own weight and bias), which is right for A of a column-parallel layer and B of a row-parallel
-one, and wrong for the split ones (conversion/tp_layout.py): B of linear_qkv splits on dim 0, B of
+one, and wrong for the split ones (models/tp_layout.py): B of linear_qkv splits on dim 0, B of
 linear_fc1 splits each of its [gate; up] halves on dim 0 (the same ShardedTensorFactory Megatron uses
 for linear_fc1.weight), A of linear_proj / linear_fc2 on dim 1.  With those axes a checkpoint loads
 at another TP / PP, like the base weights.
@@ -112,14 +112,6 @@ def check_adapter_record(weights_dir: str | Path, lora_cfg) -> None:
         if record[field] != now:
             raise ConfigError(f"{weights_dir}: its adapters have learner.lora.{field} {record[field]!r}, this run "
                               f"has {now!r}; resume with the checkpoint's learner.lora settings")
-
-
-def base_digest(model_dir: str | Path) -> str:
-    """blake3 of the weight files of the HF model directory a LoRA learner's frozen base comes from."""
-    from megatron_rl.conversion.hf_io import HFCheckpoint
-    from megatron_rl.models.hf_config import load_hf_config
-
-    return "blake3:" + HFCheckpoint(Path(model_dir), load_hf_config(model_dir)).content_hash()
 
 
 def check_base_digest(ckpt_dir: str | Path, manifest: dict, digest: str | None, model_dir: str | Path) -> None:

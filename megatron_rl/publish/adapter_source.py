@@ -9,7 +9,7 @@ A LoRA run publishes only its adapters: a few MB per version instead of the whol
 checksummed, all-or-nothing path (publish/transports.py, the engine's VerifiedCommit), where the engine
 installs them as a LoRA adapter of that version (publish/vllm_adapters.py) instead of loading weights.
 Each rank's adapter tensors are all-gathered over its TP group into their TP1 layout
-(conversion/tp_layout.py); with PP > 1 every stage sends its layers' adapters to the first stage
+(models/tp_layout.py); with PP > 1 every stage sends its layers' adapters to the first stage
 (`gather_object`: they are small); global rank 0 maps them to PEFT names (conversion/lora_export.py, the
 same names `megatron-rl convert` writes) and yields them.
 """
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_rl.conversion import mapping
 from megatron_rl.conversion.lora_export import HF_MODULES, PEFT_PREFIX, peft_tensors
-from megatron_rl.conversion.tp_layout import tp_gather, tp_kind
+from megatron_rl.models.tp_layout import tp_gather, tp_kind
 from megatron_rl.models.lora import canonical_adapters
 
 

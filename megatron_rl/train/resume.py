@@ -109,7 +109,8 @@ def check_lora(ckpt: Path | None, cfg, model_dir: Path) -> str | None:
     record; refuses (CheckpointError / ConfigError) to resume `ckpt` when its adapters belong to another
     base, have other learner.lora settings, or it holds none; a full-parameter run refuses a checkpoint of
     adapters.  None for a full-parameter run (models/lora_checkpoint.py)."""
-    from megatron_rl.models.lora_checkpoint import base_digest, check_adapter_record, check_base_digest
+    from megatron_rl.conversion.lora_io import base_digest
+    from megatron_rl.models.lora_checkpoint import check_adapter_record, check_base_digest
 
     digest = base_digest(model_dir) if cfg.learner.lora.enabled else None
     if ckpt is not None:

@@ -5,7 +5,7 @@
 One launch of 2 gloo processes builds a tiny random Qwen3 at TP1 with adapters on qkv, proj, fc1 and
 fc2, and gives it random adapters (B too, so that A's gradient B^T dy x^T is not zero and every path
 of the TP rule in megatron_rl/models/lora.py carries a gradient).  Each layout (TP1 DP2, TP2, PP2)
-loads its shard of those weights (base and adapters split by conversion/tp_layout.py) and runs one
+loads its shard of those weights (base and adapters split by models/tp_layout.py) and runs one
 Learner step (Adam, weight decay, clip_grad, distributed optimizer).  Against TP1, within 1e-5:
 logprobs before and after the step, loss, grad norm and the updated adapters.  Also: each layout's
 own freshly initialised adapters are the shards of TP1's (one seeding rule for every layout), and
@@ -82,7 +82,7 @@ def _where(cfg, tp, pp):
 def _resumed_step(cfg, platform, start, ckpt_dir, tokens):
     """A fresh TP1 DP2 learner on `start`'s base (its adapters fresh) loads `ckpt_dir` and steps once."""
     from megatron_rl.models.lora import adapter_parameters
-    from megatron_rl.platform.reshard import shard_state_dict
+    from megatron_rl.models.reshard import shard_state_dict
     from megatron_rl.train.learner_weights import WeightIO
 
     learner = _learner(cfg, platform, 1, 1)
@@ -131,7 +131,7 @@ def _equivalence(rank, world, root):
     from megatron_rl.models.hf_config import load_hf_config
     from megatron_rl.models.lora import LoraConfig, adapter_parameters
     from megatron_rl.platform import detect_platform
-    from megatron_rl.platform.reshard import shard_state_dict
+    from megatron_rl.models.reshard import shard_state_dict
     from megatron_rl.publish.adapter_source import AdapterSource
 
     cfg, platform, tokens = load_hf_config(TINY), detect_platform("cpu"), _tokens()
@@ -253,7 +253,8 @@ def run_checkpoint(runs):
     import shutil
 
     from megatron_rl.checkpoint import save_checkpoint
-    from megatron_rl.models.lora_checkpoint import BASE_DIGEST, base_digest
+    from megatron_rl.conversion.lora_io import base_digest
+    from megatron_rl.models.lora_checkpoint import BASE_DIGEST
 
     root = runs[0]["dir"]
     run_dir = root / "run"

@@ -80,7 +80,7 @@ def _equivalence(rank, world):
     from megatron_rl.models.hf_config import load_hf_config
     from megatron_rl.platform import detect_platform
     from megatron_rl.platform.parallel import parallel_scope
-    from megatron_rl.platform.reshard import load_shard, shard_state_dict
+    from megatron_rl.models.reshard import load_shard, shard_state_dict
 
     cfg, platform, tokens = load_hf_config(TINY), detect_platform("cpu"), _tokens()
     with parallel_scope(tp=1, pp=1, seed=SEED):

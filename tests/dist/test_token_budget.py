@@ -55,7 +55,7 @@ def _work(rank, world, batch):
     from megatron_rl.models.hf_config import load_hf_config
     from megatron_rl.platform import detect_platform
     from megatron_rl.platform.parallel import parallel_scope
-    from megatron_rl.platform.reshard import load_shard, shard_state_dict
+    from megatron_rl.models.reshard import load_shard, shard_state_dict
     from megatron_rl.grpo.micro_loss import grpo_micro_batch_loss
     from megatron_rl.learner.sft_loss import sft_micro_batch_loss
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_rl.config import ConfigError
-from megatron_rl.conversion.tp_layout import tp_kind
+from megatron_rl.models.tp_layout import tp_kind
 from megatron_rl.learner.config import LearnerConfig
 from megatron_rl.models.lora import LoraConfig, model_problem
 from megatron_rl.platform.spawn import run_distributed

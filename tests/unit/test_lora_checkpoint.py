@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from megatron_rl.checkpoint import CheckpointError, save_checkpoint
 from megatron_rl.config import ConfigError
 from megatron_rl.models.lora import LoraConfig
-from megatron_rl.models.lora_checkpoint import (BASE_DIGEST, base_digest, check_adapter_record,
-                                                write_adapter_record)
+from megatron_rl.conversion.lora_io import base_digest
+from megatron_rl.models.lora_checkpoint import BASE_DIGEST, check_adapter_record, write_adapter_record
 from megatron_rl.train.resume import check_lora
 
 CONFIG = ('{"architectures": ["LlamaForCausalLM"], "vocab_size": 16, "hidden_size": 8, "intermediate_size": 16, '

@@ -145,7 +145,7 @@ def test_cpu_compat_device_mapping_rules():
 
 
 def test_shard_state_dict_tp_pp_rules():
-    from megatron_rl.platform.reshard import shard_state_dict
+    from megatron_rl.models.reshard import shard_state_dict
 
     g = torch.Generator().manual_seed(0)
     full = {

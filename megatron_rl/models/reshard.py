@@ -11,7 +11,7 @@ mapping lives in megatron_rl.conversion):
       contiguous blocks are whole KV groups), linear_fc1 (gate and up halves split separately)
   row-parallel, split on dim 1: linear_proj, linear_fc2
   replicated: norms
-(the split itself is conversion/tp_layout.py's, which also refuses a dimension TP does not divide)
+(the split itself is models/tp_layout.py's, which also refuses a dimension TP does not divide)
 Pipeline stage s holds layers [s*L/pp, (s+1)*L/pp), renumbered from 0; the embedding lives on
 the first stage, the final norm and output layer on the last (a copy of the embedding when the
 embeddings are tied and pp > 1, as Megatron keeps it).
@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from megatron_rl.conversion.tp_layout import tp_shard
+from megatron_rl.models.tp_layout import tp_shard
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
