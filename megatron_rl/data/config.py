@@ -1,7 +1,7 @@
 """The `data:` section: which task a run trains on and how its prompts are made.
 
     data:
-      task: reasoning_gym            # digit_max (built in), jsonl, reasoning_gym, or env (the environment's own)
+      task: reasoning_gym            # digit_max, running_sum (built in), jsonl, reasoning_gym, or env (its own)
       generator: basic_arithmetic
       env: {name: calculator}        # multi-turn episodes with a tool (envs/config.py); unset: single-turn
 
@@ -20,17 +20,19 @@ from megatron_rl.envs.config import EnvConfig
 
 @dataclass(kw_only=True)
 class DataConfig:
-    task: Literal["digit_max", "jsonl", "reasoning_gym", "env"] = "digit_max"
-    """Built-in verifiable task, a JSONL file of math problems, a reasoning-gym generator, or examples the
+    task: Literal["digit_max", "running_sum", "jsonl", "reasoning_gym", "env"] = "digit_max"
+    """A built-in verifiable task (digit_max: one-token answers; running_sum: worked steps before the answer,
+    data/running_sum.py), a JSONL file of math problems, a reasoning-gym generator, or examples the
     environment makes itself (env.name's make_examples, e.g. guess_number's hidden numbers)."""
     generator: Optional[str] = None
     """reasoning-gym dataset name, e.g. chain_sum, basic_arithmetic, countdown (task=reasoning_gym)."""
     generator_config: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the reasoning-gym generator (task=reasoning_gym)."""
+    """Keyword arguments of the reasoning-gym generator (task=reasoning_gym), or running_sum's min_digits and
+    max_digits (task=running_sum)."""
     train_size: int = 2000
-    """Training examples drawn from the generator (task=reasoning_gym or env)."""
+    """Training examples drawn from the generator (task=reasoning_gym, running_sum or env)."""
     holdout_size: int = 200
-    """Examples drawn for each of dev and test (task=reasoning_gym or env)."""
+    """Examples drawn for each of dev and test (task=reasoning_gym, running_sum or env)."""
     seed: int = 0
     """Seed that freezes the task's train/dev/test split (the order training visits examples
     follows run.seed, so runs of different seeds share the held-out sets)."""
@@ -84,6 +86,9 @@ class DataConfig:
             raise ConfigError("data.task 'env' takes its examples from the environment, but data.env.name is unset")
         if self.task == "jsonl" and not self.train_file:
             raise ConfigError("data.train_file is required when data.task is 'jsonl'")
+        if self.task == "running_sum" and not set(self.generator_config) <= {"min_digits", "max_digits"}:
+            raise ConfigError(f"data.generator_config of task running_sum takes min_digits and max_digits, got "
+                              f"{sorted(self.generator_config)}")
         if self.task == "reasoning_gym" and not self.generator:
             raise ConfigError("data.generator (a reasoning-gym dataset name) is required when data.task is "
                               "'reasoning_gym'")

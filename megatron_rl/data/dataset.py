@@ -36,6 +36,9 @@ class Example:
     messages: str = ""
     """A chat prompt as JSON ([{role, content}, ...], a data row's `messages`), rendered with the chat template
     in place of the prompt template; empty for a question prompt."""
+    solution: str = ""
+    """A worked solution that ends in the answer (running_sum's steps): SFT's target when set, else the answer.
+    The verifier still compares against `answer`."""
 
     def __post_init__(self) -> None:
         budget = self.max_tokens
@@ -69,6 +72,7 @@ def content_hash(examples: Sequence[Example]) -> str:
         fields = [ex.id, ex.question, ex.answer] + ([ex.metadata] if ex.metadata else [])
         fields += [{"max_tokens": ex.max_tokens}] if ex.max_tokens is not None else []
         fields += [{"messages": ex.messages}] if ex.messages else []
+        fields += [{"solution": ex.solution}] if ex.solution else []
         h.update(json.dumps(fields, ensure_ascii=False).encode())
         h.update(b"\n")
     return h.hexdigest()

@@ -4,7 +4,7 @@
     check_encodable(splits, template, tokenizer)   # every prompt and answer survives encode -> decode
     fitted = fit_prompts(splits, template, tokenizer, cfg.prompt_token_limit)   # prompts the engine takes
 
-Tasks: the built-in `digit_max` (builtin.py), a `reasoning_gym` generator (reasoning_gym_task.py), or
+Tasks: the built-in `digit_max` (builtin.py) and `running_sum` (running_sum.py), a `reasoning_gym` generator (reasoning_gym_task.py), or
 `jsonl` files (jsonl.py), a held-out split without a file carved from the training file (splits.py).
 """
 
@@ -30,6 +30,15 @@ def load_task(d) -> tuple[dict, PromptTemplate]:
     elif d.task == "digit_max":
         splits = make_digit_max(seed=d.seed)
         template = DIGIT_MAX_TEMPLATE
+    elif d.task == "running_sum":
+        from megatron_rl.data.running_sum import RUNNING_SUM_TEMPLATE, make_running_sum
+
+        try:
+            splits = make_running_sum(seed=d.seed, train_size=d.train_size, dev_size=d.holdout_size,
+                                      test_size=d.holdout_size, **d.generator_config)
+        except ValueError as err:
+            raise DataError(f"task running_sum: {err} (data.generator_config, data.train_size, holdout_size)") from None
+        template = RUNNING_SUM_TEMPLATE
     elif d.task == "reasoning_gym":
         from megatron_rl.data.reasoning_gym_task import REASONING_GYM_TEMPLATE, make_reasoning_gym
 

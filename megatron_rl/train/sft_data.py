@@ -3,7 +3,8 @@
     make_batch = sft_batches(cfg, inputs, micro_batch_size)     # once per run (train/sft.py)
     batch = make_batch(examples)                                 # learner/sft_loss.py's layout
 
-A prompt and its reference answer (then EOS), the loss on the answer; or, with `data.env`, the example's
+A prompt and its reference answer (or the example's worked solution, when it has one) then EOS, the loss on
+those tokens; or, with `data.env`, the example's
 demonstration episode played by its environment's expert (envs/demonstrations.py), the loss on the
 assistant turns.
 """
@@ -25,7 +26,8 @@ def sft_batch(examples: Sequence, template, tokenizer, *, micro_batch_size: int)
     rows = []
     for ex in examples:
         prompt = template.encode(ex, tokenizer)
-        answer = [int(i) for i in tokenizer(ex.answer, add_special_tokens=False)["input_ids"]] + [int(eos)]
+        target = ex.solution or ex.answer  # a worked solution when the task has one
+        answer = [int(i) for i in tokenizer(target, add_special_tokens=False)["input_ids"]] + [int(eos)]
         rows.append((prompt, answer, [1.0] * len(answer)))
     return sft_rows_batch(rows, pad_id=pad, micro_batch_size=micro_batch_size)
 

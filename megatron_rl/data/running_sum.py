@@ -1,0 +1,81 @@
+"""Built-in reasoning task "running_sum": add up a list of digits, writing the running total.
+
+    splits = make_running_sum(seed=0)   # {"train", "dev", "test"}: Datasets
+    splits["test"][0]                   # Example(question="a3b7c1d4", answer="15", solution="a3b10c11d15")
+    RUNNING_SUM_TEMPLATE                # prompt "a3b7c1d4=" ; expected response "a3b10c11d15", then EOS
+
+Why this task.  digit_max (builtin.py) is solved by every GRPO arm from its SFT start: its answer is one
+token, so arms cannot differ and length cannot drift.  Here the response reasons before it answers.  Each
+digit of the prompt carries a letter (a, b, c, ...); the response repeats the letter and writes the total so
+far, and its last number is the answer (reward extractor `last_number`).  For a tiny character model:
+
+  * every step is local: after the letter it finds that letter in the prompt (one attention hop, what a
+    2-layer model can learn) and adds the digit after it to the number it wrote last;
+  * errors compound: a list of n digits is right only if all n steps are, so a short SFT makes a policy that
+    is right on short lists and wrong on long ones (a baseline far from the ceiling), and RL that makes each
+    step more reliable moves correctness a long way;
+  * lengths vary: 1 to 14 digits give responses of 2 to ~40 tokens (a 1-digit list: "a7"), so length can
+    drift both ways (dropping the steps and writing only the answer is also rewarded when right).
+
+Splits: lists drawn by `seed`, lengths uniform in [min_digits, max_digits], each split drawn independently
+(a list may repeat within one, as a generator's draws do); test and dev first, and no list of 3 or more digits
+in them is ever drawn for train.  Lists of 1-2 digits (110 in all) are too few to hold out: every split has
+them, so the held-out correctness of the shortest lists measures skill and recall alike.  The "test" split is
+the hidden one.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+from megatron_rl.data.dataset import Dataset, Example, PromptTemplate
+
+TASK_NAME = "running_sum"
+RUNNING_SUM_TEMPLATE = PromptTemplate("{question}=")
+MAX_DIGITS = len(string.ascii_lowercase)
+SHARED_BELOW = 3
+"""Lists shorter than this (110 of them for 1-2 digits) are too few to split: every split draws from them all."""
+
+
+def make_running_sum(seed: int = 0, *, min_digits: int = 1, max_digits: int = 14, train_size: int = 20000,
+                     dev_size: int = 200, test_size: int = 200) -> dict[str, Dataset]:
+    """Deterministic train/dev/test splits of the running_sum task, held-out lists of SHARED_BELOW digits or
+    more never in train."""
+    if not 1 <= min_digits <= max_digits <= MAX_DIGITS:
+        raise ValueError(f"need 1 <= min_digits <= max_digits <= {MAX_DIGITS}, got {min_digits}, {max_digits}")
+    if min(train_size, dev_size, test_size) < 1:
+        raise ValueError(f"split sizes must be >= 1, got train {train_size}, dev {dev_size}, test {test_size}")
+    if max_digits < SHARED_BELOW:
+        raise ValueError(f"max_digits {max_digits}: lists of fewer than {SHARED_BELOW} digits are too few to hold "
+                         f"out; at least one length >= {SHARED_BELOW} is needed")
+    rng = random.Random(f"{TASK_NAME}:{seed}:{min_digits}:{max_digits}")
+    held: set[tuple[int, ...]] = set()
+    splits = {}
+    for split, size in (("test", test_size), ("dev", dev_size), ("train", train_size)):
+        drawn = [_draw(rng, min_digits, max_digits, held) for _ in range(size)]
+        if split != "train":
+            held.update(d for d in drawn if len(d) >= SHARED_BELOW)
+        splits[split] = Dataset(name=TASK_NAME, split=split, examples=[
+            running_sum_example(d, f"{TASK_NAME}-{split}{i}") for i, d in enumerate(drawn)])
+    return splits
+
+
+def _draw(rng: random.Random, min_digits: int, max_digits: int, held: set) -> tuple[int, ...]:
+    """A list of uniformly drawn length and digits, not one of `held` (a held-out list)."""
+    while True:
+        digits = tuple(rng.randrange(10) for _ in range(rng.randint(min_digits, max_digits)))
+        if digits not in held:
+            return digits
+
+
+def running_sum_example(digits: tuple[int, ...], prefix: str = TASK_NAME) -> Example:
+    """One list: its lettered prompt, its total and the worked solution (letter, total so far; per digit)."""
+    letters = string.ascii_lowercase
+    total, steps = 0, []
+    for letter, d in zip(letters, digits):
+        total += d
+        steps.append(f"{letter}{total}")
+    return Example(id=f"{prefix}-{''.join(map(str, digits))}",
+                   question="".join(f"{letter}{d}" for letter, d in zip(letters, digits)),
+                   answer=str(total), solution="".join(steps))

@@ -1,0 +1,78 @@
+"""The running_sum testbed task: splits, worked solutions as SFT targets, its reward, its config."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.config import ConfigError, DataError
+from megatron_rl.data.config import DataConfig
+from megatron_rl.data.dataset import Example, PromptTemplate, content_hash
+from megatron_rl.data.running_sum import RUNNING_SUM_TEMPLATE, make_running_sum, running_sum_example
+from megatron_rl.data.tasks import load_task
+from megatron_rl.reward.math_verifier import RewardConfig, score_response
+from megatron_rl.train.sft_data import sft_batch
+
+pytestmark = pytest.mark.unit
+
+REWARD = RewardConfig(extractors=["last_number"], format_extractors=["last_number"], format_weight=0.0)
+
+
+def test_an_example_letters_each_digit_and_writes_the_total_so_far():
+    ex = running_sum_example((3, 7, 1, 4))
+    assert (ex.question, ex.answer, ex.solution) == ("a3b7c1d4", "15", "a3b10c11d15")
+    assert RUNNING_SUM_TEMPLATE.render(ex) == "a3b7c1d4="
+    # The worked solution earns the reward; so does the bare answer; a wrong last total does not.
+    assert score_response(ex.solution, ex.answer, REWARD).correctness == 1.0
+    assert score_response("15", ex.answer, REWARD).correctness == 1.0
+    assert score_response("a3b10c11d14", ex.answer, REWARD).correctness == 0.0
+
+
+def test_splits_are_deterministic_disjoint_and_span_the_lengths():
+    a, b = make_running_sum(seed=0, train_size=3000), make_running_sum(seed=0, train_size=3000)
+    assert {k: v.dataset_version for k, v in a.items()} == {k: v.dataset_version for k, v in b.items()}
+    assert make_running_sum(seed=1, train_size=3000)["test"].dataset_version != a["test"].dataset_version
+    # No held-out list of 3 or more digits is in train (shorter ones, 110 in all, are in every split).
+    held = {ex.question for s in ("dev", "test") for ex in a[s] if len(ex.question) >= 6}
+    assert held and not held & {ex.question for ex in a["train"]}
+    assert [len(a[s]) for s in ("train", "dev", "test")] == [3000, 200, 200]
+    for ex in a["train"]:
+        digits = [int(c) for c in ex.question[1::2]]
+        assert ex.answer == str(sum(digits)) and ex.solution.endswith(ex.answer)
+    lengths = sorted(len(ex.solution) + 1 for ex in a["train"])  # characters are tokens, then EOS
+    assert lengths[len(lengths) // 10] <= 8 and lengths[9 * len(lengths) // 10] >= 32
+    assert {len(ex.question) // 2 for ex in a["train"]} == set(range(1, 15))
+
+
+def test_bad_sizes_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="min_digits"):
+        make_running_sum(min_digits=3, max_digits=2)
+    with pytest.raises(ValueError, match="too few to hold out"):
+        make_running_sum(min_digits=1, max_digits=2, train_size=100)
+    with pytest.raises(DataError, match="generator_config"):
+        load_task(DataConfig(task="running_sum", generator_config={"max_digits": 40}))
+    with pytest.raises(ConfigError, match="min_digits and max_digits"):
+        DataConfig(task="running_sum", generator_config={"digits": 3})
+
+
+def test_load_task_gives_the_splits_and_template():
+    splits, template = load_task(DataConfig(task="running_sum", train_size=500, holdout_size=50,
+                                            generator_config={"max_digits": 5}))
+    assert [len(splits[s]) for s in ("train", "dev", "test")] == [500, 50, 50]
+    assert max(len(ex.question) for ex in splits["train"]) == 10 and template.template == "{question}="
+
+
+class CharTokenizer:
+    eos_token_id, pad_token_id = 2, 0
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_sft_learns_the_worked_solution_and_the_dataset_version_counts_it():
+    ex = running_sum_example((3, 7))
+    batch = sft_batch([ex], PromptTemplate("{question}="), CharTokenizer(), micro_batch_size=1)
+    tokens, mask = batch["tokens"], batch["loss_mask"]
+    assert tokens[0, 1:][mask[0] > 0].tolist() == [ord(c) for c in "a3b10"] + [2]
+    bare = Example(id=ex.id, question=ex.question, answer=ex.answer)
+    assert content_hash([bare]) != content_hash([ex])
+    assert content_hash([bare]) == content_hash([Example(id=ex.id, question=ex.question, answer=ex.answer)])
