@@ -11,7 +11,7 @@ a trained model, as tests/unit/test_refit_check.py does):
    seeded) after random prompts, and scores teacher-forced (prompt logprobs, as rollout/worker.py `score`)
    both those sequences and as many sequences of uniformly random tokens;
 3. a one-rank Megatron learner (bf16, local layers on CPU, loaded from the same files as a run's learner is:
-   train/learner_build.py InitialPolicy) scores the same rows raw, as train/policy.py `_expect_probe` does;
+   learner/initial_policy.py InitialPolicy) scores the same rows raw, as train/policy.py `_expect_probe` does;
    then again with one MLP matrix of layer 0 rolled by one row: a load that verified byte for byte but was
    laid out wrongly, which the check exists to refuse.
 Per kind of token it prints |Δ logprob| over all rows (median, mean, p95, max) and the statistic the check
@@ -95,16 +95,13 @@ def learner_side(model: Path, rows: dict, seed: int, dtype: str) -> dict:
 def _score_on_rank(rank: int, world: int, model: str, rows: dict, seed: int, dtype: str) -> dict:
     import torch
 
-    from megatron_rl.grpo.loss import GRPOLossConfig
     from megatron_rl.learner import LearnerConfig
+    from megatron_rl.learner.initial_policy import InitialPolicy
     from megatron_rl.platform import detect_platform
-    from megatron_rl.train.learner_build import InitialPolicy
-    from megatron_rl.train.learner_rank import RankSpec
 
     n = len(next(iter(rows.values())))
     cfg = LearnerConfig(dtype=dtype, global_batch_size=n, micro_batch_size=n, seed=seed)
-    policy = InitialPolicy.load(RankSpec(learner=cfg, loss=GRPOLossConfig(), hf_dir=model, seed=seed),
-                                detect_platform("cpu", dtype=dtype))
+    policy = InitialPolicy.load(cfg, model, detect_platform("cpu", dtype=dtype))
     learner = policy.learner
     out = {}
     try:

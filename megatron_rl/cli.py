@@ -34,7 +34,7 @@ COMMAND_MODULES = [
     "megatron_rl.conversion.cli",
     "megatron_rl.checkpoint_cli",
     "megatron_rl.drill.cli",
-    "megatron_rl.audit.cli",
+    "megatron_rl.audit_cli",
     "megatron_rl.sandbox_cli",
     "megatron_rl.replay_cli",
     "megatron_rl.models.tiny_cli",

@@ -9,7 +9,8 @@ segment's version, and compare with the logprobs the sampler recorded (issue 27,
     rescore.py    teacher-forced logprobs of trajectories' responses, one scoring call per version
     ring.py       the learner rank's host ring of recent versions' weights
     auditor.py    the in-training check (every N steps, the batch just taken)
-    run_dir.py    what a run directory keeps: config, trajectories, weights of version 0 and checkpoints
+    run_dir.py    what a run directory keeps: trajectories, weights of version 0 and checkpoints
     offline.py    a one-rank learner that re-scores with those weights
-    cli.py        `megatron-rl audit RUN_DIR`
+
+`megatron-rl audit RUN_DIR` itself is megatron_rl/audit_cli.py (it reads the run's TrainConfig, train/).
 """

@@ -2,11 +2,12 @@
 span policy versions under their recorded versions, with the weights the learner keeps in host memory.
 
     auditor = Auditor(cfg.audit, policy.learner, mode=cfg.rollout.inflight_refit, rows=16, pad_id=0)
-    outcome = auditor.check(step, taken)      # AuditOutcome: metrics (numerics/audit_*) and a StopCondition or None
+    outcome = auditor.check(step, taken)      # AuditOutcome: metrics (numerics/audit_*) and an AuditFailure or None
 
 The driver calls it between take and learn (train/driver.py); the reporter logs `outcome.metrics` with the
-step's and hands `outcome.condition` to the stop rules, so a failed audit checkpoints and ends the run with
-exit 89 like any stop condition (train/stop.py), its message naming the sequence and segment.  Segments of
+step's and turns `outcome.failure` into the stop condition "audit" (train/reporting.py), so a failed audit
+checkpoints and ends the run with exit 89 like any stop condition (train/stop.py), its message naming the
+sequence and segment.  Segments of
 versions the ring no longer holds (older than the take window, or from before a resume) are counted in
 numerics/audit_unaudited_segments, never guessed.
 """
@@ -19,17 +20,27 @@ from dataclasses import dataclass, field
 from megatron_rl.audit.compare import AuditReport, spans_versions
 from megatron_rl.audit.config import AuditConfig
 from megatron_rl.audit.rescore import audit_trajectories
-from megatron_rl.train.stop import StopCondition
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class AuditFailure:
+    """The evidence of a failed audit, as the stop condition "audit" names it (train/stop.py StopCondition)."""
+
+    step: int
+    metric: str
+    value: float
+    threshold: str
+    """The bound that was crossed and where, in words."""
+
+
 @dataclass
 class AuditOutcome:
-    """What one step's audit reports: its metrics, and the stop condition when a segment failed it."""
+    """What one step's audit reports: its metrics, and the failure when a segment was over the tolerance."""
 
     metrics: dict[str, float] = field(default_factory=dict)
-    condition: StopCondition | None = None
+    failure: AuditFailure | None = None
 
 
 class Auditor:
@@ -47,9 +58,9 @@ class Auditor:
             return AuditOutcome({"numerics/audit_segments": 0.0})
         report = audit_trajectories(chosen, self.learner.audit_logprobs, self.learner.ring_versions(),
                                     rows=self.rows, mode=self.mode, tolerance=self.cfg.tolerance, pad_id=self.pad_id)
-        return AuditOutcome(report.metrics(), self._condition(step, report))
+        return AuditOutcome(report.metrics(), self._failure(step, report))
 
-    def _condition(self, step: int, report: AuditReport) -> StopCondition | None:
+    def _failure(self, step: int, report: AuditReport) -> AuditFailure | None:
         for row in report.unaudited:
             logger.info("audit step %d: %s (its weights are not in the learner's ring)", step, row.describe())
         failures = report.failures
@@ -59,5 +70,5 @@ class Auditor:
             logger.error("audit step %d: %s > audit.tolerance %g", step, row.describe(), self.cfg.tolerance)
         worst = failures[0]
         more = f" (and {len(failures) - 1} more segment(s))" if len(failures) > 1 else ""
-        return StopCondition("audit", step, "numerics/audit_worst_abs_delta", worst.max_abs_delta,
-                             f"> audit.tolerance {self.cfg.tolerance:g} on {worst.describe()}{more}")
+        return AuditFailure(step, "numerics/audit_worst_abs_delta", worst.max_abs_delta,
+                            f"> audit.tolerance {self.cfg.tolerance:g} on {worst.describe()}{more}")

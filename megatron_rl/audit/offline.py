@@ -34,16 +34,14 @@ def _audit_on_rank(rank: int, world: int, cfg, trajs: list, weights: dict[int, P
     """On the one-rank group: a learner of the run's model at TP = PP = DP = 1, each version loaded in turn."""
     from megatron_rl.conversion.hf_io import HFCheckpoint
     from megatron_rl.conversion.model_io import fill_from_hf
+    from megatron_rl.learner.initial_policy import InitialPolicy
     from megatron_rl.platform import detect_platform
-    from megatron_rl.train.learner_build import InitialPolicy
-    from megatron_rl.train.learner_rank import RankSpec
 
     learner_cfg = dataclasses.replace(cfg.learner, tensor_parallel_size=1, pipeline_parallel_size=1,
                                       data_parallel_size=1, global_batch_size=rows, max_tokens_per_micro_batch=None)
     first = min(weights)
-    spec = RankSpec(learner=learner_cfg, loss=cfg.loss, hf_dir=str(weights[first]), seed=cfg.learner.seed,
-                    sampling=cfg.sampling)
-    policy = InitialPolicy.load(spec, detect_platform("cpu", dtype=learner_cfg.dtype))
+    policy = InitialPolicy.load(learner_cfg, str(weights[first]), detect_platform("cpu", dtype=learner_cfg.dtype),
+                                sampling=cfg.sampling)
     loaded = [first]
 
     def score(version, tokens_bt, lengths_b):

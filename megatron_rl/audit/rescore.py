@@ -6,8 +6,8 @@ name, one scoring call per version and `rows` trajectories, and the audit of the
 
 `score` is the learner's forward under a version's weights: the learner group's host ring in training
 (audit/ring.py, LearnerGroup.audit_logprobs), a one-rank learner loaded from a checkpoint offline
-(audit/cli.py).  Rows are packed and read back by the same helpers as the sampled reconcile
-(train/probe.py pack_sequences, response_logprobs).
+(audit/offline.py, for `megatron-rl audit`: audit_cli.py).  Rows are packed and read back by the same helpers as the sampled reconcile
+(learner/sequences.py pack_sequences, response_logprobs).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from megatron_rl.audit.compare import AuditReport, segment_deltas
-from megatron_rl.train.probe import pack_sequences, response_logprobs
+from megatron_rl.learner.sequences import pack_sequences, response_logprobs
 
 Score = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 

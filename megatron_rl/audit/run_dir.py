@@ -1,6 +1,5 @@
-"""What a run directory keeps that an audit can use: its config, its trajectories, the weights of some versions.
+"""What a run directory keeps that an audit can use: its trajectories, the weights of some versions.
 
-    cfg = run_config(run_dir)                         # RUN_DIR/config.json; ConfigError: not a run directory
     trajs = kept_trajectories(run_dir)                # the coordinator's log and the checkpoints' copies of it
     weights, notes = kept_weights(run_dir)            # {version: HF directory}: version 0 and each checkpoint
 
@@ -19,29 +18,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from megatron_rl.config import ConfigError, from_dict
+from megatron_rl.config import ConfigError
 from megatron_rl.run_files import query_sqlite, read_json
 from megatron_rl.trajectory import Trajectory, TrajectoryError, validate
 
 logger = logging.getLogger(__name__)
-
-
-def run_config(run_dir: Path):
-    """The run's resolved TrainConfig; ConfigError naming what is missing when `run_dir` is not a run."""
-    from megatron_rl.train.config import TrainConfig
-
-    if not run_dir.is_dir():
-        raise ConfigError(f"{run_dir}: no such directory (expected a training run directory, run.dir)")
-    path = run_dir / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} is not a training run directory: it has no config.json (the resolved config "
-                          "every `megatron-rl train` writes into run.dir)")
-    data = read_json(path)  # ConfigError naming the file when it is not a JSON object
-    try:
-        return from_dict(TrainConfig, data)
-    except ConfigError as err:  # written by another version, or edited: one line naming the file
-        problems = getattr(err, "problems", [str(err)])
-        raise ConfigError(f"{path}: not the resolved config of a training run ({'; '.join(problems)})") from None
 
 
 def kept_trajectories(run_dir: Path) -> list[Trajectory]:

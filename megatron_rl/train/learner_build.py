@@ -1,10 +1,10 @@
-"""The parts a learner rank is built from: its rendezvous, the Megatron learner filled with the
-initial policy from a Hugging Face checkpoint (through the shared conversion mapping), and the
-frozen reference model.  Assembled by `LearnerWorker` (train/learner_rank.py).
+"""The parts a learner rank is built from: its rendezvous and the frozen reference model (the Megatron
+learner filled with the initial policy is learner/initial_policy.py's `InitialPolicy`).  Assembled by
+`LearnerWorker` (train/learner_rank.py).
 
     rdv = Rendezvous(rank, world_size); addr, port = rdv.address()   # rank 0 only
     rdv.join(addr, port, platform)                                     # every rank
-    policy = InitialPolicy.load(spec, platform)    # .learner, .hf_cfg, .checkpoint, .tp_rank, .padded_vocab
+    policy = InitialPolicy.load(spec.learner, spec.hf_dir, platform, sampling=spec.sampling)   # learner/
     reference = Reference(policy)                  # reference.logprobs(tokens_bt, lengths_b)
 
 `seed_everything` sets seeds, threads and deterministic mode of a process (the driver's too).
@@ -12,13 +12,16 @@ frozen reference model.  Assembled by `LearnerWorker` (train/learner_rank.py).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import random
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from megatron_rl.learner.initial_policy import InitialPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -97,38 +100,6 @@ class Rendezvous:
 
         if ps.model_parallel_is_initialized():
             destroy_parallel()
-
-
-@dataclasses.dataclass
-class InitialPolicy:
-    """The Megatron learner of one rank, filled from the HF checkpoint it starts from."""
-
-    learner: object  # megatron_rl.learner.Learner
-    hf_cfg: object  # megatron_rl.models.hf_config.HFModelConfig
-    checkpoint: object  # megatron_rl.conversion.hf_io.HFCheckpoint (the reference is filled from it too)
-    tp_rank: int
-    padded_vocab: int
-
-    @classmethod
-    def load(cls, spec, platform) -> "InitialPolicy":
-        """Build the learner of `spec` (a RankSpec) after the join and load its initial policy."""
-        from megatron.core import parallel_state as ps
-
-        from megatron_rl.conversion.hf_io import HFCheckpoint
-        from megatron_rl.conversion.model_io import fill_from_hf
-        from megatron_rl.learner import Learner
-        from megatron_rl.models.hf_config import load_hf_config, padded_vocab_size
-
-        hf_cfg = load_hf_config(spec.hf_dir)
-        learner = Learner(spec.learner, hf_cfg, platform, sampling=spec.sampling)
-        tp = spec.learner.tensor_parallel_size
-        policy = cls(learner, hf_cfg, HFCheckpoint(spec.hf_dir, hf_cfg), ps.get_tensor_model_parallel_rank(),
-                     padded_vocab_size(hf_cfg.vocab_size, tp))
-        fill_from_hf(learner.model[0].module, hf_cfg, policy.checkpoint, policy.tp_rank, tp, policy.padded_vocab)
-        # Megatron's optimizer keeps fp32 main params for bf16 models: copy the loaded weights in.
-        if hasattr(learner.optimizer, "reload_model_params"):
-            learner.optimizer.reload_model_params()
-        return policy
 
 
 class Reference:

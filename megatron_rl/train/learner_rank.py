@@ -27,11 +27,17 @@ import os
 import signal
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.train.learner_build import InitialPolicy, Reference, Rendezvous, confine_learner, seed_everything
+from megatron_rl.learner.initial_policy import InitialPolicy
+from megatron_rl.train.learner_build import Reference, Rendezvous, confine_learner, seed_everything
 from megatron_rl.train.learner_weights import PublishSettings, WeightIO
+
+if TYPE_CHECKING:
+    from megatron_rl.grpo.loss_config import GRPOLossConfig
+    from megatron_rl.learner.config import LearnerConfig, SamplingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +46,15 @@ logger = logging.getLogger(__name__)
 class RankSpec:
     """Everything a rank is built from: the learner and loss sections, the initial policy, its seed."""
 
-    learner: object  # megatron_rl.learner.LearnerConfig
-    loss: object  # megatron_rl.grpo.loss.GRPOLossConfig
+    learner: LearnerConfig
+    loss: GRPOLossConfig
     hf_dir: str
     """The HF checkpoint of the initial policy (the reference's too)."""
     seed: int
     deterministic: bool | None = None
     threads: int = 1
-    sampling: object | None = None
-    """The distribution the engines sample from (megatron_rl.learner.config.SamplingConfig); None: plain."""
+    sampling: SamplingConfig | None = None
+    """The distribution the engines sample from; None: plain."""
     audit_ring: int = 0
     """Versions of the weights kept in host memory for the audit (audit/ring.py; 0: none)."""
 
@@ -122,7 +128,7 @@ class LearnerWorker:
     def _build(self, spec: RankSpec, platform) -> None:
         confine_learner(spec.learner.cpu_cores, self.started_on)
         self.spec = spec
-        self.policy = InitialPolicy.load(spec, platform)
+        self.policy = InitialPolicy.load(spec.learner, spec.hf_dir, platform, sampling=spec.sampling)
         self.reference = Reference(self.policy) if spec.loss.has_reference else None
         self.weights = WeightIO(self.rank, self.policy.learner, self.policy.hf_cfg, ring=spec.audit_ring)
 

@@ -25,9 +25,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megatron_rl.learner.sequences import pack_sequences, response_logprobs
 from megatron_rl.rollout.refit_check import sampled_probe
 
-__all__ = ["probe_sequences", "on_policy", "pack_sequences", "reconcile_sampled", "response_logprobs"]
+__all__ = ["probe_sequences", "on_policy", "reconcile_sampled"]
 
 log = logging.getLogger(__name__)
 
@@ -73,23 +74,3 @@ def reconcile_sampled(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tens
                     stats["numerics/reconcile_median_abs"], tolerance, stats["numerics/reconcile_mean_abs"],
                     stats["numerics/reconcile_max_abs"])
     return stats
-
-
-def pack_sequences(trajs: Sequence, rows: int, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens_bt [rows, T], lengths_b [rows]): each trajectory's prompt + response tokens, right-padded;
-    `rows` rows are always sent (the trajectories repeated), as the learner's batch plan needs a multiple
-    of micro_batch_size x data-parallel size."""
-    batch = [trajs[i % len(trajs)] for i in range(rows)]
-    width = max(len(t.prompt_tokens) + len(t.response_tokens) for t in batch)
-    tokens_bt = torch.full((rows, width), pad_id, dtype=torch.long)
-    lengths_b = torch.zeros(rows, dtype=torch.long)
-    for i, t in enumerate(batch):
-        seq = torch.as_tensor([*map(int, t.prompt_tokens), *map(int, t.response_tokens)], dtype=torch.long)
-        tokens_bt[i, :len(seq)], lengths_b[i] = seq, len(seq)
-    return tokens_bt, lengths_b
-
-
-def response_logprobs(logprobs_t: torch.Tensor, traj) -> torch.Tensor:
-    """[R]: the logprobs of `traj`'s response tokens out of its row of a forward's [T-1] logprobs."""
-    start = len(traj.prompt_tokens) - 1  # position predicting the first response token
-    return logprobs_t[start:start + len(traj.response_tokens)]

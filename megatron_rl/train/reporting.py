@@ -126,8 +126,9 @@ class Reporter:
             metrics.update(audit.metrics)
         self.metrics.log(step, metrics)
         self.stop_rules.observe(step, metrics)
-        if audit is not None and audit.condition is not None:
-            self.stop_rules.hold(audit.condition)
+        if audit is not None and audit.failure is not None:
+            failed = audit.failure
+            self.stop_rules.hold(StopCondition("audit", failed.step, failed.metric, failed.value, failed.threshold))
         self._step_seconds.append(phases["step"])
         progress(progress_line(step, self.steps, metrics, sum(self._step_seconds) / len(self._step_seconds)),
                  step=step, total=self.steps)

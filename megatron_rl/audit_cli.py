@@ -3,12 +3,12 @@ the weights of each segment's recorded version, and report max |Δ logprob| per 
 
     megatron-rl audit RUN_DIR [--sequences 16] [--seed 0] [--tolerance T] [--json]
 
-Uses what the run directory keeps (audit/run_dir.py): version 0 and each intact checkpoint's version as
-weights, the coordinator's log (and the checkpoints' copies) as trajectories.  Of the trajectories whose
-response spans versions and has at least one segment of a kept version, `--sequences` are drawn (seeded);
-the others' segments are counted as unaudited with the reason.  Prints one line per segment, the maximum
-per label (initial = before any refit, the control; the run's rollout.inflight_refit mode; keep_kv), then
-a JSON summary line.
+Uses the run's resolved config (RUN_DIR/config.json, `run_config`) and what the run directory keeps
+(audit/run_dir.py): version 0 and each intact checkpoint's version as weights, the coordinator's log (and the
+checkpoints' copies) as trajectories. Of the trajectories whose response spans versions and has at least one
+segment of a kept version, `--sequences` are drawn (seeded); the others' segments are counted as unaudited
+with the reason. Prints one line per segment, the maximum per label (initial = before any refit, the control;
+the run's rollout.inflight_refit mode; keep_kv), then a JSON summary line.
 
 Exit codes: 0 every judged segment within the tolerance (default the run's audit.tolerance), or nothing
 to audit (the message says why); 89 a judged segment over it (the lines name sequence and segment, see
@@ -22,18 +22,23 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_rl.audit.compare import spans_versions
+from megatron_rl.config import ConfigError, from_dict
+from megatron_rl.run_files import read_json
 from megatron_rl.train.stop import EXIT_CODES
+
+if TYPE_CHECKING:
+    from megatron_rl.train.config import TrainConfig
 
 EXIT_AUDIT = EXIT_CODES["audit"]
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from megatron_rl.audit.offline import audit_offline
-    from megatron_rl.audit.run_dir import kept_trajectories, kept_weights, run_config
+    from megatron_rl.audit.run_dir import kept_trajectories, kept_weights
     from megatron_rl.cli import CommandError
-    from megatron_rl.config import ConfigError
 
     if args.sequences < 1:
         raise ConfigError(f"--sequences must be at least 1, got {args.sequences}")
@@ -70,6 +75,24 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         raise CommandError(f"audit failed: {report.failures[0].describe()} > tolerance {tolerance:g} "
                            f"({len(report.failures)} segment(s) over it)", exit_code=EXIT_AUDIT)
     return 0
+
+
+def run_config(run_dir: Path) -> TrainConfig:
+    """The run's resolved TrainConfig; ConfigError naming what is missing when `run_dir` is not a run."""
+    from megatron_rl.train.config import TrainConfig
+
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: no such directory (expected a training run directory, run.dir)")
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} is not a training run directory: it has no config.json (the resolved config "
+                          "every `megatron-rl train` writes into run.dir)")
+    data = read_json(path)  # ConfigError naming the file when it is not a JSON object
+    try:
+        return from_dict(TrainConfig, data)
+    except ConfigError as err:  # written by another version, or edited: one line naming the file
+        problems = getattr(err, "problems", [str(err)])
+        raise ConfigError(f"{path}: not the resolved config of a training run ({'; '.join(problems)})") from None
 
 
 def _nothing_to_audit(spanning: list, weights: dict) -> str:
