@@ -5,10 +5,10 @@
 
 from megatron_rl.data.builtin import DIGIT_MAX_TEMPLATE, digit_max_reward_config, make_digit_max
 from megatron_rl.data.cursor import DataCursor
-from megatron_rl.data.dataset import Dataset, Example, PromptTemplate, content_hash
+from megatron_rl.data.dataset import Dataset, PromptTemplate, content_hash
 from megatron_rl.data.jsonl import load_jsonl
 
 __all__ = [
-    "DIGIT_MAX_TEMPLATE", "DataCursor", "Dataset", "Example", "PromptTemplate", "content_hash",
+    "DIGIT_MAX_TEMPLATE", "DataCursor", "Dataset", "PromptTemplate", "content_hash",
     "digit_max_reward_config", "load_jsonl", "make_digit_max",
 ]

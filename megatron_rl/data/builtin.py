@@ -32,7 +32,8 @@ from __future__ import annotations
 import itertools
 import random
 
-from megatron_rl.data.dataset import Dataset, Example, PromptTemplate
+from megatron_rl.data.dataset import Dataset, PromptTemplate
+from megatron_rl.envs.example import Example
 from megatron_rl.reward.math_verifier import RewardConfig
 
 TASK_NAME = "digit_max"

@@ -6,27 +6,17 @@ that have none.
 
 `data.chat_template`: `auto` (the default) wraps each prompt in the tokenizer's own chat template when it has
 one (an Instruct model is trained on the prompts it was tuned on) and leaves it raw text when it has none;
-`none` always raw text; `plain` the ASCII template below; or a `.jinja` file.  The prompt is one user message
-rendered with `add_generation_prompt`, so the response starts where the assistant's turn does.
+`none` always raw text; `plain` the ASCII template (envs/chat_format.py PLAIN_TEMPLATE, the episodes' too); or
+a `.jinja` file.  The prompt is one user message rendered with `add_generation_prompt`, so the response starts
+where the assistant's turn does.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-PLAIN_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'system' -%}{{ m.content + '\n' }}"
-    "{%- elif m.role == 'user' -%}{{ 'U: ' + m.content + '\n' }}"
-    "{%- elif m.role == 'tool' -%}{{ 'T: ' + m.content + '\n' }}"
-    "{%- elif m.role == 'assistant' -%}{{ 'A: ' + (m.content or '') + eos_token + '\n' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ 'A: ' }}{%- endif -%}"
-)
-"""A chat template of plain ASCII lines for tokenizers that have none (the tiny models' character
-tokenizer): `U: ` user, `T: ` tool, `A: ` assistant turns, each assistant turn ended by the EOS token."""
-TEMPLATES = {"plain": PLAIN_TEMPLATE}
+from megatron_rl.envs.chat_format import TEMPLATES
+
 CHOICES = ("auto", "none", "plain")
 
 

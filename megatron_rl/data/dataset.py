@@ -1,4 +1,5 @@
-"""Prompt datasets: examples with reference answers, a content-hash version, prompt templates.
+"""Prompt datasets: examples with reference answers (envs/example.py `Example`), a content-hash version,
+prompt templates.
 
     ds = Dataset(name="mine", split="train", examples=[Example(id="0", question="1+1", answer="2")])
     ds.dataset_version                      # sha256 of the canonical content
@@ -15,54 +16,12 @@ import dataclasses
 import hashlib
 import json
 import string
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from megatron_rl.config import DataError
 
-
-@dataclasses.dataclass(frozen=True)
-class Example:
-    id: str
-    """Stable identifier, unique within the dataset."""
-    question: str
-    """The problem text substituted into the prompt template."""
-    answer: str
-    """Reference final answer the verifier compares against."""
-    metadata: str = ""
-    """Generator metadata as JSON (reasoning-gym tasks; their scorers may read it), else empty."""
-    max_tokens: int | None = None
-    """This prompt's response budget in tokens (a JSONL row's `max_tokens`): its samples stop after
-    min(max_tokens, rollout.max_tokens) tokens.  None: rollout.max_tokens alone."""
-    messages: str = ""
-    """A chat prompt as JSON ([{role, content}, ...], a data row's `messages`), rendered with the chat template
-    in place of the prompt template; empty for a question prompt."""
-    solution: str = ""
-    """A worked solution that ends in the answer (running_sum's steps): SFT's target when set, else the answer.
-    The verifier still compares against `answer`."""
-
-    def __post_init__(self) -> None:
-        budget = self.max_tokens
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise DataError(f"example {self.id!r}: max_tokens must be an int >= 1 (or unset), got {budget!r}")
-
-    def reward_fields(self) -> dict[str, Any]:
-        """What a reward function (reward.function) gets beside the prompt and the response: the answer, the
-        question, the id and the metadata's keys (prompt, response and answer are its own arguments)."""
-        fields: dict[str, Any] = {}
-        meta = json.loads(self.metadata) if self.metadata else None
-        if isinstance(meta, dict):
-            fields.update({k: v for k, v in meta.items() if k not in ("prompt", "response", "answer")})
-        if self.messages:
-            fields["messages"] = json.loads(self.messages)
-        return {**fields, "question": self.question, "id": self.id, "answer": self.answer}
-
-    @property
-    def reference(self) -> str:
-        """What the verifier receives: the answer, or the whole task entry as JSON when the
-        example carries generator metadata (reward.grader reasoning_gym)."""
-        if not self.metadata:
-            return self.answer
-        return json.dumps({"answer": self.answer, "metadata": json.loads(self.metadata)})
+if TYPE_CHECKING:
+    from megatron_rl.envs.example import Example
 
 
 def content_hash(examples: Sequence[Example]) -> str:
@@ -141,7 +100,8 @@ class PromptTemplate:
     def encode(self, example: Example, tokenizer: Any) -> list[int]:
         """Prompt token ids from a HF tokenizer (anything callable returning {"input_ids": [...]}): the
         rendered text, as one user turn of the chat template when there is one (`chat`)."""
-        from megatron_rl.data.chat import PLAIN_TEMPLATE, chat_jinja, chat_prompt_ids
+        from megatron_rl.data.chat import chat_jinja, chat_prompt_ids
+        from megatron_rl.envs.chat_format import PLAIN_TEMPLATE
 
         jinja = chat_jinja(self.chat, tokenizer)
         if example.messages:  # a chat prompt: its turns, in the chat template (plain when there is none)

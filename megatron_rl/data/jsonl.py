@@ -22,8 +22,9 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from megatron_rl.data.dataset import Dataset, Example
+from megatron_rl.data.dataset import Dataset
 from megatron_rl.config import DataError
+from megatron_rl.envs.example import Example
 
 
 def _field(record: dict, field: str, where: str, key: str | None = None) -> str:

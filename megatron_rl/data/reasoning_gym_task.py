@@ -18,9 +18,10 @@ import json
 import logging
 from typing import Any
 
-from megatron_rl.data.dataset import Dataset, Example, PromptTemplate
+from megatron_rl.data.dataset import Dataset, PromptTemplate
 from megatron_rl.data.splits import check_disjoint
 from megatron_rl.config import DataError
+from megatron_rl.envs.example import Example
 
 logger = logging.getLogger(__name__)
 

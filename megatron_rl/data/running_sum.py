@@ -29,7 +29,8 @@ from __future__ import annotations
 import random
 import string
 
-from megatron_rl.data.dataset import Dataset, Example, PromptTemplate
+from megatron_rl.data.dataset import Dataset, PromptTemplate
+from megatron_rl.envs.example import Example
 
 TASK_NAME = "running_sum"
 RUNNING_SUM_TEMPLATE = PromptTemplate("{question}=")

@@ -69,7 +69,7 @@ def _call(code: str) -> str:
 
 def reward_hacking(targets: list[Path], sandbox: dict | None = None) -> dict:
     """Play one episode per (target, attack); the drill's record."""
-    from megatron_rl.data.dataset import Example
+    from megatron_rl.envs.example import Example
     from megatron_rl.envs.python_tool import PythonConfig, PythonEnvironment
 
     env = PythonEnvironment(PythonConfig(sandbox=dict(sandbox or {})))

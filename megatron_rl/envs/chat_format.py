@@ -16,6 +16,9 @@ The assistant turn ends with `end_of_turn` (default: the tokenizer's eos token, 
 Qwen), which the policy samples itself; when it did not (the turn was cut off), the observation
 begins with it.  Special-token strings inside an observation (a tool that prints `<|im_end|>`)
 are tokenized as plain text, so a tool cannot forge a turn boundary.
+
+PLAIN_TEMPLATE is the chat template for tokenizers that have none, for episodes and for prompts alike
+(`plain` of data.env.chat_template and of data.chat_template, data/chat.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,20 @@ from megatron_rl.config import ConfigError
 from megatron_rl.envs.protocol import OBSERVATION_ROLES
 
 logger = logging.getLogger(__name__)
+
+PLAIN_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}{{ m.content + '\n' }}"
+    "{%- elif m.role == 'user' -%}{{ 'U: ' + m.content + '\n' }}"
+    "{%- elif m.role == 'tool' -%}{{ 'T: ' + m.content + '\n' }}"
+    "{%- elif m.role == 'assistant' -%}{{ 'A: ' + (m.content or '') + eos_token + '\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'A: ' }}{%- endif -%}"
+)
+"""A chat template of plain ASCII lines for tokenizers that have none (the tiny models' character
+tokenizer): `U: ` user, `T: ` tool, `A: ` assistant turns, each assistant turn ended by the EOS token."""
+TEMPLATES = {"plain": PLAIN_TEMPLATE}
 
 _Q, _A, _O = "\u2063PROBE_QUESTION\u2063", "\u2063PROBE_ANSWER\u2063", "\u2063PROBE_OBSERVATION\u2063"
 
@@ -48,8 +65,6 @@ def env_chat_format(cfg, tokenizer) -> "ChatFormat":
     if cfg.template is not None:
         tokenizer.chat_template = cfg.template
     elif not getattr(tokenizer, "chat_template", None):  # a tokenizer without one: the plain template, said once
-        from megatron_rl.data.chat import PLAIN_TEMPLATE
-
         logger.warning("the tokenizer has no chat template: episodes use the plain one (data.env.chat_template)")
         tokenizer.chat_template = PLAIN_TEMPLATE
     probe = get_environment(cfg.name, cfg.options)

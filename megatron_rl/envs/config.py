@@ -21,9 +21,8 @@ import dataclasses
 from typing import Any, Optional
 
 from megatron_rl.config import ConfigError
+from megatron_rl.envs.chat_format import PLAIN_TEMPLATE, TEMPLATES  # noqa: F401 - shared with prompts
 from megatron_rl.envs.protocol import EpisodeLimits
-
-from megatron_rl.data.chat import PLAIN_TEMPLATE, TEMPLATES  # noqa: F401 - the plain template, shared with prompts
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -18,7 +18,7 @@ import random
 import re
 from typing import Any
 
-from megatron_rl.data.dataset import Example
+from megatron_rl.envs.example import Example
 from megatron_rl.envs.protocol import Environment, StepResult
 
 _INT_RE = re.compile(r"-?\d+")

@@ -73,7 +73,7 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     def reset(self, example: Any) -> str:
-        """Start an episode for `example` (a data.dataset.Example); return the first observation."""
+        """Start an episode for `example` (envs/example.py Example); return the first observation."""
 
     @abc.abstractmethod
     def step(self, action: str) -> StepResult:

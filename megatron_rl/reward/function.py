@@ -9,7 +9,7 @@
 The function is called once per response, with keyword arguments: `prompt` (the prompt as the policy saw
 it, decoded), `response` (decoded, special tokens dropped), `answer` (the example's reference answer) and
 `fields`: the example's `question` and `id`, and its metadata's keys (reasoning-gym entries;
-data/dataset.Example.reward_fields).  It runs in the verifier pool's worker processes (reward/pool.py) under
+envs/example.py Example.reward_fields).  It runs in the verifier pool's worker processes (reward/pool.py) under
 `reward.timeout_s`, with that pool's contract: a timeout is not a zero, an exception is an error code
 (`grader_error`), both are excluded from the loss and counted.  A value that is not a finite number, or a
 `correct` component other than 0 or 1, is an error of the function, named in the trajectory's error.

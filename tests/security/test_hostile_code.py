@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import megatron_rl
-from megatron_rl.data.dataset import Example
+from megatron_rl.envs.example import Example
 from megatron_rl.envs.python_tool import PythonConfig, PythonEnvironment
 from megatron_rl.envs.sandbox import Sandbox, SandboxConfig
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.data.dataset import Example
+from megatron_rl.envs.example import Example
 from megatron_rl.envs.python_tool import PythonConfig, PythonEnvironment
 from megatron_rl.envs.sandbox import Sandbox, SandboxConfig, SandboxError
 from megatron_rl.envs.sandbox_server import make_server

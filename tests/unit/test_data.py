@@ -14,12 +14,12 @@ from megatron_rl.data import (
     DIGIT_MAX_TEMPLATE,
     DataCursor,
     Dataset,
-    Example,
     PromptTemplate,
     digit_max_reward_config,
     load_jsonl,
     make_digit_max,
 )
+from megatron_rl.envs.example import Example
 from megatron_rl.reward import score_response
 
 pytestmark = pytest.mark.unit

@@ -11,9 +11,9 @@ import re
 import pytest
 
 from megatron_rl.config import ConfigError
-from megatron_rl.data.dataset import Example
 from megatron_rl.envs.calculator import CalculatorConfig, CalculatorEnvironment
 from megatron_rl.envs.chat_format import ChatFormat
+from megatron_rl.envs.example import Example
 from megatron_rl.envs.protocol import EpisodeLimits
 from megatron_rl.envs.runner import EpisodeRunner, run_episode
 from tests.unit.tiny_chat import tiny_chat_tokenizer

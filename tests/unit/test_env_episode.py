@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from megatron_rl.data.dataset import Example
 from megatron_rl.envs.chat_format import ChatFormat
 from megatron_rl.envs.episode import Episode, EpisodeError, trajectory_fields
+from megatron_rl.envs.example import Example
 from megatron_rl.envs.protocol import Environment, EpisodeLimits, StepResult
 from megatron_rl.envs.runner import EpisodeRunner, run_episode
 from megatron_rl.trajectory import make_trajectory, validate

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.data.dataset import Example
 from megatron_rl.envs.chat_format import ChatFormat
 from megatron_rl.envs.episode import trajectory_fields
+from megatron_rl.envs.example import Example
 from megatron_rl.envs.guess_number import GuessNumberConfig, GuessNumberEnvironment
 from megatron_rl.envs.protocol import EpisodeLimits
 from megatron_rl.envs.runner import EpisodeRunner, run_episode

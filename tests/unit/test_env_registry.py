@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.config import ConfigError
-from megatron_rl.data.dataset import Example
 from megatron_rl.envs.calculator import CalculatorConfig, CalculatorEnvironment
 from megatron_rl.envs.chat_format import ChatFormat
 from megatron_rl.envs.episode import trajectory_fields
+from megatron_rl.envs.example import Example
 from megatron_rl.envs.guess_number import GuessNumberConfig, GuessNumberEnvironment
 from megatron_rl.envs.gym_text import GymTextEnvironment
 from megatron_rl.envs.protocol import EnvError, EpisodeLimits

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from megatron_rl.data.dataset import Example
+from megatron_rl.envs.example import Example
 from megatron_rl.envs.protocol import EnvError
 from megatron_rl.envs.python_tool import PythonConfig, PythonEnvironment
 from megatron_rl.envs.sandbox import Sandbox, SandboxConfig, SandboxError, namespaces_available

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.data.dataset import Example
 from megatron_rl.data.reasoning_gym_task import make_reasoning_gym
 from megatron_rl.envs.calculator import CalculatorConfig, CalculatorEnvironment
+from megatron_rl.envs.example import Example
 from megatron_rl.envs.guess_number import GuessNumberConfig, GuessNumberEnvironment
 from megatron_rl.envs.tool_calls import ExpressionError, evaluate_arithmetic, parse_tool_calls
 

@@ -11,9 +11,10 @@ import json
 
 import pytest
 
-from megatron_rl.data.dataset import Dataset, Example, PromptTemplate
+from megatron_rl.data.dataset import Dataset, PromptTemplate
 from megatron_rl.data.reasoning_gym_task import make_reasoning_gym
 from megatron_rl.data.tasks import check_encodable
+from megatron_rl.envs.example import Example
 from megatron_rl.reward.math_verifier import RewardConfig, score_response
 from megatron_rl.reward.pool import VerifierPool
 

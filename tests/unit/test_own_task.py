@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import ConfigError, DataError
-from megatron_rl.data.dataset import Example
 from megatron_rl.data.jsonl import load_jsonl
 from megatron_rl.data.tasks import load_task
+from megatron_rl.envs.example import Example
 from megatron_rl.reward.function import load_function
 from megatron_rl.train.config import load_train_config
 from megatron_rl.train.dry_run import check_and_plan

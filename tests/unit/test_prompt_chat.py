@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.config import ConfigError
-from megatron_rl.data.chat import PLAIN_TEMPLATE
-from megatron_rl.data.dataset import Example, PromptTemplate
+from megatron_rl.data.dataset import PromptTemplate
 from megatron_rl.data.tasks import load_task
+from megatron_rl.envs.chat_format import PLAIN_TEMPLATE
+from megatron_rl.envs.example import Example
 from megatron_rl.models.tokenizer import build_tokenizer
 from megatron_rl.train.config import load_train_config
 from tests.unit.tiny_chat import tiny_chat_tokenizer

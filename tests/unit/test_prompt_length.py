@@ -17,7 +17,8 @@ import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.config import ConfigError, DataError
-from megatron_rl.data.dataset import Dataset, Example, PromptTemplate
+from megatron_rl.data.dataset import Dataset, PromptTemplate
+from megatron_rl.envs.example import Example
 from megatron_rl.models.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.unit

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from megatron_rl.data.dataset import Example
+from megatron_rl.envs.example import Example
 from megatron_rl.evaluation import Decoding, EvalResult, example_outcome, pass_at_k
 from megatron_rl.reward.math_verifier import RewardConfig, Score, score_response
 from megatron_rl.rollout.sample import RolloutSample

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from megatron_rl.data.dataset import Example
+from megatron_rl.envs.example import Example
 from megatron_rl.evaluation import Decoding, EvalResult, example_outcome
 from megatron_rl.metrics import logged_test_evals
 from megatron_rl.reward.math_verifier import RewardConfig, Score

@@ -6,9 +6,10 @@ import pytest
 
 from megatron_rl.config import ConfigError, DataError
 from megatron_rl.data.config import DataConfig
-from megatron_rl.data.dataset import Example, PromptTemplate, content_hash
+from megatron_rl.data.dataset import PromptTemplate, content_hash
 from megatron_rl.data.running_sum import RUNNING_SUM_TEMPLATE, make_running_sum, running_sum_example
 from megatron_rl.data.tasks import load_task
+from megatron_rl.envs.example import Example
 from megatron_rl.reward.math_verifier import RewardConfig, score_response
 from megatron_rl.train.sft_data import sft_batch
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.data.dataset import Example, PromptTemplate
+from megatron_rl.data.dataset import PromptTemplate
+from megatron_rl.envs.example import Example
 from megatron_rl.learner.sft_loss import sft_micro_batch_loss
 from megatron_rl.train.sft_data import sft_batch
 

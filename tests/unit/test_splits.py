@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.data.dataset import Dataset, Example
+from megatron_rl.data.dataset import Dataset
 from megatron_rl.data.splits import check_disjoint, holdout_splits
+from megatron_rl.envs.example import Example
 
 pytestmark = pytest.mark.unit
 
