@@ -123,9 +123,9 @@ async def multi_arm(args, stream, player, examples: list[str], occupancy: Occupa
     TOOL_CALLS.clear()
     start = time.perf_counter()
     turns = Turns(stream)
-    samples = await player.group(turns, tag, examples, params, 1, [{} for _ in examples], lambda result: {})
+    samples = await player.group(turns, tag, examples, params, 1, None, lambda result: {})
     end = time.perf_counter()
-    reasons = {s.extra["episode"]["terminal_reason"] for s in samples}
+    reasons = {s.episode.terminal_reason for s in samples}
     assert reasons == {"done"}, f"episodes ended with {reasons}, not all done: raise --max-model-len"
     lengths = [sum(s.action_mask) for s in samples]
     tokens = sum(lengths)
@@ -138,7 +138,7 @@ async def multi_arm(args, stream, player, examples: list[str], occupancy: Occupa
             "max_concurrent_tools": max(itertools.accumulate(d for _, d in events), default=0),
             "prefill_tokens": sum(n - c for n, c in turns.seen), "cached_tokens": sum(c for _, c in turns.seen),
             "episode_tokens": sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples) / len(samples),
-            "turn_tokens_mean": tokens / sum(s.extra["episode"]["turns"] for s in samples), "lengths": lengths}
+            "turn_tokens_mean": tokens / sum(s.episode.turns for s in samples), "lengths": lengths}
 
 
 async def run(args, model_dir: str) -> list[dict]:

@@ -119,13 +119,14 @@ def evaluate(fleet, verifier, examples: Sequence, template, tokenizer, decoding:
     if env is not None:
         from megatron_rl.rollout.episodes import episode_score
 
-        samples = fleet.generate(list(examples), n=n, sampling=decoding.sampling(), extra=[{} for _ in examples],
-                                 env=env)
-        scores = [episode_score(s.extra["episode"]) for s in samples]
+        samples = fleet.generate(list(examples), n=n, sampling=decoding.sampling(), env=env)
+        scores = [episode_score(s.episode) for s in samples]
     else:
+        from megatron_rl.rollout.sample import PromptInfo
+
         prompts = [template.encode(ex, tokenizer) for ex in examples]
-        budgets = [{} if getattr(ex, "max_tokens", None) is None else {"max_tokens": ex.max_tokens} for ex in examples]
-        samples = fleet.generate(prompts, n=n, sampling=decoding.sampling(), extra=budgets)  # each prompt's own budget
+        budgets = [PromptInfo(max_tokens=getattr(ex, "max_tokens", None)) for ex in examples]
+        samples = fleet.generate(prompts, n=n, sampling=decoding.sampling(), info=budgets)  # each prompt's own budget
     texts = [tokenizer.decode(s.response_tokens, skip_special_tokens=True) for s in samples]
     if env is None:
         answers = [ex.reference for ex in examples for _ in range(n)]

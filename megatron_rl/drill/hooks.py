@@ -131,11 +131,12 @@ def hangs(spec: dict, response: str, reference: str) -> bool:
     return h < share
 
 
-def maybe_kill_engine(llm, extra: list[dict] | None) -> None:
-    """Drill hook (`megatron-rl drill engine_crash`), called by RolloutWorker.generate: in the call
-    of round at_step, SIGKILL this group's vLLM engine-core process once requests are in flight."""
+def maybe_kill_engine(llm, info: list | None) -> None:
+    """Drill hook (`megatron-rl drill engine_crash`), called by RolloutWorker.generate with its prompts'
+    PromptInfos: in the call of round at_step, SIGKILL this group's vLLM engine-core process once requests
+    are in flight."""
     spec = drill_spec("engine_kill")
-    if spec is None or not extra or extra[0].get("round") != spec.get("at_step") or injected_before(spec):
+    if spec is None or not info or info[0].round != spec.get("at_step") or injected_before(spec):
         return
     threading.Thread(target=_kill_engine_core, args=(llm, spec), name="drill-engine-kill", daemon=True).start()
 

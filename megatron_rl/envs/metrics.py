@@ -1,7 +1,7 @@
 """Metrics of finished episodes (issue 28 item 5), keys grouped under the `env/` panel.
 
     metrics = episode_metrics(episodes)   # {"env/episodes": 64, "env/turns_mean": 2.5, ...}
-    metrics = summary_metrics([s.extra["episode"] for s in samples])   # the same, from rollout samples
+    metrics = summary_metrics([s.episode for s in samples])   # the same, from rollout samples
 
 env/episodes, env/turns_mean, env/tool_calls_per_episode, env/tool_success_rate (tool calls that
 did not fail; absent without tool calls), env/step_seconds/p50|p95|p99 (environment time per step),
@@ -44,6 +44,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     return out
 
 
-def summary_metrics(summaries: Sequence[dict]) -> dict[str, float]:
-    """episode_metrics of finished episodes as rollout/episodes.py EpisodeSummary dicts."""
-    return episode_metrics([types.SimpleNamespace(finished=True, **s) for s in summaries])
+def summary_metrics(summaries: Sequence) -> dict[str, float]:
+    """episode_metrics of finished episodes as rollout/sample.py EpisodeSummaries (or their dicts)."""
+    return episode_metrics([s if hasattr(s, "finished") else types.SimpleNamespace(finished=True, **s)
+                            for s in summaries])

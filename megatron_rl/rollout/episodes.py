@@ -2,7 +2,7 @@
 
     spec = EpisodeSpec.from_config(env_cfg)                       # envs/config.py EnvConfig, as a plain dict on the wire
     play = EpisodePlayer(spec, tokenizer_dir, max_tokens_per_turn=64)
-    samples = await play.group(stream, examples, params, n, extra, checked_weights)   # on the engine's loop
+    samples = await play.group(stream, rid, examples, params, n, info, checked_weights)   # on the engine's loop
 
 An episode (envs/runner.py) is one token sequence.  Each assistant turn is one request to the engine with the
 whole sequence so far as its prompt (token-in/token-out: nothing is re-rendered), so its prefix comes from
@@ -17,15 +17,14 @@ a hand-off costs more than it does (benchmarks/multiturn_throughput.md).  Sample
 What comes back per episode is a RolloutSample: the response is everything after the prompt (assistant
 turns with mask 1, their logprobs and versions; observations with mask 0), `segments` tile it
 ([start, end, version, kv_version]; an observation carries the version of the turn before it), and
-`extra["episode"]` holds the reward, terminal reason and counters (graded by train/scoring.py, measured
-by envs/metrics.py).  An episode whose environment failed at reset has no tokens to train on: it is
-returned with an empty response and terminal reason env_error, and the producer drops its group.
+`episode` holds its EpisodeSummary (rollout/sample.py): the reward, terminal reason and counters (graded by
+train/scoring.py, measured by envs/metrics.py).  An episode whose environment failed at reset has no tokens to
+train on: it is returned with an empty response and terminal reason env_error, and the producer drops its group.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import Any, Callable
 
@@ -35,29 +34,9 @@ from megatron_rl.envs.episode import Episode
 from megatron_rl.envs.registry import get_environment
 from megatron_rl.envs.runner import EpisodeRunner
 from megatron_rl.envs.step_threads import shared_step_threads
-from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.sample import EpisodeSummary, PromptInfo, RolloutSample
 
 TURN_SEED_STRIDE = 7919
-
-
-@dataclasses.dataclass(frozen=True)
-class EpisodeSummary:
-    """What the scorer and the metrics need of a finished episode (RolloutSample.extra["episode"])."""
-
-    env: str
-    terminal_reason: str
-    reward: float | None
-    error: str
-    turns: int
-    tool_calls: int
-    tool_errors: int
-    step_seconds: list[float]
-    sandbox_violations: int = 0
-
-    @classmethod
-    def of(cls, env: str, ep: Episode) -> "EpisodeSummary":
-        return cls(env, ep.terminal_reason, ep.reward, ep.error, ep.turns, ep.tool_calls, ep.tool_errors,
-                   list(ep.step_seconds), ep.sandbox_violations)
 
 
 class EpisodePlayer:
@@ -80,18 +59,19 @@ class EpisodePlayer:
     def new_environment(self):
         return get_environment(self.cfg.name, self.cfg.options)
 
-    async def group(self, stream, request_id: str, examples: list, params: dict, n: int, extra: list[dict],
-                    weights_of: Callable[[Any], dict]) -> list[RolloutSample]:
-        """n episodes of every example, prompt-major, played concurrently on `stream`."""
+    async def group(self, stream, request_id: str, examples: list, params: dict, n: int,
+                    info: list[PromptInfo] | None, weights_of: Callable[[Any], dict]) -> list[RolloutSample]:
+        """n episodes of every example, prompt-major, played concurrently on `stream`; info[i] rides on
+        example i's samples."""
         jobs = []
         for i, example in enumerate(examples):
             for j in range(n):
                 seed = None if params.get("seed") is None else params["seed"] + i * n + j
                 jobs.append(self.one(stream, f"{request_id}-{i}-{j}", example, {**params, "seed": seed},
-                                     {**extra[i], "n": n}, weights_of))
+                                     info[i] if info else PromptInfo(), weights_of))
         return list(await asyncio.gather(*jobs))
 
-    async def one(self, stream, rid: str, example, params: dict, extra: dict,
+    async def one(self, stream, rid: str, example, params: dict, info: PromptInfo,
                   weights_of: Callable[[Any], dict]) -> RolloutSample:
         """One episode to its end: reset, then generate / step until a terminal reason."""
         threads, timeout = self.threads, self.limits.step_timeout_s
@@ -129,36 +109,36 @@ class EpisodePlayer:
                 turn += 1
         finally:
             await threads.run(env.close)
-        return self._sample(ep, params, extra, started, weights, segments)
+        return self._sample(ep, params, info, started, weights, segments)
 
-    def _sample(self, ep: Episode, params: dict, extra: dict, started: float, weights: dict,
+    def _sample(self, ep: Episode, params: dict, info: PromptInfo, started: float, weights: dict,
                 segments: list[list[int]]) -> RolloutSample:
-        summary = EpisodeSummary.of(self.cfg.name, ep)
         return RolloutSample(
             prompt_tokens=list(ep.prompt_tokens), response_tokens=list(ep.response_tokens),
             behavior_logprobs=list(ep.behavior_logprobs), policy_versions=list(ep.policy_versions),
             action_mask=list(ep.action_mask), sampling={**params, "max_tokens": self.max_tokens_per_turn},
             finish_reason="stop" if ep.terminal_reason == "done" else "length",
             started_at=started, finished_at=time.time(),
-            extra={**extra, "episode": dataclasses.asdict(summary), "weights": weights, "segments": _joined(segments)})
+            prompt=info, weights=weights, segments=_joined(segments),
+            episode=EpisodeSummary.of(self.cfg.name, ep))
 
 
-def episode_score(episode: dict):
-    """The Score of a multi-turn episode (rollout/episodes.py EpisodeSummary as a dict): the sum of its
+def episode_score(episode: EpisodeSummary):
+    """The Score of a multi-turn episode (its EpisodeSummary, rollout/sample.py): the sum of its
     environment's rewards (its correctness too when that is 0 or 1, else none); its format is 1.0 when the
     environment ended it (terminal reason done: the policy followed the protocol to its end) and 0.0 at a turn
     or token limit; an episode ended by env_error or timeout is not scored (excluded, counted)."""
     from megatron_rl.reward.math_verifier import Score
 
-    grader = f"env:{episode['env']}"
-    if episode["reward"] is None:
-        error = "timeout" if episode["terminal_reason"] == "timeout" else "env_error"
-        return Score.failed(error, grader, detail=episode["error"][:300])
-    reward = float(episode["reward"])
+    grader = f"env:{episode.env}"
+    if episode.reward is None:
+        error = "timeout" if episode.terminal_reason == "timeout" else "env_error"
+        return Score.failed(error, grader, detail=episode.error[:300])
+    reward = float(episode.reward)
     # An episode's reward is its correctness only when it is a success or a failure (0 or 1): a partial
     # credit (0.5, 1.5) is never reported as correctness (eval then reports the reward alone).
     correct = reward if reward in (0.0, 1.0) else None
-    return Score(reward=reward, correctness=correct, format=float(episode["terminal_reason"] == "done"), overlong=None,
+    return Score(reward=reward, correctness=correct, format=float(episode.terminal_reason == "done"), overlong=None,
                  error=None, grader_version=grader, components={"env": reward})
 
 

@@ -2,7 +2,7 @@
 what happens when one of their engines dies.
 
     fleet = RolloutFleet(cfg.rollout, num_groups=2)
-    ref = fleet.submit(prompts, n=8, sampling={"seed": s}, extra=[...])   # non-blocking (Ray futures)
+    ref = fleet.submit(prompts, n=8, sampling={"seed": s}, info=[...])    # non-blocking (Ray futures)
     samples = fleet.collect(ref)                                          # prompt-major RolloutSamples
     fleet.set_refitter(policy.refit)     # train/policy.py: publishes to the fleet's groups, refits restarted ones
 
@@ -73,7 +73,7 @@ class PendingRollout:
     chunks: list[Chunk]
     prompts: list[list[int]]
     sampling: dict
-    extra: list[dict]
+    info: list | None  # the prompts' PromptInfos (rollout/sample.py), carried by their samples
     n: int
     method: str = "generate"  # the worker method: generate (prompts), or run_episodes (examples, with `env`)
     env: dict | None = None
@@ -136,7 +136,7 @@ class RolloutFleet:
 
     # ---- generation ------------------------------------------------------------------------------
 
-    def submit(self, prompts: list, *, n: int, sampling: dict, extra: list[dict],
+    def submit(self, prompts: list, *, n: int, sampling: dict, info: list | None = None,
                first_group: int = 0, env: dict | None = None) -> PendingRollout:
         """Send the prompts round-robin over the groups, prompt 0 to `first_group` (a streaming producer
         sends one prompt's group at a time and spreads them with it).  With `env` (an EnvConfig as a dict),
@@ -145,7 +145,7 @@ class RolloutFleet:
         self.refit(wait_s=0.0)  # a group that answers again (stale) serves only once refitted
         k = len(self.workers)
         chunks = [Chunk(list(range(j, len(prompts), k)), (first_group + j) % k) for j in range(k)]
-        pending = PendingRollout([c for c in chunks if c.index], prompts, dict(sampling), extra, n,
+        pending = PendingRollout([c for c in chunks if c.index], prompts, dict(sampling), info, n,
                                  "generate" if env is None else "run_episodes", env)
         for c in pending.chunks:
             self._send(pending, c)
@@ -163,7 +163,7 @@ class RolloutFleet:
         s = dict(p.sampling)
         if s.get("seed") is not None:
             s["seed"] = s["seed"] + 1_000_003 * c.seed_group  # groups never share request seeds
-        args = ([p.prompts[i] for i in c.index], s, p.n, [p.extra[i] for i in c.index])
+        args = ([p.prompts[i] for i in c.index], s, p.n, [p.info[i] for i in c.index] if p.info else None)
         c.ref = getattr(c.worker, p.method).remote(*args, **({} if p.env is None else {"env": p.env}))
         return True
 
@@ -211,9 +211,9 @@ class RolloutFleet:
                                "their partial samples were discarded", len(c.index), c.group, c.tries + 1)
                 c.ref = None
 
-    def generate(self, prompts, *, n, sampling, extra, first_group: int = 0, env: dict | None = None
+    def generate(self, prompts, *, n, sampling, info=None, first_group: int = 0, env: dict | None = None
                  ) -> list[RolloutSample]:
-        return self.collect(self.submit(prompts, n=n, sampling=sampling, extra=extra, first_group=first_group,
+        return self.collect(self.submit(prompts, n=n, sampling=sampling, info=info, first_group=first_group,
                                         env=env))
 
     # ---- restart and refit -----------------------------------------------------------------------

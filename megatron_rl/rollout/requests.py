@@ -1,9 +1,9 @@
 """What a rollout actor's call asks of its engine, and what comes back: the request helpers both actors share
 (RolloutWorker, rollout/worker.py, on vLLM's LLM; StreamRolloutWorker, rollout/stream_actor.py, on the async engine).
 
-    params = call_params(config, eos_ids, count=len(prompts), sampling={"seed": 3}, n=4, extra=extra)
-    own = prompt_params(params, extra, i)        # prompt i's: its max_tokens capped by its own budget
-    sample = to_sample(stream_result, own, started, finished, extra={"group": g})   # the async engine's answer
+    params = call_params(config, eos_ids, count=len(prompts), sampling={"seed": 3}, n=4, info=info)
+    own = prompt_params(params, info, i)         # prompt i's: its max_tokens capped by its own budget
+    sample = to_sample(stream_result, own, started, finished, info[i])   # the async engine's answer
 
 `sampling` keys are SAMPLING_KEYS; the config's defaults fill the rest, and unless `ignore_eos` the
 checkpoint's EOS ids join the stop tokens (a token-only engine does not know EOS otherwise).
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.sample import PromptInfo, RolloutSample
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids", "ignore_eos")
 
@@ -34,25 +34,25 @@ def check_prompts(prompts: list[list[int]]) -> None:
 
 
 def call_params(config: RolloutConfig, eos_token_ids, count: int, sampling: dict[str, Any] | None, n: int,
-                extra: list[dict] | None) -> dict[str, Any]:
+                info: list[PromptInfo] | None) -> dict[str, Any]:
     """The checks and sampling parameters of a call on `count` prompts (or episode examples), n each."""
     unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"unknown sampling key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    if extra is not None and len(extra) != count:
-        raise ValueError(f"extra has {len(extra)} entries for {count} prompts")
+    if info is not None and len(info) != count:
+        raise ValueError(f"info has {len(info)} entries for {count} prompts")
     params = {**sampling_defaults(config), **(sampling or {})}
     if not params["ignore_eos"]:
         params["stop_token_ids"] = sorted(set(params["stop_token_ids"]) | set(eos_token_ids))
     return params
 
 
-def prompt_params(params: dict[str, Any], extra: list[dict] | None, i: int) -> dict[str, Any]:
+def prompt_params(params: dict[str, Any], info: list[PromptInfo] | None, i: int) -> dict[str, Any]:
     """Prompt i's sampling parameters: `params`, with its response budget capped by the prompt's own
-    (extra[i]["max_tokens"], from a dataset row's `max_tokens`, data/jsonl.py) when it carries one."""
-    budget = extra[i].get("max_tokens") if extra else None
+    (info[i].max_tokens, from a dataset row's `max_tokens`, data/jsonl.py) when it carries one."""
+    budget = info[i].max_tokens if info else None
     if budget is None:
         return params
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -73,14 +73,24 @@ def sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
 
 
 def to_sample(result, sampling: dict[str, Any], started: float, finished: float,
-              extra: dict[str, Any] | None = None) -> RolloutSample:
-    """A finished StreamResult (rollout/stream_engine.py) as a RolloutSample: per-token versions from its segments."""
-    versions, kv_versions = [], []
-    for seg in result.segments:
-        versions += [seg.version] * (seg.end - seg.start)
-        kv_versions += [seg.kv_version] * (seg.end - seg.start)
+              info: PromptInfo | None = None) -> RolloutSample:
+    """A finished StreamResult (rollout/stream_engine.py) as a RolloutSample: per-token versions from its segments,
+    the segments themselves merged (merged_segments)."""
+    versions = [seg.version for seg in result.segments for _ in range(seg.end - seg.start)]
     reason = result.finish_reason if result.finish_reason in ("stop", "length") else "abort"
     return RolloutSample(prompt_tokens=list(result.prompt_tokens), response_tokens=list(result.response_tokens),
                          behavior_logprobs=list(result.logprobs), policy_versions=versions, sampling=dict(sampling),
                          finish_reason=reason, started_at=started, finished_at=finished,
-                         extra={**(extra or {}), "kv_versions": kv_versions, "request_id": result.request_id})
+                         prompt=info or PromptInfo(), segments=merged_segments(result.segments))
+
+
+def merged_segments(segments) -> list[list[int]]:
+    """A StreamResult's segments as [start, end, version, kv_version] spans, neighbours with the same versions
+    joined (a provisional label and its confirmed one are two vLLM spans of one version)."""
+    out: list[list[int]] = []
+    for g in segments:
+        if out and out[-1][1] == g.start and out[-1][2:] == [g.version, g.kv_version]:
+            out[-1][1] = g.end
+        else:
+            out.append([g.start, g.end, g.version, g.kv_version])
+    return out

@@ -127,16 +127,16 @@ class StreamRolloutWorker(RolloutWorker):
 
     # ---- generation -------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: dict[str, Any] | None = None, n: int = 1,
-                 extra: list[dict] | None = None) -> list:
+                 info: list | None = None) -> list:
         """RolloutWorker.generate's contract (len(prompts) * n samples, prompt-major; with a `seed`, sample j
         of prompt i uses seed + i * n + j); the requests join whatever else the engine runs."""
-        params = self._request_params(prompts, sampling, n, extra)
+        params = self._request_params(prompts, sampling, n, info)
         self._serving_version()
         call = uuid.uuid4().hex[:12]
         adapter = self._adapter()
         jobs = []
         for i, prompt in enumerate(prompts):
-            own = prompt_params(params, extra, i)
+            own = prompt_params(params, info, i)
             for j in range(n):
                 seed = None if own["seed"] is None else own["seed"] + i * n + j
                 jobs.append((f"{call}-{i}-{j}", prompt, {**own, "seed": seed}))
@@ -147,19 +147,18 @@ class StreamRolloutWorker(RolloutWorker):
         samples = []
         for (rid, _, used), (result, started, finished) in zip(jobs, results):
             i = int(rid.split("-")[1])
-            sample = to_sample(result, {**used, "n": n}, started, finished, dict(extra[i]) if extra else {})
-            sample.extra["weights"] = self._checked_weights(result)
-            sample.extra["segments"] = _merged(result.segments)
+            sample = to_sample(result, {**used, "n": n}, started, finished, info[i] if info else None)
+            sample.weights = self._checked_weights(result)
             samples.append(sample)
         return samples
 
     def run_episodes(self, examples: list, sampling: dict[str, Any] | None = None, n: int = 1,
-                     extra: list[dict] | None = None, env: dict | None = None) -> list:
+                     info: list | None = None, env: dict | None = None) -> list:
         """n multi-turn episodes of each example (data Examples) with environment `env` (an EnvConfig as a
         dict), prompt-major and seeded as generate's samples; rollout/episodes.py plays them."""
         from megatron_rl.rollout.episodes import EpisodePlayer
 
-        params = self._call_params(len(examples), sampling, n, extra)
+        params = self._call_params(len(examples), sampling, n, info)
         self._serving_version()
         key = repr((self.config.model, params["max_tokens"], sorted((env or {}).items())))
         with self._players_lock:
@@ -167,8 +166,7 @@ class StreamRolloutWorker(RolloutWorker):
                 self._players[key] = EpisodePlayer(env or {}, self.config.model,
                                                    max_tokens_per_turn=params["max_tokens"])
             player = self._players[key]
-        extra = [dict(e) for e in extra] if extra else [{} for _ in examples]
-        return self._run(player.group(self.stream, uuid.uuid4().hex[:12], examples, params, n, extra,
+        return self._run(player.group(self.stream, uuid.uuid4().hex[:12], examples, params, n, info,
                                       self._checked_weights))
 
     def _adapter(self) -> tuple[Any, str] | None:
@@ -360,18 +358,6 @@ async def _reload_previous(engine) -> None:
     back = await engine.collective_rpc("megatron_rl_rollback_publication")
     if any(not r["ok"] for r in back):
         raise RuntimeError(f"rollback after a refused refit check failed: {back}")
-
-
-def _merged(segments) -> list[list[int]]:
-    """[start, end, version, kv_version] spans, neighbours with the same versions joined (a provisional
-    label and its confirmed one are two vLLM spans of one version)."""
-    out: list[list[int]] = []
-    for g in segments:
-        if out and out[-1][1] == g.start and out[-1][2:] == [g.version, g.kv_version]:
-            out[-1][1] = g.end
-        else:
-            out.append([g.start, g.end, g.version, g.kv_version])
-    return out
 
 
 def create_stream_worker(config: RolloutConfig, stale: bool = False, **ray_options):

@@ -8,7 +8,7 @@ a group whose samples all finished can go to the learner while longer groups sti
 samples are submitted prompt-major with at most `capacity` in flight (a slot refills the moment any
 sample finishes, so one long sample never holds the engine idle), and each group is yielded when its
 last sample finishes, whatever its submission order.  Every token keeps its provenance: the weights
-version that sampled it (policy_versions) and, in extra["kv_versions"], the oldest weights whose KV it
+version that sampled it (policy_versions) and, in its `segments`, the oldest weights whose KV it
 attended to (differs only across keep_kv refits; rollout/stream_engine.py).
 """
 
@@ -41,7 +41,7 @@ async def groups_as_completed(stream, prompts: list[list[int]], sampling: Sampli
         started = time.time()
         try:
             result = await stream.generate(f"{prefix}{g}-{s}", prompts[g], params)
-            await done.put((g, s, to_sample(result, params, started, time.time(), {"group": g, "sample": s})))
+            await done.put((g, s, to_sample(result, params, started, time.time())))
         except BaseException as err:
             await done.put((g, s, err))
             raise

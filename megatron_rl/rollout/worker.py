@@ -32,7 +32,7 @@ from megatron_rl.rollout.engine_setup import (engine_env, engine_identity, eos_t
                                               prepare_actor, watched)
 from megatron_rl.rollout.provenance import token_provenance, weights_label
 from megatron_rl.rollout.requests import call_params, check_prompts, prompt_params, sampled_logprobs, sampling_defaults
-from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.sample import PromptInfo, RolloutSample
 
 log = logging.getLogger(__name__)
 
@@ -87,32 +87,33 @@ class RolloutWorker:
 
     def generate(
         self, prompts: list[list[int]], sampling: dict[str, Any] | None = None, n: int = 1,
-        extra: list[dict] | None = None,
+        info: list[PromptInfo] | None = None,
     ) -> list[RolloutSample]:
         """Sample `n` responses per prompt; returns len(prompts) * n samples, prompt-major.
 
         `sampling` overrides the config defaults (keys: temperature, top_p, top_k,
         max_tokens, seed, stop_token_ids, ignore_eos).  With a `seed`, prompt i uses
-        seed + i, so results are reproducible and prompts differ; extra[i]["max_tokens"] caps prompt i's.
+        seed + i, so results are reproducible and prompts differ.  info[i] (a PromptInfo) rides on
+        prompt i's samples, and its max_tokens caps theirs.
         """
         from vllm import SamplingParams
 
-        params = self._request_params(prompts, sampling, n, extra)
+        params = self._request_params(prompts, sampling, n, info)
         per_prompt = []
         for i in range(len(prompts)):
             seed = None if params["seed"] is None else params["seed"] + i
             per_prompt.append(SamplingParams(n=n, logprobs=0, flat_logprobs=True, detokenize=False,
-                                             **{**prompt_params(params, extra, i), "seed": seed}))
+                                             **{**prompt_params(params, info, i), "seed": seed}))
         version = self._serving_version()
         started = time.time()
-        maybe_kill_engine(self.llm, extra)  # drill hook (engine_kill); no-op without MEGATRON_RL_DRILL
+        maybe_kill_engine(self.llm, info)  # drill hook (engine_kill); no-op without MEGATRON_RL_DRILL
         lora = self.adapters.request(version)
         outputs = self._watched(lambda: self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt,
                                                           use_tqdm=False, lora_request=lora))
         finished = time.time()
         samples = []
         for i, out in enumerate(outputs):
-            used = {**prompt_params(params, extra, i), "seed": per_prompt[i].seed, "n": n}
+            used = {**prompt_params(params, info, i), "seed": per_prompt[i].seed, "n": n}
             for c in out.outputs:
                 tokens = list(c.token_ids)
                 logprobs = sampled_logprobs(c.logprobs, tokens)
@@ -123,22 +124,22 @@ class RolloutWorker:
                     policy_versions=versions, sampling=used,
                     finish_reason=c.finish_reason if c.finish_reason in ("stop", "length") else "abort",
                     started_at=started, finished_at=finished,
-                    extra={**(dict(extra[i]) if extra else {}), "weights": weights},
+                    prompt=info[i] if info else PromptInfo(), weights=weights,
                 ))
         assert version == self.version  # nothing switched the weights during the call
         return samples
 
     def _request_params(self, prompts: list[list[int]], sampling: dict[str, Any] | None, n: int,
-                        extra: list[dict] | None) -> dict[str, Any]:
+                        info: list[PromptInfo] | None) -> dict[str, Any]:
         """generate's arguments checked, and the sampling parameters they ask for (EOS ids added)."""
         check_prompts(prompts)
-        return self._call_params(len(prompts), sampling, n, extra)
+        return self._call_params(len(prompts), sampling, n, info)
 
     def _call_params(self, count: int, sampling: dict[str, Any] | None, n: int,
-                     extra: list[dict] | None) -> dict[str, Any]:
+                     info: list[PromptInfo] | None) -> dict[str, Any]:
         """The checks and sampling parameters of a call on `count` prompts (or episode examples), n each
         (rollout/requests.py, shared with the streaming actor)."""
-        return call_params(self.config, self.eos_token_ids, count, sampling, n, extra)
+        return call_params(self.config, self.eos_token_ids, count, sampling, n, info)
 
     def score(self, sequences: list[list[int]], version: int | None = None) -> list[list[float | None]]:
         """Teacher-forced logprob of every token given its prefix (first is None) [T], under the serving

@@ -68,7 +68,7 @@ class Round:
     def from_dict(cls, data: dict) -> "Round":
         from megatron_rl.rollout.sample import RolloutSample
 
-        return cls(int(data["index"]), [RolloutSample(**s) for s in data["samples"]], list(data["leases"]),
+        return cls(int(data["index"]), [RolloutSample.from_dict(s) for s in data["samples"]], list(data["leases"]),
                    float(data["seconds"]), dict(data.get("stats", {})))
 
 

@@ -9,8 +9,8 @@ fleet, one round per learner step, as far ahead as the coordinator admits.
     rounds = source.pause(); ...; source.unpause()     # a checkpoint: nothing in flight
     source.stop(); source.close()
 
-Owns the producer thread (producer.py), the rollout fleet (rollout/fleet.py), the data cursor and
-the prompt encoding (`PromptStream`), and dynamic sampling (dynamic_sampling.py: oversample
+Owns the producer thread (producer.py), the rollout fleet (rollout/fleet.py), the prompts (the data
+cursor and their encoding: prompt_stream.py), and dynamic sampling (dynamic_sampling.py: oversample
 prompts, grade each group as it arrives, keep groups whose rewards vary).  Per-request sampling
 seeds derive from the run seed and the round, so a round is the same in every run of a seed.
 """
@@ -20,20 +20,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.data.cursor import DataCursor
-from megatron_rl.data.dataset import Dataset, PromptTemplate
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.train.config import RunConfig
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
 from megatron_rl.train.producer import Producer, Round, TrainState
+from megatron_rl.train.prompt_stream import PromptStream
 from megatron_rl.rollout.fleet import RolloutFleet
 from megatron_rl.train.scoring import Scorer
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -54,27 +51,6 @@ class RoundSpec:
     def from_sections(cls, run: RunConfig, dynamic: DynamicSamplingConfig, env=None) -> "RoundSpec":
         return cls(prompts_per_step=run.prompts_per_step, group_size=run.group_size, steps=run.steps, seed=run.seed,
                    dynamic=dynamic, env=dataclasses.asdict(env) if env is not None and env.enabled else None)
-
-
-class PromptStream:
-    """The training split, visited in the data cursor's order, encoded with the prompt template."""
-
-    def __init__(self, dataset: Dataset, template: PromptTemplate, tokenizer: PreTrainedTokenizerBase,
-                 cursor: DataCursor):
-        self.dataset, self.template, self.tokenizer, self.cursor = dataset, template, tokenizer, cursor
-
-    def next(self, round_: int, n: int, *, examples: bool = False) -> tuple[list, list[dict]]:
-        """The next n prompts (token ids; with `examples`, the data Examples an episode starts from) and
-        their extras (prompt id, answer, round, what a reward function is given beside the texts, the
-        example's own response budget when it has one);
-        advances the cursor."""
-        prompts, extra = [], []
-        for idx in self.cursor.next_indices(n):
-            ex = self.dataset[idx]
-            prompts.append(ex if examples else self.template.encode(ex, self.tokenizer))
-            extra.append({"prompt_id": ex.id, "answer": ex.reference, "round": round_, "fields": ex.reward_fields()}
-                         | ({"max_tokens": ex.max_tokens} if ex.max_tokens is not None else {}))
-        return prompts, extra
 
 
 def start_fleet(rollout: RolloutConfig, model_dir: Path,
@@ -153,8 +129,8 @@ class RolloutSource:
         """The samples of round r (prompt-major groups) and, with dynamic sampling, its account."""
         spec = self.spec
         if not spec.dynamic.enabled:
-            prompts, extra = self.prompts.next(r, spec.prompts_per_step)
-            samples = self.fleet.generate(prompts, n=spec.group_size, extra=extra,
+            prompts, info = self.prompts.next(r, spec.prompts_per_step)
+            samples = self.fleet.generate(prompts, n=spec.group_size, info=info,
                                           sampling={"seed": self.round_seed(r)})
             return samples, {}
         return self._sample_informative(r, self.round_seed(r))
@@ -163,15 +139,15 @@ class RolloutSource:
         """Streaming: draw prompt group `serial`'s prompt now; the returned call generates its G samples
         (on the rollout groups in turn, seeded like a round of that number)."""
         env = self.spec.env  # multi-turn: the prompt is the example an episode starts from
-        prompts, extra = self.prompts.next(serial, 1, examples=env is not None)
+        prompts, info = self.prompts.next(serial, 1, examples=env is not None)
         seed, k = self.round_seed(serial), len(self.fleet.workers)
-        return lambda: self.fleet.generate(prompts, n=self.spec.group_size, extra=extra, sampling={"seed": seed},
+        return lambda: self.fleet.generate(prompts, n=self.spec.group_size, info=info, sampling={"seed": seed},
                                            first_group=serial % k, env=env)
 
     def _sample_informative(self, r: int, seed: int) -> tuple[list, dict]:
         """Dynamic sampling (train/dynamic_sampling.py): oversample prompts, grade each group as it
         arrives and keep only groups whose rewards vary, for at most max_attempts attempts; the
-        grades travel with the samples (sample.extra["score"]) so nothing is graded twice."""
+        grades travel with the samples (sample.score) so nothing is graded twice."""
         from megatron_rl.train.dynamic_sampling import Group, fill, select_groups
 
         ds, G, need = self.spec.dynamic, self.spec.group_size, self.spec.prompts_per_step
@@ -180,10 +156,10 @@ class RolloutSource:
         sampled = discarded_tokens = attempts = 0
         leftovers: list[Group] = []
         while len(kept) < need and attempts < ds.max_attempts:
-            prompts, extra = self.prompts.next(r, ds.prompts_to_draw(need - len(kept)))
-            samples = self.fleet.generate(prompts, n=G, extra=extra, sampling={"seed": seed + attempts * 104_729})
+            prompts, info = self.prompts.next(r, ds.prompts_to_draw(need - len(kept)))
+            samples = self.fleet.generate(prompts, n=G, info=info, sampling={"seed": seed + attempts * 104_729})
             scores = self.scorer.grade(samples)
-            groups = [Group(samples[i * G].extra["prompt_id"], samples[i * G:(i + 1) * G], scores[i * G:(i + 1) * G])
+            groups = [Group(samples[i * G].prompt.id, samples[i * G:(i + 1) * G], scores[i * G:(i + 1) * G])
                       for i in range(len(prompts))]
             new, leftovers = select_groups(groups, need=need - len(kept), taken=taken,
                                            min_reward_std=ds.min_reward_std)
@@ -201,7 +177,7 @@ class RolloutSource:
         out = []
         for g in kept:
             for sample, score in zip(g.samples, g.scores, strict=True):
-                sample.extra["score"] = score.to_dict()
+                sample.score = score
                 out.append(sample)
         return out, {"sampled_groups": sampled, "informative_groups": informative,
                      "filled_groups": need - informative, "discarded_tokens": discarded_tokens, "attempts": attempts}

@@ -141,13 +141,13 @@ class StreamProducer(Producer):
                     self.groups_dropped += 1
                     self._floor.pop(serial, None)
                 logger.warning("prompt group %d dropped: its environment failed at reset (%s)", serial,
-                               next(s.extra["episode"]["error"] for s in samples if not s.response_tokens))
+                               next(s.episode.error for s in samples if not s.response_tokens))
                 return
             with self._grade_lock:
                 scores = self.grade(samples)
             t2 = time.perf_counter()
             for sample, score in zip(samples, scores, strict=True):
-                sample.extra["score"] = score.to_dict()
+                sample.score = score
             with self._cond:
                 self._groups.append((serial, samples, leases, time.perf_counter() - t0))
                 self.groups_done += 1
@@ -209,11 +209,10 @@ class StreamProducer(Producer):
                  **{f"system/stream_{k}_s": v for k, v in spent.items()}}
         if self.engine_stats is not None:
             stats.update(self.engine_stats())
-        if samples and "episode" in samples[0].extra:  # multi-turn: turns, tools, env time, terminal reasons
+        if samples and samples[0].episode is not None:  # multi-turn: turns, tools, env time, terminal reasons
             from megatron_rl.envs.metrics import summary_metrics
 
-            stats.update(summary_metrics([s.extra["episode"] for s in samples]), **{"env/dropped_groups":
-                                                                                    self.groups_dropped})
+            stats.update(summary_metrics([s.episode for s in samples]), **{"env/dropped_groups": self.groups_dropped})
         return Round(step, samples, leases, seconds, stats)
 
     def pause(self) -> list[Round]:

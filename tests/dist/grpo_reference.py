@@ -13,7 +13,7 @@ def one_group_batch(responses: list[list[int]], texts: list[str | None], *, micr
     verifier timed out (the row is masked)."""
     from megatron_rl.grpo.loss import GRPOLossConfig
     from megatron_rl.reward import RewardConfig, Score, score_response
-    from megatron_rl.rollout.sample import RolloutSample
+    from megatron_rl.rollout.sample import PromptInfo, RolloutSample
     from megatron_rl.train.batch import build_batch
     from megatron_rl.train.scoring import to_trajectories
 
@@ -21,7 +21,7 @@ def one_group_batch(responses: list[list[int]], texts: list[str | None], *, micr
     now = time.time()
     samples = [RolloutSample(prompt_tokens=[5, 17, 42], response_tokens=r, behavior_logprobs=[-1.0] * len(r),
                              policy_versions=[0] * len(r), sampling={"temperature": 1.0}, finish_reason="stop",
-                             started_at=now, finished_at=now, extra={"round": 0, "prompt_id": "p", "answer": "5"})
+                             started_at=now, finished_at=now, prompt=PromptInfo(id="p", round=0, answer="5"))
                for r in responses]
     scores = [score_response(t, "5", reward) if t is not None else Score.failed("timeout", reward.grader_version())
               for t in texts]

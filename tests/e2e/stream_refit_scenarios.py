@@ -217,8 +217,7 @@ async def groups_in_completion_order(rig: Rig) -> dict:
     async for g, samples in groups_as_completed(rig.stream, prompts(9), sampling, group_size=2, capacity=6,
                                                 prefix="group"):
         order.append({"group": g, "lengths": [len(x.response_tokens) for x in samples],
-                      "versions": [sorted(set(x.policy_versions)) for x in samples],
-                      "samples": [x.extra["sample"] for x in samples]})
+                      "versions": [sorted(set(x.policy_versions)) for x in samples]})
     return {"version": rig.stream.version, "lengths": lengths, "order": order}
 
 
@@ -232,6 +231,7 @@ async def episode_across_refit(rig: Rig) -> dict:
     from megatron_rl.envs.protocol import Environment, StepResult
     from megatron_rl.envs.registry import ENVIRONMENTS, register_environment
     from megatron_rl.rollout.episodes import EpisodePlayer
+    from megatron_rl.rollout.sample import PromptInfo
 
     loop, wanted, refitted = asyncio.get_running_loop(), asyncio.Event(), threading.Event()
 
@@ -263,15 +263,15 @@ async def episode_across_refit(rig: Rig) -> dict:
     player = EpisodePlayer(EnvConfig(name="refit_gate", chat_template="plain", max_total_tokens=200),
                            rig.dirs[old], max_tokens_per_turn=12)
     params = {"temperature": 0.0, "ignore_eos": True, "seed": None}
-    task = asyncio.create_task(player.one(rig.stream, "episode", "count to ten", params, {}, lambda r: {}))
+    task = asyncio.create_task(player.one(rig.stream, "episode", "count to ten", params, PromptInfo(), lambda r: {}))
     await wanted.wait()
     record = await rig.stream.refit(load, v0 + 1, "recompute")
     refitted.set()
     sample = await task
     return {"v0": v0, "old": old, "new": new, "record": record_json(record), "prompt": sample.prompt_tokens,
             "response_tokens": sample.response_tokens, "logprobs": sample.behavior_logprobs,
-            "versions": sample.policy_versions, "mask": sample.action_mask, "segments": sample.extra["segments"],
-            "episode": sample.extra["episode"]}
+            "versions": sample.policy_versions, "mask": sample.action_mask, "segments": sample.segments,
+            "episode": dataclasses.asdict(sample.episode)}
 
 
 async def episodes_step_at_once(rig: Rig) -> dict:
@@ -310,8 +310,8 @@ async def episodes_step_at_once(rig: Rig) -> dict:
                                      step_timeout_s=60), rig.dirs[rig.serving], max_tokens_per_turn=4)
     examples = [f"tool call {i}" for i in range(EPISODES_AT_ONCE)]
     samples = await player.group(rig.stream, "at-once", examples, {**GREEDY, "max_tokens": 4}, 1,
-                                 [{} for _ in examples], lambda r: {})
-    return {"episodes": [s.extra["episode"] for s in samples]}
+                                 None, lambda r: {})
+    return {"episodes": [dataclasses.asdict(s.episode) for s in samples]}
 
 
 SCENARIOS = {  # in the order the tests are written: each swaps A and B

@@ -162,7 +162,7 @@ def test_a_streaming_request_keeps_its_adapter_across_a_publication(engine):
     samples = [s for ref in refs for s in ray.get(ref)]
     assert any(s.finished_at > committed_at for s in samples)  # some were generating across the commit
     for s in samples:  # ... and kept version 2's adapter to their end: its tokens, its logprobs
-        assert s.policy_versions == [2] * 200 and s.extra["segments"] == [[0, 200, 2, 2]], s.extra["segments"]
+        assert s.policy_versions == [2] * 200 and s.segments == [[0, 200, 2, 2]], s.segments
         (scored,) = ray.get(worker.score.remote([s.prompt_tokens + s.response_tokens], 2))
         got = torch.tensor(s.behavior_logprobs, dtype=torch.float64)
         assert torch.allclose(got, torch.tensor(scored[len(s.prompt_tokens):], dtype=torch.float64), atol=1e-4)

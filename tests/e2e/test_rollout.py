@@ -46,18 +46,21 @@ def _scores(workers):
 def test_generate_sample_fields(cluster):
     import ray
 
+    from megatron_rl.rollout.sample import PromptInfo
+
     _, workers, _ = cluster
     prompts = [[BOS_ID, 23, 24], [BOS_ID, 40, 41, 42], [BOS_ID]]
     for w in workers:
         version = ray.get(w.policy_version.remote())
         label = ray.get(w.__ray_call__.remote(lambda self: self.label))  # "<version>:<digest>" (provenance)
-        samples = ray.get(w.generate.remote(prompts, {"seed": 11, "max_tokens": 6}, 2, [{"id": i} for i in range(3)]))
+        info = [PromptInfo(id=str(i)) for i in range(3)]
+        samples = ray.get(w.generate.remote(prompts, {"seed": 11, "max_tokens": 6}, 2, info))
         assert len(samples) == 6
         for k, s in enumerate(samples):
             s.check()
             # The engine's own label for the weights behind every token (rollout/provenance.py).
-            assert s.prompt_tokens == prompts[k // 2] and s.extra == {"id": k // 2, "weights": {
-                str(version): label.split(":")[1]}}
+            assert s.prompt_tokens == prompts[k // 2] and s.prompt == info[k // 2]
+            assert s.weights == {str(version): label.split(":")[1]} and s.segments == [] and s.episode is None
             assert 1 <= len(s.response_tokens) <= 6
             assert len(s.behavior_logprobs) == len(s.response_tokens) == len(s.policy_versions)
             assert all(math.isfinite(x) and x <= 0 for x in s.behavior_logprobs)

@@ -7,9 +7,9 @@
         def _inject(self, method):   # the test's own failure, at the start of `generate` / `receive_weights`
             ...
 
-An EngineDouble serves samples labelled with its group and the version it holds (None: a restarted,
-stale engine, which refuses to generate), records the refit probes it was given, and sets its
-version on `receive_weights`.  LearnerDouble publishes as WeightPublisher does: to the groups it
+An EngineDouble serves samples labelled with its group (their one response token) and the version it
+holds (None: a restarted, stale engine, which refuses to generate), records the refit probes it was given,
+and sets its version on `receive_weights`.  LearnerDouble publishes as WeightPublisher does: to the groups it
 was last connected to, waiting for each group's answer with the real `group_answers`.  The real
 Policy (train/policy.py) publishes through it (policy_of).  Each test
 keeps its injected failure (`_inject`) to itself.
@@ -36,14 +36,14 @@ class EngineDouble:
     def _inject(self, method: str) -> None:
         """The injected failure, called at the start of `generate` and `receive_weights`."""
 
-    def generate(self, prompts, sampling, n, extra):
+    def generate(self, prompts, sampling, n, info):
         self._inject("generate")
         if self.version is None:
             raise RuntimeError("this rollout group holds no complete policy version (restarted)")
-        return [RolloutSample(prompt_tokens=list(p), response_tokens=[1], behavior_logprobs=[0.0],
+        return [RolloutSample(prompt_tokens=list(p), response_tokens=[self.g], behavior_logprobs=[0.0],
                               policy_versions=[self.version], sampling=dict(sampling), finish_reason="stop",
-                              started_at=0.0, finished_at=0.0, extra=dict(e, group=self.g))
-                for p, e in zip(prompts, extra) for _ in range(n)]
+                              started_at=0.0, finished_at=0.0, prompt=about)
+                for p, about in zip(prompts, info) for _ in range(n)]
 
     def policy_version(self):
         return self.version

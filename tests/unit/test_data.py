@@ -140,6 +140,7 @@ def test_cursor_covers_each_epoch_and_resumes_exactly():
 
 def test_jsonl_max_tokens_is_the_prompts_response_budget(tmp_path):
     from megatron_rl.rollout.requests import prompt_params
+    from megatron_rl.rollout.sample import PromptInfo
 
     path = tmp_path / "budget.jsonl"
     path.write_text(json.dumps({"question": "a", "answer": "1", "max_tokens": 8}) + "\n"
@@ -150,12 +151,12 @@ def test_jsonl_max_tokens_is_the_prompts_response_budget(tmp_path):
                                                         Example(id="2", question="b", answer="2")])
     assert ds.dataset_version != plain.dataset_version  # the budget changes what is generated
     params = {"max_tokens": 200, "seed": 3}
-    extra = [{"max_tokens": e.max_tokens} if e.max_tokens else {} for e in ds]
-    assert prompt_params(params, extra, 0) == {"max_tokens": 8, "seed": 3}
-    assert prompt_params(params, extra, 1) is params
-    assert prompt_params({"max_tokens": 4}, extra, 0)["max_tokens"] == 4  # rollout.max_tokens still caps it
+    info = [PromptInfo(max_tokens=e.max_tokens) for e in ds]
+    assert prompt_params(params, info, 0) == {"max_tokens": 8, "seed": 3}
+    assert prompt_params(params, info, 1) is params
+    assert prompt_params({"max_tokens": 4}, info, 0)["max_tokens"] == 4  # rollout.max_tokens still caps it
     with pytest.raises(ValueError, match="prompt 0: max_tokens must be an int >= 1"):
-        prompt_params(params, [{"max_tokens": 0}], 0)
+        prompt_params(params, [PromptInfo(max_tokens=0)], 0)
     for bad in (0, "8", 2.5, True):
         path.write_text(json.dumps({"question": "a", "answer": "1", "max_tokens": bad}) + "\n")
         with pytest.raises(ValueError, match=r"budget.jsonl:1: field 'max_tokens' must be an int >= 1"):

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rl.config import ConfigError
 from megatron_rl.reward.math_verifier import Score
-from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.sample import PromptInfo, RolloutSample
 from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig, Group, fill, is_informative, select_groups
 from megatron_rl.train.telemetry import Telemetry
 
@@ -25,7 +25,7 @@ def _score(reward):
 def _group(pid, rewards, tokens=2):
     samples = [RolloutSample(prompt_tokens=[1], response_tokens=[5] * tokens, behavior_logprobs=[-0.5] * tokens,
                              policy_versions=[0] * tokens, sampling={}, finish_reason="stop", started_at=0.0,
-                             finished_at=1.0, extra={"prompt_id": pid}) for _ in rewards]
+                             finished_at=1.0, prompt=PromptInfo(id=pid)) for _ in rewards]
     return Group(pid, samples, [_score(r) for r in rewards])
 
 

@@ -13,7 +13,7 @@ from megatron_rl.data.config import DataConfig
 from megatron_rl.data.tasks import load_task
 from megatron_rl.envs.config import PLAIN_TEMPLATE, EnvConfig
 from megatron_rl.rollout.episodes import episode_score
-from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.sample import EpisodeSummary, PromptInfo, RolloutSample
 from megatron_rl.train.config import load_train_config
 from megatron_rl.train.scoring import to_trajectories
 from megatron_rl.trajectory import validate
@@ -59,9 +59,9 @@ def test_the_env_task_needs_an_environment_that_makes_examples():
     assert template.render(splits["train"][0]) == splits["train"][0].question
 
 
-def episode(reason: str, reward: float | None, error: str = "") -> dict:
-    return {"env": "guess_number", "terminal_reason": reason, "reward": reward, "error": error, "turns": 2,
-            "tool_calls": 0, "tool_errors": 0, "step_seconds": [0.01]}
+def episode(reason: str, reward: float | None, error: str = "") -> EpisodeSummary:
+    return EpisodeSummary(env="guess_number", terminal_reason=reason, reward=reward, error=error, turns=2,
+                          tool_calls=0, tool_errors=0, step_seconds=[0.01])
 
 
 def test_an_episode_is_scored_by_its_environment_and_a_failed_one_not_at_all():
@@ -81,13 +81,13 @@ def test_an_episode_becomes_a_trajectory_with_its_mask_segments_and_terminal_rea
                            behavior_logprobs=[-0.5, -0.1, 0.0, 0.0, 0.0, -1.0, -0.2], policy_versions=[4, 4, 4, 4, 4, 5, 5],
                            action_mask=[1, 1, 0, 0, 0, 1, 1], sampling={"temperature": 1.0}, finish_reason="stop",
                            started_at=1.0, finished_at=2.0,
-                           extra={"round": 3, "prompt_id": "p1", "episode": episode("done", 1.0),
-                                  "segments": [[0, 5, 4, 4], [5, 7, 5, 5]], "weights": {"4": "aa", "5": "bb"}})
+                           prompt=PromptInfo(id="p1", round=3), episode=episode("done", 1.0),
+                           segments=[[0, 5, 4, 4], [5, 7, 5, 5]], weights={"4": "aa", "5": "bb"})
     sample.check()
     assert sample.generated_tokens == 4  # the observation's 3 tokens were not sampled
-    [traj] = to_trajectories([sample], [episode_score(sample.extra["episode"])], tokenizer_hash="h", dataset_version="d")
+    [traj] = to_trajectories([sample], [episode_score(sample.episode)], tokenizer_hash="h", dataset_version="d")
     validate(traj, tokenizer_hash="h", current_version=5)
     assert traj.action_mask.tolist() == [1, 1, 0, 0, 0, 1, 1] and traj.terminal_reason == "done"
     assert traj.reward == 1.0 and traj.segments == [[0, 5, 4, 4], [5, 7, 5, 5]]
     with pytest.raises(ValueError, match="action_mask must hold 7 entries of 0 or 1"):
-        RolloutSample(**{**sample.to_dict(), "action_mask": [1, 0]}).check()
+        RolloutSample.from_dict({**sample.to_dict(), "action_mask": [1, 0]}).check()

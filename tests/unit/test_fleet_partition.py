@@ -21,6 +21,7 @@ import ray
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.fleet import SERVING, STALE
+from megatron_rl.rollout.sample import PromptInfo
 from tests.unit.fleet_doubles import EngineDouble, attached_fleet, fleet_of, publish, ray_local  # noqa: F401
 
 pytestmark = pytest.mark.unit
@@ -54,9 +55,9 @@ def fleet(ray_local):
 
 
 def _generate(fleet, k=4, seed=5):
-    prompts, extra = [[10 + i, 11] for i in range(k)], [{"i": i} for i in range(k)]
-    samples = fleet.generate(prompts, n=1, sampling={"seed": seed}, extra=extra)
-    assert [s.extra["i"] for s in samples] == list(range(k))  # every request answered, in order
+    prompts, info = [[10 + i, 11] for i in range(k)], [PromptInfo(id=str(i)) for i in range(k)]
+    samples = fleet.generate(prompts, n=1, sampling={"seed": seed}, info=info)
+    assert [s.prompt.id for s in samples] == [str(i) for i in range(k)]  # every request answered, in order
     return samples
 
 
@@ -79,7 +80,7 @@ def test_publication_gives_up_on_a_stopped_group_and_refits_it_when_it_answers(f
     assert fleet.unreachable.keys() == {1} and fleet.state == [SERVING, STALE]
     assert fleet.counters()["system/rollout_partitions"] == 1.0
     # The other group goes on: every sample of version 2, none from the stopped group.
-    assert {(s.extra["group"], s.policy_versions[0]) for s in _generate(fleet)} == {(0, 2)}
+    assert {(s.response_tokens[0], s.policy_versions[0]) for s in _generate(fleet)} == {(0, 2)}
     fleet.expect_probe(3, [[1, 2]], [[-0.5]], 0.05)
     assert publish(policy, 3)["committed"]
     assert learner.connections[-1] == [fleet.workers[0]]  # publication group formed without it
@@ -97,7 +98,7 @@ def test_generate_past_its_timeout_goes_to_the_other_group(fleet):
     fleet, learner, policy = fleet
     ray.get(fleet.workers[0].stop_in_next.remote("generate"))
     samples = _generate(fleet)
-    assert {(s.extra["group"], s.policy_versions[0]) for s in samples} == {(1, 1)}
+    assert {(s.response_tokens[0], s.policy_versions[0]) for s in samples} == {(1, 1)}
     assert fleet.unreachable.keys() == {0}
     assert fleet.counters()["system/requests_retried"] == 2.0  # group 0's share of the 4 prompts
     with learner.lock:  # the learner moved on: no refit of version 1 once it is back
@@ -107,4 +108,4 @@ def test_generate_past_its_timeout_goes_to_the_other_group(fleet):
     assert fleet.state == [STALE, SERVING]
     assert publish(policy, 2)["committed"]  # the next publication refits it
     assert learner.connections[-1] == fleet.workers and fleet.state == [SERVING, SERVING]
-    assert {(s.extra["group"], s.policy_versions[0]) for s in _generate(fleet, seed=8)} == {(0, 2), (1, 2)}
+    assert {(s.response_tokens[0], s.policy_versions[0]) for s in _generate(fleet, seed=8)} == {(0, 2), (1, 2)}

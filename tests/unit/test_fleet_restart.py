@@ -19,6 +19,7 @@ import ray
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.fleet import SERVING, STALE
+from megatron_rl.rollout.sample import PromptInfo
 from tests.unit.fleet_doubles import (EngineDouble, LearnerDouble, attached_fleet, fleet_of, policy_of,  # noqa: F401
                                       publish, ray_local)
 
@@ -44,17 +45,17 @@ def _fleet(groups: int):
 
 
 def _prompts(k):
-    return [[10 + i, 11] for i in range(k)], [{"round": 1, "i": i} for i in range(k)]
+    return [[10 + i, 11] for i in range(k)], [PromptInfo(id=str(i), round=1) for i in range(k)]
 
 
 def test_single_group_is_refitted_before_its_requests_are_retried(ray_local):
     fleet, learner, _ = _fleet(1)
     old = fleet.workers[0]
     ray.get(old.arm_death.remote())
-    prompts, extra = _prompts(4)
-    samples = fleet.generate(prompts, n=2, sampling={"seed": 5}, extra=extra)
+    prompts, info = _prompts(4)
+    samples = fleet.generate(prompts, n=2, sampling={"seed": 5}, info=info)
     assert fleet.workers[0] is not old
-    assert [s.extra["i"] for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]  # caller's order kept
+    assert [s.prompt.id for s in samples] == ["0", "0", "1", "1", "2", "2", "3", "3"]  # caller's order kept
     assert {v for s in samples for v in s.policy_versions} == {1}  # never the restarted engine's disk weights
     assert fleet.counters() == {"system/engine_restarts": 1.0, "system/requests_retried": 4.0,
                                 "system/stale_rollout_groups": 0.0, "system/rollout_partitions": 0.0,
@@ -67,16 +68,16 @@ def test_single_group_is_refitted_before_its_requests_are_retried(ray_local):
 def test_other_group_serves_meanwhile_and_no_refit_past_a_learner_update(ray_local):
     fleet, learner, policy = _fleet(2)
     ray.get(fleet.workers[0].arm_death.remote())
-    prompts, extra = _prompts(4)
+    prompts, info = _prompts(4)
     with learner.lock:  # the learner stepped since version 1 was published: a refit must wait
         learner.updates += 1
-    samples = fleet.generate(prompts, n=1, sampling={"seed": 5}, extra=extra)
+    samples = fleet.generate(prompts, n=1, sampling={"seed": 5}, info=info)
     assert {v for s in samples for v in s.policy_versions} == {1}  # all from group 1
     assert fleet.state[0] == STALE and not fleet.refit()
     assert ray.get(fleet.workers[0].policy_version.remote()) is None
     assert publish(policy, 2)["committed"]  # the next publication refits it
     assert fleet.state == ["serving", "serving"]
-    samples = fleet.generate(prompts, n=1, sampling={"seed": 6}, extra=extra)
+    samples = fleet.generate(prompts, n=1, sampling={"seed": 6}, info=info)
     assert {v for s in samples for v in s.policy_versions} == {2}
     fleet.shutdown()
 
@@ -85,9 +86,9 @@ def test_engine_that_keeps_dying_ends_the_round_with_a_reason(ray_local):
     fleet, _, _ = _fleet(1)
     fleet.max_restarts = 0
     ray.get(fleet.workers[0].arm_death.remote())
-    prompts, extra = _prompts(2)
+    prompts, info = _prompts(2)
     with pytest.raises(RuntimeError, match="rollout group 0 died again after 0 restarts"):
-        fleet.generate(prompts, n=1, sampling={}, extra=extra)
+        fleet.generate(prompts, n=1, sampling={}, info=info)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -148,12 +149,12 @@ def test_a_request_waiting_for_a_serving_group_ends_when_the_fleet_shuts_down(ra
     with fleet._lock:
         fleet.state[0] = STALE  # restarted, not refitted yet
     fleet.set_refitter(lambda wait_s: False)  # the learner is busy: no refit now
-    prompts, extra = _prompts(1)
+    prompts, info = _prompts(1)
     outcome = []
 
     def generate():
         try:
-            fleet.generate(prompts, n=1, sampling={"seed": 1}, extra=extra)
+            fleet.generate(prompts, n=1, sampling={"seed": 1}, info=info)
         except RolloutFailed as err:
             outcome.append(str(err))
 

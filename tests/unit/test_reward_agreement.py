@@ -17,7 +17,7 @@ import pytest
 from megatron_rl.envs.example import Example
 from megatron_rl.evaluation import Decoding, EvalResult, example_outcome, pass_at_k
 from megatron_rl.reward.math_verifier import RewardConfig, Score, score_response
-from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.sample import PromptInfo, RolloutSample
 from megatron_rl.train.scoring import to_trajectories
 
 pytestmark = pytest.mark.unit
@@ -28,7 +28,7 @@ def _sample(response_tokens: list[int]) -> RolloutSample:
     return RolloutSample(prompt_tokens=[1, 2], response_tokens=response_tokens,
                          behavior_logprobs=[-1.0] * len(response_tokens), policy_versions=[0] * len(response_tokens),
                          sampling={"temperature": 1.0}, finish_reason="stop", started_at=now, finished_at=now,
-                         extra={"round": 0, "prompt_id": "p", "answer": "5"})
+                         prompt=PromptInfo(id="p", round=0, answer="5"))
 
 
 @pytest.mark.parametrize("cfg", [

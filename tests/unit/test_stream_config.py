@@ -42,7 +42,7 @@ def test_streaming_with_dynamic_sampling_is_refused_by_the_training_config(tmp_p
 def _sample(versions: list[int]) -> RolloutSample:
     return RolloutSample(prompt_tokens=[1, 2], response_tokens=list(range(len(versions))),
                          behavior_logprobs=[-1.0] * len(versions), policy_versions=versions, sampling={},
-                         finish_reason="length", started_at=0.0, finished_at=1.0, extra={})
+                         finish_reason="length", started_at=0.0, finished_at=1.0)
 
 
 def test_a_batch_is_the_first_groups_that_finish_and_counts_its_version_switches():
@@ -140,11 +140,11 @@ def test_segments_that_do_not_describe_the_response_are_refused(segments):
 
 
 def test_a_provisional_label_and_its_confirmed_one_make_one_segment():
-    from megatron_rl.rollout.stream_actor import _merged
+    from megatron_rl.rollout.requests import merged_segments
     from megatron_rl.rollout.stream_engine import Segment
 
     spans = [Segment(0, 3, 1, 1), Segment(3, 5, 1, 1), Segment(5, 9, 2, 1), Segment(9, 12, 2, 2)]
-    assert _merged(spans) == [[0, 5, 1, 1], [5, 9, 2, 1], [9, 12, 2, 2]]
+    assert merged_segments(spans) == [[0, 5, 1, 1], [5, 9, 2, 1], [9, 12, 2, 2]]
 
 
 def test_a_checkpoint_waits_for_a_group_admitted_while_it_paused():

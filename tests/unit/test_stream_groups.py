@@ -12,6 +12,7 @@ import pytest
 
 from megatron_rl.rollout.stream_engine import Segment, StreamResult
 from megatron_rl.rollout.requests import to_sample
+from megatron_rl.rollout.sample import PromptInfo
 from megatron_rl.rollout.stream_groups import groups_as_completed
 
 pytestmark = pytest.mark.unit
@@ -58,9 +59,9 @@ def test_a_long_tailed_workload_returns_groups_out_of_submission_order():
     assert order.index(0) > order.index(1), order  # a later, short group overtook the long one
     assert stream.most <= 8 and stream.submitted[:G] == [f"g0-{s}" for s in range(G)]  # prompt-major
     for g, samples in got:
-        assert [s.extra["sample"] for s in samples] == list(range(G)) and {s.extra["group"] for s in samples} == {g}
+        assert [s.sampling["seed"] for s in samples] == [10 * g + s for s in range(G)]  # sample order kept
         assert [len(s.response_tokens) for s in samples] == lengths[g]
-        assert all(s.prompt_tokens == prompts[g] and s.sampling["seed"] == 10 * g + s.extra["sample"] for s in samples)
+        assert all(s.prompt_tokens == prompts[g] for s in samples)
 
 
 def test_a_group_is_yielded_only_when_its_last_sample_finished():
@@ -81,9 +82,9 @@ def test_a_failed_request_ends_the_iteration_and_cancels_the_rest():
 def test_to_sample_spreads_segments_over_tokens():
     result = StreamResult("r", [1, 2], [7, 8, 9, 10], [-1.0] * 4, "stop",
                           [Segment(0, 1, 3, 3), Segment(1, 3, 4, 3), Segment(3, 4, 5, 5)])
-    s = to_sample(result, {"seed": 1}, 1.0, 2.0, {"group": 0})
-    assert s.policy_versions == [3, 4, 4, 5] and s.extra["kv_versions"] == [3, 3, 3, 5]
-    assert s.finish_reason == "stop" and s.extra["group"] == 0 and s.seconds == 1.0
+    s = to_sample(result, {"seed": 1}, 1.0, 2.0, PromptInfo(id="p0", round=2))
+    assert s.policy_versions == [3, 4, 4, 5] and s.segments == [[0, 1, 3, 3], [1, 3, 4, 3], [3, 4, 5, 5]]
+    assert s.finish_reason == "stop" and s.prompt == PromptInfo(id="p0", round=2) and s.seconds == 1.0
     s.check()
 
 

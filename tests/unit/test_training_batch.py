@@ -16,7 +16,7 @@ from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.grpo.step_metrics import grpo_metrics
 from megatron_rl.reward.math_verifier import RewardConfig, score_response
 from megatron_rl.reward.pool import VerifierPool
-from megatron_rl.rollout.sample import RolloutSample
+from megatron_rl.rollout.sample import PromptInfo, RolloutSample
 from megatron_rl.train.batch import build_batch
 from megatron_rl.train.scoring import to_trajectories
 from megatron_rl.train.telemetry import Telemetry
@@ -38,7 +38,7 @@ def sample(prompt, response, prompt_id, logp=-1.0):
     now = time.time()
     return RolloutSample(prompt_tokens=prompt, response_tokens=response, behavior_logprobs=[logp] * len(response),
                          policy_versions=[3] * len(response), sampling={"temperature": 1.0}, finish_reason="stop",
-                         started_at=now, finished_at=now, extra={"round": 7, "prompt_id": prompt_id, "answer": "5"})
+                         started_at=now, finished_at=now, prompt=PromptInfo(id=prompt_id, round=7, answer="5"))
 
 
 def test_layout_of_tokens_masks_and_logprobs():
