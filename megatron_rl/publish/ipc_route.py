@@ -1,10 +1,10 @@
 """Colocated CUDA IPC on several GPUs: a copy of each publication on every GPU that runs an engine.
 
-    # every learner rank, at connect (collective over the learner's process group):
-    replicas = IPCReplicas.connect(lambda: engine_gpu_uuids(workers) if rank == 0 else None, gpu_uuid())
-    # the publishing rank (0), inside WeightPublisher.publish (ipc_round below):
+    # every learner rank, joining the publication group (IpcTransport.join, publish/transports.py):
+    replicas = IPCReplicas.connect(lambda: engine_gpu_uuids(workers), gpu_uuid())
+    # the publishing rank (0), in its transport's send (IpcTransport._send; WeightPublisher.publish calls it):
     manifest, results = ipc_round(recorder, deliver, staging, replicas)   # staging: ipc_staging.py
-    # every other learner rank, after driving its share of the source's gathers:
+    # every other learner rank, after driving its share of the source's gathers (IpcTransport.follow):
     replicas.hold()          # a holder: copy, export, wait until every group answered; others: nothing
 
 CUDA IPC opens memory only on the GPU it lies on.  On a colocated node every GPU runs a learner

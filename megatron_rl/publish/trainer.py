@@ -10,7 +10,9 @@
 `tensors` is any iterable of (hf_name, full_tensor) pairs or of lists of them (one list
 per layer is what a Megatron source gathering TP shards per layer naturally yields); it
 is consumed lazily, on the calling thread.  The trainer process is rank 0 of a group whose
-other ranks are every vLLM worker process of every rollout group.
+other ranks are every vLLM worker process of every rollout group.  In a run that is learner rank 0:
+`join_publication` gives it its publisher and LearnerWorker.publish (train/learner_rank.py) calls
+`publish`, as the tests do.
 
 The publisher owns what every path shares: the group's layout (each rollout group's rank
 offset), the timing and the report of each group's answer.  How the bytes travel is the
@@ -91,6 +93,13 @@ def join_publication(workers: list, *, rank: int, transport: str, bucket_bytes: 
     return path, publisher, dtype
 
 
+def group_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """(each rollout group's rank offset in the publication group, the group's world size) for groups of
+    `sizes` worker processes: the publisher is rank 0, the groups follow in order (a worker's own rank is
+    publish/vllm_engine.py `engine_rank`)."""
+    return [1 + sum(sizes[:i]) for i in range(len(sizes))], 1 + sum(sizes)
+
+
 class WeightPublisher:
     """Rank 0 of the publication group; drives RolloutWorker actors through Ray over one transport."""
 
@@ -110,8 +119,7 @@ class WeightPublisher:
         if not workers:
             raise ValueError("connect() needs at least one rollout worker")
         sizes = ray.get([w.engine_world_size.remote() for w in workers], timeout=self.timeout_s)
-        offsets = [1 + sum(sizes[:i]) for i in range(len(workers))]
-        self.transport.connect(list(workers), offsets, 1 + sum(sizes))
+        self.transport.connect(list(workers), *group_offsets(sizes))
 
     def publish(self, version: int, tensors: Iterable, *,
                 fault_hook: Callable[[BucketSpec, torch.Tensor], None] | None = None) -> PublicationReport:

@@ -108,6 +108,14 @@ class GlooUpdateInfo:
     version: int
 
 
+def engine_rank(rank_offset: int, parallel_config) -> int:
+    """This vLLM worker's rank in the publication group: its rollout group's offset (1 + the workers of
+    the groups before it: WeightPublisher.connect, publish/trainer.py) plus its place in its engine
+    (data-parallel index x the engine's world size + its rank there).  The one formula of the backends."""
+    pc = parallel_config
+    return rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+
+
 def _engine_base():
     from vllm.distributed.weight_transfer import WeightTransferEngine
 
@@ -286,8 +294,7 @@ class GlooWeightTransferEngine(VerifiedCommit, _engine_base()):
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         """Join the trainer's group; a group joined before (a regroup, a restarted trainer) goes first."""
         self._leave_group()
-        pc = self.parallel_config
-        self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        self.rank = engine_rank(init_info.rank_offset, self.parallel_config)
         log.info("joining publication group at %s:%d as rank %d of %d",
                  init_info.master_address, init_info.master_port, self.rank, init_info.world_size)
         self.group = open_group(

@@ -7,7 +7,7 @@ in place: the trainer exports a CUDA IPC handle per tensor (torch's reduce_tenso
 through host memory and there is no second NCCL rank on the device.  vLLM's engine loads each
 tensor into the model as it opens it; this one keeps them and changes what happens next:
 
-    trainer (WeightPublisher, transport="ipc")          each vLLM worker (this engine)
+    learner rank 0 (transports.py IpcTransport)         each vLLM worker (this engine)
     ---------------------------------------------       ------------------------------------
     ManifestRecorder hashes each bucket on the GPU       RPC receive_weights(version, names/
     export_ipc_handles: a copy in the staging buffer ->  dtypes/shapes, pickled handles): opens
@@ -17,13 +17,15 @@ tensor into the model as it opens it; this one keeps them and changes what happe
                                                          handles; finish: load all or drop all
     every group answered: the staging may be written again
 
-The digests are computed by the trainer before export and recomputed by the engine over the
-memory it will load from, so a publication the engine switches to is byte for byte the one the
-trainer hashed.  The trainer holds every exported tensor (one copy of the model in the engine's
-dtype, on the learner's GPU, in a staging buffer kept across steps and never the learner's own
-parameters: publish/ipc_staging.py) until every group answered; the engine holds only views.  vLLM's
-packed IPC mode is refused: it reuses one buffer per chunk, so nothing could be held for
-verification without a second copy on the engine side.
+The sender is learner rank 0's transport (publish/transports.py `IpcTransport.send`, called by its
+WeightPublisher.publish, publish/trainer.py, in LearnerWorker.publish).  The digests are computed by
+the trainer before export and recomputed by the engine over the memory it will load from, so a
+publication the engine switches to is byte for byte the one the trainer hashed.  The trainer holds
+every exported tensor (one copy of the model in the engine's dtype, on the learner's GPU, in a
+staging buffer kept across steps and never the learner's own parameters: publish/ipc_staging.py)
+until every group answered; the engine holds only views.  vLLM's packed IPC mode is refused: it
+reuses one buffer per chunk, so nothing could be held for verification without a second copy on the
+engine side.
 
 Several GPUs (a colocated node): the handles are keyed by GPU UUID.  A learner rank on each
 other engine GPU holds a byte-for-byte copy of the publication and exports its own handles, the
@@ -59,7 +61,7 @@ from megatron_rl.publish.ipc_route import (  # noqa: F401 -- the trainer's half,
 )
 from megatron_rl.publish.ipc_staging import open_cuda_handle
 from megatron_rl.publish.manifest import dtype_name
-from megatron_rl.publish.vllm_engine import VerifiedCommit
+from megatron_rl.publish.vllm_engine import VerifiedCommit, engine_rank
 from megatron_rl.publish.wire import ReceivedPublication
 
 log = logging.getLogger(__name__)
@@ -100,8 +102,7 @@ class CheckedIPCWeightTransferEngine(VerifiedCommit, IPCWeightTransferEngine):
         if init_info.packed:
             raise ValueError("megatron_rl_ipc refuses packed IPC: one reused buffer cannot be held for verification")
         super().init_transfer_engine(init_info)
-        pc = self.parallel_config
-        self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        self.rank = engine_rank(init_info.rank_offset, self.parallel_config)
 
     def start_weight_update(self) -> None:
         # vLLM's engine starts a layerwise reload of the live model here; we do that only at finish.

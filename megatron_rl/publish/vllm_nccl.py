@@ -6,7 +6,7 @@ does not do is wait: it loads each chunk into the model as it arrives, so a publ
 that fails half way leaves a model half old, half new.  This engine keeps vLLM's receive
 and changes what happens to the tensors:
 
-    trainer (WeightPublisher, transport="nccl")        each vLLM worker (this engine)
+    learner rank 0 (transports.py NcclTransport)       each vLLM worker (this engine)
     ----------------------------------------------     ----------------------------------
     RPC receive_weights(version, names/shapes/dtypes)  start: nothing touches the model
     ManifestRecorder hashes each bucket on the GPU  -> packed NCCL broadcast -> tensors kept
@@ -15,10 +15,13 @@ and changes what happens to the tensors:
                                                        and every bucket digest (on the GPU)
                                                        finish: load all, or drop all
 
-so the all-or-nothing rule and the report (bucket index and tensor names) are the same as
-on the gloo path (VerifiedCommit).  The received chunks stay alive until finish: every
-worker -- each TP rank -- holds the whole unsharded model once more in GPU memory during a
-publication, outside vLLM's gpu_memory_utilization budget; leave room for it.
+so the all-or-nothing rule and the report (bucket index and tensor names) are the same as on the
+gloo path (VerifiedCommit).  The sender is learner rank 0's transport (publish/transports.py
+`NcclTransport.send`, called by its WeightPublisher.publish, publish/trainer.py, in
+LearnerWorker.publish); the other learner ranks only drive their share of the gathers.  The received
+chunks stay alive until finish: every worker -- each TP rank -- holds the whole unsharded model once
+more in GPU memory during a publication, outside vLLM's gpu_memory_utilization budget; leave room
+for it.
 
 vLLM's init_transfer_engine assigns a new communicator over the old one without destroying it,
 and a communicator is not freed when dropped (its NCCL state lives outside Python): a regroup,
@@ -38,7 +41,7 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngin
 from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
 
 from megatron_rl.publish.transports import destroy_communicator
-from megatron_rl.publish.vllm_engine import VerifiedCommit
+from megatron_rl.publish.vllm_engine import VerifiedCommit, engine_rank
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +67,7 @@ class CheckedNCCLWeightTransferEngine(VerifiedCommit, NCCLWeightTransferEngine):
     def init_transfer_engine(self, init_info) -> None:
         self._destroy_group()  # a group joined before: vLLM's init would drop it undestroyed
         super().init_transfer_engine(init_info)
-        pc = self.parallel_config
-        self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        self.rank = engine_rank(init_info.rank_offset, self.parallel_config)
 
     def start_weight_update(self) -> None:
         # vLLM's engine starts a layerwise reload of the live model here; we do that only at finish.

@@ -25,7 +25,6 @@ import gc
 import logging
 import os
 import signal
-import time
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -266,9 +265,7 @@ class LearnerWorker:
                 pass
             self.transport.follow()
             return None
-        started = time.perf_counter()
-        manifest, results = self.transport.send(version, source)
-        return self.publisher.report(version, manifest, results, time.perf_counter() - started).summary()
+        return self.publisher.publish(version, source).summary()  # transport.send, then the report
 
     def save(self, weights_dir: str) -> None:
         self.weights.save(weights_dir)
