@@ -30,7 +30,7 @@ COMMAND_MODULES = [
     "megatron_rl.report_cli",
     "megatron_rl.submit_cli",
     "megatron_rl.launch_cli",
-    "megatron_rl.planner.cli",
+    "megatron_rl.plan_cli",
     "megatron_rl.conversion.cli",
     "megatron_rl.checkpoint_cli",
     "megatron_rl.drill.cli",

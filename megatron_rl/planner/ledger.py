@@ -63,7 +63,7 @@ resident while vLLM generates, so the peak is the larger of
                    engine's whole budget without it.
 An engine whose own need exceeds its budget does not fit either (vLLM refuses to start).
 A placement that cannot start on GPUs whatever its memory (colocated with rollout TP>1: the rule
-of train/placement.py, startability_problem) does not fit either: its verdict carries the reason.
+of planner/startability.py, also Placement.create's) does not fit either: its verdict carries the reason.
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ class PlacementVerdict:
     startable: bool = True
     """False when the placement cannot start on GPUs whatever its memory (then `fits` is False too)."""
     blocker: str | None = None
-    """Why it cannot start, naming the fields (train/placement.py: startability_problem)."""
+    """Why it cannot start, naming the fields (planner/startability.py)."""
     reason: str = ""
     """Why it fits or does not, naming the config keys and the numbers compared (every failed check)."""
 
@@ -356,7 +356,7 @@ def compare_placements(
     engine_problem = "" if engine_ok else (f"the engine needs {rollout.need / GIB:.1f} GiB, more than its "
                                            f"budget {rollout.budget / GIB:.1f} GiB (rollout.gpu_memory_utilization)")
     engine_note = f"; {engine_problem}" if engine_problem else ""
-    from megatron_rl.train.placement import startability_problem  # the start-up rule, on GPUs
+    from megatron_rl.planner.startability import startability_problem  # the start-up rule, on GPUs
 
     out = []
     dis_gpus = lay.gpus + roll.gpus

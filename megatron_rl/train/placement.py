@@ -20,23 +20,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from megatron_rl.planner.startability import startability_problem
+
 logger = logging.getLogger(__name__)
 
 CPU_SHARE = 0.25  # nominal CPU per bundle on CPU-only clusters (vLLM/torch threads are not Ray tasks)
-
-
-def startability_problem(placement: str, rollout_tp: int, gpu: bool) -> str | None:
-    """Why (run.placement, rollout.tensor_parallel_size) cannot start, naming both fields; None when
-    it can.  The one rule for Placement.create (at start, when the device is known) and the
-    capacity planner (which plans for GPUs): on GPUs a colocated rollout group lives in one bundle
-    of one GPU, and vLLM's TP>1 workers are processes of the rollout actor that cannot span Ray
-    bundles.  On CPU the bundles are nominal shares of the same cores, so any TP starts."""
-    if placement == "colocated" and gpu and rollout_tp != 1:
-        return (f"run.placement 'colocated' on GPUs needs rollout.tensor_parallel_size 1 (got {rollout_tp}): "
-                "vLLM's TP>1 workers are processes of the rollout actor and cannot span Ray bundles; "
-                "use rollout.tensor_parallel_size 1 with more rollout.data_parallel_size, or run.placement "
-                "'disaggregated' for TP>1 rollout groups")
-    return None
 
 
 @dataclasses.dataclass

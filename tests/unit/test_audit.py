@@ -167,7 +167,7 @@ def test_a_failed_audit_is_a_stop_condition_with_its_own_exit_code():
 def test_plan_counts_the_weight_ring_in_host_memory():
     from pathlib import Path
 
-    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.plan_cli import plan_for_config
     from megatron_rl.train.config import load_train_config
 
     recipe = Path(__file__).resolve().parents[2] / "configs" / "qwen2_7b_8gpu_colocated.yaml"  # TP4 x DP2, bf16

@@ -25,8 +25,6 @@ KNOWN_FOLDER_LOOPS = {
     ("drill", "envs", "reward"): "drill/hooks.py (the fault hooks reward/, coordinator/, publish/ and rollout/ "
                                  "call) sits in drill/ beside the drills that use envs/ and reward/; it moves "
                                  "down once rollout/ may be edited (issue #45)",
-    ("planner", "train"): "planner/cli.py reads the TrainConfig and planner/ledger.py asks train/placement.py's "
-                          "startability_problem, while train/dry_run.py counts parameters with the planner",
 }
 """Folder loops not broken yet (each a set of folders that reach each other), with what they consist of: the
 guard fails on any other, and when one listed here is gone (then delete its line)."""

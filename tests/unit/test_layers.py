@@ -25,7 +25,7 @@ GROUPS = {
     "run_model.py": ("run_model",),
     "evaluation.py": ("evaluation",),
     "commands": ("", "api", "audit_cli", "checkpoint_cli", "doctor", "doctor_cli", "eval_cli", "launch_cli",
-                 "replay", "replay_cli", "report", "report_cli", "sandbox_cli", "slurm_scripts", "submit_cli"),
+                 "plan_cli", "replay", "replay_cli", "report", "report_cli", "sandbox_cli", "slurm_scripts", "submit_cli"),
 }
 """The modules at the package's top, by part ("" is the package's __init__.py)."""
 
@@ -53,12 +53,8 @@ LAYERS = (
 
 EXCEPTIONS = {
     ("megatron_rl.train", "megatron_rl.api"): "the package is the Python API's callable `train` (train/__init__.py)",
-    ("megatron_rl.planner.ledger", "megatron_rl.train.placement"): "startability_problem, the start-up rule",
-    ("megatron_rl.planner.cli", "megatron_rl.train.config"): "`megatron-rl plan` reads a TrainConfig",
-    ("megatron_rl.planner.cli", "megatron_rl.train.dry_run"): "`megatron-rl plan` takes the run's model config",
 }
-"""(importer, imported) pairs allowed against the layers, each with why; the planner's go with its folder loop
-(tests/unit/test_import_cycles.py KNOWN_FOLDER_LOOPS)."""
+"""(importer, imported) pairs allowed against the layers, each with why."""
 
 
 def part_of(module: str, root: Path = PACKAGE, groups=GROUPS, parts=PARTS) -> str:

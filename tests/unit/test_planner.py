@@ -129,9 +129,9 @@ def test_every_recipe_is_planned():
 def test_recipes_start_and_fit_with_ten_percent_margin(recipe):
     """Every shipped recipe, planned for GPUs: its configured placement can start there
     (train/placement.py's rule) and fits with >= 10% margin, its engine within its budget."""
-    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.plan_cli import plan_for_config
     from megatron_rl.train.config import load_train_config
-    from megatron_rl.train.placement import startability_problem
+    from megatron_rl.planner.startability import startability_problem
 
     cfg = load_train_config(REPO / recipe, [])
     assert startability_problem(cfg.run.placement, cfg.rollout.tensor_parallel_size, gpu=True) is None
@@ -145,7 +145,7 @@ def test_colocated_rollout_tp_above_one_cannot_start_on_gpus_whatever_the_memory
     """The planner asks Placement.create's rule (train/placement.py): a colocated group's vLLM TP
     workers cannot span Ray bundles, so on GPUs colocated needs rollout TP 1. The same layout at
     TP1 fits, so the refusal is the rule, not memory; on CPU the rule allows TP>1 (tests use it)."""
-    from megatron_rl.train.placement import startability_problem
+    from megatron_rl.planner.startability import startability_problem
 
     lay = LearnerLayout(tp=4, pp=1, dp=2, activation_checkpointing=True)
     verdicts = {}
@@ -178,7 +178,7 @@ def test_plan_command_refuses_a_colocated_recipe_at_rollout_tp_two(capsys):
 def test_sleep_mode_is_counted_exactly_when_the_driver_sleeps():
     """The planner asks the driver's own rule (rollout/sleep.py): one_step_off generates while the
     learner learns (engine counted awake); sync colocated on GPUs sleeps (counted asleep)."""
-    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.plan_cli import plan_for_config
     from megatron_rl.train.config import load_train_config
 
     recipe = REPO / "configs/qwen2_7b_8gpu_colocated.yaml"
@@ -200,7 +200,7 @@ def test_sleep_mode_is_counted_exactly_when_the_driver_sleeps():
 def test_ipc_publication_is_counted_as_a_resident_whole_model_copy():
     """The ipc transport copies every publication into a staging buffer it keeps (publish/ipc_staging.py):
     the learner's publish_staging item is the whole model in the engine's dtype, and the recipe still fits."""
-    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.plan_cli import plan_for_config
     from megatron_rl.train.config import load_train_config
 
     recipe = REPO / "configs/qwen2_1.5b_1gpu.yaml"
@@ -257,7 +257,7 @@ def test_the_plan_shows_the_steps_and_wall_time_the_token_budget_allows():
     """tiny_cpu: 16 prompts x 16 samples x at most 2 tokens = 256-512 tokens per step, 100 steps.
     A budget of 10 full steps allows 10-20 steps; one run.steps can never reach leaves run.steps;
     the wall time is the steps at the measured step time; dynamic sampling's discarded groups count."""
-    from megatron_rl.planner.cli import plan_for_config, render
+    from megatron_rl.plan_cli import plan_for_config, render
     from megatron_rl.train.config import load_train_config
 
     recipe = REPO / "configs/tiny_cpu.yaml"
@@ -286,7 +286,7 @@ def test_sequence_parallel_splits_the_activations_over_tp_as_the_learner_runs_mo
     without), and the checkpointed layer inputs 2 s b h / TP; the planner turns it on where the learner
     does (MoE at TP > 1), and not for a dense model."""
     from megatron_rl.learner.config import uses_sequence_parallel
-    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.plan_cli import plan_for_config
     from megatron_rl.train.config import load_train_config
 
     kw = dict(tp=2, pp=1, dp=2, ep=2, micro_batch_size=1, seq_length=16, reference_model=False)
@@ -348,7 +348,7 @@ def test_resume_host_memory_of_the_7b_recipe_by_hand():
     whole TP x PP shard (12 B per stage parameter) on every rank, and again for each linear_fc1 parameter
     (the SwiGLU halves concatenated anew; measured in tests/dist/test_optimizer_checkpoint.py); the
     engines' rollback copies sit beside it."""
-    from megatron_rl.planner.cli import plan_for_config
+    from megatron_rl.plan_cli import plan_for_config
     from megatron_rl.train.config import load_train_config
 
     recipe = REPO / "configs/qwen2_7b_8gpu_colocated.yaml"
@@ -413,7 +413,7 @@ def test_lora_on_a_moe_model_freezes_the_experts():
 
 def test_the_plan_of_a_lora_run_trains_the_adapters_only(capsys):
     from megatron_rl.models.lora import LoraConfig
-    from megatron_rl.planner.cli import plan_for_config, render
+    from megatron_rl.plan_cli import plan_for_config, render
     from megatron_rl.train.config import load_train_config
 
     cfg = load_train_config(REPO / "configs/qwen2_1.5b_1gpu.yaml", [])

@@ -1,14 +1,15 @@
-"""`megatron-rl plan`: the capacity planner's memory ledger for a training config.
+"""`megatron-rl plan`: the capacity planner's memory ledger (planner/) for a training config.
 
     megatron-rl plan --config configs/qwen2_7b_8gpu_colocated.yaml [--json] [--step-seconds S]
 
-Prints, per role and per GPU, every item of the ledger (see ledger.py for the formulas), then
-compares colocated and disaggregated placements with a fits / does-not-fit verdict and its reason
-(every check that fails, naming the config keys and the numbers: GPUs needed against cluster.gpus,
-a peak against cluster.gpu_memory_gib, the engine against its budget, or cannot-start, naming the
-fields, for a layout Placement.create refuses on GPUs) and the largest item, host memory per node (with the
-audit's weight ring when audit.every is set: host_memory.py), and the run's length: the steps its token budget allows (stop.max_generated_tokens,
-budget.py), and the wall time they take at S seconds per step when --step-seconds is given.
+Prints, per role and per GPU, every item of the ledger (see planner/ledger.py for the formulas), then
+compares colocated and disaggregated placements with a fits / does-not-fit verdict and its reason (every
+check that fails, naming the config keys and the numbers: GPUs needed against cluster.gpus, a peak against
+cluster.gpu_memory_gib, the engine against its budget, or cannot-start, naming the fields, for a layout
+Placement.create refuses on GPUs) and the largest item, host memory per node (with the audit's weight ring
+when audit.every is set: planner/host_memory.py), and the run's length: the steps its token budget allows
+(stop.max_generated_tokens, planner/budget.py), and the wall time they take at S seconds per step when
+--step-seconds is given.
 """
 
 from __future__ import annotations
