@@ -64,6 +64,11 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     )
     if on_gpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    else:
+        # A prompt prefilled over two engine steps (chunked prefill: a batch of more prompt tokens than one step
+        # takes, or a request resumed after a refit's preemption) makes vLLM's CPU runner rewind its seeded
+        # sampler, which a CPU torch.Generator cannot ("CPU Generator does not use offset"): the engine dies.
+        kwargs["enable_chunked_prefill"] = False
     # Importing the extension in each vLLM worker registers the gloo backend there and
     # requests AMX permission (spawned CPU workers die with SIGILL without it).
     kwargs["worker_extension_cls"] = "megatron_rl.publish.vllm_engine.PublicationWorkerExtension"

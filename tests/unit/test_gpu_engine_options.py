@@ -61,3 +61,11 @@ def test_every_gpu_check_that_starts_an_engine_starts_it_eager():
             names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
             assert "EAGER_OVERRIDES" in names, f"{path.name} runs the CLI without EAGER_OVERRIDES in its overrides"
     assert seen >= 4  # the walk saw the checks that start engines (two direct, two through the CLI)
+
+
+def test_cpu_engines_prefill_each_prompt_in_one_step(tmp_path):
+    # vLLM's CPU runner dies rewinding a seeded sampler when a prompt's prefill is split over two steps (a
+    # round of 16 x 16 prompts of ~30 tokens did, configs/tiny_cpu_reasoning.yaml with group_size 16).
+    plain = dict(model=str(tmp_path), weight_transfer="none")
+    assert llm_kwargs(RolloutConfig(**plain), on_gpu=False)["enable_chunked_prefill"] is False
+    assert "enable_chunked_prefill" not in llm_kwargs(RolloutConfig(**plain), on_gpu=True)  # vLLM's default
