@@ -1,23 +1,24 @@
-"""Built-in reasoning task "running_sum": add up a list of digits modulo 10, writing the running total.
+"""Built-in reasoning task "running_sum": add up a list of digits, writing the running total.
 
     splits = make_running_sum(seed=0)   # {"train", "dev", "test"}: Datasets
-    splits["test"][0]                   # Example(question="a3b7c1d4", answer="5", solution="a3b0c1d5")
-    RUNNING_SUM_TEMPLATE                # prompt "a3b7c1d4=" ; expected response "a3b0c1d5", then EOS
+    splits["test"][0]                   # Example(question="a3b7c1d4", answer="15", solution="a3b10c11d15")
+    RUNNING_SUM_TEMPLATE                # prompt "a3b7c1d4=" ; expected response "a3b10c11d15", then EOS
 
 Why this task.  digit_max (builtin.py) is solved by every GRPO arm from its SFT start: its answer is one
 token, so arms cannot differ and length cannot drift.  Here the response reasons before it answers.  Each
 digit of the prompt carries a letter (a, b, c, ...); the response repeats the letter and writes the total so
-far modulo 10 (one digit), and its last number is the answer (reward extractor `last_number`).  For a tiny
-character model:
+far, and its last number is the answer (reward extractor `last_number`).  For a tiny character model:
 
   * every step is local: after the letter it finds that letter in the prompt (one attention hop, what a
-    2-layer model can learn) and adds the digit after it to the digit it wrote last (a 10 x 10 table);
+    2-layer model can learn) and adds the digit after it to the number it wrote last;
   * errors compound: a list of n digits is right only if all n steps are, so a short SFT makes a policy that
     is right on short lists and wrong on long ones (a baseline far from the ceiling), and RL that makes each
     step more reliable moves correctness a long way;
-  * lengths vary: 1 to 20 digits give responses of 2 to 40 tokens (a 1-digit list: "a7"), so length can
-    drift both ways (dropping the steps and writing only the answer is also rewarded when right, and a guess
-    is right one time in ten).
+  * lengths vary: 1 to 14 digits give responses of 2 to ~40 tokens (a 1-digit list: "a7"), so length can
+    drift both ways (dropping the steps and writing only the answer is also rewarded when right).
+
+Totals modulo 10 (one digit a step, a 10 x 10 table) were tried first and are harder for the tiny model, not
+easier: 1,500 SFT steps stay at 0.9 nats/token and lists of 3 digits or more at chance.
 
 Splits: lists drawn by `seed`, lengths uniform in [min_digits, max_digits], each split drawn independently
 (a list may repeat within one, as a generator's draws do); test and dev first, and no list of 3 or more digits
@@ -42,7 +43,7 @@ SHARED_BELOW = 3
 """Lists shorter than this (110 of them for 1-2 digits) are too few to split: every split draws from them all."""
 
 
-def make_running_sum(seed: int = 0, *, min_digits: int = 1, max_digits: int = 20, train_size: int = 20000,
+def make_running_sum(seed: int = 0, *, min_digits: int = 1, max_digits: int = 14, train_size: int = 20000,
                      dev_size: int = 200, test_size: int = 200) -> dict[str, Dataset]:
     """Deterministic train/dev/test splits of the running_sum task, held-out lists of SHARED_BELOW digits or
     more never in train."""
@@ -74,12 +75,11 @@ def _draw(rng: random.Random, min_digits: int, max_digits: int, held: set) -> tu
 
 
 def running_sum_example(digits: tuple[int, ...], prefix: str = TASK_NAME) -> Example:
-    """One list: its lettered prompt, its total mod 10 and the worked solution (letter, total so far mod 10;
-    per digit)."""
+    """One list: its lettered prompt, its total and the worked solution (letter, total so far; per digit)."""
     letters = string.ascii_lowercase
     total, steps = 0, []
     for letter, d in zip(letters, digits):
-        total = (total + d) % 10
+        total += d
         steps.append(f"{letter}{total}")
     return Example(id=f"{prefix}-{''.join(map(str, digits))}",
                    question="".join(f"{letter}{d}" for letter, d in zip(letters, digits)),
@@ -89,10 +89,10 @@ def running_sum_example(digits: tuple[int, ...], prefix: str = TASK_NAME) -> Exa
 def running_sum_reward(*, prompt: str, response: str, answer: str, question: str, **_: object) -> dict[str, float]:
     """A denser reward for the task (reward.function "megatron_rl.data.running_sum:running_sum_reward"):
     `correct` (0/1: the response's last number is the total; what eval reports as correctness) plus `steps`,
-    0.5 x the share of the list's steps written right before the first wrong one ("a3b0c2d6" for 3,7,1,4: two
-    of four)."""
+    0.5 x the share of the list's steps written right before the first wrong one ("a3b10c12d16" for 3,7,1,4:
+    two of four).  Policies learn to stop before their first error with it (configs/tiny_cpu_reasoning.yaml)."""
     digits = [int(c) for c in question[1::2]]
-    totals = [sum(digits[:k + 1]) % 10 for k in range(len(digits))]
+    totals = [sum(digits[:k + 1]) for k in range(len(digits))]
     right = 0
     for (letter, number), want_letter, want in zip(_STEP.findall(response), string.ascii_lowercase, totals):
         if letter != want_letter or int(number) != want:

@@ -20,12 +20,12 @@ REWARD = RewardConfig(extractors=["last_number"], format_extractors=["last_numbe
 
 def test_an_example_letters_each_digit_and_writes_the_total_so_far():
     ex = running_sum_example((3, 7, 1, 4))
-    assert (ex.question, ex.answer, ex.solution) == ("a3b7c1d4", "5", "a3b0c1d5")
+    assert (ex.question, ex.answer, ex.solution) == ("a3b7c1d4", "15", "a3b10c11d15")
     assert RUNNING_SUM_TEMPLATE.render(ex) == "a3b7c1d4="
     # The worked solution earns the reward; so does the bare answer; a wrong last total does not.
     assert score_response(ex.solution, ex.answer, REWARD).correctness == 1.0
-    assert score_response("5", ex.answer, REWARD).correctness == 1.0
-    assert score_response("a3b0c1d4", ex.answer, REWARD).correctness == 0.0
+    assert score_response("15", ex.answer, REWARD).correctness == 1.0
+    assert score_response("a3b10c11d14", ex.answer, REWARD).correctness == 0.0
 
 
 def test_splits_are_deterministic_disjoint_and_span_the_lengths():
@@ -38,10 +38,10 @@ def test_splits_are_deterministic_disjoint_and_span_the_lengths():
     assert [len(a[s]) for s in ("train", "dev", "test")] == [3000, 200, 200]
     for ex in a["train"]:
         digits = [int(c) for c in ex.question[1::2]]
-        assert ex.answer == str(sum(digits) % 10) and ex.solution.endswith(ex.answer)
+        assert ex.answer == str(sum(digits)) and ex.solution.endswith(ex.answer)
     lengths = sorted(len(ex.solution) + 1 for ex in a["train"])  # characters are tokens, then EOS
     assert lengths[len(lengths) // 10] <= 8 and lengths[9 * len(lengths) // 10] >= 32
-    assert {len(ex.question) // 2 for ex in a["train"]} == set(range(1, 21))
+    assert {len(ex.question) // 2 for ex in a["train"]} == set(range(1, 15))
 
 
 def test_bad_sizes_are_refused_with_the_reason():
@@ -73,7 +73,7 @@ def test_sft_learns_the_worked_solution_and_the_dataset_version_counts_it():
     ex = running_sum_example((3, 7))
     batch = sft_batch([ex], PromptTemplate("{question}="), CharTokenizer(), micro_batch_size=1)
     tokens, mask = batch["tokens"], batch["loss_mask"]
-    assert tokens[0, 1:][mask[0] > 0].tolist() == [ord(c) for c in "a3b0"] + [2]
+    assert tokens[0, 1:][mask[0] > 0].tolist() == [ord(c) for c in "a3b10"] + [2]
     bare = Example(id=ex.id, question=ex.question, answer=ex.answer)
     assert content_hash([bare]) != content_hash([ex])
     assert content_hash([bare]) == content_hash([Example(id=ex.id, question=ex.question, answer=ex.answer)])
@@ -87,9 +87,9 @@ def test_the_shaped_reward_counts_the_steps_right_before_the_first_wrong_one():
     def score(response):
         return running_sum_reward(prompt="a3b7c1d4=", response=response, answer=ex.answer, question=ex.question)
 
-    assert score("a3b0c1d5") == {"correct": 1.0, "steps": 0.5}
-    assert score("a3b0c2d6") == {"correct": 0.0, "steps": 0.25}
-    assert score("a3b0c2d5") == {"correct": 1.0, "steps": 0.25}  # right by luck: correct, half the steps
-    assert score("a3c0") == {"correct": 0.0, "steps": 0.125}  # a skipped letter is a wrong step
-    assert score("5") == {"correct": 1.0, "steps": 0.0} and score("") == {"correct": 0.0, "steps": 0.0}
-    assert score("a3b0c1d5e9") == {"correct": 0.0, "steps": 0.5}  # an extra step changes the last number
+    assert score("a3b10c11d15") == {"correct": 1.0, "steps": 0.5}
+    assert score("a3b10c12d16") == {"correct": 0.0, "steps": 0.25}
+    assert score("a3b10c12d15") == {"correct": 1.0, "steps": 0.25}  # right by luck: correct, half the steps
+    assert score("a3c10") == {"correct": 0.0, "steps": 0.125}  # a skipped letter is a wrong step
+    assert score("15") == {"correct": 1.0, "steps": 0.0} and score("") == {"correct": 0.0, "steps": 0.0}
+    assert score("a3b10c11d15e19") == {"correct": 0.0, "steps": 0.5}  # an extra step changes the last number
