@@ -4,8 +4,8 @@ learner filled with the initial policy is learner/initial_policy.py's `InitialPo
 
     rdv = Rendezvous(rank, world_size); addr, port = rdv.address()   # rank 0 only
     rdv.join(addr, port, platform)                                     # every rank
-    policy = InitialPolicy.load(spec.learner, spec.hf_dir, platform, sampling=spec.sampling)   # learner/
-    reference = Reference(policy)                  # reference.logprobs(tokens_bt, lengths_b)
+    policy, reference = initial_parts(spec, platform)   # InitialPolicy (learner/), Reference or None
+    reference.logprobs(tokens_bt, lengths_b)
 
 `seed_everything` sets seeds, threads and deterministic mode of a process (the driver's too).
 """
@@ -100,6 +100,15 @@ class Rendezvous:
 
         if ps.model_parallel_is_initialized():
             destroy_parallel()
+
+
+def initial_parts(spec, platform) -> tuple[InitialPolicy, Reference | None]:
+    """The learner of `spec` (a RankSpec) filled with its initial policy (learner/initial_policy.py), and the
+    frozen reference when its loss has a KL term (None otherwise); after the rank joined."""
+    from megatron_rl.learner.initial_policy import InitialPolicy
+
+    policy = InitialPolicy.load(spec.learner, spec.hf_dir, platform, sampling=spec.sampling)
+    return policy, Reference(policy) if spec.loss.has_reference else None
 
 
 class Reference:

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.learner.initial_policy import InitialPolicy
-from megatron_rl.train.learner_build import Reference, Rendezvous, confine_learner, seed_everything
+from megatron_rl.train.learner_build import Reference, Rendezvous, confine_learner, initial_parts, seed_everything
 from megatron_rl.train.learner_weights import PublishSettings, WeightIO
 
 if TYPE_CHECKING:
     from megatron_rl.grpo.loss_config import GRPOLossConfig
+    from megatron_rl.learner.initial_policy import InitialPolicy
     from megatron_rl.learner.config import LearnerConfig, SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -127,8 +127,7 @@ class LearnerWorker:
     def _build(self, spec: RankSpec, platform) -> None:
         confine_learner(spec.learner.cpu_cores, self.started_on)
         self.spec = spec
-        self.policy = InitialPolicy.load(spec.learner, spec.hf_dir, platform, sampling=spec.sampling)
-        self.reference = Reference(self.policy) if spec.loss.has_reference else None
+        self.policy, self.reference = initial_parts(spec, platform)
         self.weights = WeightIO(self.rank, self.policy.learner, self.policy.hf_cfg, ring=spec.audit_ring)
 
     @property
