@@ -21,7 +21,7 @@ import dataclasses
 from typing import Any, Optional
 
 from megatron_rl.config import ConfigError
-from megatron_rl.envs.chat_format import PLAIN_TEMPLATE, TEMPLATES  # noqa: F401 - shared with prompts
+from megatron_rl.envs.chat_format import TEMPLATES
 from megatron_rl.envs.protocol import EpisodeLimits
 
 

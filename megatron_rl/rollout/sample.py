@@ -24,7 +24,7 @@ class PromptInfo:
     """What the caller knows of a prompt: handed to the fleet beside it, carried by each of its samples."""
 
     id: str = ""
-    """The data example's id (data/dataset.py Example.id); trajectory ids are '<round>/<id>/<i>'."""
+    """The data example's id (envs/example.py Example.id); trajectory ids are '<round>/<id>/<i>'."""
     round: int | None = None
     """The rollout round (a streaming run: the prompt group's serial) it was drawn for; None outside training."""
     answer: str = ""

@@ -11,7 +11,8 @@ import pytest
 from megatron_rl.config import ConfigError, DataError
 from megatron_rl.data.config import DataConfig
 from megatron_rl.data.tasks import load_task
-from megatron_rl.envs.config import PLAIN_TEMPLATE, EnvConfig
+from megatron_rl.envs.chat_format import PLAIN_TEMPLATE
+from megatron_rl.envs.config import EnvConfig
 from megatron_rl.rollout.episodes import episode_score
 from megatron_rl.rollout.sample import EpisodeSummary, PromptInfo, RolloutSample
 from megatron_rl.train.config import load_train_config
