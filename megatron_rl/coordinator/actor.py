@@ -26,7 +26,7 @@ from typing import Any
 
 from megatron_rl.coordinator.config import CoordinatorConfig
 from megatron_rl.coordinator.queue import TrajectoryQueue
-from megatron_rl.drill.hooks import maybe_stop_coordinator
+from megatron_rl.fault_hooks import maybe_stop_coordinator
 
 VERBS = ("try_admit", "renew", "release", "admission_bound", "put_many", "take", "set_version", "queued_ids",
          "metrics", "report_lag", "backpressure", "compact")

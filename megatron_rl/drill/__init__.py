@@ -4,7 +4,7 @@
     python -m benchmarks.drills                                     # every drill, one table
 
 Each drill runs `megatron-rl train` in subprocesses (shortened: DEFAULT_OVERRIDES), injects its
-fault through the documented hook (drill/hooks.py, the MEGATRON_RL_DRILL variable) or
+fault through the documented hook (fault_hooks.py, the MEGATRON_RL_DRILL variable) or
 by damaging files between two attempts, reruns the same command where the protocol says so, and
 reports (Record): what was detected, by what, the action taken, whether the run recovered, the
 steps redone, the trajectories lost and duplicated, policy-version continuity and the time from
@@ -19,5 +19,5 @@ by two final steps.
 
 Modules: harness.py (DrillConfig, a drill's training attempts and evidence), faults.py (how each drill
 injects its fault and what counts as recovered), accounting.py (lost, duplicated, redone, versions),
-hooks.py (the switch the failing component reads), cli.py (`megatron-rl drill`).
+cli.py (`megatron-rl drill`); the switch the failing component reads is megatron_rl/fault_hooks.py.
 """

@@ -12,7 +12,7 @@ refit_mid_generation   no fault: the refits keep their requests (recompute: thei
                        weights); recovered when the run finishes, some refit kept requests, sequences that span
                        versions were trained on, and the accounting holds (0 lost, 0 duplicated, versions
                        continuous)
-refit_stale_kv         the `stale_kv` hook (drill/hooks.py): from publication at_step+1 on, a recompute refit
+refit_stale_kv         the `stale_kv` hook (fault_hooks.py): from publication at_step+1 on, a recompute refit
                        skips the KV invalidation and says it happened, so kept requests attend to the old
                        weights' KV while their tokens are labelled as recomputed; with audit.every=1 the audit
                        re-scores those segments under their version and must stop the run (exit 89) naming one

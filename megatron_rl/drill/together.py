@@ -4,7 +4,7 @@
         --config configs/tiny_cpu_scratch.yaml --at-step 1 --steps 3
 
 Each drill of TOGETHER injects its fault through its own hook in one training run (MEGATRON_RL_DRILL
-holds the list of specs, drill/hooks.py) and is judged on that run by its own rules (drill/faults.py
+holds the list of specs, fault_hooks.py) and is judged on that run by its own rules (drill/faults.py
 SINGLE_RUN), its recovery timed from its own injection.  The accounting (lost, duplicated, redone,
 versions) is the run's, the same in every record.  Two engine kills in one run restart the group twice
 (`engine_restarts` 2.0, one per death).  Each drill runs with its default variant.  Prints

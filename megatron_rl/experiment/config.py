@@ -53,7 +53,7 @@ class Arm:
     init_from: str | None = None
     """Start from this arm's run of the same seed (model.init_from)."""
     faults: list[dict] = dataclasses.field(default_factory=list)
-    """Failures injected into this arm's `train` runs, as `megatron-rl drill` injects them (drill/hooks.py: a
+    """Failures injected into this arm's `train` runs, as `megatron-rl drill` injects them (fault_hooks.py: a
     test double of a failure, never a feature), e.g. `{fault: verifier_timeout, fraction: 0.1}`: for an arm
     that measures what a failure does to the metrics.  Such a run is its own process with its own Ray,
     whatever the runner, so the fault reaches that run's processes and no other run's."""
@@ -140,7 +140,7 @@ class ExperimentConfig:
 
 def fault_problems(name: str, arm: Arm) -> list[str]:
     """What is wrong with arm `name`'s faults: each a mapping naming a known fault, on a `train` arm."""
-    from megatron_rl.drill.hooks import FAULTS, VERIFIER_DRAWS
+    from megatron_rl.fault_hooks import FAULTS, VERIFIER_DRAWS
 
     if not arm.faults:
         return []

@@ -47,9 +47,9 @@ class Run:
         return load_train_config(self.base, list(self.overrides))
 
     def environment(self) -> dict[str, str]:
-        """The environment of the run's process: this one's, with its faults armed (drill/hooks.py) and, for a
+        """The environment of the run's process: this one's, with its faults armed (fault_hooks.py) and, for a
         faulted run, no shared Ray cluster to join (it starts its own)."""
-        from megatron_rl.drill.hooks import ENV
+        from megatron_rl.fault_hooks import ENV
 
         env = dict(os.environ)
         env.pop(ENV, None)

@@ -217,9 +217,9 @@ class VerifiedCommit:
             yield item
 
     def _drill_permute(self, tensors):
-        """Drill hook (`megatron-rl drill bad_refit`, megatron_rl/drill/hooks.py): at version at_version,
+        """Drill hook (`megatron-rl drill bad_refit`, megatron_rl/fault_hooks.py): at version at_version,
         load the first matrix with its rows reversed -- bytes that verified, laid out wrongly."""
-        from megatron_rl.drill.hooks import drill_spec, record_injection
+        from megatron_rl.fault_hooks import drill_spec, record_injection
 
         spec = drill_spec("permute_load")
         done = getattr(self, "_drill_permuted", 0)

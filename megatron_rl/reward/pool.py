@@ -42,7 +42,7 @@ Grader = Callable[[str, str, RewardConfig, "int | None"], Score]
 def _worker_main(conn: mp_conn.Connection, grader: Grader, cfg: RewardConfig, callables: dict) -> None:
     """Worker loop: receive (index, response, reference, length, context), send back (index, status, payload).
     `callables`: the reward functions handed to the Python API as callables (reward/function.py)."""
-    from megatron_rl.drill.hooks import drill_spec, hangs, record_injection
+    from megatron_rl.fault_hooks import drill_spec, hangs, record_injection
     from megatron_rl.reward.function import install_callables
 
     install_callables(callables)

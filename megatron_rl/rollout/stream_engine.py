@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
-from megatron_rl.drill.hooks import drill_spec, maybe_kill_engine_in_refit, record_injection
+from megatron_rl.fault_hooks import drill_spec, maybe_kill_engine_in_refit, record_injection
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
 from megatron_rl.rollout.occupancy import Occupancy, RunningFeed

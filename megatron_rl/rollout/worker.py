@@ -24,7 +24,7 @@ import os
 import time
 from typing import Any
 
-from megatron_rl.drill.hooks import maybe_kill_engine, maybe_kill_engine_in_publication, maybe_stop_group
+from megatron_rl.fault_hooks import maybe_kill_engine, maybe_kill_engine_in_publication, maybe_stop_group
 from megatron_rl.platform.priority import with_normal_priority
 from megatron_rl.publish.vllm_adapters import ServedAdapters
 from megatron_rl.rollout.config import RolloutConfig

@@ -143,7 +143,7 @@ class LearnerWorker:
         step counter unchanged) and retries it once at half the micro-batch size: the same global
         batch by gradient accumulation.  A second failure raises LearnerOutOfMemory, with nothing of
         the step applied."""
-        from megatron_rl.drill.hooks import drill_spec, record_injection
+        from megatron_rl.fault_hooks import drill_spec, record_injection
 
         kill = drill_spec("learner_kill")  # `megatron-rl drill worker_crash`: this rank dies mid-run
         if kill and self.rank == int(kill.get("rank", 0)) and self.learner.step == int(kill["at_step"]):
@@ -178,7 +178,7 @@ class LearnerWorker:
         return out
 
     def _step(self, batch: dict, lr_scale: float = 1.0, kl_coef: float | None = None) -> dict[str, float]:
-        from megatron_rl.drill.hooks import drill_spec, record_injection
+        from megatron_rl.fault_hooks import drill_spec, record_injection
         from megatron_rl.grpo.micro_loss import grpo_micro_batch_loss
         from megatron_rl.grpo.step_metrics import grpo_step_weight
 

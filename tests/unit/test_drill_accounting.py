@@ -12,7 +12,7 @@ import pytest
 from megatron_rl.coordinator.wal import WriteAheadLog
 from megatron_rl.drill.accounting import account
 from megatron_rl.drill.harness import Drill, DrillConfig
-from megatron_rl.drill.hooks import ENV, drill_spec, hangs
+from megatron_rl.fault_hooks import ENV, drill_spec, hangs
 
 
 def _run(tmp_path, consumed_rows, enqueued=(), finished=(), metric_steps=None):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import ConfigError
-from megatron_rl.drill.hooks import ENV
+from megatron_rl.fault_hooks import ENV
 from megatron_rl.experiment.config import load_experiment
 from megatron_rl.experiment.runs import Outcome, plan_run
 

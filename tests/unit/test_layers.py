@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 GROUPS = {
     "base": ("config", "console", "durable_files", "panels", "plugins", "te_import", "tracking", "trajectory",
-             "version", "checkpoint", "run_files", "cli", "metrics", "run_manifest", "rng_state"),
+             "version", "checkpoint", "run_files", "cli", "metrics", "run_manifest", "rng_state", "fault_hooks"),
     "run_model.py": ("run_model",),
     "evaluation.py": ("evaluation",),
     "commands": ("", "api", "audit_cli", "checkpoint_cli", "doctor", "doctor_cli", "eval_cli", "launch_cli",
@@ -29,11 +29,11 @@ GROUPS = {
 }
 """The modules at the package's top, by part ("" is the package's __init__.py)."""
 
-PARTS = {"drill.hooks": "drill/hooks.py"}
+PARTS: dict[str, str] = {}
 """Modules that are a part of their own, not their folder's."""
 
 LAYERS = (
-    ("foundation", ("base", "drill/hooks.py")),
+    ("foundation", ("base",)),
     ("machine", ("platform/",)),
     ("model", ("models/",)),
     ("model files", ("run_model.py",)),

@@ -1,11 +1,11 @@
-"""The verifier_timeout fault's draw (drill/hooks.py `hangs`): per input (the same input hangs every time) or
+"""The verifier_timeout fault's draw (fault_hooks.py `hangs`): per input (the same input hangs every time) or
 per call (a share of calls, whatever they grade)."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_rl.drill.hooks import hangs
+from megatron_rl.fault_hooks import hangs
 
 
 def test_per_input_follows_the_input_and_per_call_the_share():
