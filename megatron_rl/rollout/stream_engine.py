@@ -150,10 +150,6 @@ class StreamEngine:
         on_gpu = torch.cuda.is_available()
         os.environ.update(engine_env(cfg, on_gpu))
         kwargs = {**llm_kwargs(cfg, on_gpu), "worker_extension_cls": WORKER_EXTENSION}
-        if not on_gpu:
-            # A request resumed after a refit's preemption is prefilled again; split over two steps, vLLM's
-            # CPU runner rewinds its seeded sampler (a CPU torch.Generator has no offset) and the engine dies.
-            kwargs["enable_chunked_prefill"] = False
         kwargs.update(cfg.engine_options)
         started = time.perf_counter()
         feed = RunningFeed()
