@@ -83,7 +83,9 @@ def test_console_is_quiet_and_engine_logs_go_to_the_run_dir(run_a):
     assert not [line for line in console if "vLLM" in line or "(RolloutWorker" in line or " WARNING ray" in line]
     logs = d / "logs"
     rollout = (logs / "ray_RolloutWorker.log").read_text()
-    assert "vllm" in rollout.lower() and "LlamaForCausalLM" in rollout  # the engine's own start-up log
+    # The engine's own start-up log, of this run's engine (its model path).  Not the first lines of its output:
+    # with a second run in the same Ray cluster (run B beside A) those were once missing from A's file.
+    assert "Initializing a V1 LLM engine" in rollout and f"model='{d / 'model'}'" in rollout
     assert (logs / "ray_LearnerWorker.log").stat().st_size > 0
     assert "megatron_rl.progress: step 4/4" in (logs / "driver.log").read_text()
 
