@@ -91,16 +91,17 @@ def running_sum_reward(*, prompt: str, response: str, answer: str, question: str
     `correct` (0/1: the response's last number is the total; what eval reports as correctness) plus `steps`,
     0.5 x the share of the list's steps written right before the first wrong one ("a3b10c12d16" for 3,7,1,4:
     two of four).  Policies learn to stop before their first error with it (configs/tiny_cpu_reasoning.yaml)."""
-    digits = [int(c) for c in question[1::2]]
-    totals = [sum(digits[:k + 1]) for k in range(len(digits))]
+    from megatron_rl.reward.math_verifier import answers_match, extract_answer
+
+    expected = _STEP.findall(running_sum_example(tuple(int(c) for c in question[1::2])).solution)
     right = 0
-    for (letter, number), want_letter, want in zip(_STEP.findall(response), string.ascii_lowercase, totals):
-        if letter != want_letter or int(number) != want:
+    for (letter, number), (want_letter, want) in zip(_STEP.findall(response), expected):
+        if letter != want_letter or int(number) != int(want):
             break
         right += 1
-    numbers = re.findall(r"\d+", response)
-    correct = 1.0 if numbers and int(numbers[-1]) == int(answer) else 0.0
-    return {"correct": correct, "steps": 0.5 * right / len(digits)}
+    found, _how = extract_answer(response, ["last_number"])  # the recipe's verifier: the same correctness
+    correct = 1.0 if found is not None and answers_match(found, answer) else 0.0
+    return {"correct": correct, "steps": 0.5 * right / len(expected)}
 
 
 _STEP = re.compile(r"([a-z])(\d+)")
