@@ -18,6 +18,14 @@ a private file instead (mode 0600 in a 0700 directory, removed at exit) named by
 processes and clients of this cluster started from this process find it there.  RAY_AUTH_MODE,
 RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH set by the user win; a token file others can read
 (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH) is made 0600.
+
+Workers' output.  Ray's log monitor forwards what workers write to the drivers (RUN_DIR/logs/ray_<Actor>.log
+here) reading at most RAY_LOG_MONITOR_NUM_LINES_TO_READ (1000) lines of a file a pass; once 200 files are
+open (a long-lived cluster: a shared one, after about 100 workers) it closes them all between passes, and a
+closed file is read again only after it grows.  A burst of more than 1000 lines (an engine's start-up, two
+runs at once) then loses its unread part until the actor writes again -- for good when it never does.  So
+the monitor of a cluster started here reads each file to its end every pass (FORWARD_ALL; a value the user
+sets wins); the Slurm script sets the same for its nodes.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+FORWARD_ALL = {"RAY_LOG_MONITOR_NUM_LINES_TO_READ": "1000000"}
+"""Ray's log monitor reads every worker file to its end each pass (module docstring, "Workers' output")."""
 NODE_LOCAL = (BIND_ENV,)
 """Variables that describe one node (the address its listeners bind): a run's Ray job never carries the
 driver's to the workers of other nodes (train/run_setup.job_env_vars)."""
@@ -47,6 +57,8 @@ def local_ray_options(environ=os.environ) -> dict:
     """Prepare this process for a Ray cluster of its own (module docstring) and return the ray.init keyword
     arguments that keep it on loopback."""
     environ[LOCAL_ONLY] = "0"
+    for name, value in FORWARD_ALL.items():
+        environ.setdefault(name, value)
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:  # Ray was imported before: it read the variable already
         constants.ENABLE_RAY_CLUSTER = False

@@ -89,3 +89,17 @@ def test_a_token_file_an_earlier_ray_left_readable_is_made_private(tmp_path):
     seen = start_ray_fresh(home)
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert not readable_by_others(seen["tokens"]), seen["tokens"]
+
+
+def test_a_cluster_started_here_forwards_each_worker_file_to_its_end_unless_the_user_says_otherwise(monkeypatch):
+    from megatron_rl.platform.local_ray import FORWARD_ALL, local_ray_options
+
+    monkeypatch.delitem(sys.modules, "ray._private.ray_constants", raising=False)  # this process's Ray is left as is
+
+    ours = {"RAY_AUTH_MODE": "token"}  # the user's auth: no token file made here
+    local_ray_options(ours)
+    assert ours["RAY_LOG_MONITOR_NUM_LINES_TO_READ"] == FORWARD_ALL["RAY_LOG_MONITOR_NUM_LINES_TO_READ"]
+    assert int(ours["RAY_LOG_MONITOR_NUM_LINES_TO_READ"]) >= 100_000
+    theirs = {"RAY_AUTH_MODE": "token", "RAY_LOG_MONITOR_NUM_LINES_TO_READ": "500"}
+    local_ray_options(theirs)
+    assert theirs["RAY_LOG_MONITOR_NUM_LINES_TO_READ"] == "500"
