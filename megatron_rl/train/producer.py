@@ -40,15 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
+from megatron_rl.train.producer_parts import Leases, ProducerThread
 
 logger = logging.getLogger(__name__)
-
-ADMIT_RETRY_S = 0.25  # a refused producer asks again this often at least (leases expire, other processes)
 
 
 @dataclasses.dataclass
@@ -86,16 +84,9 @@ class Producer:
         self.coordinator = coordinator
         self.sample_round = sample_round
         self.steps = steps
-        self._cond = threading.Condition()
+        self.loop = ProducerThread("rollout-producer")
+        self.leases = Leases(coordinator, quit=self.loop.quit_asked)
         self._ready: dict[int, Round] = {}  # finished rounds the driver has not taken yet
-        self._paused = False
-        self._busy = False  # a round is between admission and being ready
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._held: set[str] = set()  # leases of rounds admitted and not yet handed to the driver
-        self._handed: list[str] = []  # leases of the round last handed out (enqueued soon)
-        self._keepalive: threading.Thread | None = None
 
     def start(self, state: TrainState) -> None:
         first = state.step
@@ -104,118 +95,61 @@ class Producer:
             first = max(first, rnd.index + 1)
         if state.rounds:
             logger.info("replaying rollout rounds %s saved by the checkpoint", sorted(self._ready))
-        self._thread = threading.Thread(target=self._run, args=(first,), name="rollout-producer", daemon=True)
-        self._thread.start()
+        self.loop.start(self._run, first)
         for rnd in state.rounds:
-            self._held.update(rnd.leases)
-        self._keepalive = threading.Thread(target=self._renew_leases, name="lease-keepalive", daemon=True)
-        self._keepalive.start()
-
-    def _renew_leases(self) -> None:
-        while not self._stop.wait(self.coordinator.config.lease_ttl_s / 3):
-            with self._cond:
-                leases = sorted(self._held.union(self._handed))
-            if leases:
-                try:
-                    self.coordinator.renew(leases)
-                except Exception as err:  # the next beat retries; expiry is the coordinator's safety net
-                    logger.warning("could not renew %d rollout leases: %s", len(leases), err)
-
-    def _admit(self, need: int, round_: int, prefix: str = "round", at_least: int | None = None) -> list[str] | None:
-        """Block until the coordinator admits `need` rollouts (or, with `at_least`, as many as it grants once
-        that many are in hand: up to `need`); None if stopped or paused first.  Refused, it asks again when this
-        process publishes (or releases leases), at the latest after ADMIT_RETRY_S."""
-        leases: list[str] = []
-        attempt = 0
-        while len(leases) < (need if at_least is None else at_least):
-            if self._stop.is_set() or self._paused:
-                if leases:  # a checkpoint is waiting: give a partial grant back, ask again afterwards
-                    self._give_back(leases)
-                return None
-            # The request id makes a call that Ray retries after a coordinator restart idempotent.
-            epoch = self.coordinator.admission_epoch
-            granted = self.coordinator.try_admit(need - len(leases), worker="producer",
-                                                 request_id=f"{prefix}-{round_}/{attempt}")
-            with self._cond:
-                self._held.update(granted)
-            leases += granted
-            attempt += 1
-            if not granted:  # refused: admission opens with a publication (or a release)
-                self.coordinator.wait_admission(epoch, ADMIT_RETRY_S)
-        return leases
-
-    def _give_back(self, leases: list[str]) -> None:
-        """Release admitted leases this producer will not use."""
-        self.coordinator.release(leases)
-        with self._cond:
-            self._held.difference_update(leases)
+            self.leases.hold(rnd.leases)
+        self.leases.keep_alive(self.loop.stopping)
 
     def _run(self, first_round: int) -> None:
+        loop = self.loop
         need = self.coordinator.config.batch_size  # one round = one learner batch
         r = first_round
         last = self.steps + self.coordinator.lookahead  # rounds a longer run would sample before step `steps`
         try:
             while r < last:
-                with self._cond:
-                    while self._paused and not self._stop.is_set():
-                        self._cond.wait(0.1)
-                    if self._stop.is_set():
+                with loop.cond:
+                    while loop.paused and not loop.stopping.is_set():
+                        loop.cond.wait(0.1)
+                    if loop.stopping.is_set():
                         return
-                    self._busy = True
+                    loop.busy = True
                 try:
-                    leases = self._admit(need, r)
+                    leases = self.leases.admit(need, r)
                     if leases is None:
                         continue
                     t0 = time.perf_counter()
                     samples, stats = self.sample_round(r)
-                    with self._cond:
+                    with loop.cond:
                         self._ready[r] = Round(r, samples, leases, time.perf_counter() - t0, stats)
                     r += 1
                 finally:
-                    with self._cond:
-                        self._busy = False
-                        self._cond.notify_all()
+                    with loop.cond:
+                        loop.busy = False
+                        loop.cond.notify_all()
         except BaseException as err:  # surfaced to the driver on its next call
-            with self._cond:
-                self._error = err
-                self._cond.notify_all()
+            loop.fail(err)
 
     def next(self, step: int) -> Round:
         """Round `step` (samples, admission leases, seconds, dynamic sampling's account), waiting for it."""
-        with self._cond:
+        loop = self.loop
+        with loop.cond:
             while step not in self._ready:
-                if self._error is not None:
-                    raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
-                if self._thread is None or not self._thread.is_alive():
+                loop.raise_if_failed()
+                if not loop.alive():
                     raise RuntimeError("rollout producer stopped without producing round %d" % step)
-                self._cond.wait(1.0)
+                loop.cond.wait(1.0)
             item = self._ready.pop(step)
-            self._held.difference_update(item.leases)
-            self._handed = list(item.leases)
+        self.leases.hand_out(item.leases)
         return item
 
     def pause(self) -> list[Round]:
         """Start no new round, let the one in flight finish; the finished rounds not yet taken."""
-        with self._cond:
-            self._paused = True
-        self.coordinator.wake_admission()
-        with self._cond:
-            while self._busy and self._error is None and self._thread is not None and self._thread.is_alive():
-                self._cond.wait(0.5)
-            if self._error is not None:
-                raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
+        self.loop.pause(self.coordinator.wake_admission, busy=lambda: self.loop.busy and self.loop.alive())
+        with self.loop.cond:
             return [self._ready[k] for k in sorted(self._ready)]
 
     def unpause(self) -> None:
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
+        self.loop.unpause()
 
     def stop(self) -> None:
-        self._stop.set()
-        self.coordinator.wake_admission()
-        with self._cond:
-            self._cond.notify_all()
-        for thread in (self._thread, self._keepalive):
-            if thread is not None and thread is not threading.current_thread():
-                thread.join(timeout=120)
+        self.loop.stop(self.coordinator.wake_admission, self.leases.keepalive)

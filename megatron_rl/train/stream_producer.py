@@ -35,18 +35,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
-from megatron_rl.train.producer import Producer, Round, TrainState
+from megatron_rl.train.producer import Round, TrainState
+from megatron_rl.train.producer_parts import Leases, ProducerThread
 
 logger = logging.getLogger(__name__)
 
 
-class StreamProducer(Producer):
+class StreamProducer:
     """Admits, generates and grades prompt groups concurrently; rounds are formed from finished groups."""
 
     def __init__(self, coordinator: Coordinator, prepare_group: Callable[[int], Callable[[], list]],
                  grade: Callable[[list], list], *, steps: int, groups_per_step: int, group_size: int,
                  max_groups_in_flight: int, engine_stats: Callable[[], dict] | None = None):
-        super().__init__(coordinator, self._no_rounds, steps=steps)
+        self.coordinator, self.steps = coordinator, steps
+        self.loop = ProducerThread("stream-producer")
+        self.leases = Leases(coordinator, quit=self.loop.quit_asked)
+        self._cond = self.loop.cond  # guards the groups below as well
         self.prepare_group, self.grade = prepare_group, grade
         self.engine_stats = engine_stats
         """The engines' occupancy since the last batch, as metrics (RolloutSource.engine_occupancy), or None."""
@@ -63,10 +67,6 @@ class StreamProducer(Producer):
         self._published = self._offset = 0  # the version published (at least); version - step of the run
         self.groups_dropped = 0  # multi-turn groups whose environment failed at reset (released, counted)
 
-    @staticmethod
-    def _no_rounds(r: int):
-        raise AssertionError("a streaming producer samples groups, not rounds")
-
     def start(self, state: TrainState) -> None:
         first = 0
         for rnd in state.rounds:  # finished groups a checkpoint saved, handed out first
@@ -74,29 +74,28 @@ class StreamProducer(Producer):
                 self._groups.append((rnd.index, rnd.samples[k:k + self.group_size],
                                      rnd.leases[k:k + self.group_size], rnd.seconds))
             first = max(first, rnd.index + 1)
-            self._held.update(rnd.leases)
+            self.leases.hold(rnd.leases)
         if state.rounds:
             logger.info("handing out first the %d finished prompt groups the checkpoint saved", len(self._groups))
         first = max(first, state.step * self.groups_per_step)
         self._published, self._offset = state.version, state.version - state.step
-        self._thread = threading.Thread(target=self._run, args=(first,), name="stream-producer", daemon=True)
-        self._thread.start()
-        self._keepalive = threading.Thread(target=self._renew_leases, name="lease-keepalive", daemon=True)
-        self._keepalive.start()
+        self.loop.start(self._run, first)
+        self.leases.keep_alive(self.loop.stopping)
 
     def _run(self, serial: int) -> None:
+        loop = self.loop
         last = (self.steps + self.coordinator.lookahead) * self.groups_per_step
         try:
             while serial < last:
                 with self._cond:
-                    while (self._paused or len(self._in_flight) >= self.max_in_flight) and not self._stop.is_set():
-                        if self._error is not None:
+                    while (loop.paused or len(self._in_flight) >= self.max_in_flight) and not loop.stopping.is_set():
+                        if loop.error is not None:
                             return
                         self._cond.wait(0.1)
-                    if self._stop.is_set() or self._error is not None:
+                    if loop.stopping.is_set() or loop.error is not None:
                         return
                     free = self.max_in_flight - len(self._in_flight)
-                    self._busy = True  # a checkpoint's pause waits until these groups are submitted or given back
+                    loop.busy = True  # a checkpoint's pause waits until these groups are submitted or given back
                 try:
                     t0 = time.perf_counter()
                     leases = self._admit_groups(min(free, last - serial, self.groups_per_step), serial)
@@ -111,23 +110,21 @@ class StreamProducer(Producer):
                         serial += 1
                 finally:
                     with self._cond:
-                        self._busy = False
+                        loop.busy = False
                         self._cond.notify_all()
         except BaseException as err:  # surfaced to the driver on its next call
-            with self._cond:
-                self._error = err
-                self._cond.notify_all()
+            loop.fail(err)
 
     def _admit_groups(self, groups: int, serial: int) -> list[str] | None:
         """Leases for 1 to `groups` prompt groups (from `serial` on), asked for in one coordinator call:
         whatever whole groups admission grants now (a grant short of one group waits for the rest);
         None if paused or stopped first (a partial grant is given back)."""
-        leases = self._admit(groups * self.group_size, serial, at_least=self.group_size)
+        leases = self.leases.admit(groups * self.group_size, serial, at_least=self.group_size)
         if leases is None:
             return None
         whole = len(leases) - len(leases) % self.group_size
         if whole < len(leases):  # part of a group: given back (grants come in whole groups unless leases expire)
-            self._give_back(leases[whole:])
+            self.leases.give_back(leases[whole:])
         return leases[:whole]
 
     def _one_group(self, serial: int, leases: list[str], generate: Callable[[], list]) -> None:
@@ -136,7 +133,7 @@ class StreamProducer(Producer):
             samples = generate()
             t1 = time.perf_counter()
             if any(not s.response_tokens for s in samples):  # an environment failed at reset: nothing to train
-                self._give_back(leases)  # out of the keep-alive's renewals too
+                self.leases.give_back(leases)  # out of the keep-alive's renewals too
                 with self._cond:
                     self.groups_dropped += 1
                     self._floor.pop(serial, None)
@@ -155,7 +152,7 @@ class StreamProducer(Producer):
                 self._spent["grade"] += t2 - t1
         except BaseException as err:
             with self._cond:
-                self._error = err
+                self.loop.error = err
             raise
         finally:
             with self._cond:
@@ -175,9 +172,8 @@ class StreamProducer(Producer):
         limit = step + self._offset + 1 - self.coordinator.lookahead  # older groups: now or never
         while (len(self._groups) < self.groups_per_step
                or any(self._floor.get(g, limit) < limit for g in self._in_flight)):
-            if self._error is not None:
-                raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
-            if self._thread is None or (not self._thread.is_alive() and not self._in_flight):
+            self.loop.raise_if_failed()
+            if self.loop.thread is None or (not self.loop.alive() and not self._in_flight):
                 raise RuntimeError(f"rollout producer stopped without producing batch {step}")
             self._cond.wait(1.0)
         ordered = sorted(self._groups, key=lambda g: min(self._oldest(g), limit))  # the oldest of those first;
@@ -196,8 +192,7 @@ class StreamProducer(Producer):
             taken = self._take(step)
             samples = [s for g in taken for s in g[1]]
             leases = [lease for g in taken for lease in g[2]]
-            self._held.difference_update(leases)
-            self._handed = leases
+            self.leases.hand_out(leases)
             in_flight = len(self._in_flight)
             spent, self._spent = self._spent, collections.Counter()
         now = time.perf_counter()
@@ -217,16 +212,13 @@ class StreamProducer(Producer):
 
     def pause(self) -> list[Round]:
         """Admit nothing more, let every group in flight finish; the finished groups not yet taken."""
+        self.loop.pause(self.coordinator.wake_admission, busy=lambda: self.loop.busy or bool(self._in_flight))
         with self._cond:
-            self._paused = True
-        self.coordinator.wake_admission()
-        with self._cond:
-            while (self._busy or self._in_flight) and self._error is None:
-                self._cond.wait(0.5)
-            if self._error is not None:
-                raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
             return [Round(serial, samples, leases, seconds) for serial, samples, leases, seconds in self._groups]
 
+    def unpause(self) -> None:
+        self.loop.unpause()
+
     def stop(self) -> None:
-        super().stop()
+        self.loop.stop(self.coordinator.wake_admission, self.leases.keepalive)
         self._pool.shutdown(wait=False, cancel_futures=True)

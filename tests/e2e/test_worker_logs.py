@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.e2e,
-              pytest.mark.own_ray("the log monitor's cap of open files is set when a cluster starts: a cluster of its own")]
+              pytest.mark.own_ray("the log monitor's cap of open files is set as a cluster starts: one of its own")]
 
 REPO = Path(__file__).resolve().parents[2]
 LINES = 3000

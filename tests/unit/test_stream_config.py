@@ -57,7 +57,7 @@ def test_a_batch_is_the_first_groups_that_finish_and_counts_its_version_switches
 
     producer = StreamProducer(Admission(), prepare_group=None, grade=None, steps=2, groups_per_step=2, group_size=2,
                               max_groups_in_flight=4)
-    producer._thread = threading.current_thread()  # "running": next() waits for groups rather than refusing
+    producer.loop.thread = threading.current_thread()  # "running": next() waits for groups rather than refusing
     for serial, versions in ((7, [0, 0, 1]), (3, [1, 1, 1]), (5, [0, 1, 2])):
         producer._groups.append((serial, [_sample(versions), _sample(versions)], [f"l{serial}a", f"l{serial}b"], 1.0))
     rnd = producer.next(0)
@@ -81,7 +81,7 @@ def test_a_group_that_would_fall_out_of_the_version_window_goes_into_this_batch(
 
     producer = StreamProducer(Admission(), prepare_group=None, grade=None, steps=3, groups_per_step=1, group_size=2,
                               max_groups_in_flight=4)
-    producer._thread = threading.current_thread()
+    producer.loop.thread = threading.current_thread()
     producer._in_flight, producer._floor = {0: None}, {0: 0}  # the long group 0, admitted when version 0 served
     for serial in (1, 2, 3):
         producer._groups.append((serial, [_sample([1]), _sample([1])], [f"l{serial}a", f"l{serial}b"], 1.0))
