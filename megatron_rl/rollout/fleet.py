@@ -75,8 +75,7 @@ class PendingRollout:
     sampling: dict
     info: list | None  # the prompts' PromptInfos (rollout/sample.py), carried by their samples
     n: int
-    method: str = "generate"  # the worker method: generate (prompts), or run_episodes (examples, with `env`)
-    env: dict | None = None
+    env: dict | None = None  # None: prompts are token lists (generate); else examples, played as episodes
 
 
 def engine_died(err: BaseException) -> bool:
@@ -145,8 +144,7 @@ class RolloutFleet:
         self.refit(wait_s=0.0)  # a group that answers again (stale) serves only once refitted
         k = len(self.workers)
         chunks = [Chunk(list(range(j, len(prompts), k)), (first_group + j) % k) for j in range(k)]
-        pending = PendingRollout([c for c in chunks if c.index], prompts, dict(sampling), info, n,
-                                 "generate" if env is None else "run_episodes", env)
+        pending = PendingRollout([c for c in chunks if c.index], prompts, dict(sampling), info, n, env)
         for c in pending.chunks:
             self._send(pending, c)
         return pending
@@ -164,7 +162,10 @@ class RolloutFleet:
         if s.get("seed") is not None:
             s["seed"] = s["seed"] + 1_000_003 * c.seed_group  # groups never share request seeds
         args = ([p.prompts[i] for i in c.index], s, p.n, [p.info[i] for i in c.index] if p.info else None)
-        c.ref = getattr(c.worker, p.method).remote(*args, **({} if p.env is None else {"env": p.env}))
+        if p.env is None:
+            c.ref = c.worker.generate.remote(*args)
+        else:
+            c.ref = c.worker.run_episodes.remote(*args, env=p.env)
         return True
 
     def collect(self, pending: PendingRollout) -> list[RolloutSample]:
