@@ -5,7 +5,7 @@
     tokens_bt = sampled_probe(sequences, rows=4)           # the probe: tokens the engines sampled
 
 After every publication each rollout group scores the probe sequences teacher-forced and compares
-with the learner's logprobs of them under the weights it published (rollout/worker.py `_refit_check`,
+with the learner's logprobs of them under the weights it published (rollout/receiver.py `_refit_check`,
 train/policy.py `_expect_probe`).  What it must catch is a load that verified byte for byte but was
 laid out wrongly (a permuted or mis-mapped tensor); what it must let through is two correct
 implementations disagreeing in the last bits (TE/cuDNN on the learner, FlashAttention and compiled

@@ -3,10 +3,11 @@
     worker = create_stream_worker(RolloutConfig(model=..., streaming=True, inflight_refit="recompute"))
     refs = [worker.generate.remote([prompt], {"seed": s}, 4) for prompt, s in groups]   # all at once
 
-RolloutWorker's contract (rollout/worker.py: generate, receive_weights / commit_weights, expect_probe,
-policy_version, ...), on vLLM's async engine (a StreamEngine, rollout/stream_engine.py) instead of the
-offline `LLM`.  The actor is threaded: many generate calls run at once, each one's requests joining the
-engine's continuous batch, and a publication runs beside them instead of queueing behind them.
+RolloutWorker's contract (rollout/worker.py: generate, score, reset, shutdown; and the receiving part both
+hold, rollout/receiver.py: receive_weights / commit_weights, expect_probe, policy_version, ...), on vLLM's
+async engine (a StreamEngine, rollout/stream_engine.py) instead of the offline `LLM`.  The actor is threaded:
+many generate calls run at once, each one's requests joining the engine's continuous batch, and a publication
+runs beside them instead of queueing behind them.
 
 A publication, step by step:
 - receive: the bytes arrive and are verified into staging buffers (publish/vllm_engine.py) while the
@@ -38,9 +39,9 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_close import quiesce
 from megatron_rl.rollout.engine_setup import eos_token_ids, prepare_actor
 from megatron_rl.rollout.provenance import parse_label, weights_label
+from megatron_rl.rollout.receiver import PublicationReceiving
+from megatron_rl.rollout.requests import call_params, check_prompts, prompt_params, to_sample
 from megatron_rl.rollout.stream_engine import BrokenWeights
-from megatron_rl.rollout.requests import prompt_params, to_sample
-from megatron_rl.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class RefusedWeights(RuntimeError):
 
 
 class _Blocking:
-    """The offline LLM's weight-update calls, run on the async engine's loop (what RolloutWorker calls)."""
+    """The offline LLM's weight-update calls, run on the async engine's loop (what the receiving part calls)."""
 
     def __init__(self, worker: "StreamRolloutWorker"):
         self._w = worker
@@ -80,10 +81,12 @@ class _Blocking:
         return bool(self._w._run(self._w.stream.engine.reset_prefix_cache()))
 
 
-class StreamRolloutWorker(RolloutWorker):
-    """One vLLM async engine behind RolloutWorker's methods; generate calls run concurrently."""
+class StreamRolloutWorker(PublicationReceiving):
+    """One vLLM async engine behind RolloutWorker's methods; generate calls run concurrently.  Publications are
+    received by the part it holds (rollout/receiver.py); it supplies the swap (`_commit`: in flight)."""
 
-    def __init__(self, config: RolloutConfig | dict, stale: bool = False):  # noqa: D107 -- see RolloutWorker
+    def __init__(self, config: RolloutConfig | dict, stale: bool = False):
+        """`stale`: a restarted group, serving nothing until a publication commits (as RolloutWorker's)."""
         self.config = RolloutConfig.of(config)
         prepare_actor(self.config)
         if not self.config.model or not os.path.isdir(self.config.model):
@@ -130,7 +133,8 @@ class StreamRolloutWorker(RolloutWorker):
                  info: list | None = None) -> list:
         """RolloutWorker.generate's contract (len(prompts) * n samples, prompt-major; with a `seed`, sample j
         of prompt i uses seed + i * n + j); the requests join whatever else the engine runs."""
-        params = self._request_params(prompts, sampling, n, info)
+        check_prompts(prompts)
+        params = call_params(self.config, self.eos_token_ids, len(prompts), sampling, n, info)
         self._serving_version()
         call = uuid.uuid4().hex[:12]
         adapter = self._adapter()
@@ -158,7 +162,7 @@ class StreamRolloutWorker(RolloutWorker):
         dict), prompt-major and seeded as generate's samples; rollout/episodes.py plays them."""
         from megatron_rl.rollout.episodes import EpisodePlayer
 
-        params = self._call_params(len(examples), sampling, n, info)
+        params = call_params(self.config, self.eos_token_ids, len(examples), sampling, n, info)
         self._serving_version()
         key = repr((self.config.model, params["max_tokens"], sorted((env or {}).items())))
         with self._players_lock:
@@ -280,21 +284,9 @@ class StreamRolloutWorker(RolloutWorker):
         self._verdicts[n][0].set()
         return self._answer(version, [], statuses)
 
-    def _answer(self, version: int, bad: list[dict], statuses: list[dict]) -> dict[str, Any]:
-        if bad:
-            log.warning("refused publication %d, serving version %s: %s", version, self.version, bad[0].get("error"))
-        return {"committed": not bad, "version": self.version, "error": bad[0].get("error") if bad else None,
-                "bad_bucket": bad[0].get("bad_bucket") if bad else None, "workers": statuses}
-
     def _set_label(self, digest: str | None) -> None:
         self.label = weights_label(self.version, digest)
         self._run(self.stream.relabel(self.label))
-
-    def sleep(self, level: int) -> None:
-        raise ValueError("a streaming rollout engine never sleeps (rollout.streaming)")
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        raise ValueError("a streaming rollout engine never sleeps (rollout.streaming)")
 
     def shutdown(self) -> None:
         stream, self.stream = getattr(self, "stream", None), None

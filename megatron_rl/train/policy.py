@@ -13,7 +13,7 @@ group's ranks, over the run's transport: publish/transports.py), and what each o
   a refit check failed             the group rolled back; published once more, then PublicationError;
   an engine died (any point)       its group restarted (stale), published once more: the refit;
   a dead engine past max_restarts  PublicationError (the driver exits 75: rerun to resume).
-A publication is checked twice: bucket checksums (publish/), and a refit probe (rollout/worker.py)
+A publication is checked twice: bucket checksums (publish/), and a refit probe (rollout/receiver.py)
 that compares the engine's logprobs on a fixed batch with the learner's.  Each rollout group
 commits all of a version or none of it; the version is committed on the groups that answer.
 A restarted group is refitted through `refit` (the fleet's refitter): the last published version,
