@@ -65,6 +65,8 @@ class SizePreset:
 # Head dim is hidden/heads (qwen3: twice that); vLLM's CPU attention needs it in {32, 64, 80, 96, 128, ...}.
 SIZES = {
     "tiny": SizePreset(hidden=128, layers=2, heads=4, kv_heads=2, ffn=352, max_positions=1024),  # ~0.4M
+    # twice tiny's width and depth: a CPU testbed's policy that can learn a multi-step task (~2.9M)
+    "mini": SizePreset(hidden=256, layers=4, heads=4, kv_heads=2, ffn=704, max_positions=1024),
     "small": SizePreset(hidden=512, layers=8, heads=8, kv_heads=4, ffn=1408, max_positions=2048),  # ~24M
     "medium": SizePreset(hidden=1024, layers=24, heads=16, kv_heads=8, ffn=2816, max_positions=2048),  # ~283M
     # medium's width at half its depth: ~142M llama, ~302M qwen3_moe (the MoE conversion benchmark's size).

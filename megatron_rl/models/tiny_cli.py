@@ -29,7 +29,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("make-tiny-model", help="write a small random HF checkpoint + char tokenizer (no network)")
     p.add_argument("--arch", choices=ARCHS, default="llama")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty, unless --force)")
-    p.add_argument("--size", choices=list(SIZES), default="tiny", help="tiny ~0.4M, small ~24M, medium ~283M, medium_half ~142M params (qwen3_moe: medium ~604M, medium_half ~302M)")
+    p.add_argument("--size", choices=list(SIZES), default="tiny",
+                   help="tiny ~0.4M, mini ~2.9M, small ~24M, medium ~283M, medium_half ~142M params "
+                        "(qwen3_moe: medium ~604M, medium_half ~302M)")
     p.add_argument("--seed", type=int, default=0, help="init seed; same seed -> identical weights")
     p.add_argument("--tie-embeddings", action="store_true", help="share input embedding and LM head")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="embedding rows (>= tokenizer size)")
