@@ -89,6 +89,12 @@ def pytest_runtest_setup(item):
     _OWN_RAY[:] = [item.get_closest_marker("own_ray")] if item.get_closest_marker("own_ray") else []
 
 
+def pytest_runtest_teardown(item):
+    # The marker is the running test's: after it, tests that follow in the same session (the unit tier's run after
+    # the e2e tier's) see none.
+    _OWN_RAY.clear()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shared_ray_stops_at_the_end():
     yield

@@ -39,6 +39,7 @@ def test_the_table_sums_each_tier_and_lists_the_slowest_first():
 
 def test_cli_runs_that_start_ray_join_the_shared_cluster_unless_the_test_has_its_own(monkeypatch):
     monkeypatch.setattr(e2e.SHARED_RAY, "start", lambda: "10.0.0.1:6379")
+    monkeypatch.setattr(e2e, "_OWN_RAY", [])  # a test without the marker (whatever e2e test ran last)
     monkeypatch.setenv("RAY_ADDRESS", "leaked:1")
     env, args = e2e.cli_env_and_args(("train", "--config", "c.yaml", "run.steps=2"))
     assert env["RAY_ADDRESS"] == "10.0.0.1:6379" and args[-1] == "run.use_existing_ray=true"
