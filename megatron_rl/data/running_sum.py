@@ -35,6 +35,7 @@ import string
 
 from megatron_rl.data.dataset import Dataset, PromptTemplate
 from megatron_rl.envs.example import Example
+from megatron_rl.reward.math_verifier import answers_match, extract_answer
 
 TASK_NAME = "running_sum"
 RUNNING_SUM_TEMPLATE = PromptTemplate("{question}=")
@@ -91,8 +92,6 @@ def running_sum_reward(*, prompt: str, response: str, answer: str, question: str
     `correct` (0/1: the response's last number is the total; what eval reports as correctness) plus `steps`,
     0.5 x the share of the list's steps written right before the first wrong one ("a3b10c12d16" for 3,7,1,4:
     two of four).  Policies learn to stop before their first error with it (configs/tiny_cpu_reasoning.yaml)."""
-    from megatron_rl.reward.math_verifier import answers_match, extract_answer
-
     expected = _STEP.findall(running_sum_example(tuple(int(c) for c in question[1::2])).solution)
     right = 0
     for (letter, number), (want_letter, want) in zip(_STEP.findall(response), expected):

@@ -123,9 +123,7 @@ class Producer:
                         self._ready[r] = Round(r, samples, leases, time.perf_counter() - t0, stats)
                     r += 1
                 finally:
-                    with loop.cond:
-                        loop.busy = False
-                        loop.cond.notify_all()
+                    loop.idle()
         except BaseException as err:  # surfaced to the driver on its next call
             loop.fail(err)
 

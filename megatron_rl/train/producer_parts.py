@@ -46,6 +46,12 @@ class ProducerThread:
         """Stop asking for admissions: the run stops, or a checkpoint waits."""
         return self.stopping.is_set() or self.paused
 
+    def idle(self) -> None:
+        """The work a checkpoint waits for is submitted or given back (the end of a loop turn)."""
+        with self.cond:
+            self.busy = False
+            self.cond.notify_all()
+
     def fail(self, err: BaseException) -> None:
         with self.cond:
             self.error = err

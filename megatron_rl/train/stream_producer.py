@@ -109,9 +109,7 @@ class StreamProducer:
                                                                         leases[k:k + self.group_size], generate)
                         serial += 1
                 finally:
-                    with self._cond:
-                        loop.busy = False
-                        self._cond.notify_all()
+                    loop.idle()
         except BaseException as err:  # surfaced to the driver on its next call
             loop.fail(err)
 
@@ -151,8 +149,7 @@ class StreamProducer:
                 self._spent["generate"] += t1 - t0
                 self._spent["grade"] += t2 - t1
         except BaseException as err:
-            with self._cond:
-                self.loop.error = err
+            self.loop.fail(err)
             raise
         finally:
             with self._cond:
