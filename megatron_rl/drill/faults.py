@@ -104,7 +104,7 @@ def oom(drill: Drill, times: int = 1) -> dict:
     cfg = drill.cfg
     run = drill.train(fault={"fault": "oom", "at_step": cfg.at_step, "times": times})
     log = drill.log()
-    detected = _first_line(log, r"out of memory at micro_batch_size \d+ \(")
+    detected = _first_line(log, r"out of memory at micro_batch_size \d+")  # the driver's line
     if times == 1:
         rows = {r["step"]: r for r in drill.metric_rows()}
         retried = rows.get(cfg.at_step + 1, {}).get("numerics/oom_retries")

@@ -13,6 +13,7 @@ learner.tensor_parallel_size x pipeline_parallel_size x data_parallel_size ranks
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -20,6 +21,8 @@ import torch
 
 from megatron_rl.train.learner_rank import LearnerOutOfMemory, LearnerWorker, RankSpec  # noqa: F401
 from megatron_rl.train.learner_weights import PublishSettings
+
+logger = logging.getLogger(__name__)
 
 
 class LearnerDied(RuntimeError):
@@ -88,7 +91,13 @@ class LearnerGroup:
     def train_step(self, batch: dict, lr_scale: float = 1.0, kl_coef: float | None = None) -> dict[str, float]:
         with self.lock:
             self.updates += 1
-            return self._all("train_step", batch, lr_scale, kl_coef)[0]
+            out = self._all("train_step", batch, lr_scale, kl_coef)[0]
+        if out.get("oom_retries"):
+            logger.warning("learner update %d: out of memory at micro_batch_size %d (the error: the learner ranks' "
+                           "log, RUN_DIR/logs/ray_LearnerWorker.log); retried at %d, the same global batch by "
+                           "gradient accumulation", self.updates, out["oom_micro_batch_size"],
+                           out["retry_micro_batch_size"])
+        return out
 
     def sft_step(self, batch: dict) -> dict[str, float]:
         with self.lock:

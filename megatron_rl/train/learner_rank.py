@@ -157,8 +157,10 @@ class LearnerWorker:
         except torch.OutOfMemoryError as err:
             self._abandon_step()
             half = mbs // 2
-            logger.warning("learner step %d: out of memory at micro_batch_size %d (%s); step abandoned, "
-                           "retrying at %d", self.learner.step, mbs, str(err).splitlines()[0], half)
+            # The run's console says it from the step's result (LearnerGroup.train_step): a worker's lines reach
+            # the driver only as Ray's log monitor forwards them.  The error's text is kept in this rank's log.
+            logger.info("learner step %d: out of memory at micro_batch_size %d (%s); step abandoned, "
+                        "retrying at %d", self.learner.step, mbs, str(err).splitlines()[0], half)
         if not self.learner.fits_micro_batch(half):
             raise LearnerOutOfMemory(f"learner step {self.learner.step} ran out of memory at micro_batch_size "
                                      f"{mbs}, which cannot be halved; nothing of the step was applied")
@@ -174,7 +176,7 @@ class LearnerWorker:
                                      "step was applied") from None
         finally:
             self.learner.cfg = cfg
-        out.update(oom_retries=1.0, retry_micro_batch_size=float(half))
+        out.update(oom_retries=1.0, oom_micro_batch_size=float(mbs), retry_micro_batch_size=float(half))
         return out
 
     def _step(self, batch: dict, lr_scale: float = 1.0, kl_coef: float | None = None) -> dict[str, float]:
