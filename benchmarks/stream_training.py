@@ -11,7 +11,8 @@ up to --tokens (each arm then reports its own token count).  --longtail is issue
 task (written here) whose rows carry their own response budget (`max_tokens`, data/jsonl.py), 85% of
 prompts 8 tokens and 15% --tokens (256), EOS ignored, so every response is exactly its prompt's budget;
 both arms run until the same generated-token budget (stop.max_generated_tokens = --budget) is spent.
---set KEY=VALUE adds a config override to both arms.  The arms differ only in rollout.streaming (and with
+--set KEY=VALUE adds a config override to both arms; --pin L:R confines the learner to cores L and the
+rollout engine to cores R in both arms (learner.cpu_cores, rollout.cpu_cores; e.g. --pin 0:1 on 2 cores).  The arms differ only in rollout.streaming (and with
 it the rollout actor: one offline generate call per round, or vLLM's async engine with prompt groups streaming into batches and publications
 landing in flight, rollout.inflight_refit recompute).  Start-up is excluded: the clock runs from the
 first learner step's metrics to the last one's.  Printed: one JSON line per arm (loop seconds, steps,
@@ -56,6 +57,9 @@ def run(streaming: bool, args, root: Path) -> dict:
            "data.eval_size=8", f"rollout.max_tokens={args.tokens}", f"rollout.max_model_len={args.tokens + 56}",
            f"rollout.streaming={'true' if streaming else 'false'}", f"run.seed={args.seed}"]
     cmd += list(args.set)
+    if args.pin:
+        learner, rollout = args.pin.split(":")
+        cmd += [f"learner.cpu_cores={learner}", f"rollout.cpu_cores={rollout}"]
     if args.longtail:
         cmd += longtail_task(root, args)
     elif args.stop_tokens:
@@ -103,9 +107,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for both arms, e.g. coordinator.max_staleness=4 (repeatable)")
+    ap.add_argument("--pin", default=None, metavar="L:R",
+                    help="learner cores L, rollout cores R in both arms (e.g. 0:1); default: unpinned")
     ap.add_argument("--keep", type=Path, default=None, help="keep both runs' directories here (profiling)")
     args = ap.parse_args()
     args.tokens = args.tokens or (256 if args.longtail else 200)
+    if args.pin is not None and args.pin.count(":") != 1:
+        ap.error(f"--pin takes LEARNER_CORES:ROLLOUT_CORES, e.g. 0:1; got {args.pin!r}")
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
