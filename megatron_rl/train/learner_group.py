@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -50,7 +51,7 @@ class LearnerGroup:
             if len(handed_over) != self.world_size:
                 raise ValueError(f"{len(handed_over)} learner actors handed over for {self.world_size} ranks")
             self.workers = list(handed_over)
-            self._all("rebuild", spec)
+            self._all(LearnerWorker.rebuild, spec)
             return
         cls = ray.remote(LearnerWorker)
         self.workers = [
@@ -59,13 +60,14 @@ class LearnerGroup:
             for rank in range(self.world_size)
         ]
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
-        self._all("setup", addr, port, spec)
+        self._all(LearnerWorker.setup, addr, port, spec)
 
-    def _all(self, method: str, *args) -> list:
-        """Call `method` on every rank; fail fast when one rank dies (the others may be blocked in a
-        collective with it and would never answer) or none answers within `call_timeout_s`."""
+    def _all(self, method: Callable, *args) -> list:
+        """Call `method` (a LearnerWorker method: `LearnerWorker.train_step`, checked where it is named) on
+        every rank; fail fast when one rank dies (the others may be blocked in a collective with it and would
+        never answer) or none answers within `call_timeout_s`."""
         with self.lock:
-            return self._all_locked(method, *args)
+            return self._all_locked(method.__name__, *args)
 
     def _all_locked(self, method: str, *args) -> list:
         import ray
@@ -91,7 +93,7 @@ class LearnerGroup:
     def train_step(self, batch: dict, lr_scale: float = 1.0, kl_coef: float | None = None) -> dict[str, float]:
         with self.lock:
             self.updates += 1
-            out = self._all("train_step", batch, lr_scale, kl_coef)[0]
+            out = self._all(LearnerWorker.train_step, batch, lr_scale, kl_coef)[0]
         if out.get("oom_retries"):
             logger.warning("learner update %d: out of memory at micro_batch_size %d (the error: the learner ranks' "
                            "log, RUN_DIR/logs/ray_LearnerWorker.log); retried at %d, the same global batch by "
@@ -102,49 +104,49 @@ class LearnerGroup:
     def sft_step(self, batch: dict) -> dict[str, float]:
         with self.lock:
             self.updates += 1
-            return self._all("sft_step", batch)[0]
+            return self._all(LearnerWorker.sft_step, batch)[0]
 
     def forward_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None,
                          raw: bool = False) -> torch.Tensor:
         """[B, T-1]; with `lengths_b` (and a token budget) positions past a row's end hold 0; `raw`:
         under the model's own distribution, not the sampling transform (learner/learner.py)."""
-        return self._all("forward_logprobs", tokens_bt, lengths_b, raw)[0]
+        return self._all(LearnerWorker.forward_logprobs, tokens_bt, lengths_b, raw)[0]
 
     def reference_logprobs(self, tokens_bt: torch.Tensor, lengths_b: torch.Tensor | None = None) -> torch.Tensor:
-        return self._all("reference_logprobs", tokens_bt, lengths_b)[0]
+        return self._all(LearnerWorker.reference_logprobs, tokens_bt, lengths_b)[0]
 
     def keep_version(self, version: int) -> None:
         """Every rank keeps its live weights as `version` in its audit ring (audit/ring.py), if it has one."""
-        self._all("keep_version", version)
+        self._all(LearnerWorker.keep_version, version)
 
     def audit_logprobs(self, version: int, tokens_bt: torch.Tensor,
                        lengths_b: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T-1] logprobs under `version`'s weights from the ranks' rings (the sampling transform)."""
-        return self._all("audit_logprobs", version, tokens_bt, lengths_b)[0]
+        return self._all(LearnerWorker.audit_logprobs, version, tokens_bt, lengths_b)[0]
 
     def ring_versions(self) -> list[int]:
-        return self._all("ring_versions")[0]
+        return self._all(LearnerWorker.ring_versions)[0]
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        return self._all("hf_state")[0]
+        return self._all(LearnerWorker.hf_state)[0]
 
     def connect_rollout(self, rollout_workers: list, settings: PublishSettings) -> None:
         """Form the publication group with `rollout_workers` (anew: a regroup drops the last one)."""
-        self._all("connect_rollout", rollout_workers, settings)
+        self._all(LearnerWorker.connect_rollout, rollout_workers, settings)
 
     def publish(self, version: int) -> dict:
-        return self._all("publish", version)[0]
+        return self._all(LearnerWorker.publish, version)[0]
 
     def save(self, weights_dir: str) -> None:
-        self._all("save", weights_dir)
+        self._all(LearnerWorker.save, weights_dir)
 
     def load(self, weights_dir: str) -> int:
         with self.lock:
             self.updates += 1
-            return self._all("load", weights_dir)[0]
+            return self._all(LearnerWorker.load, weights_dir)[0]
 
     def rng_states(self) -> dict[int, dict]:
-        return dict(enumerate(self._all("rng_state")))
+        return dict(enumerate(self._all(LearnerWorker.rng_state)))
 
     def set_rng_states(self, states: dict[int, dict]) -> None:
         import ray
