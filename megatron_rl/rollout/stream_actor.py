@@ -100,6 +100,7 @@ class StreamRolloutWorker(PublicationReceiving):
         self._probe = None
         self._players: dict[str, Any] = {}  # (model, turn length, env config) -> EpisodePlayer (rollout/episodes.py)
         self._players_lock = threading.Lock()
+        self._kept = [0, 0]  # since the last occupancy(): refits committed, requests kept in flight across them
         started = time.perf_counter()
         self.stream = self._run(_start_engine(self.config, -1 if stale else 0, self.label))
         self.llm = _Blocking(self)
@@ -211,8 +212,10 @@ class StreamRolloutWorker(PublicationReceiving):
         return len(self.stream.in_flight())
 
     def occupancy(self) -> dict[str, float]:
-        """The engine's occupancy and idle fraction since the last call (rollout/occupancy.py)."""
-        return self.stream.occupancy.take()
+        """The engine's occupancy and idle fraction since the last call (rollout/occupancy.py), and the refits
+        committed meanwhile with the requests they kept in flight."""
+        (refits, kept), self._kept = self._kept, [0, 0]
+        return {**self.stream.occupancy.take(), "refits": refits, "requests_kept": kept}
 
     # ---- weight publication (receive side) ----------------------------------------------
     def engine_alive(self) -> bool:
@@ -258,8 +261,8 @@ class StreamRolloutWorker(PublicationReceiving):
         before, before_label = self.version, self.label
         try:
             mode = "adapter" if self.adapters.serving is not None else self.config.inflight_refit
-            self._run(self.stream.refit(load, version, mode,
-                                        label=f"{weights_label(version, digest)}{PROVISIONAL}{n}"))
+            record = self._run(self.stream.refit(load, version, mode,
+                                                 label=f"{weights_label(version, digest)}{PROVISIONAL}{n}"))
         except RuntimeError as err:
             self._verdicts[n][0].set()
             if not failed:
@@ -282,6 +285,7 @@ class StreamRolloutWorker(PublicationReceiving):
         self._adapter_label = self.label  # a LoRA run: requests admitted from now on get this version's adapter
         self._verdicts[n][1][0] = True
         self._verdicts[n][0].set()
+        self._kept = [self._kept[0] + 1, self._kept[1] + record.in_flight]
         return self._answer(version, [], statuses)
 
     def _set_label(self, digest: str | None) -> None:

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 QUEUE_DB = "queue.db"
 QUEUE_SNAPSHOT = "queue_snapshot.db"
 PENDING_ROUNDS = "rollout_rounds.json"  # rounds generated before a checkpoint, not yet learned from
+IN_FLIGHT = "rollout_in_flight.json"  # streaming: prompt groups generating at the checkpoint (generated again)
 
 
 class Checkpointer:
@@ -94,7 +95,9 @@ class Checkpointer:
         ckpt = self.resume_from
         rounds = [Round.from_dict(d) for d in json.loads((ckpt / PENDING_ROUNDS).read_text())] \
             if (ckpt / PENDING_ROUNDS).is_file() else []
-        state = TrainState(step=int(manifest["step"]), version=int(manifest["policy_version"]), rounds=rounds)
+        in_flight = json.loads((ckpt / IN_FLIGHT).read_text()) if (ckpt / IN_FLIGHT).is_file() else []
+        state = TrainState(step=int(manifest["step"]), version=int(manifest["policy_version"]), rounds=rounds,
+                           in_flight=in_flight)
         policy.kl.load_state_dict(manifest.get("extra", {}).get("kl_control"))  # the adaptive KL's β
         policy.probe_rows = manifest.get("extra", {}).get("refit_probe_rows")  # sampled: the bf16 bound holds
         logger.info("resumed from %s: step %d, policy version %d", ckpt, state.step, state.version)
@@ -129,7 +132,8 @@ class Checkpointer:
         the rollout rounds generated ahead of the learner; COMMITTED is written last."""
         from megatron_rl.train.restart import save_probe
 
-        rounds = source.pause()  # nothing in flight: cursor, queue and rounds agree
+        rounds = source.pause()  # admission stopped: cursor, queue, rounds and the groups in flight agree
+        in_flight = source.in_flight()  # streaming: generating on through the save; generated again at resume
         try:
             learner = policy.learner
 
@@ -138,11 +142,14 @@ class Checkpointer:
                            ckpt_dir=tmp)
                 snapshot_queue(self.run_dir / QUEUE_DB, tmp / QUEUE_SNAPSHOT)
                 (tmp / PENDING_ROUNDS).write_text(json.dumps([r.to_dict() for r in rounds]))
+                if in_flight:
+                    (tmp / IN_FLIGHT).write_text(json.dumps(in_flight))
 
             return self.commit(state.step, state.version, learner, source.cursor, write=write,
                                coordinator_log_position=coordinator.position(),
                                extra={"initial_test_eval": initial_eval, "package_version": __version__,
                                       "pending_rounds": [r.index for r in rounds],
+                                      "in_flight_groups": [g["serial"] for g in in_flight],
                                       "kl_control": policy.kl.state_dict(), "refit_probe_rows": policy.probe_rows})
         finally:
             source.unpause()

@@ -75,6 +75,9 @@ class TrainState:
     step: int
     version: int
     rounds: list = dataclasses.field(default_factory=list)  # Rounds saved by the checkpoint, replayed first
+    in_flight: list = dataclasses.field(default_factory=list)
+    """Streaming: the prompt groups generating when the checkpoint was written, generated again first
+    (stream_producer.py: serial, examples' indices, leases)."""
 
 
 class Producer:
@@ -145,6 +148,10 @@ class Producer:
         self.loop.pause(self.coordinator.wake_admission, busy=lambda: self.loop.busy and self.loop.alive())
         with self.loop.cond:
             return [self._ready[k] for k in sorted(self._ready)]
+
+    def in_flight(self) -> list[dict]:
+        """Nothing: a pause lets the round in flight finish (rounds are whole generate calls)."""
+        return []
 
     def unpause(self) -> None:
         self.loop.unpause()

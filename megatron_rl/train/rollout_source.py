@@ -6,7 +6,7 @@ fleet, one round per learner step, as far ahead as the coordinator admits.
                            spec=RoundSpec.from_sections(cfg.run, cfg.dynamic_sampling))
     source.start(state)              # replays the rounds a checkpoint saved, then samples new ones
     rnd = source.next(step)          # Round: samples (prompt-major groups of G), leases, seconds, stats
-    rounds = source.pause(); ...; source.unpause()     # a checkpoint: nothing in flight
+    rounds = source.pause(); source.in_flight(); ...; source.unpause()  # a checkpoint (admission stopped)
     source.stop(); source.close()
 
 Owns the producer thread (producer.py), the rollout fleet (rollout/fleet.py), the prompts (the data
@@ -96,6 +96,10 @@ class RolloutSource:
     def pause(self) -> list[Round]:
         return self.producer.pause()
 
+    def in_flight(self) -> list[dict]:
+        """The prompt groups generating when the producer paused (streaming; a checkpoint records them)."""
+        return self.producer.in_flight()
+
     def unpause(self) -> None:
         self.producer.unpause()
 
@@ -109,7 +113,8 @@ class RolloutSource:
 
     def engine_occupancy(self) -> dict[str, float]:
         """The streaming engines' occupancy and idle fraction since the last step, averaged over the groups
-        (rollout/occupancy.py); {} when a group does not answer (a restart under way: the next step has it)."""
+        (rollout/occupancy.py), and the refits they committed meanwhile with the requests those kept in flight,
+        summed; {} when a group does not answer (a restart under way: the next step has it)."""
         import ray
 
         try:
@@ -118,7 +123,9 @@ class RolloutSource:
             logger.warning("engine occupancy not read this step: %s", err)
             return {}
         return {"system/engine_occupancy": sum(g["occupancy"] for g in got) / len(got),
-                "system/engine_idle_fraction": sum(g["idle_fraction"] for g in got) / len(got)}
+                "system/engine_idle_fraction": sum(g["idle_fraction"] for g in got) / len(got),
+                "system/engine_refits": float(sum(g["refits"] for g in got)),  # committed, summed over groups
+                "system/engine_refit_requests_kept": float(sum(g["requests_kept"] for g in got))}
 
     # ---- one round --------------------------------------------------------------------------------
 
@@ -135,14 +142,16 @@ class RolloutSource:
             return samples, {}
         return self._sample_informative(r, self.round_seed(r))
 
-    def prepare_group(self, serial: int) -> Callable[[], list]:
-        """Streaming: draw prompt group `serial`'s prompt now; the returned call generates its G samples
-        (on the rollout groups in turn, seeded like a round of that number)."""
+    def prepare_group(self, serial: int, indices: list[int] | None = None) -> tuple[list[int], Callable[[], list]]:
+        """Streaming: draw prompt group `serial`'s prompt now (with `indices`, those examples again: a group in
+        flight at a checkpoint, at resume); its examples' indices and the call that generates its G samples (on
+        the rollout groups in turn, seeded like a round of that number)."""
         env = self.spec.env  # multi-turn: the prompt is the example an episode starts from
-        prompts, info = self.prompts.next(serial, 1, examples=env is not None)
+        indices = self.cursor.next_indices(1) if indices is None else list(indices)
+        prompts, info = self.prompts.at(indices, serial, examples=env is not None)
         seed, k = self.round_seed(serial), len(self.fleet.workers)
-        return lambda: self.fleet.generate(prompts, n=self.spec.group_size, info=info, sampling={"seed": seed},
-                                           first_group=serial % k, env=env)
+        return indices, lambda: self.fleet.generate(prompts, n=self.spec.group_size, info=info,
+                                                    sampling={"seed": seed}, first_group=serial % k, env=env)
 
     def _sample_informative(self, r: int, seed: int) -> tuple[list, dict]:
         """Dynamic sampling (train/dynamic_sampling.py): oversample prompts, grade each group as it

@@ -2,9 +2,12 @@
 
     producer = StreamProducer(coordinator, prepare_group, grade, steps=100, groups_per_step=8, group_size=4,
                               max_groups_in_flight=16)
-    # prepare_group(serial): draws the group's prompt (in serial order) and returns a call that generates
-    # its G samples (run on a thread of the producer's pool); grade(samples) -> their verifier Scores
-    producer.start(state); rnd = producer.next(step); rounds = producer.pause(); producer.unpause(); producer.stop()
+    # prepare_group(serial, indices=None): draws the group's prompt (in serial order; with `indices`, those
+    # examples again) and returns (its examples' indices, a call that generates its G samples, run on a thread
+    # of the producer's pool); grade(samples) -> their verifier Scores
+    producer.start(state); rnd = producer.next(step)
+    rounds = producer.pause(); groups = producer.in_flight(); producer.unpause()   # a checkpoint
+    producer.stop()
 
 The round producer (producer.py) generates one batch per generate call, so every batch waits for its
 longest sample.  Here each prompt group is admitted by the coordinator (G leases; one call asks for as
@@ -18,11 +21,18 @@ group's tokens can span versions, each one stamped with the version that sampled
 judges a trajectory by its oldest token (trajectory.Trajectory.policy_version: the minimum), so a
 sequence that spans versions counts as old as its first tokens.
 
+A checkpoint does not drain the engines: `pause` stops admission only (it waits while a call to the
+coordinator or a prompt draw is under way, so the data cursor, the queue and the groups agree) and the
+groups in flight go on generating through the checkpoint and after it; publications keep landing in them.
+The checkpoint saves the finished groups not yet taken and, for each group still generating, its serial,
+its examples' indices and its leases (`in_flight`).  A run resumed from it hands out the finished groups
+first and generates the groups that were in flight again from the start -- the same prompts, serials and
+sampling seeds, under the resumed weights (their first tokens then carry the resumed version), holding the
+same leases -- so nothing admitted is lost or trained twice.
+
 Groups are numbered in the order their prompts are drawn (a group's `round` in its trajectory ids and its
 sampling seed derive from that serial); which groups form which batch depends on timing, so a
-streaming run is not bit-reproducible, and resume is exact only in what it keeps: `pause` (a checkpoint)
-stops admitting, lets every group in flight finish, and returns the finished groups the learner has
-not taken; a resumed run hands them out first.
+streaming run is not bit-reproducible, and resume is exact only in what it keeps (above).
 """
 
 from __future__ import annotations
@@ -58,6 +68,8 @@ class StreamProducer:
         self.max_in_flight = max(1, max_groups_in_flight)
         self._groups: collections.deque = collections.deque()  # finished: (serial, samples, leases, seconds)
         self._in_flight: dict[int, Future] = {}
+        self._drawn: dict[int, tuple[list[int], list[str]]] = {}  # serial in flight -> examples' indices, leases
+        self._paused_in_flight: list[dict] = []  # what `pause` found generating (in_flight)
         self._pool = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="stream-group")
         self._grade_lock = threading.Lock()
         self._last_handed = time.perf_counter()
@@ -79,6 +91,14 @@ class StreamProducer:
             logger.info("handing out first the %d finished prompt groups the checkpoint saved", len(self._groups))
         first = max(first, state.step * self.groups_per_step)
         self._published, self._offset = state.version, state.version - state.step
+        for group in state.in_flight:  # generating when the checkpoint was written: generated again, first
+            serial, leases = int(group["serial"]), list(group["leases"])
+            self.leases.hold(leases)
+            indices, generate = self.prepare_group(serial, list(group["indices"]))
+            self._submit(serial, indices, leases, generate)
+            first = max(first, serial + 1)
+        if state.in_flight:
+            logger.info("generating again the %d prompt groups the checkpoint saw in flight", len(state.in_flight))
         self.loop.start(self._run, first)
         self.leases.keep_alive(self.loop.stopping)
 
@@ -102,16 +122,19 @@ class StreamProducer:
                     with self._cond:
                         self._spent["admit"] += time.perf_counter() - t0
                     for k in range(0, len(leases or []), self.group_size):
-                        generate = self.prepare_group(serial)  # the data cursor moves in serial order
-                        with self._cond:
-                            self._floor[serial] = self._published
-                            self._in_flight[serial] = self._pool.submit(self._one_group, serial,
-                                                                        leases[k:k + self.group_size], generate)
+                        indices, generate = self.prepare_group(serial)  # the data cursor moves in serial order
+                        self._submit(serial, indices, leases[k:k + self.group_size], generate)
                         serial += 1
                 finally:
                     loop.idle()
         except BaseException as err:  # surfaced to the driver on its next call
             loop.fail(err)
+
+    def _submit(self, serial: int, indices: list[int], leases: list[str], generate: Callable[[], list]) -> None:
+        with self._cond:
+            self._floor[serial] = self._published
+            self._drawn[serial] = (indices, leases)
+            self._in_flight[serial] = self._pool.submit(self._one_group, serial, leases, generate)
 
     def _admit_groups(self, groups: int, serial: int) -> list[str] | None:
         """Leases for 1 to `groups` prompt groups (from `serial` on), asked for in one coordinator call:
@@ -154,6 +177,7 @@ class StreamProducer:
         finally:
             with self._cond:
                 self._in_flight.pop(serial, None)
+                self._drawn.pop(serial, None)
                 self._cond.notify_all()
 
     def _oldest(self, group: tuple) -> int:
@@ -208,10 +232,20 @@ class StreamProducer:
         return Round(step, samples, leases, seconds, stats)
 
     def pause(self) -> list[Round]:
-        """Admit nothing more, let every group in flight finish; the finished groups not yet taken."""
-        self.loop.pause(self.coordinator.wake_admission, busy=lambda: self.loop.busy or bool(self._in_flight))
+        """Admit nothing more (waiting for an admission or a prompt draw under way); the finished groups not
+        yet taken.  The groups in flight go on generating (`in_flight` names them as they were now)."""
+        self.loop.pause(self.coordinator.wake_admission, busy=lambda: self.loop.busy and self.loop.alive())
         with self._cond:
-            return [Round(serial, samples, leases, seconds) for serial, samples, leases, seconds in self._groups]
+            finished = [Round(serial, samples, leases, seconds) for serial, samples, leases, seconds in self._groups]
+            done = {r.index for r in finished}  # a group that just finished is in both until its thread ends
+            self._paused_in_flight = [{"serial": serial, "indices": list(self._drawn[serial][0]),
+                                       "leases": list(self._drawn[serial][1])}
+                                      for serial in sorted(self._in_flight) if serial not in done]
+            return finished
+
+    def in_flight(self) -> list[dict]:
+        """The prompt groups that were generating at the last `pause`: serial, examples' indices, leases."""
+        return list(self._paused_in_flight)
 
     def unpause(self) -> None:
         self.loop.unpause()

@@ -8,8 +8,10 @@ runs at most 8 sequences at once (rollout.engine_options.max_num_seqs=8): the gr
 it and generation never pauses, so a publication lands while sequences are mid-response.  (Without it, the
 48 admitted sequences of equal length ran as one continuous batch and finished together, publications fell
 between such waves, and whether any taken sequence spanned versions was left to timing.)  Run A
-trains 3 steps and checkpoints with prompt groups in flight (the checkpoint lets them finish and saves
-the finished ones); B resumes the same run directory to step 5.  What must hold:
+trains 3 steps and checkpoints with prompt groups in flight (the checkpoint does not drain the engine: it
+saves the finished groups and names those still generating); B resumes the same run directory to step 5,
+handing out the finished groups, with a checkpoint at every step; C resumes a copy from B's step 4 (written
+with groups generating) and generates the named ones again.  What must hold:
 - refits happen with requests kept (recompute mode), and no request is lost or trained twice;
 - tokens of one sequence carry more than one version, each version backed by one publication digest,
   recorded as segments whose KV epoch is their own version (recompute);
@@ -28,6 +30,7 @@ the finished ones); B resumes the same run directory to step 5.  What must hold:
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 import sqlite3
@@ -46,6 +49,8 @@ AUDIT_TOLERANCE = AuditConfig().tolerance  # the default; the run measures ~4e-6
 STREAM = [*STREAMING, "run.eval_every=0", "run.checkpoint_every=3", "data.eval_size=8", "audit.every=1",
           "coordinator.keep_consumed=true"]
 """The streaming drills' recipe (megatron_rl/drill/streaming.py: async, 200-token responses, 8 sequences at once)."""
+EVERY_STEP = ["run.checkpoint_every=1", "run.keep_checkpoints=3"]
+"""Runs B and C: a checkpoint at every step, A's step 3 kept."""
 
 
 SEEN: dict = {}
@@ -57,7 +62,7 @@ def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("stream") / "run"
     with RunWatch(also=lambda: SHARED_RAY.proc.pid if SHARED_RAY.proc is not None else None) as watch:
         pa = run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=3", *STREAM)
-    pb = run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=5", *STREAM)
+    pb = run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=5", *STREAM, *EVERY_STEP)
     SEEN.update(listeners=watch.seen, tagged=watch.processes, console=[pa.stdout + pa.stderr, pb.stdout + pb.stderr])
     return d, last_json(pa.stdout), last_json(pb.stdout)
 
@@ -68,6 +73,31 @@ def test_the_run_resumes_and_finishes(run):
     assert (b["steps"], b["version"]) == (5, 5)
     consumed = [i for row in read_jsonl(d / "consumed.jsonl") for i in row["ids"]]
     assert len(consumed) == 5 * 4 * 4 and len(set(consumed)) == len(consumed)  # nothing trained twice
+
+
+def test_a_checkpoint_with_groups_in_flight_resumes_without_loss_or_duplicate(run, tmp_path_factory):
+    """B's step-4 checkpoint is written while prompt groups generate (the engine is not drained: it names
+    them); run C resumes a copy of the run directory from it (step 5's checkpoint removed, as if the run died
+    before it), generates those groups again and finishes step 5 on trajectories no earlier step took."""
+    d, _, _ = run
+    copy = tmp_path_factory.mktemp("stream_mid_flight") / "run"
+    shutil.copytree(d, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_000005")
+    ckpt = copy / "checkpoints" / "step_000004"
+    saved = json.loads((ckpt / "rollout_in_flight.json").read_text())
+    assert saved and json.loads((ckpt / "COMMITTED").read_text())["extra"]["in_flight_groups"] == \
+        [g["serial"] for g in saved], saved
+    pc = run_cli("train", "--config", str(TINY), f"run.dir={copy}", "run.steps=5", *STREAM, *EVERY_STEP)
+    c = last_json(pc.stdout)
+    assert (c["steps"], c["version"]) == (5, 5), c
+    assert f"generating again the {len(saved)} prompt groups" in pc.stdout + pc.stderr, pc.stderr[-3000:]
+    final: dict[int, list] = {}
+    for row in read_jsonl(copy / "consumed.jsonl"):  # a redone step's last attempt counts
+        final[row["step"]] = row["ids"]
+    ids = [i for step in sorted(final) for i in final[step]]
+    assert sorted(final) == [1, 2, 3, 4, 5] and len(ids) == 5 * 4 * 4 and len(set(ids)) == len(ids)
+    print(f"in flight at the step-4 checkpoint: {[g['serial'] for g in saved]}; C's step 5 took serials "
+          f"{sorted({i.split('/')[0] for i in final[5]})}")
 
 
 def test_no_process_of_the_run_listens_beyond_loopback(run):
@@ -94,6 +124,10 @@ def test_publications_landed_while_requests_were_in_flight(run):
     assert max(kept) > 0, f"no refit kept a request in flight: {kept}"
     metrics = read_jsonl(d / "metrics" / "metrics.jsonl")
     assert max(m.get("system/stream_multi_version_fraction", 0.0) for m in metrics) > 0
+    # per step, the refits the engine committed and the requests they kept in flight (rollout/stream_actor.py)
+    refits = [(m["system/engine_refits"], m["system/engine_refit_requests_kept"]) for m in metrics
+              if "system/engine_refits" in m]
+    assert len(refits) == 5 and sum(r for r, _ in refits) >= 4 and max(k for _, k in refits) > 0, refits
     # The engine's occupancy (running sequences / its 8) and idle fraction, per step (rollout/occupancy.py): near
     # full while groups queue in it; the first step after the resume takes the groups the checkpoint saved, and
     # its window can be all idle (measured: 0.97, 0.98, 0.98 | 0.0, 0.97).
@@ -141,7 +175,7 @@ def test_the_audit_command_rescores_what_the_run_directory_keeps(run):
     out = last_json(run_cli("audit", str(d), "--sequences", "8").stdout)  # the run's audit.tolerance
     print(f"megatron-rl audit: {out['audited_sequences']} sequence(s), weights of versions {out['weights_versions']}, "
           f"per label { {k: v['max_abs_delta'] for k, v in out['by_mode'].items()} }")
-    assert out["weights_versions"] == [0, 3, 5] and out["audited_sequences"] >= 1
+    assert out["weights_versions"] == [0, 3, 4, 5] and out["audited_sequences"] >= 1
     assert out["numerics/audit_segments"] >= 1 and not out["failures"]
     assert out["numerics/audit_worst_abs_delta"] < AUDIT_TOLERANCE
     audited = {(s["version"], s["max_abs_delta"] is not None) for s in out["segments"]}
@@ -179,7 +213,7 @@ def test_replay_of_the_async_streaming_resumed_run_is_bit_identical(run):
     report = last_json(run_cli("replay", str(d), "--json").stdout)
     assert report["identical"] is True and report["first_difference"] is None, report
     assert [r["step"] for r in report["steps"]] == [1, 2, 3, 4, 5]
-    assert report["checkpoints"] == {"step_000003": True, "step_000005": True}
+    assert report["checkpoints"] == {"step_000003": True, "step_000004": True, "step_000005": True}
     with sqlite3.connect(d / "queue.db") as db:
         n, size = db.execute("SELECT count(*), sum(length(payload)) FROM traj").fetchone()
         kept_n, kept_size = db.execute("SELECT count(*), coalesce(sum(length(payload)), 0) FROM kept").fetchone()

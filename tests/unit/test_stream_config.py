@@ -188,7 +188,8 @@ def test_a_checkpoint_waits_for_a_group_admitted_while_it_paused():
             return {}
 
     drawn = []
-    producer = StreamProducer(Admission(), lambda serial: drawn.append(serial) or (lambda: [_sample([0]), _sample([0])]),
+    producer = StreamProducer(Admission(), lambda serial, indices=None: drawn.append(serial) or (
+                                  [serial], lambda: [_sample([0]), _sample([0])]),
                               lambda samples: [Graded() for _ in samples], steps=1, groups_per_step=2, group_size=2,
                               max_groups_in_flight=2)
     from megatron_rl.train.producer import TrainState
@@ -202,6 +203,86 @@ def test_a_checkpoint_waits_for_a_group_admitted_while_it_paused():
     assert pauser.is_alive(), "the pause returned while a group was being admitted"
     go.set()
     pauser.join(10)
-    # the one call admitted both groups of the batch: both were drawn and finished before the save
-    assert drawn == [0, 1] and sorted(r.index for r in paused[0]) == [0, 1]  # in the order they finished
+    # the one call admitted both groups of the batch: both were drawn before the save, and each is either
+    # finished (a round the checkpoint keeps) or in flight (generated again at resume), never neither nor both
+    finished, generating = [r.index for r in paused[0]], [g["serial"] for g in producer.in_flight()]
+    assert drawn == [0, 1] and sorted(finished + generating) == [0, 1]
     producer.stop()
+
+
+def test_a_checkpoint_keeps_groups_generating_and_a_resume_generates_them_again():
+    """A checkpoint's pause does not wait for the groups in flight (the engines are not drained): it names
+    them (serial, examples' indices, leases) and they finish after it; a run resumed from that checkpoint
+    draws nothing for them but generates the same examples again under the same serials and leases."""
+    import threading
+
+    from megatron_rl.train.producer import TrainState
+    from megatron_rl.train.stream_producer import StreamProducer
+
+    release, started = threading.Event(), threading.Event()
+
+    class Admission:  # test double of the coordinator: one batch of two groups, then nothing
+        config = type("C", (), {"lease_ttl_s": 60.0, "batch_size": 4})()
+        lookahead = 0
+        admission_epoch = 0
+        granted = False
+
+        def try_admit(self, n, **_):
+            if Admission.granted:
+                return []
+            Admission.granted = True
+            return [f"lease{k}" for k in range(n)]
+
+        def renew(self, leases):
+            return len(leases)
+
+        def release(self, leases):
+            pass
+
+        def wait_admission(self, epoch, timeout):
+            time.sleep(timeout)
+
+        def wake_admission(self):
+            pass
+
+    class Graded:
+        def to_dict(self):
+            return {}
+
+    calls = []
+
+    def prepare(serial, indices=None):
+        calls.append((serial, indices))
+        indices = [100 + serial] if indices is None else indices
+
+        def generate():
+            if serial == 1:  # group 1 is long: still generating at the checkpoint
+                started.set()
+                release.wait(10)
+            return [_sample([0]), _sample([0])]
+        return indices, generate
+
+    producer = StreamProducer(Admission(), prepare, lambda samples: [Graded() for _ in samples], steps=1,
+                              groups_per_step=2, group_size=2, max_groups_in_flight=2)
+    producer.start(TrainState(step=0, version=0))
+    assert started.wait(10)
+    deadline = time.monotonic() + 10
+    while producer.groups_done < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rounds = producer.pause()  # returns while group 1 still generates
+    saved = producer.in_flight()
+    assert [r.index for r in rounds] == [0]
+    assert saved == [{"serial": 1, "indices": [101], "leases": ["lease2", "lease3"]}]
+    release.set()
+    producer.unpause()
+    assert len(producer.next(0).samples) == 4  # both groups reach the learner
+    producer.stop()
+
+    calls.clear()
+    resumed = StreamProducer(Admission(), prepare, lambda samples: [Graded() for _ in samples], steps=1,
+                             groups_per_step=2, group_size=2, max_groups_in_flight=2)
+    resumed.start(TrainState(step=0, version=0, rounds=rounds, in_flight=saved))
+    batch = resumed.next(0)
+    resumed.stop()
+    assert calls == [(1, [101])]  # generated again from its recorded example; nothing new drawn
+    assert sorted(batch.leases) == ["lease0", "lease1", "lease2", "lease3"]
