@@ -41,7 +41,7 @@ import collections
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
@@ -67,8 +67,7 @@ class StreamProducer:
         self.groups_per_step, self.group_size = groups_per_step, group_size
         self.max_in_flight = max(1, max_groups_in_flight)
         self._groups: collections.deque = collections.deque()  # finished: (serial, samples, leases, seconds)
-        self._in_flight: dict[int, Future] = {}
-        self._drawn: dict[int, tuple[list[int], list[str]]] = {}  # serial in flight -> examples' indices, leases
+        self._in_flight: dict[int, tuple[list[int], list[str]]] = {}  # serial generating -> examples' indices, leases
         self._paused_in_flight: list[dict] = []  # what `pause` found generating (in_flight)
         self._pool = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="stream-group")
         self._grade_lock = threading.Lock()
@@ -133,8 +132,8 @@ class StreamProducer:
     def _submit(self, serial: int, indices: list[int], leases: list[str], generate: Callable[[], list]) -> None:
         with self._cond:
             self._floor[serial] = self._published
-            self._drawn[serial] = (indices, leases)
-            self._in_flight[serial] = self._pool.submit(self._one_group, serial, leases, generate)
+            self._in_flight[serial] = (indices, leases)
+            self._pool.submit(self._one_group, serial, leases, generate)
 
     def _admit_groups(self, groups: int, serial: int) -> list[str] | None:
         """Leases for 1 to `groups` prompt groups (from `serial` on), asked for in one coordinator call:
@@ -177,7 +176,6 @@ class StreamProducer:
         finally:
             with self._cond:
                 self._in_flight.pop(serial, None)
-                self._drawn.pop(serial, None)
                 self._cond.notify_all()
 
     def _oldest(self, group: tuple) -> int:
@@ -238,9 +236,9 @@ class StreamProducer:
         with self._cond:
             finished = [Round(serial, samples, leases, seconds) for serial, samples, leases, seconds in self._groups]
             done = {r.index for r in finished}  # a group that just finished is in both until its thread ends
-            self._paused_in_flight = [{"serial": serial, "indices": list(self._drawn[serial][0]),
-                                       "leases": list(self._drawn[serial][1])}
-                                      for serial in sorted(self._in_flight) if serial not in done]
+            self._paused_in_flight = [{"serial": serial, "indices": list(indices), "leases": list(leases)}
+                                      for serial, (indices, leases) in sorted(self._in_flight.items())
+                                      if serial not in done]
             return finished
 
     def in_flight(self) -> list[dict]:

@@ -147,6 +147,31 @@ def test_a_provisional_label_and_its_confirmed_one_make_one_segment():
     assert merged_segments(spans) == [[0, 5, 1, 1], [5, 9, 2, 1], [9, 12, 2, 2]]
 
 
+class _Admission:
+    """Test double of the coordinator's admission calls, as a StreamProducer makes them (a test sets try_admit)."""
+
+    config = type("C", (), {"lease_ttl_s": 60.0, "batch_size": 4})()
+    lookahead = 0
+    admission_epoch = 0
+
+    def renew(self, leases):
+        return len(leases)
+
+    def release(self, leases):
+        pass
+
+    def wait_admission(self, epoch, timeout):
+        time.sleep(timeout)
+
+    def wake_admission(self):
+        pass
+
+
+class _Graded:  # a grade as the producer stores it
+    def to_dict(self):
+        return {}
+
+
 def test_a_checkpoint_waits_for_a_group_admitted_while_it_paused():
     """The pause of a checkpoint must not return between a group's admission and its submission: that
     group's prompt would be drawn after the data cursor was saved (a double draw on resume)."""
@@ -156,9 +181,7 @@ def test_a_checkpoint_waits_for_a_group_admitted_while_it_paused():
 
     admitting, go = threading.Event(), threading.Event()
 
-    class Admission:  # test double of the coordinator: the first grant is slow
-        config = type("C", (), {"lease_ttl_s": 60.0, "batch_size": 4})()
-        lookahead = 0
+    class Admission(_Admission):  # the first grant is slow
         calls = 0
 
         def try_admit(self, n, **_):
@@ -169,28 +192,10 @@ def test_a_checkpoint_waits_for_a_group_admitted_while_it_paused():
                 return [f"lease{k}" for k in range(n)]
             return []
 
-        def renew(self, leases):
-            return len(leases)
-
-        def release(self, leases):
-            pass
-
-        admission_epoch = 0
-
-        def wait_admission(self, epoch, timeout):
-            time.sleep(timeout)
-
-        def wake_admission(self):
-            pass
-
-    class Graded:
-        def to_dict(self):
-            return {}
-
     drawn = []
     producer = StreamProducer(Admission(), lambda serial, indices=None: drawn.append(serial) or (
                                   [serial], lambda: [_sample([0]), _sample([0])]),
-                              lambda samples: [Graded() for _ in samples], steps=1, groups_per_step=2, group_size=2,
+                              lambda samples: [_Graded() for _ in samples], steps=1, groups_per_step=2, group_size=2,
                               max_groups_in_flight=2)
     from megatron_rl.train.producer import TrainState
 
@@ -221,10 +226,7 @@ def test_a_checkpoint_keeps_groups_generating_and_a_resume_generates_them_again(
 
     release, started = threading.Event(), threading.Event()
 
-    class Admission:  # test double of the coordinator: one batch of two groups, then nothing
-        config = type("C", (), {"lease_ttl_s": 60.0, "batch_size": 4})()
-        lookahead = 0
-        admission_epoch = 0
+    class Admission(_Admission):  # one batch of two groups, then nothing
         granted = False
 
         def try_admit(self, n, **_):
@@ -232,22 +234,6 @@ def test_a_checkpoint_keeps_groups_generating_and_a_resume_generates_them_again(
                 return []
             Admission.granted = True
             return [f"lease{k}" for k in range(n)]
-
-        def renew(self, leases):
-            return len(leases)
-
-        def release(self, leases):
-            pass
-
-        def wait_admission(self, epoch, timeout):
-            time.sleep(timeout)
-
-        def wake_admission(self):
-            pass
-
-    class Graded:
-        def to_dict(self):
-            return {}
 
     calls = []
 
@@ -262,7 +248,7 @@ def test_a_checkpoint_keeps_groups_generating_and_a_resume_generates_them_again(
             return [_sample([0]), _sample([0])]
         return indices, generate
 
-    producer = StreamProducer(Admission(), prepare, lambda samples: [Graded() for _ in samples], steps=1,
+    producer = StreamProducer(Admission(), prepare, lambda samples: [_Graded() for _ in samples], steps=1,
                               groups_per_step=2, group_size=2, max_groups_in_flight=2)
     producer.start(TrainState(step=0, version=0))
     assert started.wait(10)
@@ -279,7 +265,7 @@ def test_a_checkpoint_keeps_groups_generating_and_a_resume_generates_them_again(
     producer.stop()
 
     calls.clear()
-    resumed = StreamProducer(Admission(), prepare, lambda samples: [Graded() for _ in samples], steps=1,
+    resumed = StreamProducer(Admission(), prepare, lambda samples: [_Graded() for _ in samples], steps=1,
                              groups_per_step=2, group_size=2, max_groups_in_flight=2)
     resumed.start(TrainState(step=0, version=0, rounds=rounds, in_flight=saved))
     batch = resumed.next(0)
