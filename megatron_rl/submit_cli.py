@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from megatron_rl.config import ConfigError
+from megatron_rl.platform.local_ray import FORWARD_ALL
 
 TEMPLATE = ("megatron_rl", "slurm/train.sbatch.in")  # package, resource path inside it
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
@@ -65,6 +66,8 @@ def render(
         "VENV": shlex.quote(str(venv)),
         "OVERRIDES": " ".join(shlex.quote(o) for o in overrides),
         "EXTRA_DIRECTIVES": "\n".join(f"#SBATCH {e}" for e in extra),
+        # The Ray settings every node of a run needs, from the one table local runs use as well (a user's value wins).
+        "RAY_FORWARD_EXPORTS": "\n".join(f'export {k}="${{{k}:-{v}}}"' for k, v in sorted(FORWARD_ALL.items())),
         # The driver's command line after `megatron-rl` (an experiment's array task runs one of its runs).
         "DRIVER": " ".join(shlex.quote(a) for a in driver) if driver is not None else
         'train --config "$CONFIG" "run.dir=$RUN_DIR" "run.use_existing_ray=true"',

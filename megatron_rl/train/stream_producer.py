@@ -60,12 +60,12 @@ class StreamProducer:
         self.coordinator, self.steps = coordinator, steps
         self.loop = ProducerThread("stream-producer")
         self.leases = Leases(coordinator, quit=self.loop.quit_asked)
-        self._cond = self.loop.cond  # guards the groups below as well
         self.prepare_group, self.grade = prepare_group, grade
         self.engine_stats = engine_stats
         """The engines' occupancy since the last batch, as metrics (RolloutSource.engine_occupancy), or None."""
         self.groups_per_step, self.group_size = groups_per_step, group_size
         self.max_in_flight = max(1, max_groups_in_flight)
+        # The groups below are guarded by the loop's condition (self.loop.cond), as the loop's own state is.
         self._groups: collections.deque = collections.deque()  # finished: (serial, samples, leases, seconds)
         self._in_flight: dict[int, tuple[list[int], list[str]]] = {}  # serial generating -> examples' indices, leases
         self._paused_in_flight: list[dict] = []  # what `pause` found generating (in_flight)
@@ -106,11 +106,11 @@ class StreamProducer:
         last = (self.steps + self.coordinator.lookahead) * self.groups_per_step
         try:
             while serial < last:
-                with self._cond:
+                with self.loop.cond:
                     while (loop.paused or len(self._in_flight) >= self.max_in_flight) and not loop.stopping.is_set():
                         if loop.error is not None:
                             return
-                        self._cond.wait(0.1)
+                        self.loop.cond.wait(0.1)
                     if loop.stopping.is_set() or loop.error is not None:
                         return
                     free = self.max_in_flight - len(self._in_flight)
@@ -118,7 +118,7 @@ class StreamProducer:
                 try:
                     t0 = time.perf_counter()
                     leases = self._admit_groups(min(free, last - serial, self.groups_per_step), serial)
-                    with self._cond:
+                    with self.loop.cond:
                         self._spent["admit"] += time.perf_counter() - t0
                     for k in range(0, len(leases or []), self.group_size):
                         indices, generate = self.prepare_group(serial)  # the data cursor moves in serial order
@@ -130,7 +130,7 @@ class StreamProducer:
             loop.fail(err)
 
     def _submit(self, serial: int, indices: list[int], leases: list[str], generate: Callable[[], list]) -> None:
-        with self._cond:
+        with self.loop.cond:
             self._floor[serial] = self._published
             self._in_flight[serial] = (indices, leases)
             self._pool.submit(self._one_group, serial, leases, generate)
@@ -154,7 +154,7 @@ class StreamProducer:
             t1 = time.perf_counter()
             if any(not s.response_tokens for s in samples):  # an environment failed at reset: nothing to train
                 self.leases.give_back(leases)  # out of the keep-alive's renewals too
-                with self._cond:
+                with self.loop.cond:
                     self.groups_dropped += 1
                     self._floor.pop(serial, None)
                 logger.warning("prompt group %d dropped: its environment failed at reset (%s)", serial,
@@ -165,7 +165,7 @@ class StreamProducer:
             t2 = time.perf_counter()
             for sample, score in zip(samples, scores, strict=True):
                 sample.score = score
-            with self._cond:
+            with self.loop.cond:
                 self._groups.append((serial, samples, leases, time.perf_counter() - t0))
                 self.groups_done += 1
                 self._spent["generate"] += t1 - t0
@@ -174,9 +174,9 @@ class StreamProducer:
             self.loop.fail(err)
             raise
         finally:
-            with self._cond:
+            with self.loop.cond:
                 self._in_flight.pop(serial, None)
-                self._cond.notify_all()
+                self.loop.cond.notify_all()
 
     def _oldest(self, group: tuple) -> int:
         """The oldest version among a finished group's tokens (a group without tokens: its admission's)."""
@@ -194,7 +194,7 @@ class StreamProducer:
             self.loop.raise_if_failed()
             if self.loop.thread is None or (not self.loop.alive() and not self._in_flight):
                 raise RuntimeError(f"rollout producer stopped without producing batch {step}")
-            self._cond.wait(1.0)
+            self.loop.cond.wait(1.0)
         ordered = sorted(self._groups, key=lambda g: min(self._oldest(g), limit))  # the oldest of those first;
         # the others in the order they finished (a stable sort)
         taken = ordered[:self.groups_per_step]
@@ -206,7 +206,7 @@ class StreamProducer:
     def next(self, step: int) -> Round:
         """The first `groups_per_step` groups that finished (waiting for them; those that cannot wait longer
         first, see _take), as round `step`."""
-        with self._cond:
+        with self.loop.cond:
             self._published = max(self._published, step + self._offset)
             taken = self._take(step)
             samples = [s for g in taken for s in g[1]]
@@ -233,7 +233,7 @@ class StreamProducer:
         """Admit nothing more (waiting for an admission or a prompt draw under way); the finished groups not
         yet taken.  The groups in flight go on generating (`in_flight` names them as they were now)."""
         self.loop.pause(self.coordinator.wake_admission, busy=lambda: self.loop.busy and self.loop.alive())
-        with self._cond:
+        with self.loop.cond:
             finished = [Round(serial, samples, leases, seconds) for serial, samples, leases, seconds in self._groups]
             done = {r.index for r in finished}  # a group that just finished is in both until its thread ends
             self._paused_in_flight = [{"serial": serial, "indices": list(indices), "leases": list(leases)}

@@ -91,10 +91,10 @@ def test_a_group_that_would_fall_out_of_the_version_window_goes_into_this_batch(
     taker.start()
     taker.join(0.3)
     assert taker.is_alive(), "batch 1 went ahead without the group that cannot wait for batch 2"
-    with producer._cond:
+    with producer.loop.cond:
         producer._groups.append((0, [_sample([0, 1]), _sample([0, 1])], ["l0a", "l0b"], 9.0))
         producer._in_flight.pop(0)
-        producer._cond.notify_all()
+        producer.loop.cond.notify_all()
     taker.join(10)
     assert got[0].leases == ["l0a", "l0b"] and [g[0] for g in producer._groups] == [2, 3]
     producer._groups.append((4, [_sample([0]), _sample([0])], ["l4a", "l4b"], 1.0))  # finished last, oldest
