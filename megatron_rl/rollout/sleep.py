@@ -84,12 +84,22 @@ def choose_sleep(*, placement: str, device: str, mode: str, requested: bool | No
     return False, why_not
 
 
-def ray_call(workers: list, method: str, *args) -> list:
-    """Call `method` on every RolloutWorker actor at once; per worker, its result or the exception
-    it raised (one engine failing does not hide whether the others slept or woke)."""
+def engine_sleep(worker):
+    """The rollout worker's sleep (RolloutWorker.sleep(level)), as a Ray actor method."""
+    return worker.sleep
+
+
+def engine_wake_up(worker):
+    """The rollout worker's wake_up (RolloutWorker.wake_up(tags)), as a Ray actor method."""
+    return worker.wake_up
+
+
+def ray_call(workers: list, method: Callable, *args) -> list:
+    """Call `method(worker)` (engine_sleep, engine_wake_up) on every RolloutWorker actor at once; per worker,
+    its result or the exception it raised (one engine failing does not hide whether the others slept or woke)."""
     import ray
 
-    refs = [getattr(w, method).remote(*args) for w in workers]
+    refs = [method(w).remote(*args) for w in workers]
     out = []
     for ref in refs:
         try:
@@ -131,7 +141,7 @@ class SleepCycle:
         self.sleeping = [w for w in self.sleeping if w in live]
         return self.sleeping
 
-    def _apply(self, workers: list, method: str, *args) -> tuple[list, BaseException | None]:
+    def _apply(self, workers: list, method: Callable, *args) -> tuple[list, BaseException | None]:
         """Call `method` on `workers`: the workers it succeeded on, and the first failure (or None)."""
         if not workers:
             return [], None
@@ -148,7 +158,7 @@ class SleepCycle:
         awake = [w for w in self.workers() if w not in sleeping]
         if not awake:
             return
-        done, err = self._apply(awake, "sleep", LEVEL)
+        done, err = self._apply(awake, engine_sleep, LEVEL)
         self.sleeping.extend(done)
         if done:
             self.sleeps += 1
@@ -160,7 +170,7 @@ class SleepCycle:
         if not self.enabled:
             return
         sleeping = list(self._live_sleeping())
-        done, err = self._apply(sleeping, "wake_up", None)
+        done, err = self._apply(sleeping, engine_wake_up, None)
         self.sleeping = [w for w in self.sleeping if w not in done]
         if err is not None:
             raise err

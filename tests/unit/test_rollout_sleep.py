@@ -16,6 +16,13 @@ from megatron_rl.rollout.sleep import LEVEL, SleepCycle
 pytestmark = pytest.mark.unit
 
 
+class MethodName:
+    """A stand-in worker whose every method is its name."""
+
+    def __getattr__(self, name):
+        return name
+
+
 class Engines:
     """Records each call the cycle makes on the fleet (the real one goes through Ray, ray_call).
     `fail_wake` whole calls raise; `fail` maps (method, worker) to how many of its calls fail (the
@@ -25,6 +32,7 @@ class Engines:
         self.calls, self.fail_wake, self.fail = [], fail_wake, dict(fail or {})
 
     def __call__(self, workers, method, *args):
+        method = method(MethodName())  # engine_sleep / engine_wake_up pick a worker's method: record its name
         if method == "wake_up" and self.fail_wake:
             self.fail_wake -= 1
             raise RuntimeError("engine died while waking (injected)")
