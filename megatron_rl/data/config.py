@@ -17,6 +17,9 @@ from typing import Any, Literal, Optional
 from megatron_rl.config import ConfigError
 from megatron_rl.envs.config import EnvConfig
 
+RUNNING_SUM_OPTIONS = {"min_digits", "max_digits", "carry_slip", "slip_from"}
+"""data.generator_config keys of task running_sum: make_running_sum's options (data/running_sum.py)."""
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -27,8 +30,8 @@ class DataConfig:
     generator: Optional[str] = None
     """reasoning-gym dataset name, e.g. chain_sum, basic_arithmetic, countdown (task=reasoning_gym)."""
     generator_config: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the reasoning-gym generator (task=reasoning_gym), or running_sum's min_digits and
-    max_digits (task=running_sum)."""
+    """Keyword arguments of the reasoning-gym generator (task=reasoning_gym), or running_sum's min_digits,
+    max_digits, carry_slip and slip_from (task=running_sum; data/running_sum.py)."""
     train_size: int = 2000
     """Training examples drawn from the generator (task=reasoning_gym, running_sum or env)."""
     holdout_size: int = 200
@@ -86,9 +89,9 @@ class DataConfig:
             raise ConfigError("data.task 'env' takes its examples from the environment, but data.env.name is unset")
         if self.task == "jsonl" and not self.train_file:
             raise ConfigError("data.train_file is required when data.task is 'jsonl'")
-        if self.task == "running_sum" and not set(self.generator_config) <= {"min_digits", "max_digits"}:
-            raise ConfigError(f"data.generator_config of task running_sum takes min_digits and max_digits, got "
-                              f"{sorted(self.generator_config)}")
+        if self.task == "running_sum" and not set(self.generator_config) <= RUNNING_SUM_OPTIONS:
+            raise ConfigError(f"data.generator_config of task running_sum takes "
+                              f"{', '.join(sorted(RUNNING_SUM_OPTIONS))}, got {sorted(self.generator_config)}")
         if self.task == "reasoning_gym" and not self.generator:
             raise ConfigError("data.generator (a reasoning-gym dataset name) is required when data.task is "
                               "'reasoning_gym'")

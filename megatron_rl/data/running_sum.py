@@ -45,9 +45,17 @@ SHARED_BELOW = 3
 
 
 def make_running_sum(seed: int = 0, *, min_digits: int = 1, max_digits: int = 14, train_size: int = 20000,
-                     dev_size: int = 200, test_size: int = 200) -> dict[str, Dataset]:
+                     dev_size: int = 200, test_size: int = 200, carry_slip: float = 0.0,
+                     slip_from: int = 1) -> dict[str, Dataset]:
     """Deterministic train/dev/test splits of the running_sum task, held-out lists of SHARED_BELOW digits or
-    more never in train."""
+    more never in train.  `carry_slip`: the train split's worked solutions (SFT's targets) come from a careless
+    teacher who, at each step that adds a digit of `slip_from` or more and carries into the tens, drops the
+    carry with this probability and goes on from the wrong total (module docstring); answers, and every
+    held-out split, stay right."""
+    if not 0.0 <= carry_slip < 1.0:
+        raise ValueError(f"carry_slip must be in [0, 1), got {carry_slip}")
+    if not 1 <= slip_from <= 9:
+        raise ValueError(f"slip_from must be a digit in 1-9, got {slip_from}")
     if not 1 <= min_digits <= max_digits <= MAX_DIGITS:
         raise ValueError(f"need 1 <= min_digits <= max_digits <= {MAX_DIGITS}, got {min_digits}, {max_digits}")
     if min(train_size, dev_size, test_size) < 1:
@@ -62,8 +70,11 @@ def make_running_sum(seed: int = 0, *, min_digits: int = 1, max_digits: int = 14
         drawn = [_draw(rng, min_digits, max_digits, held) for _ in range(size)]
         if split != "train":
             held.update(d for d in drawn if len(d) >= SHARED_BELOW)
+        slip = carry_slip if split == "train" else 0.0
+        teacher = random.Random(f"{TASK_NAME}:{seed}:teacher")
         splits[split] = Dataset(name=TASK_NAME, split=split, examples=[
-            running_sum_example(d, f"{TASK_NAME}-{split}{i}") for i, d in enumerate(drawn)])
+            running_sum_example(d, f"{TASK_NAME}-{split}{i}", slip=slip, slip_from=slip_from, rng=teacher)
+            for i, d in enumerate(drawn)])
     return splits
 
 
@@ -75,16 +86,21 @@ def _draw(rng: random.Random, min_digits: int, max_digits: int, held: set) -> tu
             return digits
 
 
-def running_sum_example(digits: tuple[int, ...], prefix: str = TASK_NAME) -> Example:
-    """One list: its lettered prompt, its total and the worked solution (letter, total so far; per digit)."""
+def running_sum_example(digits: tuple[int, ...], prefix: str = TASK_NAME, *, slip: float = 0.0, slip_from: int = 1,
+                        rng: random.Random | None = None) -> Example:
+    """One list: its lettered prompt, its total and the worked solution (letter, total so far; per digit).
+    With `slip` > 0 the solution is a careless teacher's: a step that adds a digit of `slip_from` or more and
+    carries into the tens drops the carry with probability `slip` (drawn from `rng`), and the steps after it
+    add to the wrong total.  The answer is the true total whatever the solution says."""
     letters = string.ascii_lowercase
-    total, steps = 0, []
+    written, steps = 0, []
     for letter, d in zip(letters, digits):
-        total += d
-        steps.append(f"{letter}{total}")
+        carries = d >= slip_from and written % 10 + d >= 10
+        written += d - (10 if carries and slip and rng.random() < slip else 0)
+        steps.append(f"{letter}{written}")
     return Example(id=f"{prefix}-{''.join(map(str, digits))}",
                    question="".join(f"{letter}{d}" for letter, d in zip(letters, digits)),
-                   answer=str(total), solution="".join(steps))
+                   answer=str(sum(digits)), solution="".join(steps))
 
 
 def running_sum_reward(*, prompt: str, response: str, answer: str, question: str, **_: object) -> dict[str, float]:

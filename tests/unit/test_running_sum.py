@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_rl.config import ConfigError, DataError
@@ -51,8 +53,38 @@ def test_bad_sizes_are_refused_with_the_reason():
         make_running_sum(min_digits=1, max_digits=2, train_size=100)
     with pytest.raises(DataError, match="generator_config"):
         load_task(DataConfig(task="running_sum", generator_config={"max_digits": 40}))
-    with pytest.raises(ConfigError, match="min_digits and max_digits"):
+    with pytest.raises(ConfigError, match="carry_slip, max_digits, min_digits, slip_from, got .'digits'"):
         DataConfig(task="running_sum", generator_config={"digits": 3})
+    with pytest.raises(ValueError, match="carry_slip must be in"):
+        make_running_sum(carry_slip=1.0)
+    with pytest.raises(DataError, match="slip_from must be a digit"):
+        load_task(DataConfig(task="running_sum", generator_config={"carry_slip": 0.5, "slip_from": 10}))
+
+
+def test_a_careless_teacher_drops_carries_in_train_solutions_only_and_answers_stay_right():
+    """carry_slip: SFT's targets carry the teacher's slips (a dropped carry, the steps after it consistent
+    with the wrong total); answers and the held-out splits do not."""
+    digits = (3, 9, 8, 1)  # steps 3 -> 12 (a carry adding 9) -> 20 (a carry adding 8) -> 21
+
+    class Always:  # a teacher who slips at every step it may slip
+        def random(self):
+            return 0.0
+
+    assert running_sum_example(digits, slip=0.5, rng=Always()).solution == "a3b2c0d1"  # both carries dropped
+    assert running_sum_example(digits, slip=0.5, slip_from=9, rng=Always()).solution == "a3b2c10d11"
+    assert running_sum_example(digits, slip=0.5, rng=Always()).answer == "21"
+    clean, careless = make_running_sum(train_size=3000), make_running_sum(train_size=3000, carry_slip=0.6, slip_from=8)
+    for split in ("dev", "test"):
+        assert [ex.solution for ex in careless[split]] == [ex.solution for ex in clean[split]]
+    assert [ex.answer for ex in careless["train"]] == [ex.answer for ex in clean["train"]]
+    wrong = [not ex.solution.endswith(ex.answer) for ex in careless["train"]]
+    # Lists with a carry adding 8 or 9 are slipped 6 times in 10: about half the solutions end wrong.
+    assert 0.35 < sum(wrong) / len(wrong) < 0.6
+    for ex in careless["train"]:  # a slip takes 10 off a step that carried, never anything else
+        steps = [int(s) for s in re.findall(r"[a-z](\d+)", ex.solution)]
+        adds = [int(c) for c in ex.question[1::2]]
+        for before, after, d in zip([0] + steps, steps, adds):
+            assert after - before in (d, d - 10) and (after - before == d or (d >= 8 and before % 10 + d >= 10))
 
 
 def test_load_task_gives_the_splits_and_template():
