@@ -1,8 +1,7 @@
 """Multi-turn episodes on a streaming rollout engine (issue 28, scheduling): turns are requests, tools run off the loop.
 
-    spec = EpisodeSpec.from_config(env_cfg)                       # envs/config.py EnvConfig, as a plain dict on the wire
-    play = EpisodePlayer(spec, tokenizer_dir, max_tokens_per_turn=64)
-    samples = await play.group(stream, rid, examples, params, n, info, checked_weights)   # on the engine's loop
+    play = EpisodePlayer(env_cfg, tokenizer_dir, max_tokens_per_turn=64)   # envs/config.py EnvConfig (or its dict)
+    samples = await play.group(stream, rid, examples, params, n, info, weights_of)   # on the engine's loop
 
 An episode (envs/runner.py) is one token sequence.  Each assistant turn is one request to the engine with the
 whole sequence so far as its prompt (token-in/token-out: nothing is re-rendered), so its prefix comes from
