@@ -17,7 +17,8 @@ with version 0 before the first update.  coordinator.backpressure_d_lag_p95=0 pu
 from the first learner report (fp32 CPU D_lag is ~1e-6 > 0), so admission uses eta 0: round r can
 only be admitted once accepted + running + B <= (v + 1) B, i.e. at version v >= r, and every round
 from 3 on is learned with Δv = 0, whatever the timing.  Without the throttle the producer may sample
-round 3 with version 1 (Δv 2).  (B shares A's start-up instead of a run of its own.)
+round 3 with version 1 (Δv 2).  (B shares A's start-up instead of a run of its own.)  B keeps what it
+consumed (coordinator.keep_consumed), and `megatron-rl replay` re-runs its learner side bit for bit.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ import pytest
 
 from megatron_rl.experiment.runner import shared_ray_cluster
 from megatron_rl.trajectory import Trajectory
-from tests.e2e.conftest import REPO, TINY, last_json, read_jsonl
+from tests.e2e.conftest import REPO, TINY, last_json, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.own_ray("what it tests is the experiment runner's own shared cluster (shared_ray_cluster)")]
 
 COMMON = ["run.eval_every=0", "data.eval_size=8", "run.use_existing_ray=true", "rollout.engine_in_process=true"]
 BACKPRESSURE = ["run.mode=async", "coordinator.max_staleness=2", "coordinator.max_version_lag=2",
-                "coordinator.backpressure_d_lag_p95=0"]
+                "coordinator.backpressure_d_lag_p95=0", "coordinator.keep_consumed=true"]  # (kept: replay reads them)
 
 
 def wal_trajectories(run_dir) -> list[Trajectory]:
@@ -125,3 +126,13 @@ def test_a_resumed_run_with_its_budget_spent_logs_its_final_eval_once(two_runs):
     acc = EventAccumulator(str(d / "metrics" / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("eval/test_correctness")] == [0, first["steps"]]
+
+
+def test_replay_of_the_six_step_async_run_is_bit_identical(two_runs):
+    """Exact replay of an async run of rounds (issue 47 item 4; the streaming one: tests/e2e/test_streaming.py):
+    run B's learner side again from its log, no engines and no Ray, every step's loss and grad norm and its
+    checkpoint's weight digest bit for bit."""
+    report = last_json(run_cli("replay", str(two_runs.dir / "b"), "--json").stdout)
+    assert report["identical"] is True and report["first_difference"] is None, report
+    assert [r["step"] for r in report["steps"]] == [1, 2, 3, 4, 5, 6]
+    assert report["checkpoints"] == {"step_000006": True}
