@@ -29,9 +29,11 @@ result.json records the tokens it generated and the budget that stopped it.  Und
 The analysis (report.py) pairs runs on (seed, test example): every arm's per-example correctness on the
 hidden test split (written by each run's final eval) against the baseline arm's on the same
 seed and example.  The 95% CI of the mean difference comes from SciPy's paired bootstrap
-(`scipy.stats.bootstrap(..., paired=True)`, resampling (seed, example) pairs).  The verdict:
-"supported" when the CI's lower bound is above 0 and the mean difference reaches the minimal
-effect, "contradicted" when the CI's upper bound is below 0, else "inconclusive"; fewer than
-3 seeds is "exploratory" (no verdict).  `report.json`, `report.md` and PNG plots (test
+(`scipy.stats.bootstrap(..., paired=True)`, resampling (seed, example) pairs).  The verdict, by the
+registered test (preregistration.test): superiority (the default) is "supported" when the CI's lower
+bound is above 0 and the mean difference reaches the minimal effect, "contradicted" when the CI's upper
+bound is below 0; non_inferiority is "supported" when the lower bound is above -minimal_effect,
+"contradicted" when the upper bound is below it; else "inconclusive"; fewer than 3 seeds is
+"exploratory" (no verdict).  `report.json`, `report.md` and PNG plots (test
 correctness per arm with its CI, dev correctness curves with seed bands) land in DIR.
 """

@@ -36,8 +36,13 @@ class Preregistration:
     """Smallest mean difference (arm - baseline) that counts as an effect."""
     alpha: float = 0.05
     """1 - confidence of the bootstrap interval."""
+    test: str = "superiority"
+    """"superiority": an arm beats the baseline (CI above 0, mean difference >= minimal_effect); "non_inferiority":
+    an arm loses no more than minimal_effect (CI lower bound above -minimal_effect; report.py verdict)."""
 
     def __post_init__(self) -> None:
+        if self.test not in ("superiority", "non_inferiority"):
+            raise ConfigError(f"preregistration.test must be 'superiority' or 'non_inferiority', got {self.test!r}")
         if self.primary_metric != "test_correctness":
             raise ConfigError(f"preregistration.primary_metric must be 'test_correctness', got {self.primary_metric!r}")
         if not 0 < self.alpha < 0.5:

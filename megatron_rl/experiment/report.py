@@ -150,8 +150,13 @@ def _nanmean(values: list[float]) -> float:
 
 
 def verdict(diff: float, lo: float, hi: float, pre, cfg: ExperimentConfig) -> str:
+    """The registered test's verdict on one arm's CI [lo, hi] against the baseline (module docstring)."""
     if len(cfg.seeds) < MIN_SEEDS:
         return "exploratory"
+    if pre.test == "non_inferiority":
+        if lo > -pre.minimal_effect:
+            return "supported"
+        return "contradicted" if hi < -pre.minimal_effect else "inconclusive"
     if lo > 0 and diff >= pre.minimal_effect:
         return "supported"
     if hi < 0:

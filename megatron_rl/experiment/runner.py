@@ -39,7 +39,10 @@ RESULT_KEYS = ("steps", "generated_tokens", "stopped", "stopped_at_step")
 
 def preregister(cfg: ExperimentConfig) -> dict:
     """Write DIR/preregistration.json before any run; refuse to go on if it exists and differs."""
-    record = {"preregistration": dataclasses.asdict(cfg.preregistration), "base": cfg.base,
+    pre = dataclasses.asdict(cfg.preregistration)
+    if pre["test"] == "superiority":  # the default: registrations written before the field existed lack it
+        del pre["test"]
+    record = {"preregistration": pre, "base": cfg.base,
               "arms": {k: _arm_record(v) for k, v in cfg.arms.items()}, "seeds": cfg.seeds,
               "overrides": cfg.overrides}
     if cfg.budget_generated_tokens is not None:  # the equal budget is part of the design

@@ -9,23 +9,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_rl.experiment.config import load_experiment
+from types import SimpleNamespace
+
+from megatron_rl.config import ConfigError
+from megatron_rl.experiment.config import Preregistration, load_experiment
 from megatron_rl.experiment.runner import preregister, run_all
 from megatron_rl.experiment.runs import Outcome, plan_run
-from megatron_rl.experiment.report import paired_difference_ci, write_report
+from megatron_rl.experiment.report import paired_difference_ci, verdict, write_report
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _experiment(tmp_path, hypothesis="GRPO beats SFT", seeds=(0, 1, 2), **fields):
+def _experiment(tmp_path, hypothesis="GRPO beats SFT", seeds=(0, 1, 2), preregistration_test=None, **fields):
     path = tmp_path / "exp.yaml"
     path.write_text(json.dumps({
         "shared_ray": False,  # unit tests: no Ray (tests/e2e/test_shared_ray.py runs the shared cluster)
         **fields,
         "base": str(REPO / "configs" / "tiny_cpu.yaml"), "dir": str(tmp_path / "exp"), "seeds": list(seeds),
-        "preregistration": {"hypothesis": hypothesis, "baseline_arm": "sft", "minimal_effect": 0.05},
+        "preregistration": {"hypothesis": hypothesis, "baseline_arm": "sft", "minimal_effect": 0.05,
+                            **({"test": preregistration_test} if preregistration_test else {})},
         "arms": {"sft": {"command": "sft", "overrides": ["sft.steps=3"]},
                  "grpo": {"command": "train", "init_from": "sft", "overrides": ["run.steps=4"]}}}))
     return load_experiment(path)
@@ -298,3 +302,36 @@ def test_a_runs_costs_hold_its_step_time_p99_and_its_longest_response(tmp_path):
     assert costs["step_time_p99_s"] == pytest.approx(99.01)
     assert costs["response_length_max"] == 24.0
     assert costs["loop_s"] == sum(range(1, 101))
+
+
+def test_the_verdict_follows_the_registered_test():
+    """Superiority (the default) against non-inferiority, on the same intervals; testbed_normalisation's
+    sequence - token -0.018 [-0.038, +0.002] is non-inferior at 0.05, and not a superiority result."""
+    three = SimpleNamespace(seeds=[0, 1, 2])
+    sup = Preregistration(hypothesis="h", baseline_arm="b", minimal_effect=0.05)
+    non = Preregistration(hypothesis="h", baseline_arm="b", minimal_effect=0.05, test="non_inferiority")
+    cases = [((0.10, 0.06, 0.14), "supported", "supported"),
+             ((0.03, 0.01, 0.05), "inconclusive", "supported"),   # above 0, below the minimal effect
+             ((-0.018, -0.038, 0.002), "inconclusive", "supported"),
+             ((-0.04, -0.08, -0.01), "contradicted", "inconclusive"),
+             ((-0.10, -0.14, -0.06), "contradicted", "contradicted")]
+    for (diff, lo, hi), want_sup, want_non in cases:
+        assert verdict(diff, lo, hi, sup, three) == want_sup, (diff, lo, hi)
+        assert verdict(diff, lo, hi, non, three) == want_non, (diff, lo, hi)
+    assert verdict(0.10, 0.06, 0.14, non, SimpleNamespace(seeds=[0])) == "exploratory"
+    with pytest.raises(ConfigError, match="preregistration.test must be 'superiority' or 'non_inferiority'"):
+        Preregistration(hypothesis="h", baseline_arm="b", test="equivalence")
+
+
+def test_a_non_inferiority_test_is_part_of_the_registration(tmp_path):
+    """A superiority registration is written as before (older experiment dirs still match); a non-inferiority
+    one records its test, and changing the test after runs started is refused."""
+    preregister(_experiment(tmp_path))
+    assert "test" not in json.loads((tmp_path / "exp" / "preregistration.json").read_text())["preregistration"]
+    with pytest.raises(ValueError, match="cannot change after runs started"):
+        preregister(_experiment(tmp_path, preregistration_test="non_inferiority"))
+    other = tmp_path / "other"
+    other.mkdir()
+    preregister(_experiment(other, preregistration_test="non_inferiority"))
+    assert json.loads((other / "exp" / "preregistration.json").read_text())["preregistration"]["test"] == \
+        "non_inferiority"
