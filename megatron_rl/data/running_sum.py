@@ -65,13 +65,13 @@ def make_running_sum(seed: int = 0, *, min_digits: int = 1, max_digits: int = 14
                          f"out; at least one length >= {SHARED_BELOW} is needed")
     rng = random.Random(f"{TASK_NAME}:{seed}:{min_digits}:{max_digits}")
     held: set[tuple[int, ...]] = set()
+    teacher = random.Random(f"{TASK_NAME}:{seed}:teacher")  # draws only for train's solutions (carry_slip)
     splits = {}
     for split, size in (("test", test_size), ("dev", dev_size), ("train", train_size)):
         drawn = [_draw(rng, min_digits, max_digits, held) for _ in range(size)]
         if split != "train":
             held.update(d for d in drawn if len(d) >= SHARED_BELOW)
         slip = carry_slip if split == "train" else 0.0
-        teacher = random.Random(f"{TASK_NAME}:{seed}:teacher")
         splits[split] = Dataset(name=TASK_NAME, split=split, examples=[
             running_sum_example(d, f"{TASK_NAME}-{split}{i}", slip=slip, slip_from=slip_from, rng=teacher)
             for i, d in enumerate(drawn)])

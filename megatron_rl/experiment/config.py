@@ -20,6 +20,7 @@ Command = Literal["sft", "train"]
 COMMANDS = get_args(Command)
 Runner = Literal["process", "in_process", "pooled"]
 RUNNERS = get_args(Runner)
+Test = Literal["superiority", "non_inferiority"]
 REPLACED = ("in_process", "pool_engines")
 """Experiment keys of earlier versions (both are `runner` now)."""
 
@@ -36,12 +37,12 @@ class Preregistration:
     """Smallest mean difference (arm - baseline) that counts as an effect."""
     alpha: float = 0.05
     """1 - confidence of the bootstrap interval."""
-    test: str = "superiority"
+    test: Test = "superiority"
     """"superiority": an arm beats the baseline (CI above 0, mean difference >= minimal_effect); "non_inferiority":
     an arm loses no more than minimal_effect (CI lower bound above -minimal_effect; report.py verdict)."""
 
     def __post_init__(self) -> None:
-        if self.test not in ("superiority", "non_inferiority"):
+        if self.test not in get_args(Test):
             raise ConfigError(f"preregistration.test must be 'superiority' or 'non_inferiority', got {self.test!r}")
         if self.primary_metric != "test_correctness":
             raise ConfigError(f"preregistration.primary_metric must be 'test_correctness', got {self.primary_metric!r}")
