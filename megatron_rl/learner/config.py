@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
-from megatron_rl.models.lora import LoraConfig
+from megatron_rl.models.lora_config import LoraConfig
 from megatron_rl.platform.cores import parse_cores
 
 

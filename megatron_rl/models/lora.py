@@ -1,5 +1,5 @@
-"""LoRA (Hu et al. 2021, eq. 3: h = W0 x + (alpha / r) B A x) on the GPT model's linear layers, and the
-`learner.lora:` section of the run config that asks for it.
+"""LoRA (Hu et al. 2021, eq. 3: h = W0 x + (alpha / r) B A x) on the GPT model's linear layers (the
+`learner.lora:` section of the run config that asks for it: models/lora_config.py).
 
     lora = LoraConfig(enabled=True, rank=8, alpha=16, target_modules=["qkv", "proj"])
     learner = Learner(LearnerConfig(lora=lora, ...), hf_cfg)      # adapters on its model, only they train
@@ -37,109 +37,31 @@ Initialisation: B = 0, so step 0 is the base model; A ~ U(-1/sqrt(in), 1/sqrt(in
 with a = sqrt(5), as nn.Linear and PEFT), drawn whole from a generator seeded by (lora.seed, global
 layer, module) and then split: every TP layout starts from the same adapters.
 
-Not yet (issue 29; train/config.py refuses learner.lora.enabled until then):
-  publication  canonical_params leaves the adapters out, so today a run would publish the frozen base.
-               Adapter-only: gather each tensor over TP by its layout (tp_gather), then the PEFT names:
-               qkv's one A serves q/k/v and its B splits per KV group like linear_qkv.weight; fc1's A
-               serves gate/up and its B splits into halves; rank r and alpha / r are unchanged.
-  reference    build_gpt_model without lora is the base: the reference can run the policy's own model
-               with the hooks skipped instead of a second copy of the weights.
-  checkpoints  Megatron's linear sharded_state_dict takes child tensors as replicated; the split
-               ones (B of qkv/fc1, with fc1's gate/up interleave; A of proj/fc2) need their own axes,
-               and a checkpoint should hold the adapters, their optimizer state and the base's digest.
-  planner      gradients and optimizer state of the adapters only.
-  refused      MoE experts (per-expert adapters in the expert-parallel buffers), sequence parallelism
-               (h gathered / reduce-scattered over the sequence, replicated grads summed over TP), and
-               Transformer Engine's fused norm + qkv/fc1 (needs the normed input).
+The rest of LoRA lives beside its users:
+  publication  adapters only, gathered over TP and renamed to PEFT's names (publish/adapter_source.py); the
+               engines serve each version as a vLLM adapter on the base (publish/vllm_adapters.py).
+  checkpoints  the adapters, their optimizer state and the base's digest (models/lora_checkpoint.py);
+               export as a PEFT adapter or merged into the base (conversion/lora_export.py, lora_io.py).
+  reference    the policy's own model under adapters_off below (no second copy of the weights).
+  planner      gradients and optimizer state of the adapters only (planner/ledger.py).
+  refused      model_problem below: MoE experts, sequence parallelism, Transformer Engine's fused norm +
+               qkv/fc1 (it hides the normed input an adapter needs).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.models.lora_config import TARGET_MODULES, VLLM_LORA_RANKS, LoraConfig  # noqa: F401 (re-exported)
 from megatron_rl.models.tp_layout import tp_shard
 
-TARGET_MODULES = {
-    "qkv": "attention's fused query/key/value projection (linear_qkv, column parallel)",
-    "proj": "attention's output projection (linear_proj, row parallel)",
-    "fc1": "the MLP's up and gate projection (linear_fc1, column parallel)",
-    "fc2": "the MLP's down projection (linear_fc2, row parallel)",
-}
-"""The linear layers an adapter can sit beside, by the name `learner.lora.target_modules` uses."""
 _SITES = {"qkv": ("self_attention", "linear_qkv", "column"), "proj": ("self_attention", "linear_proj", "row"),
           "fc1": ("mlp", "linear_fc1", "column"), "fc2": ("mlp", "linear_fc2", "row")}
 """target -> (the layer's submodule, the linear's attribute in it, how Megatron splits it)."""
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM takes as max_lora_rank (vllm/config/lora.py, MaxLoRARanks): the rollout engines serve an
-adapter of rank r with the smallest of them >= r, so a LoRA run's rank can be at most the last."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class LoraConfig:
-    """Low-rank adapters on a frozen base: which layers get them, their rank and scale."""
-
-    enabled: bool = False
-    """Train adapters only; the base weights stay frozen (false: every parameter trains)."""
-    rank: int = 16
-    """r: the inner dimension of each adapter (A is [r, in], B is [out, r])."""
-    alpha: float = 32.0
-    """The adapter's output is scaled by alpha / rank."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input while training.  0 suits RL: with dropout the training forward
-    is not the policy whose logprobs scored the rollout."""
-    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(TARGET_MODULES))
-    """Which linear layers of every transformer layer get an adapter: any of qkv, proj, fc1, fc2."""
-    seed: int = 0
-    """Seed of the A matrices' initialisation (B starts at zero)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"learner.lora.rank must be a positive integer, got {self.rank!r}")
-        if self.enabled and self.rank > VLLM_LORA_RANKS[-1]:
-            raise ValueError(f"learner.lora.rank {self.rank} is more than the rollout engines serve: vLLM's LoRA "
-                             f"takes rank <= {VLLM_LORA_RANKS[-1]} (max_lora_rank one of {list(VLLM_LORA_RANKS)})")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
-            raise ValueError(f"learner.lora.alpha must be > 0, got {self.alpha!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ValueError(f"learner.lora.dropout must be in [0, 1), got {self.dropout!r}")
-        targets = list(self.target_modules)
-        if not targets:
-            raise ValueError(f"learner.lora.target_modules must name at least one of {', '.join(TARGET_MODULES)}")
-        for name in targets:
-            if name not in TARGET_MODULES:
-                raise ValueError(f"learner.lora.target_modules: unknown module {name!r}; the modules are "
-                                 + "; ".join(f"{k}: {v}" for k, v in TARGET_MODULES.items()))
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"learner.lora.target_modules names a module twice: {targets}")
-        self.target_modules = targets
-
-    @property
-    def label(self) -> str:
-        """What trains, for the run manifest, the summary and reports: "full" or the LoRA settings."""
-        if not self.enabled:
-            return "full"
-        return f"LoRA rank {self.rank}, alpha {self.alpha:g} ({', '.join(self.target_modules)}; base frozen)"
-
-    def serving(self, versions: int) -> dict:
-        """What the rollout engines of a run with these adapters serve (RolloutConfig.adapter): each version
-        an adapter on the base, the newest `versions` kept (the coordinator's admissible window)."""
-        return {**self.record(), "versions": int(versions)}
-
-    def record(self) -> dict:
-        """The adapters' shape and scale as plain data (a checkpoint's lora.json, models/lora_checkpoint.py)."""
-        return {"rank": self.rank, "alpha": float(self.alpha), "target_modules": list(self.target_modules)}
-
-    @property
-    def scaling(self) -> float:
-        """alpha / r, the factor on B A x."""
-        return float(self.alpha) / self.rank
 
 
 def model_problem(lora: LoraConfig, hf_cfg, config, platform) -> str | None:

@@ -15,14 +15,24 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_rl.te_import import TEUnavailable
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""The dtypes a learner computes in, by their config name -> torch's.  torch is imported where a platform is
+detected, not with the package: its pure-Python modules (cores, local_ray, listen) stay light."""
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +54,7 @@ class Platform:
 
     @property
     def dtype_name(self) -> str:
-        return next(name for name, dt in DTYPES.items() if dt == self.dtype)
+        return next(name for name in DTYPE_NAMES if torch_dtype(name) == self.dtype)
 
 
 def _te_available() -> bool:
@@ -67,8 +77,10 @@ def detect_platform(device: str | None = None, dtype: str | None = None) -> Plat
     """
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    import torch
+
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise ValueError("device='cuda' requested but torch.cuda.is_available() is False")
@@ -77,10 +89,10 @@ def detect_platform(device: str | None = None, dtype: str | None = None) -> Plat
         return Platform(
             device=torch.device("cuda", index),
             backend="nccl",
-            dtype=DTYPES[dtype or "bf16"],
+            dtype=torch_dtype(dtype or "bf16"),
             use_te=_te_available(),
         )
-    return Platform(device=torch.device("cpu"), backend="gloo", dtype=DTYPES[dtype or "fp32"], use_te=False)
+    return Platform(device=torch.device("cpu"), backend="gloo", dtype=torch_dtype(dtype or "fp32"), use_te=False)
 
 
 def apply_determinism(deterministic: bool | None, cuda: bool) -> bool:
@@ -92,6 +104,8 @@ def apply_determinism(deterministic: bool | None, cuda: bool) -> bool:
     GPU path is not bitwise reproducible anyway (NCCL reduction order, TE/cuDNN kernels).  Asked for
     explicitly on a GPU, it is honoured without the NaN fill and with cuBLAS's fixed workspace.
     """
+    import torch
+
     on = (not cuda) if deterministic is None else bool(deterministic)
     torch.use_deterministic_algorithms(on, warn_only=True)
     if on and cuda:

@@ -6,7 +6,19 @@ CPU: our gloo protocol (`wire`), received in vLLM by the "megatron_rl_gloo" back
 (`vllm_engine`).  GPU: vLLM's NCCL weight-transfer backend, unchanged.
 """
 
-from megatron_rl.publish.manifest import BucketSpec, PublicationError, PublicationManifest, TensorSpec
-from megatron_rl.publish.trainer import PublicationReport, WeightPublisher
+from __future__ import annotations
 
-__all__ = ["BucketSpec", "PublicationError", "PublicationManifest", "TensorSpec", "PublicationReport", "WeightPublisher"]
+import importlib
+
+_WHERE = {"BucketSpec": "manifest", "PublicationError": "manifest", "PublicationManifest": "manifest",
+          "TensorSpec": "manifest", "PublicationReport": "trainer", "WeightPublisher": "trainer"}
+"""The package's names, loaded on first use (PEP 562): a pure-Python module of the package (e.g. transport)
+is imported without torch."""
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

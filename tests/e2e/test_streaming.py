@@ -221,6 +221,21 @@ def test_replay_of_the_async_streaming_resumed_run_is_bit_identical(run):
           f"{(size + kept_size) / max(n + kept_n, 1):.0f} bytes per trajectory of up to 200 response tokens")
 
 
+def test_a_replay_from_a_checkpoint_is_bit_identical_and_a_counterfactual_from_it_differs_at_once(run):
+    """`replay --from-step K` (issue 47 item 4's bisecting tool): from the resumed run's step-3 checkpoint, the
+    learner's weights, optimizer, β and RNG restored, steps 4-5 replay bit for bit; the same with another
+    clip range differs at step 4, the first step it runs."""
+    d, _, _ = run
+    report = last_json(run_cli("replay", str(d), "--from-step", "3", "--json").stdout)
+    assert report["identical"] is True and report["from_step"] == 3, report
+    assert [r["step"] for r in report["steps"]] == [4, 5]
+    assert report["checkpoints"] == {"step_000004": True, "step_000005": True}
+    proc = run_cli("replay", str(d), "--from-step", "3", "--to-step", "4", "--set", "learner.lr=0.5", "--json",
+                   check=False)
+    changed = last_json(proc.stdout)
+    assert proc.returncode == 1 and changed["first_difference"] == 4 and not changed["identical"], changed
+
+
 def test_a_replay_with_another_learning_rate_differs_at_step_1(run):
     d, _, _ = run
     proc = run_cli("replay", str(d), "--to-step", "1", "--set", "learner.lr=0.5", "--json", check=False)

@@ -157,3 +157,14 @@ def test_verbose_is_accepted_after_the_subcommand(capsys):
     # argparse would refuse an unknown option after `train` (exit 2); the CLI takes it anywhere.
     assert main(["train", "--config", tiny, "--dry-run", "--verbose", "run.steps=3"]) == 0
     assert main(["--verbose", "train", "--config", tiny, "--dry-run", "run.steps=3"]) == 0
+
+
+def test_the_parser_imports_no_heavy_library():
+    """`megatron-rl --help` and a command's argument errors answer at once: building the parser of every
+    subcommand imports none of torch, Ray, vLLM or Megatron (cli.py: heavy imports live in the command
+    functions; the config modules they pass through are pure Python).  It took 2 s when the platform,
+    learner and LoRA packages imported torch with their config."""
+    code = ("import sys; from megatron_rl.cli import build_parser; build_parser(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray', 'vllm', 'megatron'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
