@@ -74,7 +74,8 @@ def _learn_metrics(samples: list, valid: list, learn: dict, logps: np.ndarray) -
     out["learn/entropy_estimate"] = float(-logps.mean()) if logps.size else float("nan")
     for key in ("loss", "pg_loss", "clip_fraction", "ratio_mean", "ratio_max", "grad_norm", "lr",
                 "d_lag", "d_lag/p50", "d_lag/p95", "d_lag/p99", "lag_weight", "entropy_coef", "kl_coef",
-                "kl_out_of_support_tokens", "quarantined_trajectories", "adapter_norm", "adapter_update_ratio"):
+                "kl_out_of_support_tokens", "quarantined_trajectories", "adapter_norm", "adapter_update_ratio",
+                "tis_weight_mean", "tis_truncated_fraction", "off_policy_masked_fraction"):  # loss.tis_cap, off_policy_mask
         if key in learn:
             out[f"learn/{key}"] = float(learn[key])
     for key in sorted(k for k in learn if k.startswith("kl_ref_")):  # named after its gradient's direction

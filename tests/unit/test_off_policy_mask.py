@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from megatron_rl.grpo.loss import GRPOLossConfig, grpo_loss, off_policy_weights
 from megatron_rl.grpo.micro_loss import grpo_micro_batch_loss
 from megatron_rl.grpo.step_metrics import grpo_metrics
+from megatron_rl.train.telemetry import _learn_metrics
 
 pytestmark = pytest.mark.unit
 
@@ -44,6 +46,9 @@ def test_icepop_weighs_by_the_ratio_inside_its_band_and_masks_outside():
     assert float(stats["off_policy_masked_sum"]) == 3.0
     metrics = grpo_metrics({k_: v for k_, v in stats.items()}, cfg)
     assert math.isclose(metrics["off_policy_masked_fraction"], 3 / 7, rel_tol=1e-6)
+    # and it reaches the run's metrics (learn/, the panel's series): it did not, until a run looked for it
+    logged = _learn_metrics([], [], metrics, np.array([]))
+    assert math.isclose(logged["learn/off_policy_masked_fraction"], 3 / 7, rel_tol=1e-6)
 
 
 def test_m2po_masks_the_largest_squared_log_ratios_until_the_second_moment_fits():
