@@ -71,7 +71,7 @@ def adapter_record(lora_cfg) -> dict:
 
 def lora_config_of(record: dict):
     """The LoraConfig (enabled) a checkpoint's lora.json describes."""
-    from megatron_rl.models.lora import LoraConfig
+    from megatron_rl.models.lora_config import LoraConfig
 
     return LoraConfig(enabled=True, rank=int(record["rank"]), alpha=float(record["alpha"]),
                       target_modules=list(record["target_modules"]))

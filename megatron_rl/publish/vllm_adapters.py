@@ -25,7 +25,7 @@ from typing import Any
 def adapter_engine_options(serving: dict[str, Any]) -> dict[str, Any]:
     """vllm.LLM keyword arguments of an engine serving `serving` (RolloutConfig.adapter): LoRA on, one
     slot per kept version, and one for a version being installed, in a batch and in the adapter cache."""
-    from megatron_rl.models.lora import VLLM_LORA_RANKS  # the config refuses a larger rank (LoraConfig)
+    from megatron_rl.models.lora_config import VLLM_LORA_RANKS  # the config refuses a larger rank (LoraConfig)
 
     rank = int(serving["rank"])
     fits = [r for r in VLLM_LORA_RANKS if r >= rank]

@@ -59,19 +59,22 @@ class EpisodePlayer:
         return get_environment(self.cfg.name, self.cfg.options)
 
     async def group(self, stream, request_id: str, examples: list, params: dict, n: int,
-                    info: list[PromptInfo] | None, weights_of: Callable[[Any], dict]) -> list[RolloutSample]:
+                    info: list[PromptInfo] | None, weights_of: Callable[[Any], dict],
+                    adapter_of: Callable[[], Any] = lambda: None) -> list[RolloutSample]:
         """n episodes of every example, prompt-major, played concurrently on `stream`; info[i] rides on
-        example i's samples."""
+        example i's samples.  `adapter_of()`: a LoRA run's (LoRARequest, label) for a turn starting now (the
+        newest committed version's adapter, which the turn keeps to its end, as any request does); None when
+        the run publishes full weights."""
         jobs = []
         for i, example in enumerate(examples):
             for j in range(n):
                 seed = None if params.get("seed") is None else params["seed"] + i * n + j
                 jobs.append(self.one(stream, f"{request_id}-{i}-{j}", example, {**params, "seed": seed},
-                                     info[i] if info else PromptInfo(), weights_of))
+                                     info[i] if info else PromptInfo(), weights_of, adapter_of))
         return list(await asyncio.gather(*jobs))
 
     async def one(self, stream, rid: str, example, params: dict, info: PromptInfo,
-                  weights_of: Callable[[Any], dict]) -> RolloutSample:
+                  weights_of: Callable[[Any], dict], adapter_of: Callable[[], Any] = lambda: None) -> RolloutSample:
         """One episode to its end: reset, then generate / step until a terminal reason."""
         threads, timeout = self.threads, self.limits.step_timeout_s
         env = self.new_environment()
@@ -89,7 +92,7 @@ class EpisodePlayer:
                     break
                 seed = None if params.get("seed") is None else params["seed"] + TURN_SEED_STRIDE * turn
                 turn_params = {**params, "seed": seed, "max_tokens": min(self.max_tokens_per_turn, room)}
-                result = await stream.generate(f"{rid}-t{turn}", ep.tokens, turn_params)
+                result = await stream.generate(f"{rid}-t{turn}", ep.tokens, turn_params, adapter_of())
                 if result.finish_reason == "abort":
                     raise RuntimeError("this rollout group holds no complete policy version (a failed load could "
                                        "not be rolled back; its requests in flight were aborted): sent again")

@@ -172,7 +172,7 @@ class StreamRolloutWorker(PublicationReceiving):
                                                    max_tokens_per_turn=params["max_tokens"])
             player = self._players[key]
         return self._run(player.group(self.stream, uuid.uuid4().hex[:12], examples, params, n, info,
-                                      self._checked_weights))
+                                      self._checked_weights, self._adapter))
 
     def _adapter(self) -> tuple[Any, str] | None:
         """A LoRA run: (the LoRARequest of the newest committed version, or None for the base; its label) that

@@ -277,9 +277,6 @@ class TrainConfig:
         """What runs cannot do with LoRA adapters yet (models/lora.py; publication: publish/vllm_adapters.py)."""
         if not self.learner.lora.enabled:
             return
-        if self.data.env.enabled:
-            raise ConfigError(f"learner.lora.enabled with data.env.name {self.data.env.name!r}: multi-turn episodes "
-                              "do not name their version's adapter yet; use full-parameter training for episodes")
         if self.rollout.sleep_mode:
             raise ConfigError("learner.lora.enabled with rollout.sleep_mode: a sleeping engine drops the adapters it "
                               "keeps; use rollout.sleep_mode false")

@@ -75,12 +75,13 @@ def test_bad_lora_value_in_a_run_config_is_a_config_error():
 def test_lora_runs_are_accepted_and_what_they_cannot_do_is_refused_by_name():
     assert not _train_config([]).learner.lora.enabled
     assert _train_config(["learner.lora.enabled=true"]).learner.lora.enabled
-    # Streaming serves adapters (each request keeps its version's adapter); multi-turn episodes do not yet.
+    # Streaming serves adapters (each request keeps its version's adapter), and so do multi-turn episodes (each
+    # turn keeps the adapter it started with: tests/e2e/test_lora_run.py runs one).
     assert _train_config(["learner.lora.enabled=true", "rollout.streaming=true", "run.mode=async"]).rollout.streaming
-    with pytest.raises(ConfigError, match="learner.lora.enabled with data.env.name 'guess_number'"):
-        _train_config(["learner.lora.enabled=true", "data.task=env", "data.env.name=guess_number",
-                       "data.env.chat_template=plain", "rollout.streaming=true", "rollout.max_model_len=256",
-                       "data.env.max_total_tokens=200"])
+    episodes = _train_config(["learner.lora.enabled=true", "data.task=env", "data.env.name=guess_number",
+                              "data.env.chat_template=plain", "rollout.streaming=true", "rollout.max_model_len=256",
+                              "data.env.max_total_tokens=200"])
+    assert episodes.learner.lora.enabled and episodes.data.env.enabled
     with pytest.raises(ConfigError, match="learner.lora.enabled with rollout.sleep_mode"):
         _train_config(["learner.lora.enabled=true", "rollout.sleep_mode=true"])
     with pytest.raises(ConfigError, match="rollout.adapter"):
