@@ -50,7 +50,7 @@ import torch.distributed as dist
 from megatron_rl.learner.config import LearnerConfig, SamplingConfig, batch_problem, uses_sequence_parallel
 from megatron_rl.learner.logprobs import token_logprobs
 from megatron_rl.learner.micro_batches import MicroBatchPlan, plan_micro_batches
-from megatron_rl.learner.optimizer import build_optimizer, build_scheduler
+from megatron_rl.learner.optimizer import build_optimizer, build_scheduler, load_optimizer_state
 from megatron_rl.learner.optimizer_state import materialize_optimizer_state, unshare_adam_steps
 from megatron_rl.learner.step_stats import adapter_metrics, adapter_snapshot, micro_batch_stats, reduce_step_stats
 from megatron_rl.models.builder import build_gpt_model, build_transformer_config
@@ -349,12 +349,12 @@ class Learner:
     def load_sharded_state_dict(self, state: dict) -> None:
         """Load what dist_checkpointing.load returned for `sharded_state_dict(is_loading=True)`."""
         self.model[0].module.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         unshare_adam_steps(self.optimizer)
 
     def load_state_dict(self, state: dict) -> None:
         self.model[0].module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
 

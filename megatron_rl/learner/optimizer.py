@@ -42,7 +42,12 @@ def build_optimizer(cfg: LearnerConfig, model: list, *, dtype: torch.dtype):
 
 
 def build_scheduler(cfg: LearnerConfig, optimizer):
-    """Warm-up over lr_warmup_steps, then lr_decay_style decay over lr_decay_steps (constant: lr throughout)."""
+    """Warm-up over lr_warmup_steps, then lr_decay_style decay over lr_decay_steps (constant: lr throughout).
+
+    A checkpoint's scheduler state gives the position in the schedule (samples seen); the schedule itself (lr,
+    min_lr, warm-up, decay) is this config's: a run resumed, or replayed (`replay --set learner.lr=...`), with
+    another learning rate trains with it.  (Megatron's default keeps the checkpoint's values and silently
+    ignores the config's.)"""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     gbs = cfg.global_batch_size  # Megatron's scheduler counts samples (increment=global_batch_size per step)
@@ -53,4 +58,21 @@ def build_scheduler(cfg: LearnerConfig, optimizer):
         min_lr=cfg.lr if cfg.lr_decay_style == "constant" else cfg.min_lr,
         lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=cfg.lr_decay_style,
         start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
     )
+
+
+SCHEDULE_KEYS = ("max_lr", "min_lr")
+"""What Megatron keeps per parameter group for the scheduler (OptimizerParamScheduler.get_lr reads them first):
+the config's, set when the optimizer is built."""
+
+
+def load_optimizer_state(optimizer, state) -> None:
+    """`optimizer.load_state_dict(state)`, keeping this config's schedule.  A checkpoint's optimizer state holds
+    its parameter groups' max_lr / min_lr, which Megatron's scheduler reads before its own values: restored as
+    they are, a run resumed (or replayed) with another learner.lr went on at the old one (build_scheduler)."""
+    kept = [{k: group[k] for k in SCHEDULE_KEYS if k in group} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, keys in zip(optimizer.param_groups, kept):
+        group.update(keys)
+

@@ -224,7 +224,7 @@ def test_replay_of_the_async_streaming_resumed_run_is_bit_identical(run):
 def test_a_replay_from_a_checkpoint_is_bit_identical_and_a_counterfactual_from_it_differs_at_once(run):
     """`replay --from-step K` (issue 47 item 4's bisecting tool): from the resumed run's step-3 checkpoint, the
     learner's weights, optimizer, β and RNG restored, steps 4-5 replay bit for bit; the same with another
-    clip range differs at step 4, the first step it runs."""
+    learning rate differs at step 4, the first step it runs."""
     d, _, _ = run
     report = last_json(run_cli("replay", str(d), "--from-step", "3", "--json").stdout)
     assert report["identical"] is True and report["from_step"] == 3, report
@@ -234,6 +234,10 @@ def test_a_replay_from_a_checkpoint_is_bit_identical_and_a_counterfactual_from_i
                    check=False)
     changed = last_json(proc.stdout)
     assert proc.returncode == 1 and changed["first_difference"] == 4 and not changed["identical"], changed
+    # the checkpoint's optimizer state held its own max_lr, which Megatron's scheduler read first: this replay
+    # (and any resume with another learner.lr) went on at the recorded lr, identical (learner/optimizer.py)
+    assert changed["steps"][0]["lr"] == 0.5 and "lr" in changed["steps"][0]["differs"], changed["steps"][0]
+    assert changed["checkpoints"] == {"step_000004": False}  # the update used it
 
 
 def test_a_replay_with_another_learning_rate_differs_at_step_1(run):
