@@ -18,7 +18,8 @@ from the first learner report (fp32 CPU D_lag is ~1e-6 > 0), so admission uses e
 only be admitted once accepted + running + B <= (v + 1) B, i.e. at version v >= r, and every round
 from 3 on is learned with Δv = 0, whatever the timing.  Without the throttle the producer may sample
 round 3 with version 1 (Δv 2).  (B shares A's start-up instead of a run of its own.)  B keeps what it
-consumed (coordinator.keep_consumed), and `megatron-rl replay` re-runs its learner side bit for bit.
+consumed (coordinator.keep_consumed), and `megatron-rl replay` re-runs its learner side bit for bit; so
+does A's (sync), stopped by its budget and resumed.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def two_runs(tmp_path_factory):
     import ray
 
     d = tmp_path_factory.mktemp("shared")
-    runs = {"a": ["rollout.temperature=1.0", "run.seed=0", "run.steps=8", "stop.max_generated_tokens=250"],
+    runs = {"a": ["rollout.temperature=1.0", "run.seed=0", "run.steps=8", "stop.max_generated_tokens=250",
+                  "coordinator.keep_consumed=true"],  # (kept: replay of a sync run reads them)
             "b": ["rollout.temperature=0.7", "run.seed=1", "run.steps=6", *BACKPRESSURE]}
     with shared_ray_cluster(SimpleNamespace(shared_ray=True, base=str(TINY), overrides=[])) as address:
         env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
@@ -136,3 +138,13 @@ def test_replay_of_the_six_step_async_run_is_bit_identical(two_runs):
     assert report["identical"] is True and report["first_difference"] is None, report
     assert [r["step"] for r in report["steps"]] == [1, 2, 3, 4, 5, 6]
     assert report["checkpoints"] == {"step_000006": True}
+
+
+def test_replay_of_the_sync_run_stopped_by_its_budget_is_bit_identical(two_runs):
+    """Exact replay of a sync run (issue 47 item 4: sync, async and streaming runs): run A, which its token
+    budget stopped and whose rerun resumed it without a step, replays every step and its checkpoint bit for bit."""
+    first = last_json(two_runs.outs["a"][0])
+    report = last_json(run_cli("replay", str(two_runs.dir / "a"), "--json").stdout)
+    assert report["identical"] is True and report["first_difference"] is None, report
+    assert [r["step"] for r in report["steps"]] == list(range(1, first["steps"] + 1))
+    assert report["checkpoints"] == {f"step_{first['steps']:06d}": True}, report["checkpoints"]
