@@ -353,9 +353,11 @@ def test_each_call_gets_its_own_control_group_with_memory_and_process_limits():
     box = Sandbox(SandboxConfig(**LIMITS))
     seen: dict[str, str] = {}
 
-    def watch():
+    wanted = {c for c in cgroups.controllers() if c in ("pids", "memory")}
+
+    def watch():  # until every limited controller's group was seen (cgroup v1: one group per controller, made in turn)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not seen:
+        while time.monotonic() < deadline and not wanted <= {key.split(":")[0] for key in seen}:
             for controller, base in cgroups.controllers().items():
                 for group in base.glob(f"megatron-rl-sandbox-{os.getpid()}-*"):
                     for name in ("pids.max", "memory.max", "memory.limit_in_bytes"):
