@@ -75,4 +75,3 @@ def load_optimizer_state(optimizer, state) -> None:
     optimizer.load_state_dict(state)
     for group, keys in zip(optimizer.param_groups, kept):
         group.update(keys)
-
