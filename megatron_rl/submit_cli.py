@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from megatron_rl.config import ConfigError
+from megatron_rl.platform.local_ray import FORWARD_ALL
 
 TEMPLATE = ("megatron_rl", "slurm/train.sbatch.in")  # package, resource path inside it
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
@@ -52,8 +53,6 @@ def render(
         raise ConfigError(f"--gpus-per-task must be >= 0, got {gpus_per_task}")
     if not _TIME_RE.match(time_limit):
         raise ConfigError(f"--time {time_limit!r} is not a Slurm time (D-HH:MM:SS, HH:MM:SS or MM)")
-    from megatron_rl.platform.local_ray import FORWARD_ALL     # here: the platform package imports torch
-
     values = {
         "JOB_NAME": job_name,
         "NODES": str(nodes),

@@ -8,15 +8,11 @@ Python) does not import torch: the console script's parser stays fast.
 
 from __future__ import annotations
 
-import importlib
+from megatron_rl.lazy_names import lazy_names
 
 _WHERE = {"Learner": "learner", "LossFn": "learner", "LearnerConfig": "config", "SamplingConfig": "config",
           "token_logprobs": "logprobs"}
 
 __all__ = sorted(_WHERE)
 
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+__getattr__ = lazy_names(__name__, _WHERE)

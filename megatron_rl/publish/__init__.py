@@ -8,7 +8,7 @@ CPU: our gloo protocol (`wire`), received in vLLM by the "megatron_rl_gloo" back
 
 from __future__ import annotations
 
-import importlib
+from megatron_rl.lazy_names import lazy_names
 
 _WHERE = {"BucketSpec": "manifest", "PublicationError": "manifest", "PublicationManifest": "manifest",
           "TensorSpec": "manifest", "PublicationReport": "trainer", "WeightPublisher": "trainer"}
@@ -17,8 +17,4 @@ is imported without torch."""
 
 __all__ = sorted(_WHERE)
 
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+__getattr__ = lazy_names(__name__, _WHERE)

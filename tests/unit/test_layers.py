@@ -20,8 +20,9 @@ from tests.unit.test_module_imports import PACKAGE, module_name, project_import_
 pytestmark = pytest.mark.unit
 
 GROUPS = {
-    "base": ("config", "console", "durable_files", "panels", "plugins", "te_import", "tracking", "trajectory",
-             "version", "checkpoint", "run_files", "cli", "metrics", "run_manifest", "rng_state", "fault_hooks"),
+    "base": ("config", "console", "durable_files", "lazy_names", "panels", "plugins", "te_import", "tracking",
+             "trajectory", "version", "checkpoint", "run_files", "cli", "metrics", "run_manifest", "rng_state",
+             "fault_hooks"),
     "run_model.py": ("run_model",),
     "evaluation.py": ("evaluation",),
     "commands": ("", "api", "audit_cli", "checkpoint_cli", "doctor", "doctor_cli", "eval_cli", "launch_cli",
