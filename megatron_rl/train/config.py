@@ -316,8 +316,6 @@ class TrainConfig:
             raise ConfigError(f"rollout.temperature {ro.temperature} is greedy decoding (vLLM treats < "
                               f"{MIN_TEMPERATURE} as argmax): no distribution to learn from; use a temperature > 0")
         self._check_env()
-        if ro.streaming and self.dynamic_sampling.enabled:
-            raise ConfigError("dynamic_sampling needs rollout rounds: set rollout.streaming false or turn it off")
         if "logprobs_mode" in ro.engine_options:
             raise ConfigError("rollout.engine_options.logprobs_mode: set rollout.logprobs_mode instead (the learner "
                               "checks it against the sampling settings)")

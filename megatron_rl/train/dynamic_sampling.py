@@ -17,7 +17,8 @@ groups until the batch is full; this module is that rule, bounded:
 If the attempts run out, the round is filled with the uninformative groups of the last
 attempt (a short batch is never trained on) and `filled_groups` says how many.  Every
 discarded group's tokens stay counted as generated, so ESR (telemetry.py) falls by exactly
-what the filter threw away, and `rollout/kept_fraction` shows the share of sampled groups kept.
+what the filter threw away, and `system/dynamic_kept_fraction` shows the share of sampled groups kept.
+Streaming runs filter group by group as each finishes (train/stream_producer.py), within the same bound.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class DynamicSamplingConfig:
     def prompts_to_draw(self, missing: int) -> int:
         return max(missing, math.ceil(missing * self.oversample))
 
+    def discard_budget(self, groups: int) -> int:
+        """Streaming: uninformative groups a batch of `groups` may throw away before it keeps them, so that a
+        batch samples at most max_attempts x oversample x `groups` groups, as rounds do."""
+        return math.ceil(groups * (self.max_attempts * self.oversample - 1))
+
 
 def is_informative(scores: list, min_reward_std: float = 0.0) -> bool:
     """True when the graded rewards of one group vary (verifier errors are excluded, as in the loss)."""
@@ -66,7 +72,7 @@ class Group:
 
     @property
     def tokens(self) -> int:
-        return sum(len(s.response_tokens) for s in self.samples)
+        return sum(s.generated_tokens for s in self.samples)  # a multi-turn episode's observations were not generated
 
 
 def select_groups(groups: list[Group], *, need: int, taken: set[str], min_reward_std: float = 0.0

@@ -75,7 +75,7 @@ class RolloutSource:
             self.producer = StreamProducer(coordinator, self.prepare_group, scorer.grade, steps=spec.steps,
                                            groups_per_step=spec.prompts_per_step, group_size=spec.group_size,
                                            max_groups_in_flight=(coordinator.lookahead + 1) * spec.prompts_per_step,
-                                           engine_stats=self.engine_occupancy)
+                                           engine_stats=self.engine_occupancy, dynamic=spec.dynamic)
         else:
             self.producer = Producer(coordinator, self.sample_round, steps=spec.steps)
         self._started = False

@@ -30,6 +30,14 @@ first and generates the groups that were in flight again from the start -- the s
 sampling seeds, under the resumed weights (their first tokens then carry the resumed version), holding the
 same leases -- so nothing admitted is lost or trained twice.
 
+Dynamic sampling (train/dynamic_sampling.py) filters here as groups finish: a graded group whose rewards do
+not vary is discarded at once -- its leases given back, so admission lets a fresh group in -- and every
+discarded group lets the loop draw one more prompt.  A batch may discard at most the rounds' bound
+(`DynamicSamplingConfig.discard_budget`); past it, uninformative groups are kept (counted as filled), so
+a policy that answers everything the same way still trains.  Its account rides with each batch
+(groups sampled, informative, filled, discarded tokens: ESR counts the discarded tokens as generated).
+A group discarded while a checkpoint is being written keeps its leases until the checkpoint is written.
+
 Groups are numbered in the order their prompts are drawn (a group's `round` in its trajectory ids and its
 sampling seed derive from that serial); which groups form which batch depends on timing, so a
 streaming run is not bit-reproducible, and resume is exact only in what it keeps (above).
@@ -45,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
+from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig, is_informative
 from megatron_rl.train.producer import Round, TrainState
 from megatron_rl.train.producer_parts import Leases, ProducerThread
 
@@ -56,7 +65,8 @@ class StreamProducer:
 
     def __init__(self, coordinator: Coordinator, prepare_group: Callable[[int], Callable[[], list]],
                  grade: Callable[[list], list], *, steps: int, groups_per_step: int, group_size: int,
-                 max_groups_in_flight: int, engine_stats: Callable[[], dict] | None = None):
+                 max_groups_in_flight: int, engine_stats: Callable[[], dict] | None = None,
+                 dynamic: DynamicSamplingConfig | None = None):
         self.coordinator, self.steps = coordinator, steps
         self.loop = ProducerThread("stream-producer")
         self.leases = Leases(coordinator, quit=self.loop.quit_asked)
@@ -77,6 +87,11 @@ class StreamProducer:
         self._floor: dict[int, int] = {}  # serial -> version published when the group was admitted (<= its tokens')
         self._published = self._offset = 0  # the version published (at least); version - step of the run
         self.groups_dropped = 0  # multi-turn groups whose environment failed at reset (released, counted)
+        self.dynamic = dynamic if dynamic is not None and dynamic.enabled else None
+        self._discard_budget = self.dynamic.discard_budget(groups_per_step) if self.dynamic else 0
+        self.groups_discarded = 0  # dynamic sampling: uninformative groups thrown away (released, counted)
+        self._discards = collections.Counter()  # since the last batch: groups discarded, their tokens
+        self._held_back: list[str] = []  # leases of groups skipped while paused: given back at unpause
 
     def start(self, state: TrainState) -> None:
         first = 0
@@ -101,23 +116,31 @@ class StreamProducer:
         self.loop.start(self._run, first)
         self.leases.keep_alive(self.loop.stopping)
 
+    def _last_serial(self) -> int:
+        """One past the last group to draw (under the lock): the groups of run.steps + lookahead batches, and one
+        more for every group that produced no batch (dropped at reset, discarded as uninformative)."""
+        return (self.steps + self.coordinator.lookahead) * self.groups_per_step + self.groups_dropped + \
+            self.groups_discarded
+
     def _run(self, serial: int) -> None:
         loop = self.loop
-        last = (self.steps + self.coordinator.lookahead) * self.groups_per_step
         try:
-            while serial < last:
+            while True:
                 with self.loop.cond:
-                    while (loop.paused or len(self._in_flight) >= self.max_in_flight) and not loop.stopping.is_set():
-                        if loop.error is not None:
-                            return
+                    while not loop.stopping.is_set() and loop.error is None:
+                        if serial >= self._last_serial():
+                            if not self._in_flight:  # a group still generating may yet be discarded
+                                return
+                        elif not loop.paused and len(self._in_flight) < self.max_in_flight:
+                            break
                         self.loop.cond.wait(0.1)
                     if loop.stopping.is_set() or loop.error is not None:
                         return
-                    free = self.max_in_flight - len(self._in_flight)
+                    free = min(self.max_in_flight - len(self._in_flight), self._last_serial() - serial)
                     loop.busy = True  # a checkpoint's pause waits until these groups are submitted or given back
                 try:
                     t0 = time.perf_counter()
-                    leases = self._admit_groups(min(free, last - serial, self.groups_per_step), serial)
+                    leases = self._admit_groups(min(free, self.groups_per_step), serial)
                     with self.loop.cond:
                         self._spent["admit"] += time.perf_counter() - t0
                     for k in range(0, len(leases or []), self.group_size):
@@ -153,10 +176,7 @@ class StreamProducer:
             samples = generate()
             t1 = time.perf_counter()
             if any(not s.response_tokens for s in samples):  # an environment failed at reset: nothing to train
-                self.leases.give_back(leases)  # out of the keep-alive's renewals too
-                with self.loop.cond:
-                    self.groups_dropped += 1
-                    self._floor.pop(serial, None)
+                self._skip(serial, leases, samples, dropped=True)
                 logger.warning("prompt group %d dropped: its environment failed at reset (%s)", serial,
                                next(s.episode.error for s in samples if not s.response_tokens))
                 return
@@ -165,6 +185,9 @@ class StreamProducer:
             t2 = time.perf_counter()
             for sample, score in zip(samples, scores, strict=True):
                 sample.score = score
+            if self._discardable(scores):
+                self._skip(serial, leases, samples, dropped=False)
+                return
             with self.loop.cond:
                 self._groups.append((serial, samples, leases, time.perf_counter() - t0))
                 self.groups_done += 1
@@ -177,6 +200,33 @@ class StreamProducer:
             with self.loop.cond:
                 self._in_flight.pop(serial, None)
                 self.loop.cond.notify_all()
+
+    def _discardable(self, scores: list) -> bool:
+        """Dynamic sampling: this group's rewards do not vary and this batch may still discard one (counted)."""
+        if self.dynamic is None or is_informative(scores, self.dynamic.min_reward_std):
+            return False
+        with self.loop.cond:
+            if self._discards["groups"] >= self._discard_budget:
+                return False  # kept: the batch takes it as a filled group
+            self._discards["groups"] += 1
+            return True
+
+    def _skip(self, serial: int, leases: list[str], samples: list, *, dropped: bool) -> None:
+        """A group that goes into no batch: out of the in-flight set and its leases given back (held back until
+        the checkpoint under way is written); the loop draws one more group instead."""
+        with self.loop.cond:
+            self._in_flight.pop(serial, None)
+            self._floor.pop(serial, None)
+            if dropped:
+                self.groups_dropped += 1
+            else:
+                self.groups_discarded += 1
+                self._discards["tokens"] += sum(s.generated_tokens for s in samples)  # not observations
+            if self.loop.paused:
+                self._held_back += leases
+                leases = []
+        if leases:
+            self.leases.give_back(leases)  # out of the keep-alive's renewals too
 
     def _oldest(self, group: tuple) -> int:
         """The oldest version among a finished group's tokens (a group without tokens: its admission's)."""
@@ -214,6 +264,7 @@ class StreamProducer:
             self.leases.hand_out(leases)
             in_flight = len(self._in_flight)
             spent, self._spent = self._spent, collections.Counter()
+            discards, self._discards = self._discards, collections.Counter()
         now = time.perf_counter()
         seconds, self._last_handed = now - self._last_handed, now
         spans = [1 + sum(a != b for a, b in zip(s.policy_versions, s.policy_versions[1:])) for s in samples]
@@ -223,11 +274,20 @@ class StreamProducer:
                  **{f"system/stream_{k}_s": v for k, v in spent.items()}}
         if self.engine_stats is not None:
             stats.update(self.engine_stats())
+        if self.dynamic is not None:
+            stats.update(self._account(taken, discards))
         if samples and samples[0].episode is not None:  # multi-turn: turns, tools, env time, terminal reasons
             from megatron_rl.envs.metrics import summary_metrics
 
             stats.update(summary_metrics([s.episode for s in samples]), **{"env/dropped_groups": self.groups_dropped})
         return Round(step, samples, leases, seconds, stats)
+
+    def _account(self, taken: list[tuple], discards: collections.Counter) -> dict:
+        """Dynamic sampling's account of a batch (the keys of rollout_source's rounds): its groups and the ones
+        discarded since the last batch; a taken group whose rewards do not vary was kept to fill the batch."""
+        informative = sum(is_informative([s.score for s in g[1]], self.dynamic.min_reward_std) for g in taken)
+        return {"sampled_groups": len(taken) + discards["groups"], "informative_groups": informative,
+                "filled_groups": len(taken) - informative, "discarded_tokens": discards["tokens"]}
 
     def pause(self) -> list[Round]:
         """Admit nothing more (waiting for an admission or a prompt draw under way); the finished groups not
@@ -246,6 +306,10 @@ class StreamProducer:
         return list(self._paused_in_flight)
 
     def unpause(self) -> None:
+        with self.loop.cond:
+            held, self._held_back = self._held_back, []
+        if held:
+            self.leases.give_back(held)
         self.loop.unpause()
 
     def stop(self) -> None:

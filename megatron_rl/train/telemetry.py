@@ -119,7 +119,8 @@ def _system_metrics(samples: list, taken: list, learn: dict, phases: dict, sampl
         out["system/dynamic_kept_fraction"] = sampling["informative_groups"] / max(sampling["sampled_groups"], 1)
         out["system/dynamic_filled_groups"] = float(sampling["filled_groups"])
         out["system/dynamic_discarded_tokens"] = float(sampling["discarded_tokens"])
-        out["system/dynamic_attempts"] = float(sampling["attempts"])
+        if "attempts" in sampling:  # rounds; streaming discards group by group (stream_producer.py)
+            out["system/dynamic_attempts"] = float(sampling["attempts"])
     gen_tps = gen_tokens / max(phases["rollout"], 1e-9)
     learned = sum(t.num_tokens for t in taken)
     out.update({

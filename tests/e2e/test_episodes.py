@@ -34,7 +34,8 @@ EPISODES = ["run.mode=async", "run.prompts_per_step=4", "run.group_size=4", "lea
             "data.holdout_size=8", "rollout.streaming=true", "rollout.max_tokens=6", "rollout.max_model_len=256",
             "data.task=env", "data.env.name=guess_number", "data.env.options={low: 1, high: 8, max_guesses: 3}",
             "data.env.chat_template=plain", 'data.env.system_prompt=""', "data.env.max_turns=3",
-            "data.env.max_total_tokens=200", "sft.first=true", "sft.steps=3"]
+            "data.env.max_total_tokens=200", "sft.first=true", "sft.steps=3",
+            "dynamic_sampling.enabled=true", "dynamic_sampling.oversample=1.5", "dynamic_sampling.max_attempts=2"]
 FEEDBACK = ("higher", "lower", "No guess found", "is outside the range", "Correct!", "Out of guesses")
 
 
@@ -124,3 +125,20 @@ def test_the_report_draws_the_env_panel(run):
     d, _, _, _ = run
     drawn = {p.rsplit("/", 1)[-1] for p in write_report(d)["plots"]}
     assert {f"{c.slug}.png" for c in CHARTS if c.feature == "env/"} <= drawn
+
+
+def test_dynamic_sampling_kept_the_groups_whose_rewards_vary(run):
+    d, _, _, trajs = run
+    reward = {t.id: t.reward for t in trajs}
+    steps = {m["step"]: m for m in read_jsonl(d / "metrics" / "metrics.jsonl") if "learn/loss" in m}
+    discarded = 0.0
+    for row in read_jsonl(d / "consumed.jsonl"):
+        groups: dict = {}
+        for i in row["ids"]:
+            groups.setdefault(i.rsplit("/", 1)[0], []).append(reward[i])
+        m = steps[row["step"]]
+        varying = sum(len(set(rewards)) > 1 for rewards in groups.values())
+        assert len(groups) == 4 and varying == 4 - m["system/dynamic_filled_groups"], (row["step"], groups)
+        assert 0 < m["system/dynamic_kept_fraction"] <= 1 or m["system/dynamic_filled_groups"] == 4
+        discarded += m["system/dynamic_discarded_tokens"]
+    assert discarded > 0, "no group was discarded: the filter was not exercised"

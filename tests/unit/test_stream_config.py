@@ -32,9 +32,9 @@ def test_bad_streaming_settings_are_refused_by_name(bad, words):
         RolloutConfig(**bad)
 
 
-def test_streaming_with_dynamic_sampling_is_refused_by_the_training_config(tmp_path):
-    with pytest.raises(ConfigError, match="dynamic_sampling needs rollout rounds"):
-        load_train_config(TINY, [f"run.dir={tmp_path}", "rollout.streaming=true", "dynamic_sampling.enabled=true"])
+def test_streaming_composes_with_dynamic_sampling_in_the_training_config(tmp_path):
+    cfg = load_train_config(TINY, [f"run.dir={tmp_path}", "rollout.streaming=true", "dynamic_sampling.enabled=true"])
+    assert cfg.rollout.streaming and cfg.dynamic_sampling.enabled  # filtered group by group (stream_producer.py)
     cfg = load_train_config(TINY, [f"run.dir={tmp_path}", "rollout.streaming=true", "rollout.inflight_refit=keep_kv"])
     assert cfg.rollout.streaming and cfg.rollout.inflight_refit == "keep_kv"
 
