@@ -10,8 +10,8 @@
         step_timeout_s: 10
         chat_template: plain        # the tokenizer's own template when unset; "plain" for tokenizers without one
 
-With `env.name` set, a run's rollouts are episodes (envs/runner.py) on the streaming engine
-(rollout.streaming: true), rewarded by the environment instead of the verifier, and `data.task: env`
+With `env.name` set, a run's rollouts are episodes (envs/runner.py) on either engine (the round engine
+plays a round's episodes in lockstep: rollout/turn_batcher.py), rewarded by the environment instead of the verifier, and `data.task: env`
 takes its examples from the environment when it makes its own (guess_number).
 """
 

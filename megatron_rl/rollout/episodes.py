@@ -1,7 +1,8 @@
-"""Multi-turn episodes on a streaming rollout engine (issue 28, scheduling): turns are requests, tools run off the loop.
+"""Multi-turn episodes on a rollout engine (issue 28, scheduling): turns are requests, tools run off the loop.
 
     play = EpisodePlayer(env_cfg, tokenizer_dir, max_tokens_per_turn=64)   # envs/config.py EnvConfig (or its dict)
     samples = await play.group(stream, rid, examples, params, n, info, weights_of)   # on the engine's loop
+    samples = TurnBatcher(generate_turns).play(play.episodes(batcher, ...))     # the round engine (turn_batcher.py)
 
 An episode (envs/runner.py) is one token sequence.  Each assistant turn is one request to the engine with the
 whole sequence so far as its prompt (token-in/token-out: nothing is re-rendered), so its prefix comes from
@@ -24,6 +25,7 @@ train on: it is returned with an empty response and terminal reason env_error, a
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any, Callable
 
@@ -36,6 +38,18 @@ from megatron_rl.envs.step_threads import shared_step_threads
 from megatron_rl.rollout.sample import EpisodeSummary, PromptInfo, RolloutSample
 
 TURN_SEED_STRIDE = 7919
+
+_PLAYERS: dict[str, "EpisodePlayer"] = {}  # (tokenizer, turn length, env config) -> its player, one per process
+_PLAYERS_LOCK = threading.Lock()
+
+
+def player_for(env: dict, tokenizer_dir: str, max_tokens_per_turn: int) -> "EpisodePlayer":
+    """This process's EpisodePlayer for one environment config and turn length (made once: it loads a tokenizer)."""
+    key = repr((tokenizer_dir, max_tokens_per_turn, sorted((env or {}).items())))
+    with _PLAYERS_LOCK:
+        if key not in _PLAYERS:
+            _PLAYERS[key] = EpisodePlayer(env or {}, tokenizer_dir, max_tokens_per_turn=max_tokens_per_turn)
+        return _PLAYERS[key]
 
 
 class EpisodePlayer:
@@ -65,13 +79,21 @@ class EpisodePlayer:
         example i's samples.  `adapter_of()`: a LoRA run's (LoRARequest, label) for a turn starting now (the
         newest committed version's adapter, which the turn keeps to its end, as any request does); None when
         the run publishes full weights."""
+        return list(await asyncio.gather(*self.episodes(stream, request_id, examples, params, n, info, weights_of,
+                                                         adapter_of)))
+
+    def episodes(self, stream, request_id: str, examples: list, params: dict, n: int,
+                 info: list[PromptInfo] | None, weights_of: Callable[[Any], dict],
+                 adapter_of: Callable[[], Any] = lambda: None) -> list:
+        """The coroutines `group` plays, prompt-major (the round engine's TurnBatcher plays them in lockstep,
+        rollout/turn_batcher.py); sample j of example i is seeded seed + i * n + j."""
         jobs = []
         for i, example in enumerate(examples):
             for j in range(n):
                 seed = None if params.get("seed") is None else params["seed"] + i * n + j
                 jobs.append(self.one(stream, f"{request_id}-{i}-{j}", example, {**params, "seed": seed},
                                      info[i] if info else PromptInfo(), weights_of, adapter_of))
-        return list(await asyncio.gather(*jobs))
+        return jobs
 
     async def one(self, stream, rid: str, example, params: dict, info: PromptInfo,
                   weights_of: Callable[[Any], dict], adapter_of: Callable[[], Any] = lambda: None) -> RolloutSample:

@@ -98,8 +98,6 @@ class StreamRolloutWorker(PublicationReceiving):
         self._checks = itertools.count()
         self._verdicts: dict[int, tuple[threading.Event, list[bool]]] = {}
         self._probe = None
-        self._players: dict[str, Any] = {}  # (model, turn length, env config) -> EpisodePlayer (rollout/episodes.py)
-        self._players_lock = threading.Lock()
         self._kept = [0, 0]  # since the last occupancy(): refits committed, requests kept in flight across them
         started = time.perf_counter()
         self.stream = self._run(_start_engine(self.config, -1 if stale else 0, self.label))
@@ -161,16 +159,11 @@ class StreamRolloutWorker(PublicationReceiving):
                      info: list | None = None, env: dict | None = None) -> list:
         """n multi-turn episodes of each example (data Examples) with environment `env` (an EnvConfig as a
         dict), prompt-major and seeded as generate's samples; rollout/episodes.py plays them."""
-        from megatron_rl.rollout.episodes import EpisodePlayer
+        from megatron_rl.rollout.episodes import player_for
 
         params = call_params(self.config, self.eos_token_ids, len(examples), sampling, n, info)
         self._serving_version()
-        key = repr((self.config.model, params["max_tokens"], sorted((env or {}).items())))
-        with self._players_lock:
-            if key not in self._players:
-                self._players[key] = EpisodePlayer(env or {}, self.config.model,
-                                                   max_tokens_per_turn=params["max_tokens"])
-            player = self._players[key]
+        player = player_for(env or {}, self.config.model, params["max_tokens"])
         return self._run(player.group(self.stream, uuid.uuid4().hex[:12], examples, params, n, info,
                                       self._checked_weights, self._adapter))
 

@@ -34,6 +34,7 @@ from megatron_rl.rollout.provenance import token_provenance, weights_label
 from megatron_rl.rollout.receiver import PublicationReceiving
 from megatron_rl.rollout.requests import call_params, check_prompts, prompt_params, sampled_logprobs, sampling_defaults
 from megatron_rl.rollout.sample import PromptInfo, RolloutSample
+from megatron_rl.rollout.turn_batcher import TurnResult, play_in_lockstep
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,36 @@ class RolloutWorker(PublicationReceiving):
                 ))
         assert version == self.version  # nothing switched the weights during the call
         return samples
+
+    def run_episodes(self, examples: list, sampling: dict[str, Any] | None = None, n: int = 1,
+                     info: list | None = None, env: dict | None = None) -> list:
+        """n multi-turn episodes of each example with environment `env` (an EnvConfig as a dict), prompt-major and
+        seeded as on the streaming engine (rollout/episodes.py plays them); here the episodes advance in lockstep,
+        one engine call per turn of those still playing (rollout/turn_batcher.py)."""
+        params = call_params(self.config, self.eos_token_ids, len(examples), sampling, n, info)
+        self._serving_version()
+        adapter = self.adapters.request(self.version)  # one version per call; a LoRA run's is its adapter
+        return play_in_lockstep(self._generate_turns, env or {}, self.config.model, examples, params, n, info, adapter)
+
+    def _generate_turns(self, turns: list) -> list:
+        """One engine call for a batch of episodes' turns (rollout/turn_batcher.py Turn): each its own request
+        with its own seed, answered with its tokens, logprobs and the one version that sampled them."""
+        from vllm import SamplingParams
+
+        version = self._serving_version()
+        per_turn = [SamplingParams(n=1, logprobs=0, flat_logprobs=True, detokenize=False, **t.params) for t in turns]
+        outputs = self._watched(lambda: self.llm.generate([{"prompt_token_ids": t.tokens} for t in turns], per_turn,
+                                                          use_tqdm=False, lora_request=turns[0].adapter))
+        results = []
+        for turn, out in zip(turns, outputs, strict=True):
+            c = out.outputs[0]
+            tokens = list(c.token_ids)
+            versions, weights = token_provenance(c.weight_versions, len(tokens), self.label)
+            assert set(versions) <= {version}, (versions, version)  # nothing switched the weights during the call
+            results.append(TurnResult.of_one_version(
+                turn.request_id, turn.tokens, tokens, sampled_logprobs(c.logprobs, tokens),
+                c.finish_reason if c.finish_reason in ("stop", "length") else "abort", version, weights))
+        return results
 
     def score(self, sequences: list[list[int]], version: int | None = None) -> list[list[float | None]]:
         """Teacher-forced logprob of every token given its prefix (first is None) [T], under the serving

@@ -326,13 +326,10 @@ class TrainConfig:
                 f"would not be the sampling distribution; use 'processed_logprobs'")
 
     def _check_env(self) -> None:
-        """Multi-turn episodes run on the streaming engine and fit its context (envs/config.py)."""
+        """Multi-turn episodes fit the engine's context (envs/config.py)."""
         env = self.data.env
         if not env.enabled:
             return
-        if not self.rollout.streaming:
-            raise ConfigError(f"data.env.name {env.name!r}: multi-turn episodes run on the streaming engine; "
-                              "set rollout.streaming true")
         if env.max_total_tokens > self._context_len:
             raise ConfigError(f"data.env.max_total_tokens ({env.max_total_tokens}) is more than "
                               f"rollout.max_model_len ({self._context_len}): an episode could outgrow the engine's context")

@@ -34,6 +34,9 @@ from megatron_rl.train.scoring import Scorer
 
 logger = logging.getLogger(__name__)
 
+MAX_ENV_REDRAWS = 3
+"""Multi-turn rounds: fresh prompt groups drawn, per round, for groups whose environment failed at reset."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RoundSpec:
@@ -135,12 +138,37 @@ class RolloutSource:
     def sample_round(self, r: int) -> tuple[list, dict]:
         """The samples of round r (prompt-major groups) and, with dynamic sampling, its account."""
         spec = self.spec
-        if not spec.dynamic.enabled:
-            prompts, info = self.prompts.next(r, spec.prompts_per_step)
-            samples = self.fleet.generate(prompts, n=spec.group_size, info=info,
-                                          sampling={"seed": self.round_seed(r)})
-            return samples, {}
-        return self._sample_informative(r, self.round_seed(r))
+        if spec.dynamic.enabled:
+            return self._sample_informative(r, self.round_seed(r))
+        if spec.env is not None:
+            return self._play_round(r, self.round_seed(r))
+        prompts, info = self.prompts.next(r, spec.prompts_per_step)
+        return self.fleet.generate(prompts, n=spec.group_size, info=info, sampling={"seed": self.round_seed(r)}), {}
+
+    def _play_round(self, r: int, seed: int) -> tuple[list, dict]:
+        """Multi-turn on the round engine: the round's episodes, played in lockstep on the rollout groups
+        (rollout/turn_batcher.py).  A group whose environment failed at reset has nothing to train on: it is
+        replaced by a fresh prompt's group, at most MAX_ENV_REDRAWS times a round, and counted."""
+        G, kept, dropped = self.spec.group_size, [], 0
+        for attempt in range(MAX_ENV_REDRAWS + 1):
+            missing = self.spec.prompts_per_step - len(kept) // G
+            if not missing:
+                break
+            examples, info = self.prompts.next(r, missing, examples=True)
+            samples = self.fleet.generate(examples, n=G, info=info, sampling={"seed": seed + attempt * 104_729},
+                                          env=self.spec.env)
+            for k in range(0, len(samples), G):
+                group = samples[k:k + G]
+                if all(s.response_tokens for s in group):
+                    kept += group
+                else:
+                    dropped += 1
+                    logger.warning("round %d: prompt group %s dropped: its environment failed at reset (%s)", r,
+                                   group[0].prompt.id, next(s.episode.error for s in group if not s.response_tokens))
+        if len(kept) < self.spec.prompts_per_step * G:
+            raise RuntimeError(f"round {r}: the environment failed at reset for {dropped} prompt groups; "
+                               f"{MAX_ENV_REDRAWS} redraws could not fill the round (see the warnings above)")
+        return kept, {"env/dropped_groups": dropped}
 
     def prepare_group(self, serial: int, indices: list[int] | None = None) -> tuple[list[int], Callable[[], list]]:
         """Streaming: draw prompt group `serial`'s prompt now (with `indices`, those examples again: a group in
@@ -165,11 +193,14 @@ class RolloutSource:
         sampled = discarded_tokens = attempts = 0
         leftovers: list[Group] = []
         while len(kept) < need and attempts < ds.max_attempts:
-            prompts, info = self.prompts.next(r, ds.prompts_to_draw(need - len(kept)))
-            samples = self.fleet.generate(prompts, n=G, info=info, sampling={"seed": seed + attempts * 104_729})
+            env = self.spec.env  # multi-turn: examples, played as episodes
+            prompts, info = self.prompts.next(r, ds.prompts_to_draw(need - len(kept)), examples=env is not None)
+            samples = self.fleet.generate(prompts, n=G, info=info, sampling={"seed": seed + attempts * 104_729},
+                                          env=env)
             scores = self.scorer.grade(samples)
             groups = [Group(samples[i * G].prompt.id, samples[i * G:(i + 1) * G], scores[i * G:(i + 1) * G])
-                      for i in range(len(prompts))]
+                      for i in range(len(prompts))
+                      if all(s.response_tokens for s in samples[i * G:(i + 1) * G])]  # not an env failed at reset
             new, leftovers = select_groups(groups, need=need - len(kept), taken=taken,
                                            min_reward_std=ds.min_reward_std)
             kept += new

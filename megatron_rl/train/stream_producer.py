@@ -276,10 +276,8 @@ class StreamProducer:
             stats.update(self.engine_stats())
         if self.dynamic is not None:
             stats.update(self._account(taken, discards))
-        if samples and samples[0].episode is not None:  # multi-turn: turns, tools, env time, terminal reasons
-            from megatron_rl.envs.metrics import summary_metrics
-
-            stats.update(summary_metrics([s.episode for s in samples]), **{"env/dropped_groups": self.groups_dropped})
+        if samples and samples[0].episode is not None:  # multi-turn (the episodes' own metrics: telemetry.py)
+            stats["env/dropped_groups"] = self.groups_dropped
         return Round(step, samples, leases, seconds, stats)
 
     def _account(self, taken: list[tuple], discards: collections.Counter) -> dict:

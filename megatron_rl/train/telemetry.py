@@ -112,8 +112,12 @@ def _system_metrics(samples: list, taken: list, learn: dict, phases: dict, sampl
     """system/: throughput (generated, learned, effective tokens per second), dynamic sampling, phase times."""
     out: dict[str, float] = {}
     gen_tokens = sum(s.generated_tokens for s in samples)  # an episode's observations were not generated
-    out.update({k: float(v) for k, v in sampling.items()  # train/stream_producer.py, with episodes envs/metrics.py
+    out.update({k: float(v) for k, v in sampling.items()  # train/stream_producer.py; the producers' env/ counts
                 if k.startswith(("system/stream_", "system/engine_", "env/"))})
+    if samples and samples[0].episode is not None:  # multi-turn, on either engine: turns, tools, env time, ends
+        from megatron_rl.envs.metrics import summary_metrics
+
+        out.update(summary_metrics([s.episode for s in samples]))
     if "discarded_tokens" in sampling:  # groups dynamic sampling threw away were generated too: ESR counts them
         gen_tokens += sampling["discarded_tokens"]
         out["system/dynamic_kept_fraction"] = sampling["informative_groups"] / max(sampling["sampled_groups"], 1)

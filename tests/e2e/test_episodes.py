@@ -49,6 +49,32 @@ def run(tmp_path_factory):
     return d, a, b, trajs
 
 
+@pytest.fixture(scope="module")
+def rounds(tmp_path_factory):
+    d = tmp_path_factory.mktemp("episode_rounds") / "run"
+    common = [o for o in EPISODES if not o.startswith(("sft.", "dynamic_sampling.", "run.mode", "rollout.streaming"))]
+    out = last_json(run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=2", "run.mode=sync",
+                            "rollout.streaming=false", *common).stdout)
+    with sqlite3.connect(d / "queue.db") as db:
+        trajs = [Trajectory.from_bytes(row[0]) for row in db.execute("SELECT payload FROM traj")]
+    return d, out, trajs
+
+
+def test_the_round_engine_trains_on_episodes(rounds):
+    d, out, trajs = rounds
+    assert (out["steps"], out["version"]) == (2, 2)
+    consumed = [i for row in read_jsonl(d / "consumed.jsonl") for i in row["ids"]]
+    assert len(consumed) == 2 * 16 and len(set(consumed)) == len(consumed) and len(trajs) == 2 * 16
+    _check_episodes(trajs)
+    steps = [m for m in read_jsonl(d / "metrics" / "metrics.jsonl") if "learn/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["env/episodes"] == 16 and m["env/env_errors"] == 0 and m["env/dropped_groups"] == 0
+        assert sum(m[f"env/terminal/{r}"] for r in TERMINAL_REASONS) == pytest.approx(1.0)
+    for t in trajs:  # sync rounds: every turn sampled by the version the round was admitted at
+        assert set(t.policy_versions.tolist()) == {int(t.id[1:7])}, t.id
+
+
 def test_the_run_trains_on_episodes_and_resumes(run):
     d, a, b, _ = run
     assert (a["steps"], b["steps"], b["version"]) == (2, 3, 3)
@@ -83,8 +109,12 @@ def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
 
 def test_every_trajectory_is_one_sequence_with_masked_observations(run):
     _, _, _, trajs = run
-    tok = build_tokenizer()
     assert len(trajs) >= 3 * 16
+    _check_episodes(trajs)
+
+
+def _check_episodes(trajs: list) -> None:
+    tok = build_tokenizer()
     multi = 0
     for t in trajs:
         mask, lps = t.action_mask.tolist(), t.behavior_logprobs.tolist()

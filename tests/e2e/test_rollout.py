@@ -77,6 +77,35 @@ def test_generate_sample_fields(cluster):
         assert ray.get(w.__ray_call__.remote(lambda self: os.getpriority(os.PRIO_PROCESS, 0))) == 0
 
 
+def test_the_round_engine_plays_episodes(cluster):
+    """Issue 45 item 5: multi-turn on the round engine (RolloutWorker.run_episodes, rollout/turn_batcher.py),
+    on both groups: guess_number episodes with the streaming engine's sample contract, and seeded."""
+    import ray
+
+    from megatron_rl.envs.example import Example
+    from megatron_rl.envs.protocol import TERMINAL_REASONS
+
+    _, workers, _ = cluster
+    env = {"name": "guess_number", "options": {"low": 1, "high": 8, "max_guesses": 3}, "chat_template": "plain",
+           "system_prompt": "", "max_turns": 3, "max_total_tokens": 120}
+    examples = [Example(id=f"e{a}", question="", answer=str(a)) for a in (3, 5)]
+    for w in workers:
+        version = ray.get(w.policy_version.remote())
+        digest = ray.get(w.__ray_call__.remote(lambda self: self.label)).split(":")[1]
+        samples = ray.get(w.run_episodes.remote(examples, {"seed": 7, "max_tokens": 6}, 2, None, env=env))
+        again = ray.get(w.run_episodes.remote(examples, {"seed": 7, "max_tokens": 6}, 2, None, env=env))
+        assert len(samples) == 4 and [s.response_tokens for s in again] == [s.response_tokens for s in samples]
+        assert max(s.episode.turns for s in samples) > 1, "no episode had a second turn"
+        for s in samples:
+            s.check()
+            assert s.episode.env == "guess_number" and s.episode.terminal_reason in TERMINAL_REASONS
+            assert s.weights == {str(version): digest} and set(s.policy_versions) == {version}
+            assert sum(e - b for b, e, *_ in s.segments) == len(s.response_tokens)
+            assert s.action_mask[0] == 1 and s.action_mask[-1] == 1
+            lps = [lp for lp, m in zip(s.behavior_logprobs, s.action_mask) if m == 0]
+            assert set(lps) <= {0.0} and all(lp <= 0 for lp in s.behavior_logprobs)
+
+
 def test_publication_matches_transformers_and_bad_bucket_is_refused(cluster):
     import ray
     from safetensors.torch import load_file

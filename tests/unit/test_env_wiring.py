@@ -31,6 +31,8 @@ def test_a_run_with_an_environment_is_configured_under_data_env():
     assert cfg.data.env.enabled and cfg.data.env.limits().max_total_tokens == 200
     assert cfg.data.env.template == PLAIN_TEMPLATE
     assert not load_train_config("configs/tiny_cpu.yaml", ["sft.first=false"]).data.env.enabled
+    rounds = load_train_config("configs/tiny_cpu.yaml", GUESS + ["rollout.streaming=false"])  # issue 45 item 5:
+    assert rounds.data.env.enabled and not rounds.rollout.streaming  # the round engine plays episodes too
 
 
 @pytest.mark.parametrize("override, words", [
@@ -38,7 +40,6 @@ def test_a_run_with_an_environment_is_configured_under_data_env():
     ("data.env.options={hgh: 3}", "unknown config key 'data.env.options.hgh'"),
     ("data.env.options={low: 5, high: 2}", "data.env.options: high must be > low"),
     ("data.env.max_turns=0", "data.env.max_turns must be an int >= 1"),
-    ("rollout.streaming=false", "multi-turn episodes run on the streaming engine; set rollout.streaming true"),
     ("data.env.max_total_tokens=300", "data.env.max_total_tokens (300) is more than rollout.max_model_len (256)"),
     ("data.env.chat_template=' '", "data.env.chat_template is empty"),
 ])

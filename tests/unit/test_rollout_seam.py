@@ -18,7 +18,7 @@ PKG = Path(__file__).resolve().parents[2] / "megatron_rl"
 SIDES = ("rollout", "train")
 RECEIVING = {"policy_version", "serving_dtype", "refit_tolerance", "init_weight_transfer", "receive_weights",
              "commit_weights", "expect_probe", "fail_next_load", "weight_checksums"}
-ENGINE = {"generate", "score", "reset", "shutdown", "engine_alive", "engine_world_size"}
+ENGINE = {"generate", "run_episodes", "score", "reset", "shutdown", "engine_alive", "engine_world_size"}
 
 
 def _classes(root: Path) -> dict[str, list[str]]:
