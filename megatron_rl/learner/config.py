@@ -128,9 +128,6 @@ class LearnerConfig:
             raise ValueError(f"learner.lr_decay_steps must be >= 1 or null, got {self.lr_decay_steps!r}")
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(f"learner.lr_decay_style must be constant|linear|cosine, got {self.lr_decay_style!r}")
-        if self.lora.enabled and self.moe_routing_replay:
-            raise ValueError("learner.lora.enabled with learner.moe_routing_replay: routing replay is for MoE models, "
-                             "whose experts take no adapters yet; turn one of them off")
         if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
             raise ValueError(f"learner.lr_decay_style={self.lr_decay_style!r} needs learner.lr_decay_steps")
         if self.cpu_cores is not None:
