@@ -91,7 +91,9 @@ class ServedAdapters:
 
 
 class AdapterStore:
-    """The adapters one vLLM worker serves, one per policy version, oldest evicted first."""
+    """The adapters one vLLM worker serves, one per policy version, oldest evicted first: a LoRA run's kind of
+    weights on an engine worker (its sibling, a full-weights run's: publish/vllm_reload.py FullWeights; both answer
+    shapes / install / keep / roll_back / restore)."""
 
     def __init__(self, lora_manager, spec: dict[str, Any]):
         """`lora_manager`: the worker's vLLM WorkerLoRAManager (model_runner.lora_manager); `spec`: adapter_spec's."""
@@ -134,6 +136,14 @@ class AdapterStore:
         for adapter in self.models.values():
             if adapter.id not in cache.list_adapters():
                 cache.add_adapter(adapter)
+
+    def keep(self, loaded, keep_copy: bool) -> None:
+        """The group accepted the newest adapter: nothing to copy (the newest `versions` adapters stay kept)."""
+
+    def roll_back(self, version: int, feed) -> None:
+        """Adapter `version` failed to load somewhere in the group: drop it (the ones before it were never
+        unloaded); `feed` is not needed (FullWeights reload through it)."""
+        self.remove(version)
 
     def remove(self, version: int) -> None:
         """Stop serving `version`'s adapter (no-op when it is not kept)."""

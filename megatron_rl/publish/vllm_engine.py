@@ -39,7 +39,7 @@ import torch
 
 from megatron_rl.publish.manifest import dtype_name
 from megatron_rl.publish.transports import GlooTransport, IpcTransport, NcclTransport, release_gloo_group
-from megatron_rl.publish.vllm_reload import checkpoint_tensors, reload_weights
+from megatron_rl.publish.vllm_reload import FullWeights
 from megatron_rl.publish.wire import ReceivedPublication, StagingBuffers, open_group, receive_publication
 
 log = logging.getLogger(__name__)
@@ -137,21 +137,19 @@ class VerifiedCommit:
     def _init_commit(self) -> None:
         self.rank = None
         self.staged: ReceivedPublication | None = None
-        self.expected = expected_tensors(self.model_config.model)
+        self.weights = FullWeights(self.model, self.model_config, expected_tensors(self.model_config.model))
+        """What a version is here: FullWeights, or a LoRA run's AdapterStore (megatron_rl_serve_adapters)."""
         self.serving_dtype = dtype_name(self.model_config.dtype)  # what a publication must carry
         self.status: dict[str, Any] = {"version": None, "ok": None, "error": None, "bad_bucket": None}
         self.loaded: list[tuple[str, torch.Tensor]] | None = None  # loaded, not yet accepted by the group
-        self.rollback_tensors: list[tuple[str, torch.Tensor]] | None = None  # host copy of the serving version
-        self.rollback_from_disk = True  # nothing published yet: the serving version is the checkpoint
         self.fail_load_after: int | None = None  # drills: the next load raises after this many tensors
-        self.adapters = None  # a LoRA run's AdapterStore (publish/vllm_adapters.py): versions are adapters
 
     def _stage(self, got: ReceivedPublication, version: int) -> None:
         """Keep `got` for finish_weight_update if it is `version` and exactly the model's tensors."""
         if got.ok and got.manifest.version != version:
             got = ReceivedPublication(got.manifest,
                                       error=f"manifest version {got.manifest.version} != announced {version}")
-        expected = self.adapters.shapes if self.adapters is not None else self.expected
+        expected = self.weights.shapes
         if got.ok and expected is not None:
             problem = got.manifest.coverage_problem(expected)
             if problem is not None:
@@ -193,7 +191,7 @@ class VerifiedCommit:
             self.status["committed"] = False
             return
         try:
-            self._load(self._drill_permute(staged.tensors))
+            self.weights.install(self.status["version"], self._feed(self._drill_permute(staged.tensors)))
         except Exception as err:  # noqa: BLE001 -- reported; the group rolls every worker back
             log.error("rank %s: loading publication %s failed: %r", self.rank, self.status.get("version"), err)
             self.status.update(committed=False, ok=False, load_failed=True,
@@ -202,12 +200,6 @@ class VerifiedCommit:
             return
         self.loaded = staged.tensors
         self.status["committed"] = True
-
-    def _load(self, tensors) -> None:
-        if self.adapters is not None:  # a LoRA run: the version is an adapter beside the unchanged base
-            self.adapters.install(self.status["version"], self._feed(tensors))
-            return
-        reload_weights(self.model, self.model_config, self._feed(tensors))
 
     def _feed(self, tensors):
         for i, item in enumerate(tensors):
@@ -249,33 +241,16 @@ class VerifiedCommit:
 
     def accept(self, keep_copy: bool) -> None:
         """Every worker of the group loaded the publication: it is now the version a later
-        failed load rolls back to (kept as a host copy, or not at all when keep_copy is off)."""
+        failed load rolls back to (FullWeights keep a host copy, or none when keep_copy is off;
+        an AdapterStore keeps the newest adapters anyway)."""
         loaded, self.loaded = self.loaded, None
-        self.rollback_from_disk = False
-        if not keep_copy or loaded is None or self.adapters is not None:  # adapters: the last ones stay kept
-            self.rollback_tensors = None
-            return
-        names = [n for n, _ in loaded]
-        if self.rollback_tensors is None or [n for n, _ in self.rollback_tensors] != names:
-            self.rollback_tensors = [(n, t.detach().to("cpu", copy=True)) for n, t in loaded]
-            return
-        for (_, dst), (_, src) in zip(self.rollback_tensors, loaded):
-            dst.copy_(src)
+        self.weights.keep(loaded, keep_copy)
 
     def rollback(self) -> None:
-        """Reload the version served before the failed publication (raises if none is kept).  A LoRA
-        run drops the new adapter: the versions before it were never unloaded."""
+        """Serve again the version served before the failed publication (raises if none is kept): reloaded
+        full weights, or a LoRA run's new adapter dropped (the versions before it were never unloaded)."""
         self.loaded = None
-        if self.adapters is not None:
-            self.adapters.remove(self.status["version"])
-            return
-        if self.rollback_tensors is not None:
-            source = iter(self.rollback_tensors)
-        elif self.rollback_from_disk:
-            source = checkpoint_tensors(self.model_config.model)
-        else:
-            raise RuntimeError("no rollback copy is kept (rollout.keep_rollback_copy is false)")
-        self._load(source)
+        self.weights.roll_back(self.status["version"], self._feed)
 
 
 class GlooWeightTransferEngine(VerifiedCommit, _engine_base()):
@@ -342,13 +317,11 @@ class PublicationWorkerExtension:
         """A LoRA run: from now on each publication is an adapter (publish/vllm_adapters.py adapter_spec)."""
         from megatron_rl.publish.vllm_adapters import AdapterStore
 
-        self._commit_engine().adapters = AdapterStore(getattr(self.model_runner, "lora_manager", None), spec)
+        self._commit_engine().weights = AdapterStore(getattr(self.model_runner, "lora_manager", None), spec)
 
     def megatron_rl_restore_adapters(self) -> None:
         """A LoRA run: the kept adapters back into vLLM's cache, which every weight update session empties."""
-        engine = self._commit_engine()
-        if engine.adapters is not None:
-            engine.adapters.restore()
+        self._commit_engine().weights.restore()
 
     def megatron_rl_drop_publication(self) -> None:
         """Discard a staged publication (another worker of the group refused it)."""

@@ -1,6 +1,7 @@
 """Loading whole weights into a serving vLLM model: a publication's, a rollback's, or a checkpoint's.
 
     reload_weights(model, model_config, checkpoint_tensors(model_dir))   # inside a vLLM worker
+    weights = FullWeights(model, model_config, shapes)   # a full-weights run's versions on an engine worker
 
 After vLLM's layerwise reload, CPU MoE experts are re-prepared (publish/vllm_moe.py) and so is a
 tied LM head (`refresh_tied_heads`).  Tested by tests/e2e/test_moe_reload.py and, for the tied head,
@@ -76,3 +77,46 @@ def checkpoint_tensors(model_dir: str):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+class FullWeights:
+    """A full-weights run's kind of weights on one engine worker: a version is the model's own tensors, loaded in
+    place, and the version served before it is kept to roll back to (a host copy, or the checkpoint on disk).
+    Its sibling is a LoRA run's AdapterStore (publish/vllm_adapters.py: a version is an adapter beside the
+    unchanged base); VerifiedCommit asks either the same things and never which one it holds."""
+
+    def __init__(self, model, model_config, shapes: dict[str, tuple[int, ...]] | None):
+        self.model, self.model_config = model, model_config
+        self.shapes = shapes  # what a publication must hold (expected_tensors), None: checked by checksums only
+        self.rollback_tensors: list[tuple[str, torch.Tensor]] | None = None  # host copy of the serving version
+        self.rollback_from_disk = True  # nothing published yet: the serving version is the checkpoint
+
+    def install(self, version: int, tensors) -> None:
+        reload_weights(self.model, self.model_config, tensors)
+
+    def keep(self, loaded: list[tuple[str, torch.Tensor]] | None, keep_copy: bool) -> None:
+        """The group accepted `loaded`: it is now the version to roll back to (a host copy, or none at all)."""
+        self.rollback_from_disk = False
+        if not keep_copy or loaded is None:
+            self.rollback_tensors = None
+            return
+        names = [n for n, _ in loaded]
+        if self.rollback_tensors is None or [n for n, _ in self.rollback_tensors] != names:
+            self.rollback_tensors = [(n, t.detach().to("cpu", copy=True)) for n, t in loaded]
+            return
+        for (_, dst), (_, src) in zip(self.rollback_tensors, loaded):
+            dst.copy_(src)
+
+    def roll_back(self, version: int, feed) -> None:
+        """Version `version` failed to load somewhere in the group: reload the one served before it (through
+        `feed`, the commit's tensor stream); raises if none is kept."""
+        if self.rollback_tensors is not None:
+            source = iter(self.rollback_tensors)
+        elif self.rollback_from_disk:
+            source = checkpoint_tensors(self.model_config.model)
+        else:
+            raise RuntimeError("no rollback copy is kept (rollout.keep_rollback_copy is false)")
+        self.install(version, feed(source))
+
+    def restore(self) -> None:
+        """Nothing to put back after a weight update session: the loaded tensors are the model's."""

@@ -13,6 +13,11 @@ Owns the producer thread (producer.py), the rollout fleet (rollout/fleet.py), th
 cursor and their encoding: prompt_stream.py), and dynamic sampling (dynamic_sampling.py: oversample
 prompts, grade each group as it arrives, keep groups whose rewards vary).  Per-request sampling
 seeds derive from the run seed and the round, so a round is the same in every run of a seed.
+
+One path for single-turn and multi-turn samples: `_draw` takes prompts from the cursor (token ids, or the
+Examples episodes start from when the run has an environment) and `_play` sends them to the fleet (the
+rollout groups generate responses, or play episodes: rollout/episodes.py on either engine); rounds, dynamic
+sampling and streaming groups all go through the two.
 """
 
 from __future__ import annotations
@@ -137,26 +142,31 @@ class RolloutSource:
 
     def sample_round(self, r: int) -> tuple[list, dict]:
         """The samples of round r (prompt-major groups) and, with dynamic sampling, its account."""
-        spec = self.spec
-        if spec.dynamic.enabled:
+        if self.spec.dynamic.enabled:
             return self._sample_informative(r, self.round_seed(r))
-        if spec.env is not None:
-            return self._play_round(r, self.round_seed(r))
-        prompts, info = self.prompts.next(r, spec.prompts_per_step)
-        return self.fleet.generate(prompts, n=spec.group_size, info=info, sampling={"seed": self.round_seed(r)}), {}
+        return self._play_round(r, self.round_seed(r))
+
+    def _draw(self, r: int, k: int) -> tuple[list, list]:
+        """k prompts from the data cursor: token ids, or with an environment the Examples episodes start from."""
+        return self.prompts.next(r, k, examples=self.spec.env is not None)
+
+    def _play(self, prompts: list, info: list, seed: int, first_group: int = 0) -> list:
+        """The G samples of every prompt, prompt-major: single-turn responses, or episodes of the run's environment
+        (the rollout groups' run_episodes: rollout/episodes.py on either engine)."""
+        return self.fleet.generate(prompts, n=self.spec.group_size, info=info, sampling={"seed": seed},
+                                   first_group=first_group, env=self.spec.env)
 
     def _play_round(self, r: int, seed: int) -> tuple[list, dict]:
-        """Multi-turn on the round engine: the round's episodes, played in lockstep on the rollout groups
-        (rollout/turn_batcher.py).  A group whose environment failed at reset has nothing to train on: it is
-        replaced by a fresh prompt's group, at most MAX_ENV_REDRAWS times a round, and counted."""
+        """Round r's groups.  A group whose environment failed at reset (multi-turn: its episodes have no tokens)
+        has nothing to train on: it is replaced by a fresh prompt's group, at most MAX_ENV_REDRAWS times a round,
+        and counted (a single-turn group always has tokens)."""
         G, kept, dropped = self.spec.group_size, [], 0
         for attempt in range(MAX_ENV_REDRAWS + 1):
             missing = self.spec.prompts_per_step - len(kept) // G
             if not missing:
                 break
-            examples, info = self.prompts.next(r, missing, examples=True)
-            samples = self.fleet.generate(examples, n=G, info=info, sampling={"seed": seed + attempt * 104_729},
-                                          env=self.spec.env)
+            prompts, info = self._draw(r, missing)
+            samples = self._play(prompts, info, seed + attempt * 104_729)
             for k in range(0, len(samples), G):
                 group = samples[k:k + G]
                 if all(s.response_tokens for s in group):
@@ -168,18 +178,16 @@ class RolloutSource:
         if len(kept) < self.spec.prompts_per_step * G:
             raise RuntimeError(f"round {r}: the environment failed at reset for {dropped} prompt groups; "
                                f"{MAX_ENV_REDRAWS} redraws could not fill the round (see the warnings above)")
-        return kept, {"env/dropped_groups": dropped}
+        return kept, ({"env/dropped_groups": dropped} if self.spec.env is not None else {})
 
     def prepare_group(self, serial: int, indices: list[int] | None = None) -> tuple[list[int], Callable[[], list]]:
         """Streaming: draw prompt group `serial`'s prompt now (with `indices`, those examples again: a group in
         flight at a checkpoint, at resume); its examples' indices and the call that generates its G samples (on
         the rollout groups in turn, seeded like a round of that number)."""
-        env = self.spec.env  # multi-turn: the prompt is the example an episode starts from
         indices = self.cursor.next_indices(1) if indices is None else list(indices)
-        prompts, info = self.prompts.at(indices, serial, examples=env is not None)
+        prompts, info = self.prompts.at(indices, serial, examples=self.spec.env is not None)
         seed, k = self.round_seed(serial), len(self.fleet.workers)
-        return indices, lambda: self.fleet.generate(prompts, n=self.spec.group_size, info=info,
-                                                    sampling={"seed": seed}, first_group=serial % k, env=env)
+        return indices, lambda: self._play(prompts, info, seed, first_group=serial % k)
 
     def _sample_informative(self, r: int, seed: int) -> tuple[list, dict]:
         """Dynamic sampling (train/dynamic_sampling.py): oversample prompts, grade each group as it
@@ -193,10 +201,8 @@ class RolloutSource:
         sampled = discarded_tokens = attempts = 0
         leftovers: list[Group] = []
         while len(kept) < need and attempts < ds.max_attempts:
-            env = self.spec.env  # multi-turn: examples, played as episodes
-            prompts, info = self.prompts.next(r, ds.prompts_to_draw(need - len(kept)), examples=env is not None)
-            samples = self.fleet.generate(prompts, n=G, info=info, sampling={"seed": seed + attempts * 104_729},
-                                          env=env)
+            prompts, info = self._draw(r, ds.prompts_to_draw(need - len(kept)))
+            samples = self._play(prompts, info, seed + attempts * 104_729)
             scores = self.scorer.grade(samples)
             groups = [Group(samples[i * G].prompt.id, samples[i * G:(i + 1) * G], scores[i * G:(i + 1) * G])
                       for i in range(len(prompts))

@@ -69,11 +69,12 @@ def _engine(model_dir: str, uuid: str):
             self.model_config = SimpleNamespace(model=model_dir, dtype=torch.bfloat16)  # no config.json
             self.parallel_config = SimpleNamespace(rank=0, world_size=1, data_parallel_index=0)
             self.device = torch.device("cpu")
-            self.loads = []
+            self.loads, self.model = [], None
             self._init_commit()
+            self.weights.install = self._record  # the model: records a copy of what it was given
             self._init_ipc(opener=SharedMemoryHandles.opener(uuid))
 
-        def _load(self, tensors):  # the model: records a copy of what it was given
+        def _record(self, version, tensors):
             self.loads.append([(n, t.clone()) for n, t in tensors])
 
     engine = Engine()

@@ -26,6 +26,7 @@ def _engine(tmp_path, dtype):
 
     class Engine(VerifiedCommit):
         model_config = SimpleNamespace(model=str(tmp_path), dtype=dtype)  # no config.json: names unchecked
+        model = None
 
     engine = Engine()
     engine._init_commit()

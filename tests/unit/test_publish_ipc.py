@@ -52,12 +52,10 @@ def _engine(tmp_path, handles, dtype=torch.float32):
             self.model_config = SimpleNamespace(model=str(tmp_path), dtype=dtype)  # no config.json
             self.parallel_config = SimpleNamespace(rank=0, world_size=1, data_parallel_index=0)
             self.device = torch.device("cpu")
-            self.loads = []
+            self.loads, self.model = [], None
             self._init_commit()
+            self.weights.install = lambda version, tensors: self.loads.append(list(tensors))  # the model: records
             self._init_ipc(opener=handles.open)
-
-        def _load(self, tensors):  # the model: records what it was given
-            self.loads.append(list(tensors))
 
     engine = Engine()
     engine.init_transfer_engine(SimpleNamespace(packed=False, rank_offset=1))

@@ -123,6 +123,7 @@ def test_trainer_announces_before_sending_and_refuses_to_send_anything_else():
 
 def test_nccl_engine_stages_only_a_publication_that_verifies():
     """The verify step of CheckedNCCLWeightTransferEngine, without vLLM or a GPU behind it."""
+    from megatron_rl.publish.vllm_reload import FullWeights
     from megatron_rl.publish.vllm_nccl import CheckedNCCLWeightTransferEngine
 
     groups = _groups()
@@ -131,7 +132,8 @@ def test_nccl_engine_stages_only_a_publication_that_verifies():
 
     def engine_holding(version, tensors):
         engine = CheckedNCCLWeightTransferEngine.__new__(CheckedNCCLWeightTransferEngine)  # no vLLM config
-        engine.rank, engine.staged, engine.expected, engine.adapters = 3, None, expected, None
+        engine.rank, engine.staged = 3, None
+        engine.weights = FullWeights(None, None, expected)
         engine.serving_dtype = None  # mixed dtypes here test the buckets; the dtype rule: test_publish_dtype.py
         engine.received = (version, tensors)
         return engine
