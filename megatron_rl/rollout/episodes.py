@@ -18,7 +18,7 @@ What comes back per episode is a RolloutSample: the response is everything after
 turns with mask 1, their logprobs and versions; observations with mask 0), `segments` tile it
 ([start, end, version, kv_version]; an observation carries the version of the turn before it), and
 `episode` holds its EpisodeSummary (rollout/sample.py): the reward, terminal reason and counters (graded by
-train/scoring.py, measured by envs/metrics.py).  An episode whose environment failed at reset has no tokens to
+sampling/scoring.py, measured by envs/metrics.py).  An episode whose environment failed at reset has no tokens to
 train on: it is returned with an empty response and terminal reason env_error, and the producer drops its group.
 """
 

@@ -31,9 +31,9 @@ from megatron_rl.config import config_hash
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.policy import Policy
-from megatron_rl.train.producer import Round, TrainState
+from megatron_rl.sampling.producer import Round, TrainState
 from megatron_rl.train.resume import learner_world, lora_record
-from megatron_rl.train.rollout_source import RolloutSource
+from megatron_rl.sampling.rollout_source import RolloutSource
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ Sections and their owners:
   run         RunConfig          (here)                  mode, steps, placement, checkpoints
   cluster     ClusterConfig      (here)                  what the planner checks against
   stop        StopConfig         megatron_rl.train.stop  stop conditions and their exit codes
-  dynamic_sampling DynamicSamplingConfig  megatron_rl.train.dynamic_sampling  keep only groups whose rewards vary
+  dynamic_sampling DynamicSamplingConfig  megatron_rl.sampling.dynamic_sampling  keep only groups whose rewards vary
   audit       AuditConfig        megatron_rl.audit       re-score sequences spanning versions (every N steps)
 Shared values are set once and derived: run.prompts_per_step x run.group_size is the learner's
 global batch and the coordinator's B, run.mode sets the staleness bound (coordinator/config.py),
@@ -38,7 +38,7 @@ from typing import Any, Literal, Optional, Union
 from megatron_rl.config import ConfigError, apply_overrides, from_dict, read_config_chain
 from megatron_rl.data.config import DataConfig
 from megatron_rl.audit.config import AuditConfig
-from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
+from megatron_rl.sampling.dynamic_sampling import DynamicSamplingConfig
 from megatron_rl.coordinator.config import CoordinatorConfig, for_run, run_section
 from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import MIN_TEMPERATURE, LearnerConfig, SamplingConfig, batch_problem

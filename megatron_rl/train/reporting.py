@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from megatron_rl.console import progress
 from megatron_rl.data.dataset import PromptTemplate
 from megatron_rl.metrics import MetricsLogger, logged_test_evals
-from megatron_rl.train.producer import Round
+from megatron_rl.sampling.producer import Round
 from megatron_rl.rollout.fleet import RolloutFleet
 from megatron_rl.train.stop import STOP_FILE, StopCondition, StopConfig, StopRules
 from megatron_rl.train.telemetry import Telemetry, progress_line, sft_progress_line, sft_step_metrics

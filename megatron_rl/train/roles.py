@@ -6,13 +6,13 @@
     roles.close()
 
 Who owns what:
-  coordinator   Coordinator (coordinator/client.py)    queue, admission, TTL, the take window
-  source        RolloutSource (rollout_source.py)      producer, fleet, data cursor, prompts
-  scorer        Scorer (scoring.py)                    verifier pool, samples -> trajectories
-  policy        Policy (policy.py)                     learner group, publication to the fleet
-  checkpointer  Checkpointer (checkpointing.py)        resume and checkpoints
-  reporter      Reporter (reporting.py)                metrics, evals, progress, stop rules
-  auditor       Auditor (audit/auditor.py)             re-scores sequences spanning versions (audit.every)
+  coordinator   Coordinator (coordinator/client.py)          queue, admission, TTL, the take window
+  source        RolloutSource (sampling/rollout_source.py)  producer, fleet, data cursor, prompts
+  scorer        Scorer (sampling/scoring.py)                verifier pool, samples -> trajectories
+  policy        Policy (policy.py)                           learner group, publication to the fleet
+  checkpointer  Checkpointer (checkpointing.py)              resume and checkpoints
+  reporter      Reporter (reporting.py)                      metrics, evals, progress, stop rules
+  auditor       Auditor (audit/auditor.py)                   re-scores sequences spanning versions (audit.every)
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from megatron_rl.train.engine_pool import EnginePool
 from megatron_rl.train.placement import Placement, gpu_path_choices
 from megatron_rl.train.policy import Policy
 from megatron_rl.train.reporting import Reporter
-from megatron_rl.train.rollout_source import PromptStream, RolloutSource, RoundSpec, start_fleet
+from megatron_rl.sampling.rollout_source import PromptStream, RolloutSource, RoundSpec, start_fleet
 from megatron_rl.train.run_setup import RunInputs, close_run_dir, open_run_dir, start_ray, train_cursor
-from megatron_rl.train.scoring import Scorer
+from megatron_rl.sampling.scoring import Scorer
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ taken batch's version lag Δv).
 
 ESR (effective sample ratio) = tokens that were valid (graded), fresh (taken inside the
 version window) and informative (non-zero advantage) / tokens generated this round;
-effective TPS = generated TPS x ESR.  With dynamic sampling (train/dynamic_sampling.py) the
+effective TPS = generated TPS x ESR.  With dynamic sampling (sampling/dynamic_sampling.py) the
 groups it discarded count as generated, and system/dynamic_* report its share of informative
 groups among those sampled, the groups it had to fill, the tokens it discarded and its attempts.  Two lags are kept apart: `learn/kl_ref_<k>_grad_<dir>` is
 the KL penalty to the frozen reference model (named after the divergence its gradient follows,
@@ -41,7 +41,7 @@ class Telemetry:
 
     def step_metrics(self, samples: list, trajs: list, taken: list, learn: dict, phases: dict,
                      queue: dict, verifier_counters: dict, sampling: dict | None = None) -> dict[str, float]:
-        """`sampling`: dynamic sampling's account of the round (train/dynamic_sampling.py), if on."""
+        """`sampling`: dynamic sampling's account of the round (sampling/dynamic_sampling.py), if on."""
         self.rollout_s.append(phases["rollout"])
         self.verify_s.append(phases["score"])
         valid = [t for t in trajs if t.in_loss]
@@ -112,7 +112,7 @@ def _system_metrics(samples: list, taken: list, learn: dict, phases: dict, sampl
     """system/: throughput (generated, learned, effective tokens per second), dynamic sampling, phase times."""
     out: dict[str, float] = {}
     gen_tokens = sum(s.generated_tokens for s in samples)  # an episode's observations were not generated
-    out.update({k: float(v) for k, v in sampling.items()  # train/stream_producer.py; the producers' env/ counts
+    out.update({k: float(v) for k, v in sampling.items()  # sampling/stream_producer.py; the producers' env/ counts
                 if k.startswith(("system/stream_", "system/engine_", "env/"))})
     if samples and samples[0].episode is not None:  # multi-turn, on either engine: turns, tools, env time, ends
         from megatron_rl.envs.metrics import summary_metrics
@@ -123,7 +123,7 @@ def _system_metrics(samples: list, taken: list, learn: dict, phases: dict, sampl
         out["system/dynamic_kept_fraction"] = sampling["informative_groups"] / max(sampling["sampled_groups"], 1)
         out["system/dynamic_filled_groups"] = float(sampling["filled_groups"])
         out["system/dynamic_discarded_tokens"] = float(sampling["discarded_tokens"])
-        if "attempts" in sampling:  # rounds; streaming discards group by group (stream_producer.py)
+        if "attempts" in sampling:  # rounds; streaming discards group by group (sampling/stream_producer.py)
             out["system/dynamic_attempts"] = float(sampling["attempts"])
     gen_tps = gen_tokens / max(phases["rollout"], 1e-9)
     learned = sum(t.num_tokens for t in taken)

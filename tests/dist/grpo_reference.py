@@ -15,7 +15,7 @@ def one_group_batch(responses: list[list[int]], texts: list[str | None], *, micr
     from megatron_rl.reward import RewardConfig, Score, score_response
     from megatron_rl.rollout.sample import PromptInfo, RolloutSample
     from megatron_rl.train.batch import build_batch
-    from megatron_rl.train.scoring import to_trajectories
+    from megatron_rl.sampling.scoring import to_trajectories
 
     reward = RewardConfig(extractors=["leading_number"], format_extractors=["leading_number"], format_weight=0.5)
     now = time.time()

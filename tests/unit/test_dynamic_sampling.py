@@ -1,4 +1,4 @@
-"""Dynamic sampling's selection rule and its accounting (train/dynamic_sampling.py, telemetry.py).
+"""Dynamic sampling's selection rule and its accounting (sampling/dynamic_sampling.py, telemetry.py).
 
     python -m pytest tests/unit/test_dynamic_sampling.py -q
 """
@@ -10,7 +10,7 @@ import pytest
 from megatron_rl.config import ConfigError
 from megatron_rl.reward.math_verifier import Score
 from megatron_rl.rollout.sample import PromptInfo, RolloutSample
-from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig, Group, fill, is_informative, select_groups
+from megatron_rl.sampling.dynamic_sampling import DynamicSamplingConfig, Group, fill, is_informative, select_groups
 from megatron_rl.train.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,7 @@ from megatron_rl.envs.config import EnvConfig
 from megatron_rl.rollout.episodes import episode_score
 from megatron_rl.rollout.sample import EpisodeSummary, PromptInfo, RolloutSample
 from megatron_rl.train.config import load_train_config
-from megatron_rl.train.scoring import to_trajectories
+from megatron_rl.sampling.scoring import to_trajectories
 from megatron_rl.trajectory import validate
 
 pytestmark = pytest.mark.unit

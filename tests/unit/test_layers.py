@@ -46,6 +46,7 @@ LAYERS = (
     ("services", ("coordinator/", "publish/")),
     ("rollout", ("rollout/",)),
     ("evaluation, planning", ("evaluation.py", "planner/")),
+    ("sample production", ("sampling/",)),
     ("training", ("train/",)),
     ("commands", ("commands",)),
     ("tools", ("experiment/", "drill/")),

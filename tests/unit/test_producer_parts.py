@@ -1,4 +1,4 @@
-"""The parts both rollout producers hold (train/producer_parts.py): asking for admissions, keeping the leases
+"""The parts both rollout producers hold (sampling/producer_parts.py): asking for admissions, keeping the leases
 alive, giving back what a checkpoint interrupts; the background thread's pause and error.
 
     python -m pytest tests/unit/test_producer_parts.py -q
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from megatron_rl.train.producer_parts import Leases, ProducerThread
+from megatron_rl.sampling.producer_parts import Leases, ProducerThread
 
 pytestmark = pytest.mark.unit
 

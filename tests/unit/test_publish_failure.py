@@ -26,7 +26,7 @@ from megatron_rl.learner.config import SamplingConfig
 from megatron_rl.train import driver
 from megatron_rl.train.learner_weights import PublishSettings
 from megatron_rl.train.policy import Policy, PolicySettings
-from megatron_rl.train.producer import Round, TrainState
+from megatron_rl.sampling.producer import Round, TrainState
 from tests.e2e.conftest import TINY
 
 pytestmark = pytest.mark.unit

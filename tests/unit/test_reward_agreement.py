@@ -18,7 +18,7 @@ from megatron_rl.envs.example import Example
 from megatron_rl.evaluation import Decoding, EvalResult, example_outcome, pass_at_k
 from megatron_rl.reward.math_verifier import RewardConfig, Score, score_response
 from megatron_rl.rollout.sample import PromptInfo, RolloutSample
-from megatron_rl.train.scoring import to_trajectories
+from megatron_rl.sampling.scoring import to_trajectories
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@
 
     python -m pytest tests/unit/test_rollout_sample.py -q
 
-A checkpoint saves the rounds not yet learned from as JSON (train/producer.py Round.to_dict); loading
+A checkpoint saves the rounds not yet learned from as JSON (sampling/producer.py Round.to_dict); loading
 them must give back the same typed sample (its prompt's PromptInfo, the episode summary, the producer's
 grade), and a checkpoint written when these rode in an untyped `extra` dict loads into the same fields.
 """
@@ -15,8 +15,8 @@ import pytest
 
 from megatron_rl.reward.math_verifier import Score
 from megatron_rl.rollout.sample import EpisodeSummary, PromptInfo, RolloutSample
-from megatron_rl.train.producer import Round
-from megatron_rl.train.scoring import to_trajectories
+from megatron_rl.sampling.producer import Round
+from megatron_rl.sampling.scoring import to_trajectories
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 PKG = Path(__file__).resolve().parents[2] / "megatron_rl"
-SIDES = ("rollout", "train")
+SIDES = ("rollout", "sampling", "train")
 RECEIVING = {"policy_version", "serving_dtype", "refit_tolerance", "init_weight_transfer", "receive_weights",
              "commit_weights", "expect_probe", "fail_next_load", "weight_checksums"}
 ENGINE = {"generate", "run_episodes", "score", "reset", "shutdown", "engine_alive", "engine_world_size"}
@@ -61,8 +61,8 @@ def test_both_engines_answer_the_same_receiving_and_engine_calls():
 def test_the_fleet_and_the_producers_reach_no_remote_method_through_a_string_name():
     """Nor does the sleep cycle (rollout/sleep.py picks the method with engine_sleep / engine_wake_up).  (The
     learner group's call-on-every-rank and the coordinator's verbs dispatch by a name checked where it is made.)"""
-    files = [PKG / "rollout" / "fleet.py", PKG / "rollout" / "sleep.py", PKG / "train" / "rollout_source.py",
-             *sorted((PKG / "train").glob("*producer*.py"))]
+    files = [PKG / "rollout" / "fleet.py", PKG / "rollout" / "sleep.py", PKG / "sampling" / "rollout_source.py",
+             *sorted((PKG / "sampling").glob("*producer*.py"))]
     calls = []
     for path in files:
         text = path.read_text(encoding="utf-8")

@@ -49,7 +49,7 @@ def test_a_batch_is_the_first_groups_that_finish_and_counts_its_version_switches
     """StreamProducer.next over finished groups (no engine: the groups are handed in as finished)."""
     import threading
 
-    from megatron_rl.train.stream_producer import StreamProducer
+    from megatron_rl.sampling.stream_producer import StreamProducer
 
     class Admission:  # the coordinator's admission, as the producer sees it
         config = type("C", (), {"lease_ttl_s": 60.0, "batch_size": 4})()
@@ -73,7 +73,7 @@ def test_a_group_that_would_fall_out_of_the_version_window_goes_into_this_batch(
     (versions [v - 1, v]) after batch 1, so batch 1 waits for it and takes it first (starved, it was dropped)."""
     import threading
 
-    from megatron_rl.train.stream_producer import StreamProducer
+    from megatron_rl.sampling.stream_producer import StreamProducer
 
     class Admission:
         config = type("C", (), {"lease_ttl_s": 60.0, "batch_size": 2})()
@@ -177,7 +177,7 @@ def test_a_checkpoint_waits_for_a_group_admitted_while_it_paused():
     group's prompt would be drawn after the data cursor was saved (a double draw on resume)."""
     import threading
 
-    from megatron_rl.train.stream_producer import StreamProducer
+    from megatron_rl.sampling.stream_producer import StreamProducer
 
     admitting, go = threading.Event(), threading.Event()
 
@@ -197,7 +197,7 @@ def test_a_checkpoint_waits_for_a_group_admitted_while_it_paused():
                                   [serial], lambda: [_sample([0]), _sample([0])]),
                               lambda samples: [_Graded() for _ in samples], steps=1, groups_per_step=2, group_size=2,
                               max_groups_in_flight=2)
-    from megatron_rl.train.producer import TrainState
+    from megatron_rl.sampling.producer import TrainState
 
     producer.start(TrainState(step=0, version=0))
     assert admitting.wait(10)
@@ -221,8 +221,8 @@ def test_a_checkpoint_keeps_groups_generating_and_a_resume_generates_them_again(
     draws nothing for them but generates the same examples again under the same serials and leases."""
     import threading
 
-    from megatron_rl.train.producer import TrainState
-    from megatron_rl.train.stream_producer import StreamProducer
+    from megatron_rl.sampling.producer import TrainState
+    from megatron_rl.sampling.stream_producer import StreamProducer
 
     release, started = threading.Event(), threading.Event()
 

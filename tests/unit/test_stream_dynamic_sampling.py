@@ -1,4 +1,4 @@
-"""Dynamic sampling on the streaming producer (train/stream_producer.py, issue 45 item 5): groups whose rewards
+"""Dynamic sampling on the streaming producer (sampling/stream_producer.py, issue 45 item 5): groups whose rewards
 do not vary are discarded as they finish, their leases given back, and fresh groups drawn in their place,
 within the rounds' bound; past it the batch keeps them (filled).  No engine: a group's generate call returns
 samples whose rewards the test chooses by serial.
@@ -14,9 +14,9 @@ import pytest
 
 from megatron_rl.reward.math_verifier import Score
 from megatron_rl.rollout.sample import RolloutSample
-from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
-from megatron_rl.train.producer import TrainState
-from megatron_rl.train.stream_producer import StreamProducer
+from megatron_rl.sampling.dynamic_sampling import DynamicSamplingConfig
+from megatron_rl.sampling.producer import TrainState
+from megatron_rl.sampling.stream_producer import StreamProducer
 from megatron_rl.train.telemetry import _system_metrics
 
 

@@ -44,7 +44,7 @@ import time
 from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
-from megatron_rl.train.producer_parts import Leases, ProducerThread
+from megatron_rl.sampling.producer_parts import Leases, ProducerThread
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Round:
     leases: list
     seconds: float
     stats: dict = dataclasses.field(default_factory=dict)
-    """Dynamic sampling's account of the round (train/dynamic_sampling.py); empty when it is off."""
+    """Dynamic sampling's account of the round (sampling/dynamic_sampling.py); empty when it is off."""
 
     def to_dict(self) -> dict:
         return {"index": self.index, "samples": [s.to_dict() for s in self.samples], "leases": list(self.leases),

@@ -30,7 +30,7 @@ first and generates the groups that were in flight again from the start -- the s
 sampling seeds, under the resumed weights (their first tokens then carry the resumed version), holding the
 same leases -- so nothing admitted is lost or trained twice.
 
-Dynamic sampling (train/dynamic_sampling.py) filters here as groups finish: a graded group whose rewards do
+Dynamic sampling (sampling/dynamic_sampling.py) filters here as groups finish: a graded group whose rewards do
 not vary is discarded at once -- its leases given back, so admission lets a fresh group in -- and every
 discarded group lets the loop draw one more prompt.  A batch may discard at most the rounds' bound
 (`DynamicSamplingConfig.discard_budget`); past it, uninformative groups are kept (counted as filled), so
@@ -53,9 +53,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
-from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig, is_informative
-from megatron_rl.train.producer import Round, TrainState
-from megatron_rl.train.producer_parts import Leases, ProducerThread
+from megatron_rl.sampling.dynamic_sampling import DynamicSamplingConfig, is_informative
+from megatron_rl.sampling.producer import Round, TrainState
+from megatron_rl.sampling.producer_parts import Leases, ProducerThread
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class StreamProducer:
             stats.update(self.engine_stats())
         if self.dynamic is not None:
             stats.update(self._account(taken, discards))
-        if samples and samples[0].episode is not None:  # multi-turn (the episodes' own metrics: telemetry.py)
+        if samples and samples[0].episode is not None:  # multi-turn (the episodes' own metrics: train/telemetry.py)
             stats["env/dropped_groups"] = self.groups_dropped
         return Round(step, samples, leases, seconds, stats)
 

@@ -25,17 +25,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.data.cursor import DataCursor
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.train.config import RunConfig
-from megatron_rl.train.dynamic_sampling import DynamicSamplingConfig
-from megatron_rl.train.producer import Producer, Round, TrainState
-from megatron_rl.train.prompt_stream import PromptStream
+from megatron_rl.sampling.dynamic_sampling import DynamicSamplingConfig
+from megatron_rl.sampling.producer import Producer, Round, TrainState
+from megatron_rl.sampling.prompt_stream import PromptStream
 from megatron_rl.rollout.fleet import RolloutFleet
-from megatron_rl.train.scoring import Scorer
+from megatron_rl.sampling.scoring import Scorer
+
+if TYPE_CHECKING:
+    from megatron_rl.train.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ class RolloutSource:
                  spec: RoundSpec):
         self.fleet, self.prompts, self.scorer, self.spec = fleet, prompts, scorer, spec
         if fleet.cfg.streaming:  # groups stream into batches as they finish (stream_producer.py)
-            from megatron_rl.train.stream_producer import StreamProducer
+            from megatron_rl.sampling.stream_producer import StreamProducer
 
             self.producer = StreamProducer(coordinator, self.prepare_group, scorer.grade, steps=spec.steps,
                                            groups_per_step=spec.prompts_per_step, group_size=spec.group_size,
@@ -190,10 +192,10 @@ class RolloutSource:
         return indices, lambda: self._play(prompts, info, seed, first_group=serial % k)
 
     def _sample_informative(self, r: int, seed: int) -> tuple[list, dict]:
-        """Dynamic sampling (train/dynamic_sampling.py): oversample prompts, grade each group as it
+        """Dynamic sampling (sampling/dynamic_sampling.py): oversample prompts, grade each group as it
         arrives and keep only groups whose rewards vary, for at most max_attempts attempts; the
         grades travel with the samples (sample.score) so nothing is graded twice."""
-        from megatron_rl.train.dynamic_sampling import Group, fill, select_groups
+        from megatron_rl.sampling.dynamic_sampling import Group, fill, select_groups
 
         ds, G, need = self.spec.dynamic, self.spec.group_size, self.spec.prompts_per_step
         kept: list[Group] = []
