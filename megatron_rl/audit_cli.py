@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from megatron_rl.audit.compare import spans_versions
 from megatron_rl.config import ConfigError, from_dict
 from megatron_rl.run_files import read_json
-from megatron_rl.train.stop import EXIT_CODES
+from megatron_rl.reporting.stop import EXIT_CODES
 
 if TYPE_CHECKING:
     from megatron_rl.train.config import TrainConfig

@@ -4,7 +4,7 @@
     megatron-rl doctor runs/tiny_cpu --json     # {"run_dir", "healthy", "steps", "findings": [...]}
 
 Reads RUN_DIR/metrics/metrics.jsonl (the step rows and eval rows the driver logs),
-RUN_DIR/stop_condition.json (written when a stop condition ended the run, train/stop.py),
+RUN_DIR/stop_condition.json (written when a stop condition ended the run, reporting/stop.py),
 RUN_DIR/config.json (run.steps, prompts per step, the stop.* and coordinator.backpressure_*
 limits, which override the defaults below) and the checkpoint directories.  Each check is one
 leaf of the runbook (`RUNBOOK.md#<leaf>`); a finding names the metric, the step and the value
@@ -253,7 +253,7 @@ def check_throughput(h: History, lim: dict) -> list[Finding]:
 STOP_LEAF = {"nonfinite": "nonfinite", "dev_eval_falling": "reward-flat", "kl_out_of_bounds": "kl-exploding",
              "entropy_out_of_bounds": "entropy-collapse", "lag_p95": "lag-rising", "verifier_errors": "verifier-errors",
              "audit": "audit-failed"}
-"""The runbook leaf of each stop condition (megatron_rl/train/stop.py)."""
+"""The runbook leaf of each stop condition (megatron_rl/reporting/stop.py)."""
 
 
 def read_stop(run_dir: Path, h: History) -> dict | None:

@@ -102,10 +102,10 @@ def recorded_figures(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 class ReplayLearner:
-    """One learner rank in this process, built as a run's rank 0 is (train/learner_rank.py LearnerWorker)."""
+    """One learner rank in this process, built as a run's rank 0 is (ranks/rank.py LearnerWorker)."""
 
     def __init__(self, cfg, model_dir: Path):
-        from megatron_rl.train.learner_rank import LearnerWorker, RankSpec
+        from megatron_rl.ranks.rank import LearnerWorker, RankSpec
 
         if cfg.learner.world_size != 1:
             raise ValueError(f"replay runs one learner rank in this process; this run has learner.world_size "

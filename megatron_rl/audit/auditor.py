@@ -5,8 +5,8 @@ span policy versions under their recorded versions, with the weights the learner
     outcome = auditor.check(step, taken)      # AuditOutcome: metrics (numerics/audit_*) and an AuditFailure or None
 
 The driver calls it between take and learn (train/driver.py); the reporter logs `outcome.metrics` with the
-step's and turns `outcome.failure` into the stop condition "audit" (train/reporting.py), so a failed audit
-checkpoints and ends the run with exit 89 like any stop condition (train/stop.py), its message naming the
+step's and turns `outcome.failure` into the stop condition "audit" (reporting/reporter.py), so a failed audit
+checkpoints and ends the run with exit 89 like any stop condition (reporting/stop.py), its message naming the
 sequence and segment.  Segments of
 versions the ring no longer holds (older than the take window, or from before a resume) are counted in
 numerics/audit_unaudited_segments, never guessed.
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AuditFailure:
-    """The evidence of a failed audit, as the stop condition "audit" names it (train/stop.py StopCondition)."""
+    """The evidence of a failed audit, as the stop condition "audit" names it (reporting/stop.py StopCondition)."""
 
     step: int
     metric: str

@@ -5,7 +5,7 @@
 
 Every `every` learner steps the driver re-scores up to `sequences` trajectories of the batch it just
 took whose response spans more than one policy version, under the weights of each segment's version
-(the learner's host ring, audit/ring.py), and stops the run (exit 89, train/stop.py) when a segment
+(the learner's host ring, audit/ring.py), and stops the run (exit 89, reporting/stop.py) when a segment
 that claims KV of its own version differs from the recorded behaviour logprobs by more than
 `tolerance` (audit/compare.py says which segments are judged and why).
 """

@@ -78,7 +78,7 @@ class ExperimentConfig:
     overrides: list[str] = dataclasses.field(default_factory=list)
     """Dotted overrides for every run of every arm."""
     budget_generated_tokens: Optional[int] = None
-    """Equal budget per `train` run: stop.max_generated_tokens (train/stop.py).  Each run ends once it has
+    """Equal budget per `train` run: stop.max_generated_tokens (reporting/stop.py).  Each run ends once it has
     generated this many tokens (checkpoint, final test eval); run.steps must be large enough to reach it."""
     not_run: list[str] = dataclasses.field(default_factory=list)
     """What the question needs that these runs do not cover (an arm, a workload, a scale), each named in the

@@ -75,7 +75,7 @@ k3's value (≥ 0, unbiased; importance-weighted as below): the KL in nats per t
 Reference KL under a truncating sampler (rollout.top_k / top_p).  π_θ is the distribution the
 engine samples from: tempered, truncated to the support S_θ (top-k, then top-p) and renormalised
 (megatron_rl/learner/logprobs.py).  π_ref is the reference at the same temperature, untruncated
-(train/learner_build.py `Reference`, `SamplingConfig.untruncated`): π_ref(x) > 0 for every x, so
+(ranks/build.py `Reference`, `SamplingConfig.untruncated`): π_ref(x) > 0 for every x, so
 
     KL(π_θ‖π_ref) = Σ_{x∈S_θ} π_θ(x) log(π_θ(x) / π_ref(x))
 

@@ -3,8 +3,8 @@
     policy = InitialPolicy.load(learner_cfg, hf_dir, platform, sampling=sampling)   # after the rank joined
     policy.learner, policy.hf_cfg, policy.checkpoint, policy.tp_rank, policy.padded_vocab
 
-Built by every learner rank (train/learner_rank.py `LearnerWorker`, whose frozen reference,
-train/learner_build.py `Reference`, is filled from the same checkpoint) and by the offline audit's
+Built by every learner rank (ranks/rank.py `LearnerWorker`, whose frozen reference,
+ranks/build.py `Reference`, is filled from the same checkpoint) and by the offline audit's
 one-rank learner (audit/offline.py).  The weights go through the shared HF <-> Megatron mapping
 (conversion/model_io.py `fill_from_hf`).
 """

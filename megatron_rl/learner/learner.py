@@ -279,7 +279,7 @@ class Learner:
                          raw: bool = False) -> torch.Tensor:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) under `sampling` (default `self.sampling`), global
         [B, T] -> [B, T-1] on every rank, in the rows' order; of the policy, or of `model` (chunks in the
-        policy's layout: the frozen reference, train/learner_build.py, scored untruncated).  With
+        policy's layout: the frozen reference, ranks/build.py, scored untruncated).  With
         `lengths_b` [B] (real tokens per row), positions at or beyond a row's length - 1 (predictions
         of padding) hold 0; a token budget never computes them.  `raw`: the model's own distribution
         (temperature 1, no truncation: what an engine's teacher-forced prompt logprobs are, for the

@@ -5,7 +5,7 @@
     # {"max_generated_tokens": 50000, "tokens_per_step": [256, 512], "steps": [98, 100], "wall_s": [...], ...}
 
 The budget ends the run after the first step at which the tokens generated so far reach it
-(train/stop.py), so the steps it allows follow from the tokens one step can generate:
+(reporting/stop.py), so the steps it allows follow from the tokens one step can generate:
   fewest  every response is `rollout.max_tokens` long: samples x max_tokens per step
           (with dynamic sampling every attempt may draw its whole oversampled share of prompts,
           and discarded groups count as generated: x max_attempts x oversample)

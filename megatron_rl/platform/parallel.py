@@ -95,7 +95,7 @@ def init_distributed(
 
     rank / world_size default to env RANK / WORLD_SIZE.  The rendezvous is `store` when given (every
     rank must then pass one: rank 0 the TCPStore it already listens on, the others a client of it;
-    train/learner_build.py), else MASTER_ADDR / MASTER_PORT from the environment: rank 0 listens there
+    ranks/build.py), else MASTER_ADDR / MASTER_PORT from the environment: rank 0 listens there
     on MASTER_ADDR alone (not on every interface, as env:// would: platform/listen.py).
     """
     if platform.is_cpu:

@@ -11,7 +11,7 @@
 per layer is what a Megatron source gathering TP shards per layer naturally yields); it
 is consumed lazily, on the calling thread.  The trainer process is rank 0 of a group whose
 other ranks are every vLLM worker process of every rollout group.  In a run that is learner rank 0:
-`join_publication` gives it its publisher and LearnerWorker.publish (train/learner_rank.py) calls
+`join_publication` gives it its publisher and LearnerWorker.publish (ranks/rank.py) calls
 `publish`, as the tests do.
 
 The publisher owns what every path shares: the group's layout (each rollout group's rank

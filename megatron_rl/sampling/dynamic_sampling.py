@@ -16,7 +16,7 @@ groups until the batch is full; this module is that rule, bounded:
 
 If the attempts run out, the round is filled with the uninformative groups of the last
 attempt (a short batch is never trained on) and `filled_groups` says how many.  Every
-discarded group's tokens stay counted as generated, so ESR (train/telemetry.py) falls by exactly
+discarded group's tokens stay counted as generated, so ESR (reporting/telemetry.py) falls by exactly
 what the filter threw away, and `system/dynamic_kept_fraction` shows the share of sampled groups kept.
 Streaming runs filter group by group as each finishes (sampling/stream_producer.py), within the same bound.
 """

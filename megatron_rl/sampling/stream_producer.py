@@ -276,7 +276,7 @@ class StreamProducer:
             stats.update(self.engine_stats())
         if self.dynamic is not None:
             stats.update(self._account(taken, discards))
-        if samples and samples[0].episode is not None:  # multi-turn (the episodes' own metrics: train/telemetry.py)
+        if samples and samples[0].episode is not None:  # multi-turn (the episodes' own metrics: reporting/telemetry.py)
             stats["env/dropped_groups"] = self.groups_dropped
         return Round(step, samples, leases, seconds, stats)
 

@@ -9,7 +9,7 @@ against the model, data files) and prints the plan without starting Ray, vLLM or
 The console shows one progress line per step (a bar on a terminal) and the project's own
 messages; library and engine logs go to RUN_DIR/logs/ (`--verbose` shows them; megatron_rl/console.py).
 Exit codes: 0 done, 1 a bug (its traceback), 2 bad input, 75 stopped by a signal after checkpointing (requeue me),
-81-86 and 89 a stop condition held and the run checkpointed and stopped (megatron_rl/train/stop.py:
+81-86 and 89 a stop condition held and the run checkpointed and stopped (megatron_rl/reporting/stop.py:
 81 nonfinite, 82 dev_eval_falling, 83 kl_out_of_bounds, 84 entropy_out_of_bounds, 85 lag_p95,
 86 verifier_errors, 89 audit: megatron_rl/audit/); the final JSON line names it.  75 also ends a run
 whose rollout engine or learner rank died (rerun to resume); 87 a learner step that ran out of memory at the configured and
@@ -50,7 +50,7 @@ def run_one(command: str, cfg, pool=None) -> dict:
 
         return sft(cfg, pool)
     from megatron_rl.train.driver import EXIT_REQUEUE, StopFlag, train
-    from megatron_rl.train.stop import StopConditionMet
+    from megatron_rl.reporting.stop import StopConditionMet
 
     from megatron_rl.train.run_setup import start_ray
 

@@ -14,7 +14,7 @@ Sections and their owners:
                                                              multi-turn episodes (EnvConfig, megatron_rl.envs)
   run         RunConfig          (here)                  mode, steps, placement, checkpoints
   cluster     ClusterConfig      (here)                  what the planner checks against
-  stop        StopConfig         megatron_rl.train.stop  stop conditions and their exit codes
+  stop        StopConfig         megatron_rl.reporting.stop  stop conditions and their exit codes
   dynamic_sampling DynamicSamplingConfig  megatron_rl.sampling.dynamic_sampling  keep only groups whose rewards vary
   audit       AuditConfig        megatron_rl.audit       re-score sequences spanning versions (every N steps)
 Shared values are set once and derived: run.prompts_per_step x run.group_size is the learner's
@@ -44,7 +44,7 @@ from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import MIN_TEMPERATURE, LearnerConfig, SamplingConfig, batch_problem
 from megatron_rl.reward.math_verifier import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.train.stop import StopConfig
+from megatron_rl.reporting.stop import StopConfig
 
 
 @dataclass(kw_only=True)

@@ -20,7 +20,7 @@ span versions; either way every token carries the version that sampled it (per-t
 segments), a sequence is judged by its oldest token (trajectory.py Trajectory.policy_version), and
 the audit re-scores the ones that span versions (audit/).
 
-Stop conditions (train/stop.py, the `stop:` section) are asked after every step; one that
+Stop conditions (reporting/stop.py, the `stop:` section) are asked after every step; one that
 holds checkpoints and exits with its own code (81-86), naming the condition.
 
 Failures (RUNBOOK.md, "Fault drills"): a rollout engine that dies while generating is restarted and
@@ -47,12 +47,12 @@ from pathlib import Path
 from megatron_rl.checkpoint import CheckpointError
 from megatron_rl.rollout.fleet import RolloutFailed
 from megatron_rl.train.config import TrainConfig
-from megatron_rl.train.learner_group import LearnerDied, LearnerOutOfMemory
+from megatron_rl.ranks.group import LearnerDied, LearnerOutOfMemory
 from megatron_rl.train.restart import EXIT_CANARY, CanaryFailed, check_canary
 from megatron_rl.train.resume import choose_resume, finished_summary
 from megatron_rl.train.policy import PublicationError
 from megatron_rl.train.roles import Roles
-from megatron_rl.train.stop import StopConditionMet
+from megatron_rl.reporting.stop import StopConditionMet
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class StopFlag:
 def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
     """Run (or resume) training; returns a summary.  `pool`: the experiment runner's EnginePool
     (train/engine_pool.py) handed to Roles.build, or None. Raises SystemExit(75) when stopped early by a
-    signal, StopConditionMet (a SystemExit with the condition's code, train/stop.py) when a stop
+    signal, StopConditionMet (a SystemExit with the condition's code, reporting/stop.py) when a stop
     condition holds; both after a checkpoint."""
     stop = stop or StopFlag()
     resume_from = choose_resume(cfg)                                     # once; another layout refused here
@@ -123,7 +123,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
                                         step=time.perf_counter() - t0))
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0 and step + 1 < cfg.run.steps:
                 report.log_eval(step + 1, split="dev")
-            condition = report.stop_condition()                          # stop rules (train/stop.py)
+            condition = report.stop_condition()                          # stop rules (reporting/stop.py)
             if roles.checkpointer.due(step + 1, cfg.run.steps) or stop.requested or condition:
                 roles.checkpointer.save(state, policy, source, coordinator, initial_eval=report.initial_eval)
             if condition:

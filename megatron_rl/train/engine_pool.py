@@ -19,7 +19,7 @@ Ray cluster, so a finished run's engines can serve the next run instead of endin
              through the normal path: checksummed buckets, then the refit probe (engine logprobs vs
              the learner's).  Its prefix cache is emptied and its version counter starts again at 0.
   learners   the run's `LearnerWorker` actors (one per rank) are parked too; the next run of the same
-             placement rebuilds its learner in them (LearnerWorker.rebuild, train/learner_build.py:
+             placement rebuilds its learner in them (LearnerWorker.rebuild, ranks/build.py:
              the last run's model, reference, optimizer, publication group and Megatron parallel
              state dropped, then everything built from that run's sections, initial policy and seed
              as a new actor would; torch.distributed stays up), which saves their process start and
@@ -57,11 +57,11 @@ def engine_pool() -> Iterator["EnginePool"]:
 
 
 def sft_learner_group(pool: "EnginePool | None", *, before: object = None, **spec_fields):
-    """An `sft` run's LearnerGroup (train/learner_group.py) built from a RankSpec of `spec_fields`.  With a
+    """An `sft` run's LearnerGroup (ranks/group.py) built from a RankSpec of `spec_fields`.  With a
     `pool`: the last `sft` run's actors, rebuilt, when it holds them for this layout; with `before` (the config
     of the GRPO run that follows, sft.first) the actors sit in that run's placement, reserved in the pool, and
     are the parked placed learners rebuilt when there are any.  Else new actors."""
-    from megatron_rl.train.learner_group import LearnerGroup, RankSpec
+    from megatron_rl.ranks.group import LearnerGroup, RankSpec
 
     spec = RankSpec(**spec_fields)
     ranks = spec.learner.world_size

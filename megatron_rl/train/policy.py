@@ -34,8 +34,8 @@ from megatron_rl.learner.config import LearnerConfig, SamplingConfig
 from megatron_rl.rollout.fleet import RolloutFleet
 from megatron_rl.rollout.sleep import SleepCycle
 from megatron_rl.train.config import RunConfig
-from megatron_rl.train.learner_group import LearnerGroup, RankSpec
-from megatron_rl.train.learner_weights import PublishSettings
+from megatron_rl.ranks.group import LearnerGroup, RankSpec
+from megatron_rl.ranks.weights import PublishSettings
 from megatron_rl.train.probe import probe_sequences, reconcile_sampled
 
 logger = logging.getLogger(__name__)

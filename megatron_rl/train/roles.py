@@ -11,7 +11,7 @@ Who owns what:
   scorer        Scorer (sampling/scoring.py)                verifier pool, samples -> trajectories
   policy        Policy (policy.py)                           learner group, publication to the fleet
   checkpointer  Checkpointer (checkpointing.py)              resume and checkpoints
-  reporter      Reporter (reporting.py)                      metrics, evals, progress, stop rules
+  reporter      Reporter (reporting/reporter.py)             metrics, evals, progress, stop rules
   auditor       Auditor (audit/auditor.py)                   re-scores sequences spanning versions (audit.every)
 """
 
@@ -29,7 +29,7 @@ from megatron_rl.train.checkpointing import QUEUE_DB, Checkpointer, restore_queu
 from megatron_rl.train.engine_pool import EnginePool
 from megatron_rl.train.placement import Placement, gpu_path_choices
 from megatron_rl.train.policy import Policy
-from megatron_rl.train.reporting import Reporter
+from megatron_rl.reporting.reporter import Reporter
 from megatron_rl.sampling.rollout_source import PromptStream, RolloutSource, RoundSpec, start_fleet
 from megatron_rl.train.run_setup import RunInputs, close_run_dir, open_run_dir, start_ray, train_cursor
 from megatron_rl.sampling.scoring import Scorer

@@ -72,7 +72,7 @@ def open_run_dir(cfg: TrainConfig, kind: str, *, resuming: bool = False, resume_
 
     from megatron_rl.models.tokenizer import tokenizer_hash
     from megatron_rl.run_manifest import model_identity, open_run
-    from megatron_rl.train.learner_build import seed_everything
+    from megatron_rl.ranks.build import seed_everything
     from megatron_rl.train.resume import check_config_change, check_lora
 
     environment = cfg.data.env.preflight()  # e.g. the sandbox this node gives: refused before anything is written

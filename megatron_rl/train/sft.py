@@ -46,7 +46,7 @@ def sft(cfg, pool=None, *, before=None) -> dict:
 
     from megatron_rl.train.checkpointing import Checkpointer
     from megatron_rl.train.engine_pool import release_sft_learners, sft_learner_group
-    from megatron_rl.train.reporting import Reporter, metrics_logger
+    from megatron_rl.reporting.reporter import Reporter, metrics_logger
     from megatron_rl.train.resume import choose_resume
     from megatron_rl.train.run_setup import close_run_dir, open_run_dir, start_ray, train_cursor
 

@@ -27,7 +27,7 @@ def _rebuilds(rank: int, world_size: int, dir_a: str, dir_b: str):
     from megatron_rl.grpo.loss import GRPOLossConfig
     from megatron_rl.learner import LearnerConfig
     from megatron_rl.platform.parallel import live_group_count
-    from megatron_rl.train.learner_rank import LearnerWorker, RankSpec
+    from megatron_rl.ranks.rank import LearnerWorker, RankSpec
 
     cfg = LearnerConfig(tensor_parallel_size=2, global_batch_size=2)
     tokens_bt = torch.randint(1, 60, (2, 12), generator=torch.Generator().manual_seed(5))

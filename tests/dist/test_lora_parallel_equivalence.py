@@ -83,7 +83,7 @@ def _resumed_step(cfg, platform, start, ckpt_dir, tokens):
     """A fresh TP1 DP2 learner on `start`'s base (its adapters fresh) loads `ckpt_dir` and steps once."""
     from megatron_rl.models.lora import adapter_parameters
     from megatron_rl.models.reshard import shard_state_dict
-    from megatron_rl.train.learner_weights import WeightIO
+    from megatron_rl.ranks.weights import WeightIO
 
     learner = _learner(cfg, platform, 1, 1)
     module = learner.model[0].module
@@ -166,7 +166,7 @@ def _equivalence(rank, world, root):
                      "adapters2": {n: p.detach().clone() for n, p in adapters.items()}}
             module.load_state_dict(expected_after, strict=False)  # back to after step 1 for the checks below
         if (tp, pp) in SAVED:
-            from megatron_rl.train.learner_weights import WeightIO
+            from megatron_rl.ranks.weights import WeightIO
 
             import multiprocessing
 

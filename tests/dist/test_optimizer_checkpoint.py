@@ -4,7 +4,7 @@ and the host memory the resume takes, measured against the planner (issue 31, it
     .venv/bin/python -m pytest tests/dist/test_optimizer_checkpoint.py -q
 
 Two gloo ranks (TP1 x DP2) train a small Llama one step with the distributed optimizer and save
-through the learner's sharded_state_dict (as train.learner_group does).  The save must use the
+through the learner's sharded_state_dict (as ranks.group does).  The save must use the
 memory-efficient reshardable exchange: the gathered optimizer state exists on DP rank 0 only
 (DP rank 1 contributes over gloo and holds none), instead of an all-gather onto every rank.
 A fresh learner then loads it: weights and Adam moments equal, and the next step matches.
@@ -70,7 +70,7 @@ def _measured_resume(cfg, hf_cfg, ckpt_dir, rank):
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_rl.learner import Learner
-    from megatron_rl.train.learner_weights import WeightIO
+    from megatron_rl.ranks.weights import WeightIO
 
     fresh = Learner(cfg, hf_cfg)
     fresh._materialize_optimizer_state()  # Adam's zeros: device memory on a GPU learner, not the load's
@@ -88,7 +88,7 @@ def _save_and_resume(rank, world, ckpt_dir):
 
     from megatron_rl.learner import Learner, LearnerConfig
     from megatron_rl.models.hf_config import load_hf_config
-    from megatron_rl.train.learner_weights import WeightIO
+    from megatron_rl.ranks.weights import WeightIO
 
     cfg = LearnerConfig(global_batch_size=4, micro_batch_size=2, lr=1e-2, seed=5)
     hf_cfg = load_hf_config(SMALL)

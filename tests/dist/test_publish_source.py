@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 def _publish_source(rank: int, world_size: int, hf_dir: str):
     from megatron_rl.grpo.loss import GRPOLossConfig
     from megatron_rl.learner import LearnerConfig
-    from megatron_rl.train.learner_rank import LearnerWorker, RankSpec
+    from megatron_rl.ranks.rank import LearnerWorker, RankSpec
 
     cfg = LearnerConfig(tensor_parallel_size=2, pipeline_parallel_size=2, global_batch_size=2)
     worker = LearnerWorker(rank=rank, world_size=world_size)
@@ -53,7 +53,7 @@ def test_tp2_pp2_learner_publishes_the_complete_model(tmp_path):
 def _publish_moe_source(rank: int, world_size: int, hf_dir: str):
     from megatron_rl.grpo.loss import GRPOLossConfig
     from megatron_rl.learner import LearnerConfig
-    from megatron_rl.train.learner_rank import LearnerWorker, RankSpec
+    from megatron_rl.ranks.rank import LearnerWorker, RankSpec
 
     cfg = LearnerConfig(pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, global_batch_size=2)
     worker = LearnerWorker(rank=rank, world_size=world_size)

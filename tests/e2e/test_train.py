@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rl.train.stop import EXIT_CODES
+from megatron_rl.reporting.stop import EXIT_CODES
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli, start_cli, wanted
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -11,7 +11,7 @@ runs it first; README "GPU stage 1 on a node without network" says how to bring 
 
 One learner rank (this process; torch.distributed on NCCL, or gloo in the CPU dry mode), a tiny
 Llama built by the project's own Learner (models/builder.py) on local layers, trained with the
-project's GRPO loss as a learner rank does (train/learner_rank.py):
+project's GRPO loss as a learner rank does (ranks/rank.py):
   1 learner_step   one optimizer step on a GRPO batch: finite loss and grad norm, the update applied;
   2 checkpoint     the driver's checkpoint round trip (train/checkpointing.py, without the
                    coordinator): save_checkpoint with the learner's distributed checkpoint, probe and
@@ -106,7 +106,7 @@ def _batch(learner) -> dict:
 
 
 def _grpo_step(learner, batch: dict) -> dict:
-    """One step as a learner rank takes it (train/learner_rank.py _step): GRPO loss, lag-guard step hook."""
+    """One step as a learner rank takes it (ranks/rank.py _step): GRPO loss, lag-guard step hook."""
     from functools import partial
 
     from megatron_rl.grpo.loss import GRPOLossConfig
@@ -144,7 +144,7 @@ def part_learner_step(state: dict) -> str:
 def part_checkpoint(state: dict) -> str:
     from megatron_rl.checkpoint import load_checkpoint, load_rng_state, resume_checkpoint, save_checkpoint
     from megatron_rl.rng_state import capture_rng_state, restore_rng_state
-    from megatron_rl.train.learner_weights import WeightIO
+    from megatron_rl.ranks.weights import WeightIO
     from megatron_rl.train.restart import save_probe, shadow_forward
 
     learner, platform = state["learner"], state["platform"]
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
         from megatron_rl.platform import detect_platform
         from megatron_rl.platform.parallel import init_distributed
         from megatron_rl.platform.spawn import free_port
-        from megatron_rl.train.learner_build import seed_everything
+        from megatron_rl.ranks.build import seed_everything
     except Exception as err:  # noqa: BLE001 -- one clear line and the summary, not a traceback
         return _refuse(summary, f"imports failed: {err!r}")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -102,7 +102,7 @@ def policy_of(learner, fleet):
     """The real Policy over `learner` (a double) and `fleet`; no refit probe of its own (tests give it)."""
     from megatron_rl.grpo.loss import GRPOLossConfig
     from megatron_rl.learner.config import SamplingConfig
-    from megatron_rl.train.learner_weights import PublishSettings
+    from megatron_rl.ranks.weights import PublishSettings
     from megatron_rl.train.policy import Policy, PolicySettings
 
     settings = PolicySettings(loss=GRPOLossConfig(), sampling=SamplingConfig(), micro_batch_size=1, probe_rows=1,

@@ -23,7 +23,7 @@ from megatron_rl.audit.config import AuditConfig
 from megatron_rl.audit.rescore import audit_trajectories
 from megatron_rl.audit.ring import WeightRing
 from megatron_rl.config import ConfigError
-from megatron_rl.train.stop import StopCondition, StopConfig, StopRules
+from megatron_rl.reporting.stop import StopCondition, StopConfig, StopRules
 from megatron_rl.trajectory import make_trajectory
 
 pytestmark = pytest.mark.unit

@@ -84,7 +84,7 @@ def test_a_bare_core_number_from_yaml_or_an_override_is_a_core_list():
 def test_a_learner_without_cores_is_moved_only_back_to_where_it_started(monkeypatch):
     """confine_learner: no affinity call at a build when learner.cpu_cores is unset and the process never moved;
     the named cores, or the ones it started on after a move, for every thread (recorded, not applied)."""
-    from megatron_rl.train.learner_build import confine_learner
+    from megatron_rl.ranks.build import confine_learner
 
     moves: list[set[int]] = []
     monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cores: moves.append(set(cores)))

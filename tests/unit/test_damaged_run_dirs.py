@@ -233,10 +233,10 @@ def test_a_bad_metrics_byte_does_not_block_a_resume(tmp_path, capsys):
 
 
 def test_rewind_restore_and_test_evals_skip_bad_lines_and_the_log_goes_on(tmp_path, caplog):
-    """What a resume does with metrics.jsonl (train/reporting.py Reporter.rewind): rewind to the checkpoint's
+    """What a resume does with metrics.jsonl (reporting/reporter.py Reporter.rewind): rewind to the checkpoint's
     step, count the generated tokens kept (stop.max_generated_tokens), read back the test evals; then log."""
     from megatron_rl.metrics import MetricsLogger, logged_test_evals
-    from megatron_rl.train.stop import StopConfig, StopRules
+    from megatron_rl.reporting.stop import StopConfig, StopRules
 
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "time": 1.0, "system/generated_tokens": 10.0} for s in range(1, 5)]

@@ -1,4 +1,4 @@
-"""Dynamic sampling's selection rule and its accounting (sampling/dynamic_sampling.py, telemetry.py).
+"""Dynamic sampling's selection rule and its accounting (sampling/dynamic_sampling.py, reporting/telemetry.py).
 
     python -m pytest tests/unit/test_dynamic_sampling.py -q
 """
@@ -11,7 +11,7 @@ from megatron_rl.config import ConfigError
 from megatron_rl.reward.math_verifier import Score
 from megatron_rl.rollout.sample import PromptInfo, RolloutSample
 from megatron_rl.sampling.dynamic_sampling import DynamicSamplingConfig, Group, fill, is_informative, select_groups
-from megatron_rl.train.telemetry import Telemetry
+from megatron_rl.reporting.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit
 

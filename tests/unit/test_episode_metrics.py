@@ -1,5 +1,5 @@
 """Step metrics of multi-turn episodes count what the policy sampled, not the observations in between
-(train/telemetry.py), and an experiment's generated tokens are the steps' own count (experiment/report.py).
+(reporting/telemetry.py), and an experiment's generated tokens are the steps' own count (experiment/report.py).
 
     python -m pytest tests/unit/test_episode_metrics.py -q
 """
@@ -13,7 +13,7 @@ import pytest
 
 from megatron_rl.experiment.report import run_costs
 from megatron_rl.rollout.sample import RolloutSample
-from megatron_rl.train.telemetry import Telemetry
+from megatron_rl.reporting.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit
 

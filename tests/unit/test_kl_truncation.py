@@ -45,11 +45,11 @@ def _per_token(log_theta: torch.Tensor, log_ref: torch.Tensor, x: int, estimator
 
 
 def test_the_reference_is_scored_untruncated_at_the_sampling_temperature(monkeypatch):
-    """train/learner_build.py Reference asks the learner for its logprobs at the rollout's
+    """ranks/build.py Reference asks the learner for its logprobs at the rollout's
     temperature with top-k/top-p off, whatever the rollout truncates with."""
     import megatron_rl.conversion.model_io as model_io
     import megatron_rl.models.builder as builder
-    from megatron_rl.train.learner_build import Reference
+    from megatron_rl.ranks.build import Reference
 
     monkeypatch.setattr(builder, "build_gpt_model", lambda *a, **k: torch.nn.Linear(1, 1))
     monkeypatch.setattr(model_io, "fill_from_hf", lambda *a, **k: None)

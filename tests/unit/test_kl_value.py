@@ -65,7 +65,7 @@ def test_kl_estimate_off_policy_is_importance_weighted():
 
 
 def test_console_shows_the_kl_estimate_not_the_penalty_value():
-    from megatron_rl.train.telemetry import progress_line
+    from megatron_rl.reporting.telemetry import progress_line
 
     metrics = {"learn/kl_ref_k2_grad_theta_ref": 7.22, "learn/kl_ref_estimate": 2.53}
     assert "| kl 2.53 " in progress_line(100, 100, metrics, seconds_per_step=1.0)

@@ -5,7 +5,7 @@
 Rank 0 used to probe a free port (platform.spawn.free_port), tell every rank, and bind it only
 inside init_process_group: on a busy machine another process could take it in between
 (EADDRINUSE).  Now rank 0's TCPStore listens first (port 0: the OS picks and binds at once) and
-the ranks are told the bound port (train/learner_build.py Rendezvous.address / join).
+the ranks are told the bound port (ranks/build.py Rendezvous.address / join).
 The race is injected by making the free-port probe return a port another socket holds; two real
 ranks (this process and a spawned one) then join over gloo and all-reduce.
 """
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.platform import spawn
-from megatron_rl.train.learner_build import Rendezvous as Rank
+from megatron_rl.ranks.build import Rendezvous as Rank
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ import socket
 import pytest
 import ray
 
-from megatron_rl.train.learner_build import Rendezvous
+from megatron_rl.ranks.build import Rendezvous
 from tests.listeners import listening
 
 pytestmark = pytest.mark.unit

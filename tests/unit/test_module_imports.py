@@ -93,21 +93,21 @@ def counts() -> dict[str, int]:
 
 def test_the_counter_sees_every_kind_of_import():
     source = ("import megatron_rl.metrics\nfrom megatron_rl.train import roles, config\n"
-              "from megatron_rl.train.stop import StopRules\nimport json\n"
-              "def f():\n    from megatron_rl.checkpoint import rotate\n    from . import telemetry\n")
+              "from megatron_rl.reporting.stop import StopRules\nimport json\n"
+              "def f():\n    from megatron_rl.checkpoint import rotate\n    from . import policy\n")
     assert project_imports(source, "megatron_rl.train.driver") == {
-        "megatron_rl.metrics", "megatron_rl.train.roles", "megatron_rl.train.config", "megatron_rl.train.stop",
-        "megatron_rl.checkpoint", "megatron_rl.train.telemetry"}
+        "megatron_rl.metrics", "megatron_rl.train.roles", "megatron_rl.train.config", "megatron_rl.reporting.stop",
+        "megatron_rl.checkpoint", "megatron_rl.train.policy"}
 
 
 def test_type_only_imports_do_not_count():
     source = ("from typing import TYPE_CHECKING\nimport typing\nif TYPE_CHECKING:\n"
               "    from megatron_rl.learner import Learner\nelse:\n    import megatron_rl.metrics\n"
               "if typing.TYPE_CHECKING:\n    import megatron_rl.checkpoint\n"
-              "def f():\n    from megatron_rl.train import stop\n")
-    assert project_imports(source, "megatron_rl.train.driver") == {"megatron_rl.metrics", "megatron_rl.train.stop"}
+              "def f():\n    from megatron_rl.reporting import stop\n")
+    assert project_imports(source, "megatron_rl.train.driver") == {"megatron_rl.metrics", "megatron_rl.reporting.stop"}
     assert project_import_lines(source, "megatron_rl.train.driver") == [("megatron_rl.metrics", 6),
-                                                                          ("megatron_rl.train.stop", 10)]
+                                                                          ("megatron_rl.reporting.stop", 10)]
 
 
 def test_no_module_imports_more_than_ten_project_modules():

@@ -1,5 +1,5 @@
 """A streaming engine's occupancy: requests in flight over time against its capacity (rollout/occupancy.py),
-and the learner's idle fraction of a step (train/telemetry.py).
+and the learner's idle fraction of a step (reporting/telemetry.py).
 
     python -m pytest tests/unit/test_occupancy.py -q
 """
@@ -10,7 +10,7 @@ import pytest
 
 from megatron_rl.rollout.occupancy import Occupancy
 from megatron_rl.rollout.sample import RolloutSample
-from megatron_rl.train.telemetry import Telemetry
+from megatron_rl.reporting.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit
 

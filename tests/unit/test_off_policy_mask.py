@@ -15,7 +15,7 @@ import torch
 from megatron_rl.grpo.loss import GRPOLossConfig, grpo_loss, off_policy_weights
 from megatron_rl.grpo.micro_loss import grpo_micro_batch_loss
 from megatron_rl.grpo.step_metrics import grpo_metrics
-from megatron_rl.train.telemetry import _learn_metrics
+from megatron_rl.reporting.telemetry import _learn_metrics
 
 pytestmark = pytest.mark.unit
 

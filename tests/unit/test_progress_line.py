@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.train.telemetry import progress_line
+from megatron_rl.reporting.telemetry import progress_line
 
 pytestmark = pytest.mark.unit
 
@@ -25,7 +25,7 @@ def test_missing_or_nonfinite_metrics_are_dashes_not_zeros():
 
 def test_sft_and_experiment_progress_lines():
     from megatron_rl.experiment.runner import run_progress_line
-    from megatron_rl.train.telemetry import sft_progress_line
+    from megatron_rl.reporting.telemetry import sft_progress_line
 
     out = {"loss": 1.25, "nll_sum": 30.0, "tokens": 12.0, "grad_norm": 0.5}
     assert sft_progress_line(3, 10, out, seconds_per_step=9.0, tokens_per_s=120.0) == (

@@ -103,7 +103,7 @@ def test_the_dry_run_reports_the_prompts_dropped_per_split(capsys, tmp_path):
 
 def test_the_run_manifest_records_the_drops(tmp_path, monkeypatch):
     """open_run_dir (what train and sft do first) drops the prompts and records the counts."""
-    import megatron_rl.train.learner_build as learner_build
+    import megatron_rl.ranks.build as learner_build
     from megatron_rl.train.config import load_train_config
     from megatron_rl.train.run_setup import open_run_dir
 

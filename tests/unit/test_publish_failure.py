@@ -24,7 +24,7 @@ from megatron_rl.cli import main
 from megatron_rl.grpo.loss import GRPOLossConfig
 from megatron_rl.learner.config import SamplingConfig
 from megatron_rl.train import driver
-from megatron_rl.train.learner_weights import PublishSettings
+from megatron_rl.ranks.weights import PublishSettings
 from megatron_rl.train.policy import Policy, PolicySettings
 from megatron_rl.sampling.producer import Round, TrainState
 from tests.e2e.conftest import TINY
@@ -193,7 +193,7 @@ def test_engine_that_keeps_dying_exits_75(ray_local, monkeypatch, tmp_path, caps
     ("canary", 88),
 ])
 def test_learner_stops_keep_their_exit_codes(ray_local, monkeypatch, tmp_path, error, code):
-    from megatron_rl.train.learner_group import LearnerOutOfMemory
+    from megatron_rl.ranks.group import LearnerOutOfMemory
     from megatron_rl.train.restart import CanaryFailed
 
     exc = LearnerOutOfMemory("out of memory at micro_batch_size 64 and again at 32") if error == "oom" \

@@ -40,7 +40,7 @@ STEP = "step_000002"
 @pytest.fixture(autouse=True)
 def _no_global_seeding(monkeypatch):
     # open_run_dir seeds and sets torch's threads / deterministic mode for the whole process: not in tests.
-    monkeypatch.setattr("megatron_rl.train.learner_build.seed_everything", lambda *a, **k: None)
+    monkeypatch.setattr("megatron_rl.ranks.build.seed_everything", lambda *a, **k: None)
 
 
 def start_run(cfg, kind: str = "train"):

@@ -109,7 +109,7 @@ class _Fleet:
 def test_the_refit_probe_runs_at_top_p_on_sampled_tokens_scored_raw():
     """Before: skipped whenever temperature, top-p or top-k transformed the distribution."""
     from megatron_rl.grpo.loss import GRPOLossConfig
-    from megatron_rl.train.learner_weights import PublishSettings
+    from megatron_rl.ranks.weights import PublishSettings
     from megatron_rl.train.policy import Policy, PolicySettings
 
     forward, calls = _learner(TOP_P)
@@ -129,7 +129,7 @@ def test_the_refit_probe_runs_at_top_p_on_sampled_tokens_scored_raw():
 def test_the_reconcile_reaches_the_step_metrics():
     import numpy as np
 
-    from megatron_rl.train.telemetry import _numerics_metrics
+    from megatron_rl.reporting.telemetry import _numerics_metrics
 
     learn = {"loss": 0.0, "grad_norm": 1.0, "numerics/reconcile_median_abs": 0.01, "numerics/reconcile_tokens": 32.0}
     out = _numerics_metrics(learn, np.zeros(0))

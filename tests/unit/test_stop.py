@@ -1,4 +1,4 @@
-"""Stop conditions (megatron_rl/train/stop.py): each rule fires on its metric, names itself,
+"""Stop conditions (megatron_rl/reporting/stop.py): each rule fires on its metric, names itself,
 carries its own exit code, stays quiet when off or under its bound, and validates its config.
 
     python -m pytest tests/unit/test_stop.py -q
@@ -12,7 +12,7 @@ import pytest
 
 from megatron_rl.config import ConfigError, from_dict
 from megatron_rl.train.config import TrainConfig, load_train_config
-from megatron_rl.train.stop import EXIT_CODES, StopConditionMet, StopConfig, StopRules
+from megatron_rl.reporting.stop import EXIT_CODES, StopConditionMet, StopConfig, StopRules
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from megatron_rl.rollout.sample import RolloutSample
 from megatron_rl.sampling.dynamic_sampling import DynamicSamplingConfig
 from megatron_rl.sampling.producer import TrainState
 from megatron_rl.sampling.stream_producer import StreamProducer
-from megatron_rl.train.telemetry import _system_metrics
+from megatron_rl.reporting.telemetry import _system_metrics
 
 
 class Admission:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.train.stop import StopCondition, StopConditionMet
+from megatron_rl.reporting.stop import StopCondition, StopConditionMet
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_cpu_scratch.yaml"

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from megatron_rl.train.config import load_train_config
-from megatron_rl.train.reporting import metrics_logger
+from megatron_rl.reporting.reporter import metrics_logger
 from megatron_rl.tracking import tracking_sinks
 
 pytestmark = pytest.mark.unit

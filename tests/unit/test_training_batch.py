@@ -19,7 +19,7 @@ from megatron_rl.reward.pool import VerifierPool
 from megatron_rl.rollout.sample import PromptInfo, RolloutSample
 from megatron_rl.train.batch import build_batch
 from megatron_rl.sampling.scoring import to_trajectories
-from megatron_rl.train.telemetry import Telemetry
+from megatron_rl.reporting.telemetry import Telemetry
 
 pytestmark = pytest.mark.unit
 

@@ -22,8 +22,8 @@ import torch
 from megatron_rl.publish import trainer
 from megatron_rl.publish import wire
 from megatron_rl.publish.transports import GlooTransport, NcclTransport
-from megatron_rl.train.learner_rank import LearnerWorker
-from megatron_rl.train.learner_weights import PublishSettings
+from megatron_rl.ranks.rank import LearnerWorker
+from megatron_rl.ranks.weights import PublishSettings
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The learner ranks as Ray actors, driven in lock step: one `LearnerWorker` (train/learner_rank.py)
+"""The learner ranks as Ray actors, driven in lock step: one `LearnerWorker` (ranks/rank.py)
 per torch.distributed rank.
 
     group = LearnerGroup(RankSpec(learner=..., loss=..., hf_dir=..., seed=s), placement=place.learner)
@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-from megatron_rl.train.learner_rank import LearnerOutOfMemory, LearnerWorker, RankSpec  # noqa: F401
-from megatron_rl.train.learner_weights import PublishSettings
+from megatron_rl.ranks.rank import LearnerOutOfMemory, LearnerWorker, RankSpec  # noqa: F401
+from megatron_rl.ranks.weights import PublishSettings
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
     condition = rules.triggered           # a StopCondition, or None
     raise StopConditionMet(condition)     # SystemExit with the condition's own exit code
 
-The driver asks once per step (`Reporter.stop_condition()`, train/reporting.py), after the
+The driver asks once per step (`Reporter.stop_condition()`, reporting/reporter.py), after the
 step's metrics and any dev eval are logged; when a condition holds it writes a checkpoint (COMMITTED last), stops the
 producer and exits with that condition's code.  The CLI prints a final JSON line
 {"stopped": NAME, "exit_code": N, "checkpointed": true, "step": S, "metric": ..., "value": ...}

@@ -1,6 +1,6 @@
 """A learner rank's weights in and out: the source a publication streams, and checkpoints.
 
-    io = WeightIO(rank, learner, hf_cfg)          # a part of LearnerWorker (train/learner_rank.py)
+    io = WeightIO(rank, learner, hf_cfg)          # a part of LearnerWorker (ranks/rank.py)
     for group in io.source("cpu", torch.bfloat16): ...   # what LearnerWorker.publish sends
     io.save(weights_dir); io.load(weights_dir)
     io = WeightIO(rank, learner, hf_cfg, ring=3)   # audit.every: the newest 3 versions kept in host memory

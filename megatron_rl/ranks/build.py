@@ -1,6 +1,6 @@
 """The parts a learner rank is built from: its rendezvous and the frozen reference model (the Megatron
 learner filled with the initial policy is learner/initial_policy.py's `InitialPolicy`).  Assembled by
-`LearnerWorker` (train/learner_rank.py).
+`LearnerWorker` (ranks/rank.py).
 
     rdv = Rendezvous(rank, world_size); addr, port = rdv.address()   # rank 0 only
     rdv.join(addr, port, platform)                                     # every rank

@@ -1,6 +1,6 @@
 """One learner rank: a Ray actor (`LearnerWorker`) per torch.distributed rank, driven SPMD by the
-LearnerGroup (train/learner_group.py), and assembled from parts (train/learner_build.py,
-train/learner_weights.py):
+LearnerGroup (ranks/group.py), and assembled from parts (ranks/build.py,
+ranks/weights.py):
 
     worker = LearnerWorker(rank=r, world_size=w)
     addr, port = worker.rendezvous_address()          # rank 0
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.train.learner_build import Reference, Rendezvous, confine_learner, initial_parts, seed_everything
-from megatron_rl.train.learner_weights import PublishSettings, WeightIO
+from megatron_rl.ranks.build import Reference, Rendezvous, confine_learner, initial_parts, seed_everything
+from megatron_rl.ranks.weights import PublishSettings, WeightIO
 
 if TYPE_CHECKING:
     from megatron_rl.grpo.loss_config import GRPOLossConfig

@@ -6,9 +6,9 @@ and the log of what each learner step consumed.
     reporter.log_sft_step(step, out, seconds)  # an SFT run's step (train/sft.py: no stop rules, its own evaluator)
     reporter.log_eval(step, split="dev")       # greedy pass@1 on a held-out split
     reporter.final_eval(step)                  # the test split at the end, logged once across resumes
-    condition = reporter.stop_condition()      # train/stop.py
+    condition = reporter.stop_condition()      # reporting/stop.py
 
-Metrics are grouped by TensorBoard panel (train/telemetry.py); every dict logged is also fed to the
+Metrics are grouped by TensorBoard panel (reporting/telemetry.py); every dict logged is also fed to the
 stop rules.  `consumed.jsonl` has one line per learner step and attempt (the drills count lost and
 duplicated trajectories from it, megatron_rl/drill/accounting.py).
 """
@@ -27,8 +27,8 @@ from megatron_rl.data.dataset import PromptTemplate
 from megatron_rl.metrics import MetricsLogger, logged_test_evals
 from megatron_rl.sampling.producer import Round
 from megatron_rl.rollout.fleet import RolloutFleet
-from megatron_rl.train.stop import STOP_FILE, StopCondition, StopConfig, StopRules
-from megatron_rl.train.telemetry import Telemetry, progress_line, sft_progress_line, sft_step_metrics
+from megatron_rl.reporting.stop import STOP_FILE, StopCondition, StopConfig, StopRules
+from megatron_rl.reporting.telemetry import Telemetry, progress_line, sft_progress_line, sft_step_metrics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -117,7 +117,7 @@ class Reporter:
 
     def log_step(self, step: int, rnd: Round, trajs: list, taken: list, learn: dict, phases: dict, *,
                  queue: dict, verifier: dict, audit=None) -> None:
-        """Log one learner step's metrics (panels of train/telemetry.py) and its console line; `audit`: the
+        """Log one learner step's metrics (panels of reporting/telemetry.py) and its console line; `audit`: the
         step's AuditOutcome (megatron_rl/audit/auditor.py), whose failure is a stop condition."""
         metrics = self.telemetry.step_metrics(rnd.samples, trajs, taken, learn, phases, queue, verifier,
                                               sampling=rnd.stats or None)
@@ -134,7 +134,7 @@ class Reporter:
                  step=step, total=self.steps)
 
     def log_sft_step(self, step: int, out: dict, seconds: float) -> None:
-        """Log one SFT learner step (the `sft/` panel, train/telemetry.py) and its console line."""
+        """Log one SFT learner step (the `sft/` panel, reporting/telemetry.py) and its console line."""
         self.metrics.log(step, sft_step_metrics(out, seconds))
         self._step_seconds.append(seconds)
         progress(sft_progress_line(step, self.steps, out, sum(self._step_seconds) / len(self._step_seconds),
@@ -164,7 +164,7 @@ class Reporter:
         return self.stop_rules.budget_spent()
 
     def stop_condition(self) -> StopCondition | None:
-        """The stop condition (train/stop.py) the metrics logged so far meet, or None; one that
+        """The stop condition (reporting/stop.py) the metrics logged so far meet, or None; one that
         holds is also written to RUN_DIR/stop_condition.json (for `megatron-rl doctor`)."""
         condition = self.stop_rules.triggered
         if condition is not None:
