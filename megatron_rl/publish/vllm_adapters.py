@@ -19,7 +19,7 @@ first publication installs one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 
 def adapter_engine_options(serving: dict[str, Any]) -> dict[str, Any]:
@@ -84,10 +84,27 @@ class ServedAdapters:
         if self.serving is not None:
             self.versions = set(sorted(self.versions | {int(version)})[-int(self.serving["versions"]):])
 
+    def session_calls(self) -> tuple[str, ...]:
+        """The engine workers' calls that must follow every weight update session: vLLM empties its adapter cache
+        there, so a LoRA run's workers put the kept adapters back; none when the run publishes full weights."""
+        return ("megatron_rl_restore_adapters",) if self.serving is not None else ()
+
     def session_closed(self, llm) -> None:
-        """After every weight update session: vLLM emptied its adapter cache; every worker puts them back."""
-        if self.serving is not None:
-            llm.collective_rpc("megatron_rl_restore_adapters")
+        """After every weight update session (`llm`: vllm.LLM or its stand-in): session_calls on every worker."""
+        for call in self.session_calls():
+            llm.collective_rpc(call)
+
+    def refit_mode(self, configured: str) -> str:
+        """How the streaming engine takes a publication with requests in flight: "adapter" in a LoRA run (each
+        request keeps its own adapter, no KV is invalidated), else the configured rollout.inflight_refit."""
+        return "adapter" if self.serving is not None else configured
+
+    def keeps(self, label: str, version_of: Callable[[str], int]) -> tuple[Any, str] | None:
+        """What a request admitted now keeps to its end: (the LoRARequest of committed `label`'s version, the
+        label); None when the run publishes full weights (a request then follows the refits)."""
+        if self.serving is None:
+            return None
+        return self.request(version_of(label)), label
 
 
 class AdapterStore:

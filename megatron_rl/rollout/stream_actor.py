@@ -67,7 +67,7 @@ class _Blocking:
         self._w._run(self._w.stream.engine.update_weights(WeightTransferUpdateRequest(**request)))
 
     def finish_weight_update(self) -> None:
-        self._w._run(_finish_update_session(self._w.stream, lora=self._w.adapters.serving is not None))
+        self._w._run(_finish_update_session(self._w.stream, self._w.adapters.session_calls()))
 
     def init_weight_transfer_engine(self, request: dict) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -170,10 +170,7 @@ class StreamRolloutWorker(PublicationReceiving):
     def _adapter(self) -> tuple[Any, str] | None:
         """A LoRA run: (the LoRARequest of the newest committed version, or None for the base; its label) that
         a request admitted now keeps to its end; None when the run publishes full weights."""
-        if self.adapters.serving is None:
-            return None
-        version = int(parse_label(self._adapter_label)[0])
-        return self.adapters.request(version), self._adapter_label
+        return self.adapters.keeps(self._adapter_label, lambda label: int(parse_label(label)[0]))
 
     def _checked_weights(self, result) -> dict[str, str]:
         """{version: digest} of the weights that sampled the result's tokens; provisional labels wait for
@@ -194,10 +191,8 @@ class StreamRolloutWorker(PublicationReceiving):
         """Teacher-forced logprob of every token given its prefix (first is None) [T], on the weights
         serving now (salted apart from every cached block): the version being checked, when one is.  A LoRA
         run: under `version`'s adapter (installed, perhaps not committed yet), else the committed one's."""
-        if self.adapters.serving is None:
-            return self._run(_score(self.stream.engine, sequences))
-        lora = (self.adapters.request(version, installed=True) if version is not None
-                else self._adapter()[0])
+        lora = (self.adapters.request(version, installed=True) if version is not None  # None: full weights
+                else (self._adapter() or (None,))[0])
         return self._run(_score(self.stream.engine, sequences, lora))
 
     def in_flight(self) -> int:
@@ -240,8 +235,8 @@ class StreamRolloutWorker(PublicationReceiving):
         async def load() -> None:  # runs paused (StreamEngine.refit)
             engine = self.stream.engine
             await engine.finish_weight_update()
-            if self.adapters.serving is not None:  # vLLM emptied its adapter cache: the kept ones back
-                await engine.collective_rpc("megatron_rl_restore_adapters")
+            for call in self.adapters.session_calls():  # LoRA: vLLM emptied its adapter cache, the kept ones back
+                await engine.collective_rpc(call)
             failed.extend(s for s in await engine.collective_rpc("megatron_rl_publication_status")
                           if not s.get("committed"))
             if failed:  # some worker did not load: every worker goes back before anything runs
@@ -253,7 +248,7 @@ class StreamRolloutWorker(PublicationReceiving):
 
         before, before_label = self.version, self.label
         try:
-            mode = "adapter" if self.adapters.serving is not None else self.config.inflight_refit
+            mode = self.adapters.refit_mode(self.config.inflight_refit)
             record = self._run(self.stream.refit(load, version, mode,
                                                  label=f"{weights_label(version, digest)}{PROVISIONAL}{n}"))
         except RuntimeError as err:
@@ -304,16 +299,18 @@ async def _start_engine(cfg: RolloutConfig, version: int, label: str):
     return StreamEngine.start(cfg, version, label)  # on the loop its client will use
 
 
-async def _finish_update_session(stream, lora: bool) -> None:
-    """Close vLLM's weight update session.  It empties vLLM's adapter cache: a LoRA run's engine does this
-    paused and puts its kept adapters back before a step runs (requests in flight name them)."""
+async def _finish_update_session(stream, after: tuple[str, ...]) -> None:
+    """Close vLLM's weight update session, then run the workers' calls `after` it (ServedAdapters.session_calls).
+    The session empties vLLM's adapter cache: a LoRA run's engine closes it paused and puts its kept adapters
+    back before a step runs (requests in flight name them)."""
     engine = stream.engine
-    if not lora:
+    if not after:
         return await engine.finish_weight_update()
 
     async def close() -> None:
         await engine.finish_weight_update()
-        await engine.collective_rpc("megatron_rl_restore_adapters")
+        for call in after:
+            await engine.collective_rpc(call)
 
     return await stream.paused(close)
 
