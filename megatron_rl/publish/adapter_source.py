@@ -85,3 +85,27 @@ class AdapterSource:
         tensors = peft_tensors(full, self.lora, self.cfg)
         for name in sorted(tensors):
             yield name, tensors[name].to(device=self.device, dtype=self.dtype).contiguous()
+
+
+class AdapterWeights:
+    """A LoRA learner's kind of weights: its adapters alone are published (AdapterSource, PEFT-named) and
+    checkpointed (the base is frozen and comes from the run's model), with weights/lora.json saying so.  The
+    sibling of publish/source.py FullModelWeights."""
+
+    def __init__(self, module, hf_cfg, lora_cfg):
+        self.module, self.hf_cfg, self.lora_cfg = module, hf_cfg, lora_cfg
+
+    def source(self, device: str, dtype: torch.dtype) -> AdapterSource:
+        return AdapterSource(self.module, self.hf_cfg, self.lora_cfg, dtype=dtype, device=device)
+
+    def model_state(self) -> dict:
+        """The model entries a checkpoint holds: the adapters alone."""
+        from megatron_rl.models.lora_checkpoint import adapter_sharded_state_dict
+
+        return adapter_sharded_state_dict(self.module.sharded_state_dict())
+
+    def record(self, weights_dir) -> None:
+        """weights/lora.json: the adapters' settings (a resume and `convert lora-export` read them)."""
+        from megatron_rl.models.lora_checkpoint import write_adapter_record
+
+        write_adapter_record(weights_dir, self.lora_cfg)

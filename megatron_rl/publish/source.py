@@ -172,3 +172,22 @@ def as_vllm_source(source: MegatronWeightSource):
             return iter(source)
 
     return _VLLMWeightSource()
+
+
+class FullModelWeights:
+    """A full-parameter learner's kind of weights: the whole model is published (MegatronWeightSource) and
+    checkpointed.  Its sibling is a LoRA learner's AdapterWeights (publish/adapter_source.py); a rank's WeightIO
+    (ranks/weights.py) holds one of the two, chosen once, and never asks which."""
+
+    def __init__(self, module, hf_cfg):
+        self.module, self.hf_cfg = module, hf_cfg
+
+    def source(self, device: str, dtype: torch.dtype) -> MegatronWeightSource:
+        return MegatronWeightSource(self.module, self.hf_cfg, dtype=dtype, device=device)
+
+    def model_state(self) -> dict | None:
+        """The model entries a checkpoint holds: None, the whole model."""
+        return None
+
+    def record(self, weights_dir) -> None:
+        """Nothing is written beside a full checkpoint's weights."""

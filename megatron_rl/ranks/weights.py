@@ -41,6 +41,8 @@ class WeightIO:
         from megatron_rl.audit.ring import WeightRing
 
         self.rank, self.learner, self.hf_cfg = rank, learner, hf_cfg
+        self.kind = _weights_kind(learner, hf_cfg)
+        """What this rank publishes and checkpoints: the whole model, or a LoRA learner's adapters (chosen once)."""
         self.ring = WeightRing(ring) if ring else None
         """The audit's ring of recent versions (RankSpec.audit_ring of them), or None."""
         self.keep_version(0)  # a rank is built with the weights the run starts from: version 0
@@ -59,14 +61,7 @@ class WeightIO:
     def source(self, device: str = "cpu", dtype: torch.dtype = torch.float32):
         """This rank's view of the policy as HF tensors in `dtype`, streamed group by group (publish.source);
         of a LoRA learner, its adapters only, PEFT-named (publish/adapter_source.py)."""
-        from megatron_rl.publish.source import MegatronWeightSource
-
-        if self.learner.cfg.lora.enabled:
-            from megatron_rl.publish.adapter_source import AdapterSource
-
-            return AdapterSource(self.learner.model[0].module, self.hf_cfg, self.learner.cfg.lora, dtype=dtype,
-                                 device=device)
-        return MegatronWeightSource(self.learner.model[0].module, self.hf_cfg, dtype=dtype, device=device)
+        return self.kind.source(device, dtype)
 
     @torch.no_grad()
     def hf_state(self) -> dict[str, torch.Tensor] | None:
@@ -81,24 +76,13 @@ class WeightIO:
         the adapters and their optimizer state, and weights/lora.json saying so."""
         from megatron.core import dist_checkpointing
 
-        from megatron_rl.models.lora_checkpoint import write_adapter_record
-
         Path(weights_dir).mkdir(parents=True, exist_ok=True)
-        sd = self.learner.sharded_state_dict(model_sd=self._model_state())
+        sd = self.learner.sharded_state_dict(model_sd=self.kind.model_state())
         extra = {"scheduler": sd.pop("scheduler"), "step": sd.pop("step")}
         dist_checkpointing.save(sd, weights_dir)
-        if self.rank == 0 and self.learner.cfg.lora.enabled:
-            write_adapter_record(weights_dir, self.learner.cfg.lora)
+        if self.rank == 0:
+            self.kind.record(weights_dir)
         torch.save(extra, Path(weights_dir) / f"extra_rank{self.rank:05d}.pt")
-
-    def _model_state(self) -> dict | None:
-        """The model entries a checkpoint holds: with learner.lora the adapters alone (the base is frozen
-        and comes from the run's model), else None (the whole model)."""
-        if not self.learner.cfg.lora.enabled:
-            return None
-        from megatron_rl.models.lora_checkpoint import adapter_sharded_state_dict
-
-        return adapter_sharded_state_dict(self.learner.model[0].module.sharded_state_dict())
 
     def load(self, weights_dir: str) -> int:
         from megatron.core import dist_checkpointing
@@ -106,7 +90,7 @@ class WeightIO:
         from megatron_rl.models.lora_checkpoint import check_adapter_record
 
         check_adapter_record(weights_dir, self.learner.cfg.lora)  # every rank, before any collective
-        sd = self.learner.sharded_state_dict(is_loading=True, model_sd=self._model_state())
+        sd = self.learner.sharded_state_dict(is_loading=True, model_sd=self.kind.model_state())
         sd.pop("scheduler"), sd.pop("step")
         state = dist_checkpointing.load(sd, weights_dir, strict="raise_all")
         self.learner.load_sharded_state_dict(state)
@@ -114,3 +98,15 @@ class WeightIO:
         self.learner.scheduler.load_state_dict(extra["scheduler"])
         self.learner.step = int(extra["step"])
         return self.learner.step
+
+
+def _weights_kind(learner, hf_cfg):
+    """A full-parameter learner's FullModelWeights or a LoRA learner's AdapterWeights (publish/)."""
+    module = learner.model[0].module
+    if learner.cfg.lora.enabled:
+        from megatron_rl.publish.adapter_source import AdapterWeights
+
+        return AdapterWeights(module, hf_cfg, learner.cfg.lora)
+    from megatron_rl.publish.source import FullModelWeights
+
+    return FullModelWeights(module, hf_cfg)

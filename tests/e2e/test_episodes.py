@@ -13,7 +13,14 @@ demonstrations (sft.first: binary search, envs/demonstrations.py), run by A and 
   environment's observations between them (mask 0, logprob 0, the chat template's separators around
   the environment's own text), with segments tiling it and a terminal reason of the episode;
 - the reward is the environment's (grader env:guess_number), and the env/ metrics are logged;
-- the held-out evals played episodes too (greedy), and nothing was trained twice across the resume.
+- the held-out evals played episodes too (greedy), and nothing was trained twice across the resume;
+- (issue 45 item 5: streaming, multi-turn and dynamic sampling compose) A and B run with dynamic sampling: the
+  groups each step learned from are those whose rewards vary, but for the groups the step reports as filled
+  (past the discard bound), and the tokens of the discarded groups were counted;
+- (issue 45 item 5) multi-turn on the round engine: run R trains 2 sync steps of the same game from scratch with
+  rollout.streaming off (started beside run A: fixture `started`); its episodes are played in lockstep
+  (rollout/turn_batcher.py) and hold the same contract (one sequence, masked observations, segments, the
+  environment's reward, env/ metrics).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import pytest
 from megatron_rl.envs.protocol import TERMINAL_REASONS
 from megatron_rl.models.tokenizer import build_tokenizer
 from megatron_rl.trajectory import Trajectory
-from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
+from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli, start_cli, wanted
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -40,39 +47,35 @@ FEEDBACK = ("higher", "lower", "No guess found", "is outside the range", "Correc
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def started(request, tmp_path_factory):
+    """Run R, started beside run A when a selected test reads it (two at a time, tests/README.md: neither run's
+    tests read timing); `rounds` reads its result."""
+    d = tmp_path_factory.mktemp("episode_rounds") / "run"
+    common = [o for o in EPISODES if not o.startswith(("sft.", "dynamic_sampling.", "run.mode", "rollout.streaming"))]
+    proc = start_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=2", "run.mode=sync",
+                     "rollout.streaming=false", *common) if wanted(request, "rounds") else None
+    yield d, proc
+    if proc is not None:
+        proc.kill()  # only after an error: a read run has ended
+
+
+@pytest.fixture(scope="module")
+def rounds(started):
+    d, proc = started
+    out = last_json(proc.result().stdout)
+    with sqlite3.connect(d / "queue.db") as db:
+        trajs = [Trajectory.from_bytes(row[0]) for row in db.execute("SELECT payload FROM traj")]
+    return d, out, trajs
+
+
+@pytest.fixture(scope="module")
+def run(started, tmp_path_factory):
     d = tmp_path_factory.mktemp("episodes") / "run"
     a = last_json(run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=2", *EPISODES).stdout)
     b = last_json(run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=3", *EPISODES).stdout)
     with sqlite3.connect(d / "queue.db") as db:
         trajs = [Trajectory.from_bytes(row[0]) for row in db.execute("SELECT payload FROM traj")]
     return d, a, b, trajs
-
-
-@pytest.fixture(scope="module")
-def rounds(tmp_path_factory):
-    d = tmp_path_factory.mktemp("episode_rounds") / "run"
-    common = [o for o in EPISODES if not o.startswith(("sft.", "dynamic_sampling.", "run.mode", "rollout.streaming"))]
-    out = last_json(run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=2", "run.mode=sync",
-                            "rollout.streaming=false", *common).stdout)
-    with sqlite3.connect(d / "queue.db") as db:
-        trajs = [Trajectory.from_bytes(row[0]) for row in db.execute("SELECT payload FROM traj")]
-    return d, out, trajs
-
-
-def test_the_round_engine_trains_on_episodes(rounds):
-    d, out, trajs = rounds
-    assert (out["steps"], out["version"]) == (2, 2)
-    consumed = [i for row in read_jsonl(d / "consumed.jsonl") for i in row["ids"]]
-    assert len(consumed) == 2 * 16 and len(set(consumed)) == len(consumed) and len(trajs) == 2 * 16
-    _check_episodes(trajs)
-    steps = [m for m in read_jsonl(d / "metrics" / "metrics.jsonl") if "learn/loss" in m]
-    assert [m["step"] for m in steps] == [1, 2]
-    for m in steps:
-        assert m["env/episodes"] == 16 and m["env/env_errors"] == 0 and m["env/dropped_groups"] == 0
-        assert sum(m[f"env/terminal/{r}"] for r in TERMINAL_REASONS) == pytest.approx(1.0)
-    for t in trajs:  # sync rounds: every turn sampled by the version the round was admitted at
-        assert set(t.policy_versions.tolist()) == {int(t.id[1:7])}, t.id
 
 
 def test_the_run_trains_on_episodes_and_resumes(run):
@@ -172,3 +175,18 @@ def test_dynamic_sampling_kept_the_groups_whose_rewards_vary(run):
         assert 0 < m["system/dynamic_kept_fraction"] <= 1 or m["system/dynamic_filled_groups"] == 4
         discarded += m["system/dynamic_discarded_tokens"]
     assert discarded > 0, "no group was discarded: the filter was not exercised"
+
+
+def test_the_round_engine_trains_on_episodes(rounds):
+    d, out, trajs = rounds
+    assert (out["steps"], out["version"]) == (2, 2)
+    consumed = [i for row in read_jsonl(d / "consumed.jsonl") for i in row["ids"]]
+    assert len(consumed) == 2 * 16 and len(set(consumed)) == len(consumed) and len(trajs) == 2 * 16
+    _check_episodes(trajs)
+    steps = [m for m in read_jsonl(d / "metrics" / "metrics.jsonl") if "learn/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["env/episodes"] == 16 and m["env/env_errors"] == 0 and m["env/dropped_groups"] == 0
+        assert sum(m[f"env/terminal/{r}"] for r in TERMINAL_REASONS) == pytest.approx(1.0)
+    for t in trajs:  # sync rounds: every turn sampled by the version the round was admitted at
+        assert set(t.policy_versions.tolist()) == {int(t.id[1:7])}, t.id
