@@ -94,10 +94,6 @@ class ServedAdapters:
         for call in self.session_calls():
             llm.collective_rpc(call)
 
-    def refit_mode(self, configured: str) -> str:
-        """How the streaming engine takes a publication with requests in flight: "adapter" in a LoRA run (each
-        request keeps its own adapter, no KV is invalidated), else the configured rollout.inflight_refit."""
-        return "adapter" if self.serving is not None else configured
 
     def keeps(self, label: str, version_of: Callable[[str], int]) -> tuple[Any, str] | None:
         """What a request admitted now keeps to its end: (the LoRARequest of committed `label`'s version, the

@@ -109,6 +109,13 @@ class RolloutConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Passed through to vllm.LLM as keyword arguments (they win over the fields above)."""
 
+    @property
+    def refit_mode(self) -> str:
+        """How the streaming engines take a publication with requests in flight, decided here once (the engines
+        and the audit's segment labels read it): "adapter" in a LoRA run (each request keeps its own adapter,
+        no KV is invalidated), else inflight_refit."""
+        return "adapter" if self.adapter is not None else self.inflight_refit
+
     def run_problem(self, *, placement: str, mode: str) -> str | None:
         """What no device could make work in this section's publication and sleep settings for a run of
         `placement` and `mode` (checked with the run's config, train/config.py; the device's part is chosen

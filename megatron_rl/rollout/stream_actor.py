@@ -248,7 +248,7 @@ class StreamRolloutWorker(PublicationReceiving):
 
         before, before_label = self.version, self.label
         try:
-            mode = self.adapters.refit_mode(self.config.inflight_refit)
+            mode = self.config.refit_mode
             record = self._run(self.stream.refit(load, version, mode,
                                                  label=f"{weights_label(version, digest)}{PROVISIONAL}{n}"))
         except RuntimeError as err:
