@@ -72,15 +72,19 @@ def sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
     return [float(lp[t].logprob) for lp, t in zip(logprobs, token_ids)]
 
 
+def finish_reason(reason: str | None) -> str:
+    """A sample's finish reason from vLLM's: "stop" or "length", anything else "abort"."""
+    return reason if reason in ("stop", "length") else "abort"
+
+
 def to_sample(result, sampling: dict[str, Any], started: float, finished: float,
               info: PromptInfo | None = None) -> RolloutSample:
     """A finished StreamResult (rollout/stream_engine.py) as a RolloutSample: per-token versions from its segments,
     the segments themselves merged (merged_segments)."""
     versions = [seg.version for seg in result.segments for _ in range(seg.end - seg.start)]
-    reason = result.finish_reason if result.finish_reason in ("stop", "length") else "abort"
     return RolloutSample(prompt_tokens=list(result.prompt_tokens), response_tokens=list(result.response_tokens),
                          behavior_logprobs=list(result.logprobs), policy_versions=versions, sampling=dict(sampling),
-                         finish_reason=reason, started_at=started, finished_at=finished,
+                         finish_reason=finish_reason(result.finish_reason), started_at=started, finished_at=finished,
                          prompt=info or PromptInfo(), segments=merged_segments(result.segments))
 
 

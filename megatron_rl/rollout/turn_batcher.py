@@ -49,12 +49,11 @@ class TurnResult:
 
 @dataclass
 class Turn:
-    """A turn request waiting for its batch: (request id, the episode's tokens so far, sampling, adapter)."""
+    """A turn request waiting for its batch: request id, the episode's tokens so far, sampling."""
 
     request_id: str
     tokens: list[int]
     params: dict[str, Any]
-    adapter: Any = None
 
 
 class TurnBatcher:
@@ -83,9 +82,10 @@ class TurnBatcher:
 
     async def generate(self, request_id: str, tokens: list[int], params: dict[str, Any],
                        adapter: Any = None) -> TurnResult:
-        """The streaming engine's `generate` call, answered with the next batch."""
+        """The streaming engine's `generate` call, answered with the next batch.  `adapter` is not passed on: a
+        round engine serves one version for a whole call and names its adapter itself."""
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append((Turn(request_id, list(tokens), dict(params), adapter), future))
+        self._waiting.append((Turn(request_id, list(tokens), dict(params)), future))
         self._maybe_send()
         return await future
 
@@ -108,12 +108,12 @@ class TurnBatcher:
 
 
 def play_in_lockstep(generate_turns: Callable[[list[Turn]], list[TurnResult]], env: dict, tokenizer_dir: str,
-                     examples: list, params: dict[str, Any], n: int, info: list | None, adapter: Any = None) -> list:
+                     examples: list, params: dict[str, Any], n: int, info: list | None) -> list:
     """n episodes of each example (prompt-major, seeded as the streaming engine's) with environment `env`,
-    played by this process's EpisodePlayer in lockstep; each turn keeps `adapter` (a LoRA run's)."""
+    played by this process's EpisodePlayer in lockstep."""
     from megatron_rl.rollout.episodes import player_for
 
     player = player_for(env, tokenizer_dir, params["max_tokens"])
     batcher = TurnBatcher(generate_turns)
     return batcher.play(player.episodes(batcher, uuid.uuid4().hex[:12], examples, params, n, info,
-                                        lambda result: result.weights, lambda: adapter))
+                                        lambda result: result.weights))

@@ -32,7 +32,8 @@ from megatron_rl.rollout.engine_setup import (engine_env, engine_identity, eos_t
                                               watched)
 from megatron_rl.rollout.provenance import token_provenance, weights_label
 from megatron_rl.rollout.receiver import PublicationReceiving
-from megatron_rl.rollout.requests import call_params, check_prompts, prompt_params, sampled_logprobs, sampling_defaults
+from megatron_rl.rollout.requests import (call_params, check_prompts, finish_reason, prompt_params, sampled_logprobs,
+                                          sampling_defaults)
 from megatron_rl.rollout.sample import PromptInfo, RolloutSample
 from megatron_rl.rollout.turn_batcher import TurnResult, play_in_lockstep
 
@@ -127,7 +128,7 @@ class RolloutWorker(PublicationReceiving):
                 samples.append(RolloutSample(
                     prompt_tokens=list(prompts[i]), response_tokens=tokens, behavior_logprobs=logprobs,
                     policy_versions=versions, sampling=used,
-                    finish_reason=c.finish_reason if c.finish_reason in ("stop", "length") else "abort",
+                    finish_reason=finish_reason(c.finish_reason),
                     started_at=started, finished_at=finished,
                     prompt=info[i] if info else PromptInfo(), weights=weights,
                 ))
@@ -141,18 +142,18 @@ class RolloutWorker(PublicationReceiving):
         one engine call per turn of those still playing (rollout/turn_batcher.py)."""
         params = call_params(self.config, self.eos_token_ids, len(examples), sampling, n, info)
         self._serving_version()
-        adapter = self.adapters.request(self.version)  # one version per call; a LoRA run's is its adapter
-        return play_in_lockstep(self._generate_turns, env or {}, self.config.model, examples, params, n, info, adapter)
+        return play_in_lockstep(self._generate_turns, env or {}, self.config.model, examples, params, n, info)
 
     def _generate_turns(self, turns: list) -> list:
         """One engine call for a batch of episodes' turns (rollout/turn_batcher.py Turn): each its own request
-        with its own seed, answered with its tokens, logprobs and the one version that sampled them."""
+        with its own seed, answered with its tokens, logprobs and the one version that sampled them (a LoRA
+        run's: its adapter, as in generate)."""
         from vllm import SamplingParams
 
         version = self._serving_version()
         per_turn = [SamplingParams(n=1, logprobs=0, flat_logprobs=True, detokenize=False, **t.params) for t in turns]
         outputs = self._watched(lambda: self.llm.generate([{"prompt_token_ids": t.tokens} for t in turns], per_turn,
-                                                          use_tqdm=False, lora_request=turns[0].adapter))
+                                                          use_tqdm=False, lora_request=self.adapters.request(version)))
         results = []
         for turn, out in zip(turns, outputs, strict=True):
             c = out.outputs[0]
@@ -161,7 +162,7 @@ class RolloutWorker(PublicationReceiving):
             assert set(versions) <= {version}, (versions, version)  # nothing switched the weights during the call
             results.append(TurnResult.of_one_version(
                 turn.request_id, turn.tokens, tokens, sampled_logprobs(c.logprobs, tokens),
-                c.finish_reason if c.finish_reason in ("stop", "length") else "abort", version, weights))
+                finish_reason(c.finish_reason), version, weights))
         return results
 
     def score(self, sequences: list[list[int]], version: int | None = None) -> list[list[float | None]]:
