@@ -94,7 +94,6 @@ class ServedAdapters:
         for call in self.session_calls():
             llm.collective_rpc(call)
 
-
     def keeps(self, label: str, version_of: Callable[[str], int]) -> tuple[Any, str] | None:
         """What a request admitted now keeps to its end: (the LoRARequest of committed `label`'s version, the
         label); None when the run publishes full weights (a request then follows the refits)."""

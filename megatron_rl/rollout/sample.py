@@ -139,3 +139,9 @@ class RolloutSample:
         data["episode"] = EpisodeSummary(**data["episode"]) if data.get("episode") else None
         data["score"] = Score(**data["score"]) if data.get("score") else None
         return cls(**data)
+
+
+def reset_failure(group: list[RolloutSample]) -> str | None:
+    """The error of a group in which an environment failed at reset (an episode returned with no tokens: nothing
+    to train on, rollout/episodes.py), or None; a single-turn group always has tokens."""
+    return next((s.episode.error for s in group if not s.response_tokens), None)

@@ -34,6 +34,7 @@ from megatron_rl.sampling.dynamic_sampling import DynamicSamplingConfig
 from megatron_rl.sampling.producer import Producer, Round, TrainState
 from megatron_rl.sampling.prompt_stream import PromptStream
 from megatron_rl.rollout.fleet import RolloutFleet
+from megatron_rl.rollout.sample import reset_failure
 from megatron_rl.sampling.scoring import Scorer
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 MAX_ENV_REDRAWS = 3
 """Multi-turn rounds: fresh prompt groups drawn, per round, for groups whose environment failed at reset."""
+ATTEMPT_SEED_STRIDE = 104_729
+"""A round's later draws (a redraw, a dynamic sampling attempt) are seeded the round's seed + attempt x this."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,15 +171,16 @@ class RolloutSource:
             if not missing:
                 break
             prompts, info = self._draw(r, missing)
-            samples = self._play(prompts, info, seed + attempt * 104_729)
+            samples = self._play(prompts, info, seed + attempt * ATTEMPT_SEED_STRIDE)
             for k in range(0, len(samples), G):
                 group = samples[k:k + G]
-                if all(s.response_tokens for s in group):
+                failed = reset_failure(group)
+                if failed is None:
                     kept += group
                 else:
                     dropped += 1
                     logger.warning("round %d: prompt group %s dropped: its environment failed at reset (%s)", r,
-                                   group[0].prompt.id, next(s.episode.error for s in group if not s.response_tokens))
+                                   group[0].prompt.id, failed)
         if len(kept) < self.spec.prompts_per_step * G:
             raise RuntimeError(f"round {r}: the environment failed at reset for {dropped} prompt groups; "
                                f"{MAX_ENV_REDRAWS} redraws could not fill the round (see the warnings above)")
@@ -204,11 +208,11 @@ class RolloutSource:
         leftovers: list[Group] = []
         while len(kept) < need and attempts < ds.max_attempts:
             prompts, info = self._draw(r, ds.prompts_to_draw(need - len(kept)))
-            samples = self._play(prompts, info, seed + attempts * 104_729)
+            samples = self._play(prompts, info, seed + attempts * ATTEMPT_SEED_STRIDE)
             scores = self.scorer.grade(samples)
             groups = [Group(samples[i * G].prompt.id, samples[i * G:(i + 1) * G], scores[i * G:(i + 1) * G])
                       for i in range(len(prompts))
-                      if all(s.response_tokens for s in samples[i * G:(i + 1) * G])]  # not an env failed at reset
+                      if reset_failure(samples[i * G:(i + 1) * G]) is None]
             new, leftovers = select_groups(groups, need=need - len(kept), taken=taken,
                                            min_reward_std=ds.min_reward_std)
             kept += new

@@ -53,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
+from megatron_rl.rollout.sample import reset_failure
 from megatron_rl.sampling.dynamic_sampling import DynamicSamplingConfig, is_informative
 from megatron_rl.sampling.producer import Round, TrainState
 from megatron_rl.sampling.producer_parts import Leases, ProducerThread
@@ -175,10 +176,10 @@ class StreamProducer:
         try:
             samples = generate()
             t1 = time.perf_counter()
-            if any(not s.response_tokens for s in samples):  # an environment failed at reset: nothing to train
+            failed = reset_failure(samples)
+            if failed is not None:
                 self._skip(serial, leases, samples, dropped=True)
-                logger.warning("prompt group %d dropped: its environment failed at reset (%s)", serial,
-                               next(s.episode.error for s in samples if not s.response_tokens))
+                logger.warning("prompt group %d dropped: its environment failed at reset (%s)", serial, failed)
                 return
             with self._grade_lock:
                 scores = self.grade(samples)
