@@ -94,14 +94,15 @@ def test_uninformative_groups_are_discarded_their_leases_given_back_and_replaced
 
 def test_past_the_rounds_bound_a_batch_keeps_uninformative_groups():
     """oversample 1.5, 2 attempts: a batch of 2 groups samples at most 6, so discards at most 4; every group
-    earns equal rewards, so each batch discards 4 and then keeps (fills with) the next 2."""
+    earns equal rewards, so the first batch discards 4 and then keeps (fills with) the next 2.  The second
+    discards 0 to 4: groups that finish before the first batch is taken still count against its budget."""
     ds = DynamicSamplingConfig(enabled=True, oversample=1.5, max_attempts=2)
     assert ds.discard_budget(2) == 4
     producer, admission, batches, graded = _run(lambda n: [0.0, 0.0], ds=ds)
     assert [len(b.samples) for b in batches] == [4, 4]
     first = batches[0].stats
     assert (first["sampled_groups"], first["informative_groups"], first["filled_groups"]) == (6, 0, 2)
-    assert producer.groups_discarded >= 4 and len(graded) >= 10
+    assert 4 <= producer.groups_discarded <= 8 and len(graded) == producer.groups_discarded + 4
     metrics = _system_metrics(batches[0].samples, [], {}, {"rollout": 1.0, "learn": 1.0}, batches[0].stats)
     assert metrics["system/dynamic_kept_fraction"] == 0.0 and metrics["system/dynamic_filled_groups"] == 2.0
     assert metrics["system/generated_tokens"] == 4 * 2 + 4 * 2 * 2  # the batch's generated tokens, the discarded
