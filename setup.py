@@ -36,7 +36,7 @@ EXTRAS = {
     "tracking": ["wandb>=0.19"],
     # peft (and the accelerate it imports): tests load an exported LoRA adapter as transformers + PEFT would;
     # the optional data readers and W&B are tested too.
-    "test": ["pytest>=8", "hypothesis>=6", "peft==0.21.2", "accelerate>=1.0", "pyarrow>=15", "datasets>=3",
+    "test": ["pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6", "peft==0.21.2", "accelerate>=1.0", "pyarrow>=15", "datasets>=3",
              "wandb>=0.19"],
 }
 

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Install into .venv and run the test suite (unit, dist, e2e; gpu tests skip without CUDA).
+# Install into .venv and run the test suite (unit, dist, e2e, security; gpu tests skip without CUDA).
 #   bash launch/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh
-exec .venv/bin/python -m pytest "${@:-tests}"
+# With no arguments: every tier, two tests at a time (pytest-xdist; tests/lanes.py keeps a module on one worker
+# and runs `alone` tests with no engine beside them).  MEGATRON_RL_TEST_WORKERS=1 runs them one at a time.
+if [ $# -eq 0 ]; then
+  workers="${MEGATRON_RL_TEST_WORKERS:-2}"
+  if [ "$workers" -gt 1 ]; then set -- tests -n "$workers" --dist loadgroup --no-loadscope-reorder; else set -- tests; fi
+fi
+exec .venv/bin/python -m pytest "$@"

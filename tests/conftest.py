@@ -10,25 +10,31 @@ Budgets per tier are in tests/README.md.
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from pathlib import Path
 
-_TESTS = Path(__file__).resolve().parent
+from tests.lanes import tier_of
+
+pytest_plugins = ["tests.lanes"]  # two tests at a time under `-n 2` (launch/test.sh): groups, order, `alone`
+
 _SLOWEST = 30
 _seconds: dict[str, float] = defaultdict(float)  # nodeid -> set-up + call + tear-down seconds
 _outcome: dict[str, str] = {}
+_started: list[float] = []
 
 
-def tier_of(nodeid: str) -> str:
-    """The tier of a test id: the folder right under tests/ ('unit', 'dist', 'e2e', ...)."""
-    parts = nodeid.replace("\\", "/").split("/")
-    return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+def _test_id(nodeid: str) -> str:
+    """The test's id without the xdist group suffix ("...::test_x@group")."""
+    head, sep, tail = nodeid.rpartition("@")
+    return head if sep and "]" not in tail and "::" in head else nodeid
 
 
 def pytest_runtest_logreport(report):
-    _seconds[report.nodeid] += report.duration
+    nodeid = _test_id(report.nodeid)
+    _seconds[nodeid] += report.duration
     if report.when == "call" or report.outcome != "passed":
-        _outcome.setdefault(report.nodeid, report.outcome)
+        _outcome.setdefault(nodeid, report.outcome)
 
 
 def durations_table(seconds: dict[str, float], outcome: dict[str, str], slowest: int = _SLOWEST) -> str:
@@ -49,10 +55,17 @@ def durations_table(seconds: dict[str, float], outcome: dict[str, str], slowest:
     return "\n".join(lines)
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_sessionstart(session):
+    _started.append(time.monotonic())
+
+
+def pytest_terminal_summary(terminalreporter, config):
     if not _seconds:
         return
-    table = durations_table(_seconds, _outcome)
+    workers = config.getoption("numprocesses", None) or 1
+    wall = time.monotonic() - _started[0] if _started else 0.0
+    table = (f"wall clock: {wall:.0f} s ({wall / 60:.1f} min) on {workers} worker(s); the sums below add up"
+             " every worker's time\n" + durations_table(_seconds, _outcome))
     terminalreporter.section("megatron-rl: where the time went")
     terminalreporter.write_line(table)
     out = os.environ.get("MEGATRON_RL_DURATIONS_OUT")

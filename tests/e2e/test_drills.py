@@ -34,7 +34,8 @@ from megatron_rl.drill.harness import DEFAULT_OVERRIDES
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 from tests.e2e.conftest import drill as _drill
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("drills"),
+              pytest.mark.alone("armed faults fire at a step or token count; drills assert what was in flight")]
 
 
 def _together(tmp_path_factory, names, *args):

@@ -34,7 +34,8 @@ from megatron_rl.rollout.stream_engine import Segment
 from tests.e2e.stream_refit_scenarios import BLOCK, EPISODES_AT_ONCE, MAX_TOKENS, PAUSE_S
 from tests.reference import fresh_logprobs, stale_logprobs
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.alone("requests are paused after a fixed time, and must have sampled tokens by then")]
 
 REPO = Path(__file__).resolve().parents[2]
 SAME, DIFFERENT = 1e-4, 0.1  # |Δ logprob| for "this reference" / the references' own distance

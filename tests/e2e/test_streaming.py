@@ -43,7 +43,8 @@ from megatron_rl.trajectory import Trajectory
 from tests.e2e.conftest import REPO, SHARED_RAY, TINY, last_json, read_jsonl, run_cli
 from tests.listeners import RunWatch, is_loopback
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.alone("asserts that refits landed while requests were in flight, which timing decides")]
 
 AUDIT_TOLERANCE = AuditConfig().tolerance  # the default; the run measures ~4e-6 (printed by the audit tests)
 STREAM = [*STREAMING, "run.eval_every=0", "run.checkpoint_every=3", "data.eval_size=8", "audit.every=1",

@@ -7,10 +7,13 @@ join the shared Ray cluster (tests/e2e/conftest.py) and carry their MEGATRON_RL_
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from megatron_rl.train.run_setup import job_env_vars
 from tests import conftest as suite
+from tests import lanes
 from tests.e2e import conftest as e2e
 
 pytestmark = pytest.mark.unit
@@ -56,3 +59,59 @@ def test_a_run_joining_a_cluster_hands_its_megatron_rl_settings_to_its_workers()
     environ = {"MEGATRON_RL_DRILL": '{"fault": "oom"}', "MEGATRON_RL_X": "1", "PATH": "/bin", "HOME": "/root"}
     assert job_env_vars(environ) == {"MEGATRON_RL_DRILL": '{"fault": "oom"}', "MEGATRON_RL_X": "1"}
     assert job_env_vars({"PATH": "/bin"}) == {}
+
+
+class _Item:
+    def __init__(self, nodeid: str, **marks) -> None:
+        self.nodeid, self.marks = nodeid, {k: pytest.Mark(k, v, {}) for k, v in marks.items()}
+
+    def get_closest_marker(self, name):
+        return self.marks.get(name)
+
+
+def test_a_module_is_one_group_unless_it_names_one_and_alone_excludes_the_engine_tiers():
+    import fcntl
+
+    assert lanes.group_of(_Item("tests/e2e/test_a.py::test_x[1]")) == "tests/e2e/test_a.py"
+    assert lanes.group_of(_Item("tests/e2e/test_b.py::test_y", xdist_group=("drills",))) == "drills"
+    assert lanes.lock_kind(_Item("tests/e2e/test_a.py::t", alone=("why",))) == fcntl.LOCK_EX
+    assert lanes.lock_kind(_Item("tests/e2e/test_a.py::t")) == lanes.lock_kind(_Item("tests/dist/a.py::t")) \
+        == fcntl.LOCK_SH
+    assert lanes.lock_kind(_Item("tests/unit/a.py::t")) is None
+    assert lanes.lock_kind(_Item("tests/security/a.py::t")) is None
+    assert suite._test_id("tests/e2e/a.py::t@drills") == "tests/e2e/a.py::t"
+    assert suite._test_id("tests/e2e/a.py::t[x@y]") == "tests/e2e/a.py::t[x@y]"
+
+
+def _enter_then_report(directory: str, kind: int, name: str, events) -> None:
+    lock = lanes.GroupLock(directory)
+    events.put(f"{name} asks")
+    lock.enter(name, kind)
+    events.put(f"{name} in")
+    time.sleep(0.3)
+    lock.leave()
+
+
+def test_an_alone_group_waits_for_shared_holders_and_later_shared_ones_wait_for_it(tmp_path):
+    """A shared holder (this process) keeps an exclusive one (child `ex`) out; a shared one that asks after
+    `ex` began waiting (child `sh`) gets in only after `ex` (the turnstile), not beside the first holder."""
+    import fcntl
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # a forked child would share this process's lock (flock)
+    events = ctx.Queue()
+    held = lanes.GroupLock(str(tmp_path))
+    held.enter("first", fcntl.LOCK_SH)
+    ex = ctx.Process(target=_enter_then_report, args=(str(tmp_path), fcntl.LOCK_EX, "ex", events))
+    ex.start()
+    assert events.get(timeout=60) == "ex asks"
+    time.sleep(0.5)
+    sh = ctx.Process(target=_enter_then_report, args=(str(tmp_path), fcntl.LOCK_SH, "sh", events))
+    sh.start()
+    assert events.get(timeout=60) == "sh asks"
+    time.sleep(0.5)
+    assert events.empty()  # neither got in beside the first shared holder
+    held.leave()
+    order = [events.get(timeout=10), events.get(timeout=10)]
+    ex.join(10), sh.join(10)
+    assert order == ["ex in", "sh in"]
