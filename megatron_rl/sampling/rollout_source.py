@@ -204,15 +204,22 @@ class RolloutSource:
         ds, G, need = self.spec.dynamic, self.spec.group_size, self.spec.prompts_per_step
         kept: list[Group] = []
         taken: set[str] = set()
-        sampled = discarded_tokens = attempts = 0
+        sampled = discarded_tokens = attempts = dropped = 0
         leftovers: list[Group] = []
         while len(kept) < need and attempts < ds.max_attempts:
             prompts, info = self._draw(r, ds.prompts_to_draw(need - len(kept)))
             samples = self._play(prompts, info, seed + attempts * ATTEMPT_SEED_STRIDE)
             scores = self.scorer.grade(samples)
-            groups = [Group(samples[i * G].prompt.id, samples[i * G:(i + 1) * G], scores[i * G:(i + 1) * G])
-                      for i in range(len(prompts))
-                      if reset_failure(samples[i * G:(i + 1) * G]) is None]
+            groups = []
+            for i in range(len(prompts)):
+                group = samples[i * G:(i + 1) * G]
+                failed = reset_failure(group)
+                if failed is None:
+                    groups.append(Group(group[0].prompt.id, group, scores[i * G:(i + 1) * G]))
+                else:  # nothing to train on, as in a round without dynamic sampling: counted, not kept
+                    dropped += 1
+                    logger.warning("round %d: prompt group %s dropped: its environment failed at reset (%s)", r,
+                                   group[0].prompt.id, failed)
             new, leftovers = select_groups(groups, need=need - len(kept), taken=taken,
                                            min_reward_std=ds.min_reward_std)
             kept += new
@@ -231,5 +238,6 @@ class RolloutSource:
             for sample, score in zip(g.samples, g.scores, strict=True):
                 sample.score = score
                 out.append(sample)
-        return out, {"sampled_groups": sampled, "informative_groups": informative,
-                     "filled_groups": need - informative, "discarded_tokens": discarded_tokens, "attempts": attempts}
+        stats = {"sampled_groups": sampled, "informative_groups": informative,
+                 "filled_groups": need - informative, "discarded_tokens": discarded_tokens, "attempts": attempts}
+        return out, stats | ({"env/dropped_groups": dropped} if self.spec.env is not None else {})

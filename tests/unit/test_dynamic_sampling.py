@@ -76,3 +76,52 @@ def test_discarded_tokens_count_against_esr():
     assert ds["system/esr"] == pytest.approx(8 / 32)
     assert ds["system/generated_tokens_per_s"] == pytest.approx(32.0)
     assert ds["system/dynamic_kept_fraction"] == pytest.approx(0.25)
+
+
+def test_a_rounds_env_failed_groups_are_counted_and_never_kept():
+    """Multi-turn rounds with dynamic sampling (sampling/rollout_source.py): a group whose environment failed
+    at reset has no tokens to train on; it is left out of the selection, as a plain round leaves it out, and
+    counted in env/dropped_groups (it was dropped uncounted)."""
+    from megatron_rl.rollout.sample import EpisodeSummary
+    from megatron_rl.sampling.rollout_source import RolloutSource, RoundSpec
+
+    rewards = {"ok0": [0, 1], "bad": [None, None], "ok1": [1, 0], "flat": [1, 1], "ok2": [0, 1], "ok3": [1, 0]}
+
+    class Prompts:
+        def __init__(self):
+            self.left = list(rewards)
+
+        def next(self, r, k, examples):
+            drawn, self.left = self.left[:k], self.left[k:]
+            return drawn, drawn
+
+    class Fleet:
+        def generate(self, prompts, n, info, sampling, first_group, env):
+            out = []
+            for pid in prompts:
+                for g in _group(pid, [r if r is not None else 0 for r in rewards[pid]]).samples:
+                    if pid == "bad":  # an episode that ended at reset: no tokens, the environment's error
+                        g.response_tokens, g.behavior_logprobs, g.policy_versions = [], [], []
+                        g.episode = EpisodeSummary(env="e", terminal_reason="env_error", reward=None,
+                                                   error="reset raised", turns=0, tool_calls=0, tool_errors=0,
+                                                   step_seconds=[])
+                    out.append(g)
+            return out
+
+    class Scorer:
+        def grade(self, samples):
+            return [_score(rewards[s.prompt.id][i % 2] or 0.0) for i, s in enumerate(samples)]
+
+    source = RolloutSource.__new__(RolloutSource)
+    source.fleet, source.prompts, source.scorer = Fleet(), Prompts(), Scorer()
+    source.spec = RoundSpec(prompts_per_step=3, group_size=2, steps=1, seed=0, env={"name": "e"},
+                            dynamic=DynamicSamplingConfig(enabled=True, oversample=1.0, max_attempts=3))
+    samples, stats = source.sample_round(0)
+    kept = [s.prompt.id for s in samples[::2]]
+    assert kept == ["ok0", "ok1", "ok2"] and all(s.response_tokens for s in samples)
+    assert stats["env/dropped_groups"] == 1 and stats["informative_groups"] == 3
+    assert stats["sampled_groups"] == 4  # ok0, ok1, flat, ok2: the failed group was never a candidate
+    source.spec = RoundSpec(prompts_per_step=3, group_size=2, steps=1, seed=0, env=None,
+                            dynamic=DynamicSamplingConfig(enabled=True, oversample=1.0, max_attempts=3))
+    source.prompts = Prompts()
+    assert "env/dropped_groups" not in source.sample_round(0)[1]  # single-turn: no environment to count
