@@ -8,7 +8,7 @@ Uses the run's resolved config (RUN_DIR/config.json, `run_config`) and what the 
 checkpoints' copies) as trajectories. Of the trajectories whose response spans versions and has at least one
 segment of a kept version, `--sequences` are drawn (seeded); the others' segments are counted as unaudited
 with the reason. Prints one line per segment, the maximum per label (initial = before any refit, the control;
-the run's rollout.inflight_refit mode; keep_kv), then a JSON summary line.
+the run's refit mode: rollout.inflight_refit, or adapter in a LoRA run; keep_kv), then a JSON summary line.
 
 Exit codes: 0 every judged segment within the tolerance (default the run's audit.tolerance), or nothing
 to audit (the message says why); 89 a judged segment over it (the lines name sequence and segment, see
@@ -53,13 +53,13 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     chosen = sorted(random.Random(args.seed).sample(auditable, min(args.sequences, len(auditable))),
                     key=lambda t: t.id)
     summary = {"run_dir": str(run_dir), "spanning_sequences": len(spanning), "auditable_sequences": len(auditable),
-               "weights_versions": sorted(weights), "notes": notes, "mode": cfg.rollout.inflight_refit}
+               "weights_versions": sorted(weights), "notes": notes, "mode": cfg.refit_mode}
     if not chosen:
         why = _nothing_to_audit(spanning, weights)
         print(f"nothing to audit in {run_dir}: {why}")
         print(json.dumps({**summary, "audited_sequences": 0, "reason": why}))
         return 0
-    report = audit_offline(cfg, chosen, weights, mode=cfg.rollout.inflight_refit, tolerance=tolerance)
+    report = audit_offline(cfg, chosen, weights, mode=cfg.refit_mode, tolerance=tolerance)
     out = {**summary, "audited_sequences": len(chosen), **report.to_dict()}
     if not args.json:
         for row in report.rows:

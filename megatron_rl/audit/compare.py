@@ -9,7 +9,8 @@ A trajectory's `segments` are [start, end, version, kv_version] spans of its res
 (megatron_rl/trajectory.py).  Each segment is labelled with how its tokens came to be:
   initial      the first segment: sampled before any refit touched the request (the control: what the
                learner and the engine disagree by with nothing stale anywhere);
-  <mode>       a later segment, begun by an in-flight refit of the run's rollout.inflight_refit mode
+  <mode>       a later segment, begun by an in-flight refit of the run's mode (rollout.inflight_refit;
+               "adapter" in a LoRA run, rollout/config.py refit_mode)
                (recompute: the kept request's KV was recomputed under the new weights);
   keep_kv      any segment with kv_version < version: it attended to KV older weights computed.
 Judged (against the tolerance) are the segments that claim KV of their own version (kv_version ==

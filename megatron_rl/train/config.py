@@ -240,6 +240,13 @@ class TrainConfig:
     audit: AuditConfig = field(default_factory=AuditConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
+    @property
+    def refit_mode(self) -> str:
+        """How this run's streaming engines take a publication in flight (what the offline audit labels a later
+        segment with): "adapter" when the learner trains LoRA adapters (train/roles.py gives the engines
+        rollout.adapter then), else rollout.inflight_refit."""
+        return "adapter" if self.learner.lora.enabled else self.rollout.refit_mode
+
     def __post_init__(self) -> None:
         # Derived, never written: one batch size for the learner and the coordinator, the staleness
         # bound from run.mode (coordinator/config.py owns that rule).

@@ -177,3 +177,22 @@ def test_plan_counts_the_weight_ring_in_host_memory():
     # 8 ranks on the node x P / TP 4 x 2 bytes x (2 versions kept: max_version_lag 1 + 1; + 1 set aside)
     assert off["audit_ring"] == 0 and host["audit_ring"] == pytest.approx(8 * plan["model_params"] / 4 * 2 * 3 / 2**30)
     assert host["total"] == pytest.approx(off["total"] + host["audit_ring"])
+
+
+@pytest.mark.parametrize("recipe,mode", [("tiny_cpu_lora.yaml", "adapter"), ("tiny_cpu_scratch.yaml", "recompute")])
+def test_the_offline_audit_labels_a_runs_segments_with_the_mode_its_engines_used(tmp_path, capsys, recipe, mode):
+    """`megatron-rl audit` names the refit mode the engines used (rollout.refit_mode): a LoRA run's later
+    segments begin at an adapter switch, not at the configured rollout.inflight_refit."""
+    import json
+    from pathlib import Path
+
+    from megatron_rl.cli import main
+    from megatron_rl.train.config import load_train_config, resolved_dict
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_train_config(Path(__file__).resolve().parents[2] / "configs" / recipe, [f"run.dir={run}"])
+    (run / "config.json").write_text(json.dumps(resolved_dict(cfg)))
+    assert main(["audit", str(run)]) == 0  # a run that kept nothing spanning versions: nothing to audit
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["mode"] == mode and summary["audited_sequences"] == 0
