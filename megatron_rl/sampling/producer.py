@@ -78,6 +78,8 @@ class TrainState:
     in_flight: list = dataclasses.field(default_factory=list)
     """Streaming: the prompt groups generating when the checkpoint was written, generated again first
     (stream_producer.py: serial, examples' indices, leases)."""
+    serials: dict = dataclasses.field(default_factory=dict)
+    """Streaming: the next serial and the groups that produced no batch, at the checkpoint (stream_producer.py)."""
 
 
 class Producer:
@@ -152,6 +154,10 @@ class Producer:
     def in_flight(self) -> list[dict]:
         """Nothing: a pause lets the round in flight finish (rounds are whole generate calls)."""
         return []
+
+    def serials(self) -> dict[str, int]:
+        """Nothing: a round's number is its step."""
+        return {}
 
     def unpause(self) -> None:
         self.loop.unpause()

@@ -113,6 +113,10 @@ class RolloutSource:
         """The prompt groups generating when the producer paused (streaming; a checkpoint records them)."""
         return self.producer.in_flight()
 
+    def serials(self) -> dict[str, int]:
+        """Streaming: where the prompt groups' serials stood at the pause (a checkpoint records it)."""
+        return self.producer.serials()
+
     def unpause(self) -> None:
         self.producer.unpause()
 

@@ -91,6 +91,9 @@ class StreamProducer:
         self.dynamic = dynamic if dynamic is not None and dynamic.enabled else None
         self._discard_budget = self.dynamic.discard_budget(groups_per_step) if self.dynamic else 0
         self.groups_discarded = 0  # dynamic sampling: uninformative groups thrown away (released, counted)
+        self._skipped_before = 0  # groups that produced no batch before the checkpoint this run resumed from
+        self._next_serial = 0  # the serial the next admitted group gets
+        self._paused_serials: dict[str, int] = {}
         self._discards = collections.Counter()  # since the last batch: groups discarded, their tokens
         self._held_back: list[str] = []  # leases of groups skipped while paused: given back at unpause
 
@@ -104,7 +107,8 @@ class StreamProducer:
             self.leases.hold(rnd.leases)
         if state.rounds:
             logger.info("handing out first the %d finished prompt groups the checkpoint saved", len(self._groups))
-        first = max(first, state.step * self.groups_per_step)
+        first = max(first, state.step * self.groups_per_step, int(state.serials.get("next_serial", 0)))
+        self._skipped_before = int(state.serials.get("groups_skipped", 0))  # keeps _last_serial's count right
         self._published, self._offset = state.version, state.version - state.step
         for group in state.in_flight:  # generating when the checkpoint was written: generated again, first
             serial, leases = int(group["serial"]), list(group["leases"])
@@ -114,14 +118,17 @@ class StreamProducer:
             first = max(first, serial + 1)
         if state.in_flight:
             logger.info("generating again the %d prompt groups the checkpoint saw in flight", len(state.in_flight))
+        self._next_serial = first
         self.loop.start(self._run, first)
         self.leases.keep_alive(self.loop.stopping)
 
     def _last_serial(self) -> int:
         """One past the last group to draw (under the lock): the groups of run.steps + lookahead batches, and one
         more for every group that produced no batch (dropped at reset, discarded as uninformative)."""
-        return (self.steps + self.coordinator.lookahead) * self.groups_per_step + self.groups_dropped + \
-            self.groups_discarded
+        return (self.steps + self.coordinator.lookahead) * self.groups_per_step + self._skipped()
+
+    def _skipped(self) -> int:
+        return self._skipped_before + self.groups_dropped + self.groups_discarded
 
     def _run(self, serial: int) -> None:
         loop = self.loop
@@ -148,6 +155,8 @@ class StreamProducer:
                         indices, generate = self.prepare_group(serial)  # the data cursor moves in serial order
                         self._submit(serial, indices, leases[k:k + self.group_size], generate)
                         serial += 1
+                        with self.loop.cond:
+                            self._next_serial = serial
                 finally:
                     loop.idle()
         except BaseException as err:  # surfaced to the driver on its next call
@@ -298,11 +307,18 @@ class StreamProducer:
             self._paused_in_flight = [{"serial": serial, "indices": list(indices), "leases": list(leases)}
                                       for serial, (indices, leases) in sorted(self._in_flight.items())
                                       if serial not in done]
+            self._paused_serials = {"next_serial": self._next_serial, "groups_skipped": self._skipped()}
             return finished
 
     def in_flight(self) -> list[dict]:
         """The prompt groups that were generating at the last `pause`: serial, examples' indices, leases."""
         return list(self._paused_in_flight)
+
+    def serials(self) -> dict[str, int]:
+        """Where the serials stood at the last `pause` (a checkpoint records it): the next one to give, and how
+        many groups produced no batch.  A resumed run goes on from there: no serial, hence no sampling seed,
+        is given twice, and the last batch still gets its groups."""
+        return dict(self._paused_serials)
 
     def unpause(self) -> None:
         with self.loop.cond:

@@ -97,7 +97,7 @@ class Checkpointer:
             if (ckpt / PENDING_ROUNDS).is_file() else []
         in_flight = json.loads((ckpt / IN_FLIGHT).read_text()) if (ckpt / IN_FLIGHT).is_file() else []
         state = TrainState(step=int(manifest["step"]), version=int(manifest["policy_version"]), rounds=rounds,
-                           in_flight=in_flight)
+                           in_flight=in_flight, serials=manifest.get("extra", {}).get("stream_serials") or {})
         policy.kl.load_state_dict(manifest.get("extra", {}).get("kl_control"))  # the adaptive KL's β
         policy.probe_rows = manifest.get("extra", {}).get("refit_probe_rows")  # sampled: the bf16 bound holds
         logger.info("resumed from %s: step %d, policy version %d", ckpt, state.step, state.version)
@@ -134,6 +134,7 @@ class Checkpointer:
 
         rounds = source.pause()  # admission stopped: cursor, queue, rounds and the groups in flight agree
         in_flight = source.in_flight()  # streaming: generating on through the save; generated again at resume
+        serials = source.serials()  # streaming: a resumed run's groups go on from the next serial
         try:
             learner = policy.learner
 
@@ -150,6 +151,7 @@ class Checkpointer:
                                extra={"initial_test_eval": initial_eval, "package_version": __version__,
                                       "pending_rounds": [r.index for r in rounds],
                                       "in_flight_groups": [g["serial"] for g in in_flight],
+                                      "stream_serials": serials,
                                       "kl_control": policy.kl.state_dict(), "refit_probe_rows": policy.probe_rows})
         finally:
             source.unpause()

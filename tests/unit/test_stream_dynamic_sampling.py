@@ -125,3 +125,31 @@ def test_a_group_discarded_while_a_checkpoint_is_written_keeps_its_leases_until_
     assert admission.released == ([] if paused else ["a", "b"]) and 3 not in producer._in_flight
     producer.unpause()
     assert admission.released == ["a", "b"]
+
+
+def test_a_resumed_run_goes_on_from_the_serial_the_checkpoint_recorded():
+    """A checkpoint after a batch whose uninformative groups were discarded records the next serial and the
+    groups skipped (pause -> serials(), train/checkpointing.py keeps it); a producer started from it draws
+    new serials only (a serial seeds its group's sampling) and still fills its last batch."""
+    equal = {1, 2}
+    producer, _, batches, graded = _run(lambda n: [1.0, 1.0] if n in equal else [0.0, 1.0], steps=1)
+    producer.pause()
+    saved = producer.serials()
+    assert saved == {"next_serial": max(graded) + 1, "groups_skipped": 2}
+    drawn: list[int] = []
+
+    def prepare(serial, indices=None):
+        drawn.append(serial)
+        return [serial], lambda: [_sample(serial), _sample(serial)]
+
+    def grade(samples):
+        return [Score(reward=r, correctness=r, format=1.0, overlong=0.0, error=None, grader_version="g")
+                for r in ([1.0, 1.0] if samples[0].prompt_tokens[1] == saved["next_serial"] else [0.0, 1.0])]
+
+    resumed = StreamProducer(Admission(), prepare, grade, steps=2, groups_per_step=2, group_size=2, max_groups_in_flight=2,
+                              dynamic=DynamicSamplingConfig(enabled=True, oversample=1.5, max_attempts=2))
+    resumed.start(TrainState(step=1, version=1, serials=saved))
+    second = resumed.next(1)
+    resumed.stop()
+    assert min(drawn) == saved["next_serial"] and not set(drawn) & set(graded)
+    assert len(second.samples) == 4 and resumed.groups_discarded == 1  # one more drawn for the one discarded
