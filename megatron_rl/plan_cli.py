@@ -21,9 +21,10 @@ from megatron_rl.learner.config import uses_sequence_parallel
 from megatron_rl.planner.budget import budget_plan, render_budget
 from megatron_rl.planner.host_memory import host_memory_problem, resume_host_memory
 from megatron_rl.planner.ledger import (
-    GIB, LearnerLayout, RolloutLayout, adapter_params, as_dict, compare_placements, dims_from_hf, learner_ledger,
+    GIB, LearnerLayout, RolloutLayout, as_dict, compare_placements, dims_from_hf, learner_ledger,
     rollout_ledger,
 )
+from megatron_rl.planner.training import FULL, AdapterTraining
 from megatron_rl.publish.transport import whole_model_per_gpu
 from megatron_rl.rollout.sleep import choose_sleep
 
@@ -43,8 +44,8 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
         sequence_parallel=uses_sequence_parallel(hf.moe is not None, lc.tensor_parallel_size),
         reference_model=cfg.loss.has_reference, publish_dtype="fp32" if rc.dtype == "float32" else "bf16",
         publish_whole_model=whole_model_per_gpu(cfg.run.placement, rc.weight_transfer),
-        lora_rank=lc.lora.rank if lc.lora.enabled else 0,
-        lora_targets=tuple(lc.lora.target_modules) if lc.lora.enabled else ())
+        training=AdapterTraining(rank=lc.lora.rank, targets=tuple(lc.lora.target_modules)) if lc.lora.enabled
+        else FULL)
     max_seqs = int(rc.engine_options.get("max_num_seqs", cfg.samples_per_step // cfg.rollout.data_parallel_size or 1))
     roll = RolloutLayout(tp=rc.tensor_parallel_size, groups=cfg.rollout.data_parallel_size,
                          dtype="fp32" if rc.dtype == "float32" else "bf16",
@@ -66,8 +67,7 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
                               audit_ring_versions=cfg.audit.ring_versions(cfg.coordinator.max_version_lag))
     return {
         "model_params": model.num_params,
-        "lora": {"rank": lay.lora_rank, "target_modules": list(lay.lora_targets),
-                 "adapter_params_per_gpu": adapter_params(model, lay)} if lay.lora_rank else None,
+        "lora": lay.training.describe(model, lay),
         "model_active_params": model.active_params,
         "gpu_memory_gib": cfg.cluster.gpu_memory_gib,
         "learner_gib_per_gpu": {k: v / GIB for k, v in led.items.items()} | {"total": led.total / GIB},

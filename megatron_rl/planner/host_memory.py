@@ -59,11 +59,9 @@ class HostMemory:
 def swiglu_fc1_params(model: ModelDims, lay: LearnerLayout) -> float:
     """F_stage: the linear_fc1 parameters (gate and up) on one learner rank, which a load holds twice;
     with LoRA, fc1's lora_B (0 when fc1 takes no adapters)."""
-    if lay.lora_rank:
-        fc1 = "fc1" in lay.lora_targets
-        return model.num_layers / lay.pp * lay.lora_rank * 2 * model.intermediate_size / lay.tp if fc1 else 0.0
     width = model.num_experts // lay.ep * model.moe_ffn_hidden_size if model.num_experts else model.intermediate_size
-    return model.num_layers * 2 * model.hidden_size * width / (lay.tp * lay.pp)
+    dense_fc1 = model.num_layers * 2 * model.hidden_size * width / (lay.tp * lay.pp)
+    return lay.training.fc1_loaded_twice(model, lay, dense_fc1)
 
 
 def stage_params(model: ModelDims, lay: LearnerLayout) -> float:
@@ -80,7 +78,7 @@ def resume_host_memory(model: ModelDims, lay: LearnerLayout, roll: RolloutLayout
     engines = min(gpus_per_node, roll.gpus)
     p_stage = stage_params(model, lay)
     engine_weights = model.num_params / roll.tp * _bytes(roll.dtype)
-    trained = adapter_params(model, lay) if lay.lora_rank else p_stage
+    trained = lay.training.trained(p_stage, adapter_params(model, lay))
     return HostMemory({
         "optimizer_load": ranks * (trained + swiglu_fc1_params(model, lay)) * OPTIMIZER_LOAD_BYTES,
         "engine_sleep": engines * engine_weights if sleep_mode else 0.0,

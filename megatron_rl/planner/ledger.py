@@ -72,6 +72,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_rl.learner.config import world_size
+from megatron_rl.planner.training import FULL, AdapterTraining, FullTraining
 
 GIB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -155,10 +156,8 @@ class LearnerLayout:
     """Activations split over TP along the sequence too (the learner's rule: MoE at TP > 1)."""
     reference_model: bool = True
     ddp_bucket_params: int = 40_000_000
-    lora_rank: int = 0
-    """learner.lora.rank when adapters train on a frozen base; 0: every parameter trains."""
-    lora_targets: tuple[str, ...] = ()
-    """learner.lora.target_modules (qkv, proj, fc1, fc2)."""
+    training: FullTraining | AdapterTraining = FULL
+    """What trains: every parameter, or learner.lora's adapters on a frozen base (planner/training.py)."""
 
     @property
     def gpus(self) -> int:
@@ -215,10 +214,7 @@ def _bytes(dtype: str) -> int:
 
 def adapter_params(model: ModelDims, lay: LearnerLayout) -> float:
     """A_stage: the LoRA adapter parameters on one GPU of a pipeline stage (0 without LoRA)."""
-    h, f, tp, q = model.hidden_size, model.intermediate_size, lay.tp, model.num_heads * model.head_dim
-    qkv_out = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-    per_target = {"qkv": h + qkv_out / tp, "proj": q / tp + h, "fc1": h + 2 * f / tp, "fc2": f / tp + h}
-    return model.num_layers / lay.pp * lay.lora_rank * sum(per_target[t] for t in lay.lora_targets)
+    return lay.training.adapter_params(model, lay)
 
 
 def shard_params(model: ModelDims, lay: LearnerLayout) -> tuple[float, float]:
@@ -244,7 +240,7 @@ def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float
     else:
         act = layers_stage * inflight * full_layer
     adapters = adapter_params(model, lay)
-    trained = adapters if lay.lora_rank else p_stage  # LoRA: the base is frozen, the adapters train
+    trained = lay.training.trained(p_stage, adapters)  # LoRA: the base is frozen, the adapters train
     items = {
         "weights": (p_stage + adapters) * w,
         "grads": trained * grad_b,
@@ -253,7 +249,7 @@ def learner_ledger(model: ModelDims, lay: LearnerLayout, reserve_fraction: float
         "reference_model": p_stage * w if lay.reference_model else 0.0,
         "activations": act,
         "logits": b * s * model.vocab_size / lay.tp * 4 * 2,
-        "comm_buffers": 2 * (min(lay.ddp_bucket_params, adapters) if lay.lora_rank else lay.ddp_bucket_params) * grad_b,
+        "comm_buffers": 2 * lay.training.ddp_bucket(lay.ddp_bucket_params, adapters) * grad_b,
         "cuda_context": lay.cuda_context_gib * GIB,
     }
     if lay.publish_whole_model:
@@ -274,7 +270,7 @@ def _expert_items(model: ModelDims, lay: LearnerLayout, grad_b: int, layer_passe
     w = _bytes(lay.dtype)
     expert_dp = (lay.dp // lay.ep) if lay.use_distributed_optimizer else 1
     s, b, h = lay.seq_length, lay.micro_batch_size, model.hidden_size
-    trained = 0.0 if lay.lora_rank else e_shard  # LoRA: the experts are frozen base weights
+    trained = lay.training.trained_experts(e_shard)  # LoRA: the experts are frozen base weights
     return {
         "expert_weights": e_shard * w,
         "expert_grads": trained * grad_b,

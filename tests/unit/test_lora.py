@@ -257,5 +257,7 @@ def test_the_planner_counts_the_adapters_the_model_has(trained):
     from megatron_rl.models.hf_config import load_hf_config
     from megatron_rl.planner.ledger import LearnerLayout, adapter_params, dims_from_hf
 
-    lay = LearnerLayout(lora_rank=4, lora_targets=("qkv", "proj", "fc1", "fc2"))
+    from megatron_rl.planner.training import AdapterTraining
+
+    lay = LearnerLayout(training=AdapterTraining(rank=4, targets=("qkv", "proj", "fc1", "fc2")))
     assert adapter_params(dims_from_hf(load_hf_config(TINY)), lay) == trained["adapter_numel"]

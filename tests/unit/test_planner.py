@@ -9,6 +9,7 @@ from megatron_rl.planner.ledger import (
     GIB, LearnerLayout, ModelDims, RolloutLayout, compare_placements, kv_cache_bytes,
     learner_ledger, rollout_ledger,
 )
+from megatron_rl.planner.training import FULL, AdapterTraining
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -386,7 +387,7 @@ def test_lora_counts_gradients_and_optimizer_state_of_the_adapters_alone():
     from megatron_rl.planner.ledger import adapter_params
 
     lay = LearnerLayout(tp=2, pp=1, dp=2, dtype="bf16", seq_length=16, ddp_bucket_params=1000,
-                        lora_rank=8, lora_targets=("qkv", "proj", "fc1", "fc2"))
+                        training=AdapterTraining(rank=8, targets=("qkv", "proj", "fc1", "fc2")))
     # per layer and TP rank, x r = 8: qkv 64 + (4+2*2)*16/2 = 128; proj 4*16/2 + 64 = 96; fc1 64 + 2*128/2 = 192;
     # fc2 128/2 + 64 = 128 -> 544 x 8 x 2 layers
     a = 544 * 8 * 2
@@ -396,16 +397,18 @@ def test_lora_counts_gradients_and_optimizer_state_of_the_adapters_alone():
     assert items["weights"] == (p_stage + a) * 2  # the frozen base and the adapters
     assert items["grads"] == a * 4 and items["master_weights"] == a * 4 / 2 and items["optimizer_states"] == a * 8 / 2
     assert items["comm_buffers"] == 2 * 1000 * 4  # a bucket of 1000 params; with fewer adapters, fewer
-    small_bucket = learner_ledger(SMALL, LearnerLayout(lora_rank=1, lora_targets=("proj",), ddp_bucket_params=10**9),
+    small_bucket = learner_ledger(SMALL, LearnerLayout(training=AdapterTraining(rank=1, targets=("proj",)),
+                                                      ddp_bucket_params=10**9),
                                   0.0).items
     assert small_bucket["comm_buffers"] == 2 * (64 + 64) * 2 * 4
-    full = learner_ledger(SMALL, dataclasses.replace(lay, lora_rank=0, lora_targets=()), 0.0).items
+    full = learner_ledger(SMALL, dataclasses.replace(lay, training=FULL), 0.0).items
     assert full["optimizer_states"] == p_stage * 8 / 2 and full["weights"] == p_stage * 2
     assert adapter_params(SMALL, LearnerLayout()) == 0
 
 
 def test_lora_on_a_moe_model_freezes_the_experts():
-    lay = LearnerLayout(tp=1, pp=2, dp=4, ep=4, seq_length=16, lora_rank=4, lora_targets=("qkv", "proj"))
+    lay = LearnerLayout(tp=1, pp=2, dp=4, ep=4, seq_length=16,
+                        training=AdapterTraining(rank=4, targets=("qkv", "proj")))
     items = learner_ledger(MOE, lay, 0.0).items
     assert items["expert_weights"] > 0
     assert items["expert_grads"] == items["expert_master_weights"] == items["expert_optimizer_states"] == 0
@@ -429,3 +432,16 @@ def test_the_plan_of_a_lora_run_trains_the_adapters_only(capsys):
     assert "LoRA: rank 16 on qkv, proj, fc1, fc2" in render(lora)
     host = lora["resume_host_gib_per_node"]["optimizer_load"]
     assert host < full["resume_host_gib_per_node"]["optimizer_load"] / 50
+
+
+def test_a_lora_resume_loads_the_adapters_state_and_holds_fc1s_lora_b_twice():
+    from megatron_rl.planner.host_memory import resume_host_memory
+
+    def load(targets):
+        lay = LearnerLayout(tp=2, pp=1, dp=2, training=AdapterTraining(rank=8, targets=targets))
+        return resume_host_memory(SMALL, lay, RolloutLayout(), gpus_per_node=8, sleep_mode=False,
+                                  rollback_copy=False).items["optimizer_load"]
+
+    # 4 ranks x 12 B x (A_stage = 544 x 8 x 2, as above, + fc1's lora_B: 2 layers x 8 x 2 x 128 / TP 2 = 2048)
+    assert load(("qkv", "proj", "fc1", "fc2")) == 4 * 12 * (544 * 8 * 2 + 2048)
+    assert load(("qkv",)) == 4 * 12 * (128 * 8 * 2)  # no adapter on fc1: nothing of it is held twice

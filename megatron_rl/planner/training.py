@@ -1,0 +1,80 @@
+"""What a learner trains, as the planner's ledgers count it: every parameter (FULL), or LoRA adapters on a frozen
+base (AdapterTraining).  Chosen once, from learner.lora (plan_cli.py); the ledgers (ledger.py, host_memory.py)
+ask it for each LoRA-dependent term instead of testing for LoRA themselves.
+
+    lay = LearnerLayout(tp=2, training=AdapterTraining(rank=8, targets=("qkv", "proj", "fc1", "fc2")))
+    lay.training.adapter_params(model, lay)     # A_stage: the adapters on one GPU of a pipeline stage
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_rl.planner.ledger import LearnerLayout, ModelDims
+
+
+@dataclass(frozen=True)
+class FullTraining:
+    """Every parameter trains: grads, master weights and optimizer states for the whole shard."""
+
+    def adapter_params(self, model: ModelDims, lay: LearnerLayout) -> float:
+        return 0.0
+
+    def trained(self, stage_params: float, adapters: float) -> float:
+        """The parameters of one GPU's shard that take grads and optimizer state."""
+        return stage_params
+
+    def trained_experts(self, expert_params: float) -> float:
+        return expert_params
+
+    def ddp_bucket(self, bucket_params: int, adapters: float) -> float:
+        """Parameters in one of the two DDP gradient buckets."""
+        return bucket_params
+
+    def fc1_loaded_twice(self, model: ModelDims, lay: LearnerLayout, dense_fc1: float) -> float:
+        """F_stage of host_memory.py: the fc1 parameters an optimizer load holds twice."""
+        return dense_fc1
+
+    def describe(self, model: ModelDims, lay: LearnerLayout) -> dict | None:
+        """The plan's "lora" entry: None, nothing but the model trains."""
+        return None
+
+
+@dataclass(frozen=True)
+class AdapterTraining:
+    """LoRA (learner.lora): rank-`rank` adapters beside the `targets` train; the base, experts included, is frozen."""
+
+    rank: int
+    targets: tuple[str, ...]
+
+    def adapter_params(self, model: ModelDims, lay: LearnerLayout) -> float:
+        """A_stage: a column-parallel target (qkv, fc1) splits lora_B over TP, a row-parallel one (proj, fc2)
+        lora_A (models/lora.py's TP split)."""
+        h, f, tp, q = model.hidden_size, model.intermediate_size, lay.tp, model.num_heads * model.head_dim
+        qkv_out = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+        per_target = {"qkv": h + qkv_out / tp, "proj": q / tp + h, "fc1": h + 2 * f / tp, "fc2": f / tp + h}
+        return model.num_layers / lay.pp * self.rank * sum(per_target[t] for t in self.targets)
+
+    def trained(self, stage_params: float, adapters: float) -> float:
+        return adapters
+
+    def trained_experts(self, expert_params: float) -> float:
+        return 0.0
+
+    def ddp_bucket(self, bucket_params: int, adapters: float) -> float:
+        return min(bucket_params, adapters)  # fewer adapters than a bucket holds: one smaller bucket
+
+    def fc1_loaded_twice(self, model: ModelDims, lay: LearnerLayout, dense_fc1: float) -> float:
+        """fc1's lora_B (gate and up halves, split over TP), 0 when fc1 takes no adapter."""
+        if "fc1" not in self.targets:
+            return 0.0
+        return model.num_layers / lay.pp * self.rank * 2 * model.intermediate_size / lay.tp
+
+    def describe(self, model: ModelDims, lay: LearnerLayout) -> dict | None:
+        return {"rank": self.rank, "target_modules": list(self.targets),
+                "adapter_params_per_gpu": self.adapter_params(model, lay)}
+
+
+FULL = FullTraining()
