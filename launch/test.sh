@@ -8,6 +8,6 @@ bash launch/install.sh
 # and runs `alone` tests with no engine beside them).  MEGATRON_RL_TEST_WORKERS=1 runs them one at a time.
 if [ $# -eq 0 ]; then
   workers="${MEGATRON_RL_TEST_WORKERS:-2}"
-  if [ "$workers" -gt 1 ]; then set -- tests -n "$workers" --dist loadgroup --no-loadscope-reorder; else set -- tests; fi
+  if [ "$workers" -gt 1 ]; then set -- tests -n "$workers" --dist loadfile --no-loadscope-reorder; else set -- tests; fi
 fi
 exec .venv/bin/python -m pytest "$@"

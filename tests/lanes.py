@@ -1,17 +1,19 @@
-"""Two tests at a time: how the suite runs on pytest-xdist workers (`launch/test.sh` passes `-n 2 --dist loadgroup`).
+"""Two tests at a time: how the suite runs on pytest-xdist workers (`launch/test.sh` passes `-n 2 --dist loadfile`).
 
 A run of the e2e tier spends about half its time waiting (Python, engine and learner start-ups, Ray, files),
 so two workers on this machine's 2 cores finish it sooner.  What this plugin keeps right:
 
-- **A module stays on one worker**, as its module- and session-scoped fixtures assume: each test gets the
-  xdist group of its module, or the one its module names (`pytest.mark.xdist_group("...")`: modules that
-  share a session fixture's run, e.g. test_drills.py and test_bad_checkpoint.py and `worker_crash`).
-- **The heaviest tier goes first**: e2e, then dist, security, unit; within a tier, files keep their order.
-  The unit tier's many small modules then even out the two workers' ends.
+- **A module stays on one worker**, as its module- and session-scoped fixtures assume, and so do modules
+  that share a session fixture's run (SHARED_GROUPS: test_drills.py and test_bad_checkpoint.py read
+  `worker_crash`).  The scheduler is xdist's loadfile with these groups as its scopes (xdist's own
+  `xdist_group` marks are lost on pytest 9: xdist 3.8 renames a node id pytest no longer reads back).
 - **A test marked `alone("why")`** (one whose assertions read timing: armed faults, refits in flight) runs
-  with no other e2e or dist test beside it: its group holds a lock the e2e and dist groups share, for the
-  whole group (its runs can outlive one test).  Unit and security tests, which start no engines, may run
-  beside it.  The lock lets a waiting `alone` group in before later shared holders (a turnstile).
+  with no other e2e or dist test beside it: it holds a lock the e2e and dist tests share (a readers-writer
+  flock; a waiting `alone` test goes before later shared holders, a turnstile).  A group keeps its lock from
+  test to test (a module's runs outlive the test that started them), so a module whose fixtures' runs read
+  timing is marked as a whole.  Unit and security tests, which start no engines, may run beside it.
+- **The order groups are handed out in** (hand_out_order): the e2e groups, then dist, then the groups with an
+  `alone` test spread among the unit and security modules, which the other worker runs meanwhile.
 
 Without xdist (a developer's `pytest tests/e2e/test_x.py`) nothing here changes how tests run, beyond the order.
 """
@@ -36,11 +38,16 @@ def tier_of(nodeid: str) -> str:
     return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
 
 
-def group_of(item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    if mark is not None:
-        return str(mark.args[0] if mark.args else mark.kwargs["name"])
-    return item.nodeid.split("::")[0]
+SHARED_GROUPS = {  # module -> the group it shares with others: one worker runs them, in order
+    "tests/e2e/test_bad_checkpoint.py": "drills",  # reads the session fixture worker_crash of ...
+    "tests/e2e/test_drills.py": "drills",
+}
+
+
+def group_of(nodeid: str) -> str:
+    """The scope a worker runs whole: the test's module, or the group SHARED_GROUPS puts it in."""
+    module = nodeid.split("::")[0]
+    return SHARED_GROUPS.get(module, module)
 
 
 def lock_kind(item) -> int | None:
@@ -62,13 +69,43 @@ def pytest_unconfigure(config):
         shutil.rmtree(config._lanes_dir, ignore_errors=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(session, config, items):
-    rank = {t: i for i, t in enumerate(TIER_ORDER)}
-    items.sort(key=lambda it: rank.get(tier_of(it.nodeid), len(rank)))  # stable: files keep their order
+    items[:] = hand_out_order(items)
+
+
+def hand_out_order(items: list) -> list:
+    """The order workers take groups in: the e2e groups with no `alone` test, then dist, then the groups with
+    one (e2e) spread evenly among the security and unit modules, so that while one worker runs an `alone`
+    test the other mostly has light modules to run.  Within a group, tests keep their file order."""
+    groups: dict[str, list] = {}
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group_of(item)))
+        groups.setdefault(group_of(item.nodeid), []).append(item)
+    alone = [g for g, its in groups.items() if any(lock_kind(it) == fcntl.LOCK_EX for it in its)]
+    light = [g for g, its in groups.items() if g not in alone and lock_kind(its[0]) is None]
+    key: dict[str, tuple] = {}
+    for g, its in groups.items():
+        tier = tier_of(its[0].nodeid)
+        if g in alone or g in light:
+            spread = alone.index(g) / len(alone) if g in alone else (light.index(g) + 0.5) / len(light)
+            key[g] = (2, spread)
+        else:
+            key[g] = (0 if tier == "e2e" else 1, TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER))
+    order = sorted(groups, key=lambda g: key[g])  # stable: groups of one key keep their collection order
+    return [item for g in order for item in groups[g]]
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a hook of pytest-xdist's
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with group_of's scopes: a module, or a group of modules, goes to one worker whole."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleGroups(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ModuleGroups(config, log)
 
 
 class GroupLock:
@@ -77,16 +114,19 @@ class GroupLock:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self.group: str | None = None
+        self.kind: int | None = None
         self.fd: int | None = None
 
     def _open(self, name: str) -> int:
         return os.open(os.path.join(self.directory, name), os.O_RDWR | os.O_CREAT, 0o600)
 
     def enter(self, group: str, kind: int | None) -> None:
-        if group == self.group:
+        """Hold `kind` for `group`: kept from the group's last test when the same, else taken again (an
+        `alone` test inside a group whose other tests share)."""
+        if group == self.group and kind == self.kind:
             return
         self.leave()
-        self.group = group
+        self.group, self.kind = group, kind
         if kind is None:
             return
         turnstile = self._open("turnstile")
@@ -100,7 +140,7 @@ class GroupLock:
     def leave(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
-        self.group, self.fd = None, None
+        self.group, self.kind, self.fd = None, None, None
 
 
 _LOCK: list[GroupLock] = []
@@ -115,7 +155,7 @@ def pytest_runtest_protocol(item, nextitem):
     if not _LOCK:
         _LOCK.append(GroupLock(directory))
     lock = _LOCK[0]
-    lock.enter(group_of(item), lock_kind(item))
+    lock.enter(group_of(item.nodeid), lock_kind(item))
     yield
-    if nextitem is None or group_of(nextitem) != lock.group:  # the group's fixtures were torn down with item
+    if nextitem is None or group_of(nextitem.nodeid) != lock.group:  # the group's fixtures were torn down with item
         lock.leave()

@@ -25,8 +25,7 @@ import pytest
 from megatron_rl.cli import main
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("drills"),  # worker_crash is shared
-              pytest.mark.alone("reads the worker_crash drill, run alone with test_drills.py")]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # worker_crash, shared with test_drills.py (tests/lanes.py)
 
 COMMON = ["run.checkpoint_every=1", "run.keep_checkpoints=4", "data.eval_size=8", "run.eval_every=0"]
 STEPS = ["step_000001", "step_000002", "step_000003", "step_000004"]

@@ -34,8 +34,8 @@ from megatron_rl.drill.harness import DEFAULT_OVERRIDES
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 from tests.e2e.conftest import drill as _drill
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("drills"),
-              pytest.mark.alone("armed faults fire at a step or token count; drills assert what was in flight")]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ALONE = pytest.mark.alone("the fault is armed while requests are in flight, and the drill asserts what they did")
 
 
 def _together(tmp_path_factory, names, *args):
@@ -167,6 +167,7 @@ def test_refit_check_catches_permuted_load(one_run_drills):
     _common(rec, redone=0)
 
 
+@ALONE
 def test_engine_crash_restarts_refits_and_retries(engine_crashes):
     code, records = engine_crashes
     rec = records["engine_crash"]
@@ -182,6 +183,7 @@ def test_engine_crash_restarts_refits_and_retries(engine_crashes):
     _common(rec, redone=0)
 
 
+@ALONE
 def test_engine_crash_during_publication_restarts_and_refits(engine_crashes):
     """Issue 30 defect 6: an engine-core SIGKILL as publication 2 begins takes the restart path of a
     death during generation (group restarted stale, the version published again), not a traceback."""
@@ -195,6 +197,7 @@ def test_engine_crash_during_publication_restarts_and_refits(engine_crashes):
     _common(rec, redone=0)
 
 
+@ALONE
 def test_partition_leaves_a_stopped_group_out_and_refits_it(tmp_path_factory):
     # Two rollout groups; one SIGSTOPped for 15 s at publication 2 (rollout.publish_timeout_s 6 s).
     code, rec = _drill(tmp_path_factory, "partition", "--at-step", "1", "--steps", "12")
@@ -219,6 +222,7 @@ def test_coordinator_stop_waits_and_loses_nothing(one_run_drills):
     _common(rec, redone=0)
 
 
+@ALONE
 def test_a_stale_kv_refit_is_caught_by_the_audit(tmp_path_factory):
     # Streaming, in-flight refits (drill/streaming.py): from publication 2 on, a recompute refit skips the KV
     # invalidation and says it happened (the stale-cache bug), so kept requests attend to the old weights' KV
@@ -235,6 +239,7 @@ def test_a_stale_kv_refit_is_caught_by_the_audit(tmp_path_factory):
 
 
 
+@ALONE
 def test_an_engine_dying_paused_in_a_refit_is_restarted_and_its_requests_sent_again(tmp_path_factory):
     # Streaming: the first refit to version 2 or later that keeps requests SIGKILLs the engine core while
     # generation is paused, before the new weights load (drill/streaming.py).  The publication is refused, the

@@ -7,6 +7,7 @@ join the shared Ray cluster (tests/e2e/conftest.py) and carry their MEGATRON_RL_
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -72,8 +73,8 @@ class _Item:
 def test_a_module_is_one_group_unless_it_names_one_and_alone_excludes_the_engine_tiers():
     import fcntl
 
-    assert lanes.group_of(_Item("tests/e2e/test_a.py::test_x[1]")) == "tests/e2e/test_a.py"
-    assert lanes.group_of(_Item("tests/e2e/test_b.py::test_y", xdist_group=("drills",))) == "drills"
+    assert lanes.group_of("tests/e2e/test_a.py::test_x[1]") == "tests/e2e/test_a.py"
+    assert lanes.group_of("tests/e2e/test_bad_checkpoint.py::test_y") == lanes.group_of("tests/e2e/test_drills.py::t")
     assert lanes.lock_kind(_Item("tests/e2e/test_a.py::t", alone=("why",))) == fcntl.LOCK_EX
     assert lanes.lock_kind(_Item("tests/e2e/test_a.py::t")) == lanes.lock_kind(_Item("tests/dist/a.py::t")) \
         == fcntl.LOCK_SH
@@ -81,6 +82,37 @@ def test_a_module_is_one_group_unless_it_names_one_and_alone_excludes_the_engine
     assert lanes.lock_kind(_Item("tests/security/a.py::t")) is None
     assert suite._test_id("tests/e2e/a.py::t@drills") == "tests/e2e/a.py::t"
     assert suite._test_id("tests/e2e/a.py::t[x@y]") == "tests/e2e/a.py::t[x@y]"
+
+
+def test_groups_are_handed_out_e2e_first_and_alone_ones_spread_among_the_light_modules():
+    e2e, dist, unit, security = "tests/e2e/test_", "tests/dist/test_", "tests/unit/test_", "tests/security/test_"
+    items = [_Item(unit + "u1.py::t"), _Item(e2e + "streaming.py::a", alone=("why",)),
+             _Item(e2e + "streaming.py::b", alone=("why",)), _Item(e2e + "train.py::t"), _Item(dist + "d.py::t"),
+             _Item(unit + "u2.py::t"), _Item(e2e + "drills.py::t1"), _Item(e2e + "drills.py::t2", alone=("why",)),
+             _Item(e2e + "bad_checkpoint.py::t"), _Item(security + "s.py::t"), _Item(unit + "u3.py::t")]
+    order = [it.nodeid for it in lanes.hand_out_order(items)]
+    assert order == [e2e + "train.py::t", dist + "d.py::t",
+                     e2e + "streaming.py::a", e2e + "streaming.py::b",  # alone groups at 0 and 1/2 of the tail
+                     unit + "u1.py::t", unit + "u2.py::t",  # light ones at 1/8, 3/8, 5/8, 7/8
+                     e2e + "drills.py::t1", e2e + "drills.py::t2", e2e + "bad_checkpoint.py::t",  # one group
+                     security + "s.py::t", unit + "u3.py::t"]
+
+
+def test_a_group_takes_its_lock_again_when_an_alone_test_follows_a_shared_one(tmp_path):
+    import fcntl
+
+    lock = lanes.GroupLock(str(tmp_path))
+    lock.enter("g", fcntl.LOCK_SH)
+    shared_fd = lock.fd
+    lock.enter("g", fcntl.LOCK_SH)
+    assert lock.fd == shared_fd  # the group's next shared test keeps it
+    lock.enter("g", fcntl.LOCK_EX)
+    probe = os.open(tmp_path / "lanes", os.O_RDWR)
+    with pytest.raises(BlockingIOError):  # held exclusively now: no one else may share it
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    lock.leave()
+    fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    os.close(probe)
 
 
 def _enter_then_report(directory: str, kind: int, name: str, events) -> None:
