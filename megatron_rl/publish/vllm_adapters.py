@@ -19,6 +19,7 @@ first publication installs one.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable
 
 
@@ -59,6 +60,38 @@ def adapter_request(version: int | None, installed: bool = True):
     return LoRARequest(f"policy-v{version}", int(version) + 1, f"megatron-rl:policy/v{version}")
 
 
+class FollowsRefits:
+    """What a full-weights run's request keeps to its end: nothing, it follows every refit.  Its tokens carry the
+    versions the engine labelled them with, its KV the epochs the refits left (rollout/stream_engine.py)."""
+
+    lora_request = None
+
+    def spans(self, weight_versions: list | None, num_tokens: int) -> list | None:
+        return weight_versions
+
+    def kv_epoch(self, flight_epoch: dict[int, int]) -> dict[int, int]:
+        return flight_epoch
+
+
+class KeepsAdapter:
+    """What a LoRA run's request keeps to its end: committed `label`'s adapter (`lora_request`, None for the base
+    before any adapter).  The base never changes, so every token is that label's version and the request's KV
+    is its own adapter's (vLLM keys cached blocks by adapter) whatever is published meanwhile."""
+
+    def __init__(self, lora_request: Any, label: str):
+        self.lora_request, self.label = lora_request, label
+
+    def spans(self, weight_versions: list | None, num_tokens: int) -> list:
+        return [SimpleNamespace(version=self.label, start=0, end=num_tokens)] if num_tokens else []
+
+    def kv_epoch(self, flight_epoch: dict[int, int]) -> dict[int, int]:
+        version = int(self.label.split(":", 1)[0])
+        return {version: version}
+
+
+FOLLOWS_REFITS = FollowsRefits()
+
+
 class ServedAdapters:
     """The rollout actor's side (rollout/worker.py): which versions' adapters its engine serves, and the
     LoRARequest each request names.  Inactive (every request None) when the run publishes full weights."""
@@ -94,12 +127,11 @@ class ServedAdapters:
         for call in self.session_calls():
             llm.collective_rpc(call)
 
-    def keeps(self, label: str, version_of: Callable[[str], int]) -> tuple[Any, str] | None:
-        """What a request admitted now keeps to its end: (the LoRARequest of committed `label`'s version, the
-        label); None when the run publishes full weights (a request then follows the refits)."""
+    def keeps(self, label: str, version_of: Callable[[str], int]) -> FollowsRefits | KeepsAdapter:
+        """What a request admitted now keeps to its end: committed `label`'s adapter, or (full weights) nothing."""
         if self.serving is None:
-            return None
-        return self.request(version_of(label)), label
+            return FOLLOWS_REFITS
+        return KeepsAdapter(self.request(version_of(label)), label)
 
 
 class AdapterStore:

@@ -35,6 +35,7 @@ from megatron_rl.envs.episode import Episode
 from megatron_rl.envs.registry import get_environment
 from megatron_rl.envs.runner import EpisodeRunner
 from megatron_rl.envs.step_threads import shared_step_threads
+from megatron_rl.publish.vllm_adapters import FOLLOWS_REFITS
 from megatron_rl.rollout.sample import EpisodeSummary, PromptInfo, RolloutSample
 
 TURN_SEED_STRIDE = 7919
@@ -74,17 +75,16 @@ class EpisodePlayer:
 
     async def group(self, stream, request_id: str, examples: list, params: dict, n: int,
                     info: list[PromptInfo] | None, weights_of: Callable[[Any], dict],
-                    adapter_of: Callable[[], Any] = lambda: None) -> list[RolloutSample]:
+                    keeps_of: Callable[[], Any] = lambda: FOLLOWS_REFITS) -> list[RolloutSample]:
         """n episodes of every example, prompt-major, played concurrently on `stream`; info[i] rides on
-        example i's samples.  `adapter_of()`: a LoRA run's (LoRARequest, label) for a turn starting now (the
-        newest committed version's adapter, which the turn keeps to its end, as any request does); None when
-        the run publishes full weights."""
+        example i's samples.  `keeps_of()`: what a turn starting now keeps to its end, as any request does
+        (publish/vllm_adapters.py): a LoRA run's newest committed adapter, or nothing (full weights)."""
         return list(await asyncio.gather(*self.episodes(stream, request_id, examples, params, n, info, weights_of,
-                                                         adapter_of)))
+                                                         keeps_of)))
 
     def episodes(self, stream, request_id: str, examples: list, params: dict, n: int,
                  info: list[PromptInfo] | None, weights_of: Callable[[Any], dict],
-                 adapter_of: Callable[[], Any] = lambda: None) -> list:
+                 keeps_of: Callable[[], Any] = lambda: FOLLOWS_REFITS) -> list:
         """The coroutines `group` plays, prompt-major (the round engine's TurnBatcher plays them in lockstep,
         rollout/turn_batcher.py); sample j of example i is seeded seed + i * n + j."""
         jobs = []
@@ -92,11 +92,12 @@ class EpisodePlayer:
             for j in range(n):
                 seed = None if params.get("seed") is None else params["seed"] + i * n + j
                 jobs.append(self.one(stream, f"{request_id}-{i}-{j}", example, {**params, "seed": seed},
-                                     info[i] if info else PromptInfo(), weights_of, adapter_of))
+                                     info[i] if info else PromptInfo(), weights_of, keeps_of))
         return jobs
 
     async def one(self, stream, rid: str, example, params: dict, info: PromptInfo,
-                  weights_of: Callable[[Any], dict], adapter_of: Callable[[], Any] = lambda: None) -> RolloutSample:
+                  weights_of: Callable[[Any], dict],
+                  keeps_of: Callable[[], Any] = lambda: FOLLOWS_REFITS) -> RolloutSample:
         """One episode to its end: reset, then generate / step until a terminal reason."""
         threads, timeout = self.threads, self.limits.step_timeout_s
         env = self.new_environment()
@@ -114,7 +115,7 @@ class EpisodePlayer:
                     break
                 seed = None if params.get("seed") is None else params["seed"] + TURN_SEED_STRIDE * turn
                 turn_params = {**params, "seed": seed, "max_tokens": min(self.max_tokens_per_turn, room)}
-                result = await stream.generate(f"{rid}-t{turn}", ep.tokens, turn_params, adapter_of())
+                result = await stream.generate(f"{rid}-t{turn}", ep.tokens, turn_params, keeps_of())
                 if result.finish_reason == "abort":
                     raise RuntimeError("this rollout group holds no complete policy version (a failed load could "
                                        "not be rolled back; its requests in flight were aborted): sent again")

@@ -167,9 +167,9 @@ class StreamRolloutWorker(PublicationReceiving):
         return self._run(player.group(self.stream, uuid.uuid4().hex[:12], examples, params, n, info,
                                       self._checked_weights, self._adapter))
 
-    def _adapter(self) -> tuple[Any, str] | None:
-        """A LoRA run: (the LoRARequest of the newest committed version, or None for the base; its label) that
-        a request admitted now keeps to its end; None when the run publishes full weights."""
+    def _adapter(self):
+        """What a request admitted now keeps to its end (publish/vllm_adapters.py): a LoRA run's newest committed
+        adapter, or nothing (full weights)."""
         return self.adapters.keeps(self._adapter_label, lambda label: int(parse_label(label)[0]))
 
     def _checked_weights(self, result) -> dict[str, str]:
@@ -191,8 +191,8 @@ class StreamRolloutWorker(PublicationReceiving):
         """Teacher-forced logprob of every token given its prefix (first is None) [T], on the weights
         serving now (salted apart from every cached block): the version being checked, when one is.  A LoRA
         run: under `version`'s adapter (installed, perhaps not committed yet), else the committed one's."""
-        lora = (self.adapters.request(version, installed=True) if version is not None  # None: full weights
-                else (self._adapter() or (None,))[0])
+        lora = (self.adapters.request(version, installed=True) if version is not None
+                else self._adapter().lora_request)
         return self._run(_score(self.stream.engine, sequences, lora))
 
     def in_flight(self) -> int:
@@ -315,10 +315,10 @@ async def _finish_update_session(stream, after: tuple[str, ...]) -> None:
     return await stream.paused(close)
 
 
-async def _gather(stream, jobs: list, adapter: tuple[Any, str] | None = None) -> list:
+async def _gather(stream, jobs: list, keeps) -> list:
     async def one(rid: str, prompt: list[int], params: dict):
         started = time.time()
-        result = await stream.generate(rid, prompt, params, adapter)
+        result = await stream.generate(rid, prompt, params, keeps)
         return result, started, time.time()
 
     return await asyncio.gather(*(one(*job) for job in jobs))

@@ -40,10 +40,10 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 from megatron_rl.fault_hooks import drill_spec, maybe_kill_engine_in_refit, record_injection
+from megatron_rl.publish.vllm_adapters import FOLLOWS_REFITS, FollowsRefits, KeepsAdapter
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
 from megatron_rl.rollout.occupancy import Occupancy, RunningFeed
@@ -162,11 +162,10 @@ class StreamEngine:
         return {rid: len(f.result.response_tokens) for rid, f in self._flights.items()}
 
     async def generate(self, request_id: str, prompt: list[int], sampling: dict[str, Any] | None = None,
-                       adapter: tuple[Any, str] | None = None) -> StreamResult:
+                       keeps: FollowsRefits | KeepsAdapter = FOLLOWS_REFITS) -> StreamResult:
         """Run one request to its end across any refits; its tokens, behaviour logprobs and segments.
-        `adapter`: (vLLM LoRARequest or None for the base, its label) -- a LoRA run's request keeps that
-        adapter to its end whatever is published meanwhile (the base never changes), so every token is
-        that label's version and the request's KV is its own adapter's."""
+        `keeps`: what the request keeps to its end (publish/vllm_adapters.py): nothing (full weights: it
+        follows the refits), or a LoRA run's adapter, which decides its tokens' versions and its KV's."""
         unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
         if unknown:
             raise ValueError(f"unknown sampling key {unknown[0]!r}; allowed: {list(SAMPLING_KEYS)}")
@@ -190,17 +189,17 @@ class StreamEngine:
         prompt_in = {"prompt_token_ids": list(prompt), "cache_salt": f"v{admitted}"}
         try:
             async for out in self.engine.generate(prompt_in, params, request_id,
-                                                  lora_request=adapter[0] if adapter else None):
+                                                  lora_request=keeps.lora_request):
                 c = out.outputs[0]
                 result.response_tokens.extend(c.token_ids)
                 result.logprobs.extend(sampled_logprobs(c.logprobs, c.token_ids))
                 result.num_cached_tokens = out.num_cached_tokens or 0
                 if out.finished:
                     result.finish_reason = c.finish_reason
-                    spans = c.weight_versions if adapter is None else _whole(adapter[1], len(result.response_tokens))
+                    spans = keeps.spans(c.weight_versions, len(result.response_tokens))
                     result.labels = [(str(w.version), int(w.start), int(w.end)) for w in spans or []]
                     result.segments = _segments(spans, len(result.response_tokens),
-                                                flight.kv_epoch if adapter is None else _own_epoch(adapter[1]))
+                                                keeps.kv_epoch(flight.kv_epoch))
         finally:
             self._flights.pop(request_id, None)
             self.occupancy.change(len(self._flights))
@@ -365,16 +364,6 @@ def _capacity(engine) -> int:
     """The sequences the engine runs at once (its scheduler's max_num_seqs); 1 for an engine without a config."""
     config = getattr(engine, "vllm_config", None)
     return int(getattr(getattr(config, "scheduler_config", None), "max_num_seqs", 1) or 1)
-
-
-def _whole(label: str, num_tokens: int) -> list:
-    """One span of `label` over a response (a LoRA request's: sampled under one adapter throughout)."""
-    return [SimpleNamespace(version=label, start=0, end=num_tokens)] if num_tokens else []
-
-
-def _own_epoch(label: str) -> dict[int, int]:
-    version = int(label.split(":", 1)[0])
-    return {version: version}
 
 
 def _segments(spans, num_tokens: int, kv_epoch: dict[int, int]) -> list[Segment]:

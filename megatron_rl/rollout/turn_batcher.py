@@ -81,8 +81,8 @@ class TurnBatcher:
             self._maybe_send()
 
     async def generate(self, request_id: str, tokens: list[int], params: dict[str, Any],
-                       adapter: Any = None) -> TurnResult:
-        """The streaming engine's `generate` call, answered with the next batch.  `adapter` is not passed on: a
+                       keeps: Any = None) -> TurnResult:
+        """The streaming engine's `generate` call, answered with the next batch.  `keeps` is not passed on: a
         round engine serves one version for a whole call and names its adapter itself."""
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((Turn(request_id, list(tokens), dict(params)), future))

@@ -197,3 +197,37 @@ def test_the_streaming_actor_stays_threaded():
     coroutines = [name for name, f in inspect.getmembers(StreamRolloutWorker, inspect.isfunction)
                   if inspect.iscoroutinefunction(f)]
     assert coroutines == []
+
+
+@pytest.mark.parametrize("keeps", ["follows", "adapter"])
+def test_what_a_request_keeps_decides_its_adapter_and_its_tokens_versions(keeps):
+    """stream_engine.generate asks the request's `keeps` (publish/vllm_adapters.py), never whether the run has
+    adapters: a full-weights request's tokens carry the versions vLLM labelled (one refit mid-response here),
+    a LoRA request's are its adapter's version throughout, with its own KV."""
+    from megatron_rl.publish.vllm_adapters import FOLLOWS_REFITS, KeepsAdapter
+
+    seen = {}
+
+    class Engine:  # test double of AsyncLLM.generate: one finished output whose spans cross a refit 3 -> 4
+        async def generate(self, prompt, params, request_id, lora_request=None):
+            seen["lora_request"] = lora_request
+            spans = [SimpleNamespace(version="3", start=0, end=2), SimpleNamespace(version="4", start=2, end=4)]
+            yield SimpleNamespace(finished=True, num_cached_tokens=0, outputs=[SimpleNamespace(
+                token_ids=[5, 6, 7, 8], logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in (5, 6, 7, 8)],
+                finish_reason="stop", weight_versions=spans)])
+
+    stream = StreamEngine(engine=Engine(), version=3)
+    stream._labelled = True
+    held = FOLLOWS_REFITS if keeps == "follows" else KeepsAdapter("lora-3", "3:abc")
+
+    async def run():
+        stream._flights.clear()
+        return await stream.generate("r", [1, 2], {"max_tokens": 4}, held)
+
+    if keeps == "follows":
+        with pytest.raises(RuntimeError, match="did not commit while the request was in flight"):
+            asyncio.run(run())  # version 4 was never committed here: provenance unknown, refused
+        return
+    result = asyncio.run(run())
+    assert seen["lora_request"] == "lora-3" and result.labels == [("3:abc", 0, 4)]
+    assert [(s.start, s.end, s.version, s.kv_version) for s in result.segments] == [(0, 4, 3, 3)]
