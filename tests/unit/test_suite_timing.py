@@ -79,7 +79,7 @@ def test_a_module_is_one_group_unless_it_names_one_and_alone_excludes_the_engine
     assert lanes.lock_kind(_Item("tests/e2e/test_a.py::t")) == lanes.lock_kind(_Item("tests/dist/a.py::t")) \
         == fcntl.LOCK_SH
     assert lanes.lock_kind(_Item("tests/unit/a.py::t")) is None
-    assert lanes.lock_kind(_Item("tests/security/a.py::t")) is None
+    assert lanes.lock_kind(_Item("tests/security/a.py::t")) == fcntl.LOCK_EX  # wall-clock limits of seconds
     assert suite._test_id("tests/e2e/a.py::t@drills") == "tests/e2e/a.py::t"
     assert suite._test_id("tests/e2e/a.py::t[x@y]") == "tests/e2e/a.py::t[x@y]"
 
@@ -92,10 +92,10 @@ def test_groups_are_handed_out_e2e_first_and_alone_ones_spread_among_the_light_m
              _Item(e2e + "bad_checkpoint.py::t"), _Item(security + "s.py::t"), _Item(unit + "u3.py::t")]
     order = [it.nodeid for it in lanes.hand_out_order(items)]
     assert order == [e2e + "train.py::t", dist + "d.py::t",
-                     e2e + "streaming.py::a", e2e + "streaming.py::b",  # alone groups at 0 and 1/2 of the tail
-                     unit + "u1.py::t", unit + "u2.py::t",  # light ones at 1/8, 3/8, 5/8, 7/8
+                     e2e + "streaming.py::a", e2e + "streaming.py::b",  # alone groups at 0, 1/3, 2/3 of the tail
+                     unit + "u1.py::t",  # light ones at 1/6, 1/2, 5/6
                      e2e + "drills.py::t1", e2e + "drills.py::t2", e2e + "bad_checkpoint.py::t",  # one group
-                     security + "s.py::t", unit + "u3.py::t"]
+                     unit + "u2.py::t", security + "s.py::t", unit + "u3.py::t"]
 
 
 def test_a_group_takes_its_lock_again_when_an_alone_test_follows_a_shared_one(tmp_path):
