@@ -9,17 +9,16 @@ ask it for each LoRA-dependent term instead of testing for LoRA themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from megatron_rl.planner.ledger import LearnerLayout, ModelDims
+# `model` is a planner/ledger.py ModelDims and `lay` its LearnerLayout, which holds one of these: not imported
+# here (ledger.py imports this module).
 
 
 @dataclass(frozen=True)
 class FullTraining:
     """Every parameter trains: grads, master weights and optimizer states for the whole shard."""
 
-    def adapter_params(self, model: ModelDims, lay: LearnerLayout) -> float:
+    def adapter_params(self, model, lay) -> float:
         return 0.0
 
     def trained(self, stage_params: float, adapters: float) -> float:
@@ -33,11 +32,11 @@ class FullTraining:
         """Parameters in one of the two DDP gradient buckets."""
         return bucket_params
 
-    def fc1_loaded_twice(self, model: ModelDims, lay: LearnerLayout, dense_fc1: float) -> float:
+    def fc1_loaded_twice(self, model, lay, dense_fc1: float) -> float:
         """F_stage of host_memory.py: the fc1 parameters an optimizer load holds twice."""
         return dense_fc1
 
-    def describe(self, model: ModelDims, lay: LearnerLayout) -> dict | None:
+    def describe(self, model, lay) -> dict | None:
         """The plan's "lora" entry: None, nothing but the model trains."""
         return None
 
@@ -49,7 +48,7 @@ class AdapterTraining:
     rank: int
     targets: tuple[str, ...]
 
-    def adapter_params(self, model: ModelDims, lay: LearnerLayout) -> float:
+    def adapter_params(self, model, lay) -> float:
         """A_stage: a column-parallel target (qkv, fc1) splits lora_B over TP, a row-parallel one (proj, fc2)
         lora_A (models/lora.py's TP split)."""
         h, f, tp, q = model.hidden_size, model.intermediate_size, lay.tp, model.num_heads * model.head_dim
@@ -66,13 +65,13 @@ class AdapterTraining:
     def ddp_bucket(self, bucket_params: int, adapters: float) -> float:
         return min(bucket_params, adapters)  # fewer adapters than a bucket holds: one smaller bucket
 
-    def fc1_loaded_twice(self, model: ModelDims, lay: LearnerLayout, dense_fc1: float) -> float:
+    def fc1_loaded_twice(self, model, lay, dense_fc1: float) -> float:
         """fc1's lora_B (gate and up halves, split over TP), 0 when fc1 takes no adapter."""
         if "fc1" not in self.targets:
             return 0.0
         return model.num_layers / lay.pp * self.rank * 2 * model.intermediate_size / lay.tp
 
-    def describe(self, model: ModelDims, lay: LearnerLayout) -> dict | None:
+    def describe(self, model, lay) -> dict | None:
         return {"rank": self.rank, "target_modules": list(self.targets),
                 "adapter_params_per_gpu": self.adapter_params(model, lay)}
 
