@@ -24,7 +24,7 @@ from megatron_rl.planner.ledger import (
     GIB, LearnerLayout, RolloutLayout, as_dict, compare_placements, dims_from_hf, learner_ledger,
     rollout_ledger,
 )
-from megatron_rl.planner.training import FULL, AdapterTraining
+from megatron_rl.planner.training import describe_lines, training_of
 from megatron_rl.publish.transport import whole_model_per_gpu
 from megatron_rl.rollout.sleep import choose_sleep
 
@@ -44,8 +44,7 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
         sequence_parallel=uses_sequence_parallel(hf.moe is not None, lc.tensor_parallel_size),
         reference_model=cfg.loss.has_reference, publish_dtype="fp32" if rc.dtype == "float32" else "bf16",
         publish_whole_model=whole_model_per_gpu(cfg.run.placement, rc.weight_transfer),
-        training=AdapterTraining(rank=lc.lora.rank, targets=tuple(lc.lora.target_modules)) if lc.lora.enabled
-        else FULL)
+        training=training_of(lc.lora))
     max_seqs = int(rc.engine_options.get("max_num_seqs", cfg.samples_per_step // cfg.rollout.data_parallel_size or 1))
     roll = RolloutLayout(tp=rc.tensor_parallel_size, groups=cfg.rollout.data_parallel_size,
                          dtype="fp32" if rc.dtype == "float32" else "bf16",
@@ -58,12 +57,12 @@ def plan_for_config(cfg, step_seconds: float | None = None) -> dict:
     # The engines sleep while the learner learns exactly when the driver will sleep them: colocated
     # on GPUs in sync mode, unless rollout.sleep_mode is false (rollout/sleep.py, the same rule).
     sleeps, sleep_why = choose_sleep(placement="colocated", device="cuda", mode=cfg.run.mode,
-                                     requested=rc.sleep_mode, adapters=cfg.learner.lora.enabled)
+                                     requested=rc.sleep_mode, adapter=cfg.rollout_served.adapter)
     verdicts = compare_placements(led, rled, lay, roll, cfg.cluster.gpu_memory_gib, cfg.cluster.gpus,
                                   sleep_mode=sleeps)
     host = resume_host_memory(model, lay, roll, gpus_per_node=cfg.cluster.gpus_per_node,
                               sleep_mode=sleeps and cfg.run.placement == "colocated",
-                              rollback_copy=rc.keep_rollback_copy and not cfg.learner.lora.enabled,  # LoRA: none
+                              rollback_copy=lay.training.rollback_copy(rc.keep_rollback_copy),
                               audit_ring_versions=cfg.audit.ring_versions(cfg.coordinator.max_version_lag))
     return {
         "model_params": model.num_params,
@@ -91,11 +90,7 @@ def render(plan: dict) -> str:
     active = plan.get("model_active_params", plan["model_params"])
     moe = f" ({active / 1e9:.2f} B active per token)" if active != plan["model_params"] else ""
     lines = [f"model: {plan['model_params'] / 1e9:.3f} B parameters{moe}; GPU memory {plan['gpu_memory_gib']:.0f} GiB"]
-    if plan.get("lora"):
-        lora = plan["lora"]
-        lines.append(f"LoRA: rank {lora['rank']} on {', '.join(lora['target_modules'])}; the base is frozen, "
-                     f"{lora['adapter_params_per_gpu'] / 1e6:.2f} M adapter parameters per GPU train (grads, "
-                     "optimizer state)")
+    lines += describe_lines(plan.get("lora"))
     for role in ("learner", "rollout"):
         items = plan[f"{role}_gib_per_gpu"]
         extra = (f" (engine budget {plan['rollout_budget_gib']:.2f} GiB = gpu_memory_utilization x GPU memory; "

@@ -101,6 +101,12 @@ def write_merged(base_dir: str | Path, adapters: dict[str, torch.Tensor], lora_c
     return Path(out_dir)
 
 
+def run_base_digest(lora_cfg, model_dir: str | Path) -> str | None:
+    """What a run with `lora_cfg` (learner.lora) records of its base in each checkpoint (models/lora_checkpoint.py):
+    the digest of `model_dir`'s weights when it trains adapters on that frozen base, else None."""
+    return base_digest(model_dir) if lora_cfg.enabled else None
+
+
 def base_digest(model_dir: str | Path) -> str:
     """blake3 of the weight files of the HF model directory a LoRA learner's frozen base comes from
     (recorded in each checkpoint, models/lora_checkpoint.py BASE_DIGEST)."""

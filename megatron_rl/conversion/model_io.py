@@ -22,6 +22,7 @@ import torch
 
 from megatron_rl.conversion import mapping
 from megatron_rl.config import ConfigError
+from megatron_rl.models.lora import base_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +57,7 @@ def canonical_params(model) -> dict[str, torch.nn.Parameter]:
 
         expert_offset = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
     out: dict[str, torch.nn.Parameter] = {}
-    for name, param in model.named_parameters():
-        if ".adapter.lora_" in name:  # a LoRA adapter beside a base layer, not a base parameter
-            continue
+    for name, param in base_parameters(model):  # a LoRA adapter beside a base layer is not the base's
         m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
         if m:
             name = f"decoder.layers.{local_to_global[int(m.group(1))]}.{m.group(2)}"

@@ -258,7 +258,7 @@ class Learner:
             dist.all_reduce(w, op=dist.ReduceOp.MIN, group=ps.get_model_parallel_group())
             weight = float(w.item())
         ok, grad_norm = False, 0.0
-        before = adapter_snapshot(self.model) if self.cfg.lora.enabled else None  # LoRA: watch the adapters
+        before = adapter_snapshot(self.model)  # LoRA: the adapters, to report the step's update (else None)
         if weight > 0.0:
             if weight != 1.0:
                 for chunk in self.model:
@@ -269,8 +269,7 @@ class Learner:
         self.step += 1
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        lr=self.optimizer.param_groups[0]["lr"], update_successful=float(bool(ok)))
-        if before is not None:
-            metrics.update(adapter_metrics(self.model, before))
+        metrics.update(adapter_metrics(self.model, before))
         return metrics
 
     @torch.no_grad()

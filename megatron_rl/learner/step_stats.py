@@ -10,8 +10,8 @@ batch (the objective the gradients are of).  One all-reduce over DP (every stati
 into one tensor, on the platform device: NCCL on a GPU) and one host sync per step; computed on
 the last pipeline stage and broadcast to the others.
 
-    before = adapter_snapshot(model_chunks); ...; adapter_metrics(model_chunks, before)   # a LoRA learner
-A LoRA learner's step also reports its adapters' norm and the step's relative update (models/lora.py).
+A LoRA learner's step also reports its adapters' norm and the step's relative update (models/lora.py
+adapter_snapshot / adapter_metrics).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.learner.micro_batches import MicroBatchPlan
+from megatron_rl.models.lora import adapter_metrics, adapter_snapshot  # noqa: F401 (a step's LoRA statistics)
 
 
 def micro_batch_stats(loss: torch.Tensor, stats: dict) -> dict[str, torch.Tensor]:
@@ -74,34 +75,3 @@ def _reduce_over_data_parallel(outputs: list[dict], batch_size: int, plan: Micro
         i += n
     reduced["loss"] = reduced["loss"] / plan.num_micro_batches
     return reduced
-
-
-def adapter_snapshot(chunks) -> list[dict[str, torch.Tensor]]:
-    """A copy of every adapter parameter of `chunks` (the learner's model chunks), before an optimizer step."""
-    from megatron_rl.models.lora import adapter_parameters
-
-    return [{n: p.detach().clone() for n, p in adapter_parameters(chunk).items()} for chunk in chunks]
-
-
-@torch.no_grad()
-def adapter_metrics(chunks, before: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """adapter_norm ||theta|| of the whole model's adapters and adapter_update_ratio ||theta - before|| / ||before||
-    of the step since `before` (adapter_snapshot): TP shards and pipeline stages summed, a replicated tensor
-    counted once (on TP rank 0).  Collective over the model-parallel group."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_rl.models.lora import adapter_parameters
-
-    first_tp = ps.get_tensor_model_parallel_rank() == 0
-    sums = torch.zeros(3, dtype=torch.float64)  # ||theta||^2, ||delta||^2, ||before||^2
-    for chunk, old in zip(chunks, before):
-        for name, p in adapter_parameters(chunk).items():
-            if getattr(p, "tensor_model_parallel", False) or first_tp:
-                new, prev = p.detach().double().cpu(), old[name].double().cpu()
-                sums += torch.stack([new.square().sum(), (new - prev).square().sum(), prev.square().sum()])
-    if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
-        device = next(iter(chunks[0].parameters())).device
-        sums = sums.to(device)
-        dist.all_reduce(sums, group=ps.get_model_parallel_group())
-    norm, delta, prev = sums.sqrt().tolist()
-    return {"adapter_norm": norm, "adapter_update_ratio": delta / prev if prev > 0 else float("nan")}

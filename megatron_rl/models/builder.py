@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.models.hf_config import HFModelConfig, check_parallel_layout, padded_vocab_size
-from megatron_rl.models.lora import LoraConfig, attach_adapters, model_problem
+from megatron_rl.models.lora import LoraConfig, adapt
 from megatron_rl.platform import Platform, block_spec
 
 logger = logging.getLogger(__name__)
@@ -158,11 +158,7 @@ def build_gpt_model(cfg: HFModelConfig, *, platform: Platform, tp: int, pp: int,
     )
     if cfg.rope_scaling is not None:
         _set_llama3_inv_freq(model.rotary_pos_emb, cfg)
-    if lora is not None and lora.enabled:
-        problem = model_problem(lora, cfg, config, platform)
-        if problem:
-            raise ValueError(problem)
-        attach_adapters(model, lora, tp=tp, tp_rank=ps.get_tensor_model_parallel_rank())
+    adapt(model, lora, cfg, config, platform, tp=tp, tp_rank=ps.get_tensor_model_parallel_rank())  # LoRA: adapters
     if not platform.is_cpu:
         model.to(platform.device)
     logger.debug("built GPTModel stage %d/%d tp rank %d: %d params", ps.get_pipeline_model_parallel_rank(), pp,

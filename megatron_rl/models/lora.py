@@ -132,6 +132,18 @@ def adapters_off(*models):
             adapter.active = True
 
 
+def adapt(model, lora: LoraConfig | None, hf_cfg, config, platform, *, tp: int, tp_rank: int) -> int:
+    """What models/builder.py does with a built stage: with `lora` enabled, check the model takes adapters
+    (model_problem: ValueError) and attach them (attach_adapters); else leave every parameter as it is.
+    Returns how many adapters were attached."""
+    if lora is None or not lora.enabled:
+        return 0
+    problem = model_problem(lora, hf_cfg, config, platform)
+    if problem:
+        raise ValueError(problem)
+    return attach_adapters(model, lora, tp=tp, tp_rank=tp_rank)
+
+
 def attach_adapters(model, lora: LoraConfig, *, tp: int, tp_rank: int) -> int:
     """Freeze every parameter of `model` (a GPTModel stage) and put an adapter beside each targeted linear
     layer of its transformer layers; returns how many.  Call before DDP wraps the model."""
@@ -180,7 +192,43 @@ def canonical_adapters(model) -> dict[str, torch.nn.Parameter]:
     return out
 
 
+def base_parameters(model):
+    """(name, parameter) of `model` (any wrapper) but its adapters: the base layers' own."""
+    return ((name, p) for name, p in model.named_parameters() if ".adapter.lora_" not in name)
+
+
 def adapter_parameters(model) -> dict[str, torch.nn.Parameter]:
     """The adapter parameters of `model` (any wrapper) by name: what the optimizer trains."""
     return {name: p for name, p in model.named_parameters() if ".adapter.lora_" in name}
 
+
+def adapter_snapshot(chunks) -> list[dict[str, torch.Tensor]] | None:
+    """A copy of every adapter parameter of `chunks` (a learner's model chunks) before an optimizer step; None
+    for a model without adapters (full-parameter training)."""
+    snapshot = [{n: p.detach().clone() for n, p in adapter_parameters(chunk).items()} for chunk in chunks]
+    return snapshot if any(snapshot) else None
+
+
+@torch.no_grad()
+def adapter_metrics(chunks, before: list[dict[str, torch.Tensor]] | None) -> dict[str, float]:
+    """adapter_norm ||theta|| of the whole model's adapters and adapter_update_ratio ||theta - before|| / ||before||
+    of the step since `before` (adapter_snapshot): TP shards and pipeline stages summed, a replicated tensor
+    counted once (on TP rank 0).  Collective over the model-parallel group.  {} without adapters (None)."""
+    if before is None:
+        return {}
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    first_tp = ps.get_tensor_model_parallel_rank() == 0
+    sums = torch.zeros(3, dtype=torch.float64)  # ||theta||^2, ||delta||^2, ||before||^2
+    for chunk, old in zip(chunks, before):
+        for name, p in adapter_parameters(chunk).items():
+            if getattr(p, "tensor_model_parallel", False) or first_tp:
+                new, prev = p.detach().double().cpu(), old[name].double().cpu()
+                sums += torch.stack([new.square().sum(), (new - prev).square().sum(), prev.square().sum()])
+    if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
+        device = next(iter(chunks[0].parameters())).device
+        sums = sums.to(device)
+        dist.all_reduce(sums, group=ps.get_model_parallel_group())
+    norm, delta, prev = sums.sqrt().tolist()
+    return {"adapter_norm": norm, "adapter_update_ratio": delta / prev if prev > 0 else float("nan")}

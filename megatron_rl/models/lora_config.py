@@ -66,10 +66,11 @@ class LoraConfig:
             return "full"
         return f"LoRA rank {self.rank}, alpha {self.alpha:g} ({', '.join(self.target_modules)}; base frozen)"
 
-    def serving(self, versions: int) -> dict:
+    def serving(self, versions: int) -> dict | None:
         """What the rollout engines of a run with these adapters serve (RolloutConfig.adapter): each version
-        an adapter on the base, the newest `versions` kept (the coordinator's admissible window)."""
-        return {**self.record(), "versions": int(versions)}
+        an adapter on the base, the newest `versions` kept (the coordinator's admissible window); None when
+        LoRA is off (the engines take every version's full weights)."""
+        return {**self.record(), "versions": int(versions)} if self.enabled else None
 
     def record(self) -> dict:
         """The adapters' shape and scale as plain data (a checkpoint's lora.json, models/lora_checkpoint.py)."""

@@ -40,6 +40,10 @@ class FullTraining:
         """The plan's "lora" entry: None, nothing but the model trains."""
         return None
 
+    def rollback_copy(self, keep: bool) -> bool:
+        """Whether the engines hold a host copy of the weights to roll back to (rollout.keep_rollback_copy)."""
+        return keep
+
 
 @dataclass(frozen=True)
 class AdapterTraining:
@@ -75,5 +79,22 @@ class AdapterTraining:
         return {"rank": self.rank, "target_modules": list(self.targets),
                 "adapter_params_per_gpu": self.adapter_params(model, lay)}
 
+    def rollback_copy(self, keep: bool) -> bool:
+        """None: the engines keep earlier versions' adapters (publish/vllm_adapters.py), never a base copy."""
+        return False
+
 
 FULL = FullTraining()
+
+
+def training_of(lora) -> FullTraining | AdapterTraining:
+    """What a learner with `lora` (learner.lora, models/lora_config.py LoraConfig) trains: chosen here once."""
+    return AdapterTraining(rank=lora.rank, targets=tuple(lora.target_modules)) if lora.enabled else FULL
+
+
+def describe_lines(entry: dict | None) -> list[str]:
+    """The plan's text for its "lora" entry (`describe`): nothing for full training."""
+    if not entry:
+        return []
+    return [f"LoRA: rank {entry['rank']} on {', '.join(entry['target_modules'])}; the base is frozen, "
+            f"{entry['adapter_params_per_gpu'] / 1e6:.2f} M adapter parameters per GPU train (grads, optimizer state)"]

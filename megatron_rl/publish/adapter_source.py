@@ -109,3 +109,12 @@ class AdapterWeights:
         from megatron_rl.models.lora_checkpoint import write_adapter_record
 
         write_adapter_record(weights_dir, self.lora_cfg)
+
+
+def rank_weights(module, hf_cfg, lora_cfg):
+    """What a learner rank with `lora_cfg` (learner.lora) publishes and checkpoints, chosen once: a LoRA
+    learner's AdapterWeights, else the whole model's FullModelWeights (publish/source.py).  `module`: the
+    rank's unwrapped model chunk."""
+    from megatron_rl.publish.source import FullModelWeights
+
+    return AdapterWeights(module, hf_cfg, lora_cfg) if lora_cfg.enabled else FullModelWeights(module, hf_cfg)

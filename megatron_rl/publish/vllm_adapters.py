@@ -23,11 +23,43 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 
-def adapter_engine_options(serving: dict[str, Any]) -> dict[str, Any]:
+SERVING_KEYS = {"rank", "alpha", "target_modules", "versions"}
+"""What RolloutConfig.adapter holds (models/lora_config.py LoraConfig.serving)."""
+
+
+def serving_problem(serving: dict[str, Any] | None, *, sleep_mode: bool | None) -> str | None:
+    """What is wrong with RolloutConfig.adapter `serving` beside rollout.sleep_mode; None when nothing (a
+    full-weights run's None included)."""
+    if serving is None:
+        return None
+    if set(serving) != SERVING_KEYS:
+        return f"rollout.adapter needs exactly rank, alpha, target_modules and versions, got {sorted(serving)}"
+    if sleep_mode:
+        return ("learner.lora.enabled with rollout.sleep_mode: a sleeping engine drops the adapters it keeps; use "
+                "rollout.sleep_mode false")
+    return None
+
+
+def sleep_blocked(serving: dict[str, Any] | None) -> str | None:
+    """Why engines serving `serving` (RolloutConfig.adapter) may not sleep (rollout/sleep.py choose_sleep);
+    None for full weights."""
+    return None if serving is None else "a LoRA run's engines keep their adapters awake (learner.lora.enabled)"
+
+
+def kept_base(serving: dict[str, Any] | None, model: str) -> str | None:
+    """The base an engine handed from run to run must have loaded (rollout/engine_setup.py engine_spec): a LoRA
+    run publishes only adapters, so its engines keep `model`; None for full weights (every version is published)."""
+    return None if serving is None else model
+
+
+def adapter_engine_options(serving: dict[str, Any] | None) -> dict[str, Any]:
     """vllm.LLM keyword arguments of an engine serving `serving` (RolloutConfig.adapter): LoRA on, one
-    slot per kept version, and one for a version being installed, in a batch and in the adapter cache."""
+    slot per kept version, and one for a version being installed, in a batch and in the adapter cache;
+    none for full weights (None)."""
     from megatron_rl.models.lora_config import VLLM_LORA_RANKS  # the config refuses a larger rank (LoraConfig)
 
+    if serving is None:
+        return {}
     rank = int(serving["rank"])
     fits = [r for r in VLLM_LORA_RANKS if r >= rank]
     if not fits:

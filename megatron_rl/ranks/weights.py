@@ -39,9 +39,10 @@ class WeightIO:
 
     def __init__(self, rank: int, learner, hf_cfg, ring: int = 0):
         from megatron_rl.audit.ring import WeightRing
+        from megatron_rl.publish.adapter_source import rank_weights
 
         self.rank, self.learner, self.hf_cfg = rank, learner, hf_cfg
-        self.kind = _weights_kind(learner, hf_cfg)
+        self.kind = rank_weights(learner.model[0].module, hf_cfg, learner.cfg.lora)  # publish/adapter_source.py
         """What this rank publishes and checkpoints: the whole model, or a LoRA learner's adapters (chosen once)."""
         self.ring = WeightRing(ring) if ring else None
         """The audit's ring of recent versions (RankSpec.audit_ring of them), or None."""
@@ -98,15 +99,3 @@ class WeightIO:
         self.learner.scheduler.load_state_dict(extra["scheduler"])
         self.learner.step = int(extra["step"])
         return self.learner.step
-
-
-def _weights_kind(learner, hf_cfg):
-    """A full-parameter learner's FullModelWeights or a LoRA learner's AdapterWeights (publish/)."""
-    module = learner.model[0].module
-    if learner.cfg.lora.enabled:
-        from megatron_rl.publish.adapter_source import AdapterWeights
-
-        return AdapterWeights(module, hf_cfg, learner.cfg.lora)
-    from megatron_rl.publish.source import FullModelWeights
-
-    return FullModelWeights(module, hf_cfg)

@@ -15,10 +15,34 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_rl.platform.cores import parse_cores
+from megatron_rl.publish.vllm_adapters import serving_problem
 
 WEIGHT_TRANSFER = ("auto", "gloo", "nccl", "ipc", "none")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
-INFLIGHT_REFIT = ("wait", "recompute", "keep_kv")
+SALTED = "kept (blocks in use; new requests salted apart)"
+
+
+@dataclass(frozen=True)
+class RefitMode:
+    """What a refit in one mode does to the requests in flight and to the old weights' KV (module docstring)."""
+
+    pause: str
+    """vLLM's pause: "keep" (running requests freeze with their KV) or "wait" (they run to their end first)."""
+    invalidate: str
+    """The old weights' KV after the load: "recompute" (every kept request is preempted and its KV recomputed),
+    "reset" (the prefix cache is emptied when no request holds blocks; the cache salt keeps the rest apart) or
+    "none" (blocks are keyed by adapter, and the base never changes)."""
+    kept_cache: str = SALTED
+    """How the log names a prefix cache that was not emptied."""
+
+
+REFIT_MODES = {"wait": RefitMode("wait", "reset"), "recompute": RefitMode("keep", "recompute"),
+               "keep_kv": RefitMode("keep", "reset"),
+               "adapter": RefitMode("keep", "none", "kept (blocks keyed by adapter)")}
+"""How a streaming engine refits with requests in flight (rollout/stream_engine.py): rollout.inflight_refit's
+values, and "adapter": a LoRA run's, whose base never changes and whose requests each keep the adapter they
+started with (vLLM keys cached blocks by adapter), so no KV is invalidated (RolloutConfig.refit_mode)."""
+INFLIGHT_REFIT = ("wait", "recompute", "keep_kv")  # what a config may ask for: the modes above but "adapter"
 
 
 @dataclass(kw_only=True)
@@ -171,8 +195,8 @@ class RolloutConfig:
         if self.streaming and self.sleep_mode:
             raise ValueError("rollout.sleep_mode: a streaming engine never sleeps (it generates while the learner "
                              "learns); set rollout.sleep_mode false or rollout.streaming false")
-        if self.adapter is not None and set(self.adapter) != {"rank", "alpha", "target_modules", "versions"}:
-            raise ValueError(f"rollout.adapter needs exactly rank, alpha, target_modules and versions, got "
-                             f"{sorted(self.adapter)}")
+        problem = serving_problem(self.adapter, sleep_mode=self.sleep_mode)  # publish/vllm_adapters.py
+        if problem:
+            raise ValueError(problem)
         if self.weight_transfer not in WEIGHT_TRANSFER:
             raise ValueError(f"rollout.weight_transfer {self.weight_transfer!r} is not one of {list(WEIGHT_TRANSFER)}")

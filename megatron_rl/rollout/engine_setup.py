@@ -17,6 +17,7 @@ from typing import Any
 
 from megatron_rl.platform.cores import confine_process, format_cores, parse_cores
 from megatron_rl.platform.priority import RAY_ACTOR_ENV
+from megatron_rl.publish.vllm_adapters import adapter_engine_options, kept_base
 from megatron_rl.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -76,10 +77,7 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
         kwargs["weight_transfer_config"] = {"backend": transfer_path(cfg).vllm_backend}
     if cfg.sleep_mode:  # resolved at start-up (rollout/sleep.py); unset here means off
         kwargs["enable_sleep_mode"] = True
-    if cfg.adapter is not None:  # a LoRA run: versions are adapters (publish/vllm_adapters.py)
-        from megatron_rl.publish.vllm_adapters import adapter_engine_options
-
-        kwargs.update(adapter_engine_options(cfg.adapter))
+    kwargs.update(adapter_engine_options(cfg.adapter))  # a LoRA run: versions are adapters
     kwargs.update(cfg.engine_options)
     return kwargs
 
@@ -155,7 +153,7 @@ def engine_identity(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     # A LoRA run's engine keeps the base it loaded (only adapters are published): the base must be the same.
     return {"llm": args, "env": engine_env(cfg, on_gpu), "model": shapes, "num_cpus": cfg.num_cpus,
             "cpu_cores": cfg.cpu_cores, "streaming": cfg.streaming,
-            "lora_base": cfg.model if cfg.adapter is not None else None}
+            "lora_base": kept_base(cfg.adapter, cfg.model)}
 
 
 def watched(llm, call):

@@ -34,6 +34,7 @@ import logging
 from collections.abc import Callable
 
 from megatron_rl.config import ConfigError
+from megatron_rl.publish.vllm_adapters import sleep_blocked
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +69,13 @@ def config_problem(*, placement: str, mode: str, requested: bool | None) -> str 
 
 
 def choose_sleep(*, placement: str, device: str, mode: str, requested: bool | None = None,
-                 adapters: bool = False) -> tuple[bool, str]:
+                 adapter: dict | None = None) -> tuple[bool, str]:
     """(use sleep mode?, why), decided once at start-up; `requested` None follows the rule,
-    True where it cannot work is a ConfigError naming rollout.sleep_mode, False is off.  `adapters`:
-    a LoRA run (learner.lora.enabled), whose engines never sleep (train/config.py refuses asking for it)."""
+    True where it cannot work is a ConfigError naming rollout.sleep_mode, False is off.  `adapter`: what the
+    engines serve (RolloutConfig.adapter); a LoRA run's never sleep (publish/vllm_adapters.py sleep_blocked)."""
     if requested is False:
         return False, f"{FIELD} is false"
-    why_not = _why_not(placement, device, mode)
-    if why_not is None and adapters:
-        why_not = "a LoRA run's engines keep their adapters awake (learner.lora.enabled)"
+    why_not = _why_not(placement, device, mode) or sleep_blocked(adapter)
     if why_not is None:
         return True, "colocated on GPUs in sync mode: engines sleep while the learner learns"
     if requested is True:

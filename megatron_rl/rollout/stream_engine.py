@@ -44,16 +44,13 @@ from typing import Any, Awaitable, Callable
 
 from megatron_rl.fault_hooks import drill_spec, maybe_kill_engine_in_refit, record_injection
 from megatron_rl.publish.vllm_adapters import FOLLOWS_REFITS, FollowsRefits, KeepsAdapter
-from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.config import REFIT_MODES, RefitMode, RolloutConfig
 from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
 from megatron_rl.rollout.occupancy import Occupancy, RunningFeed
 from megatron_rl.rollout.requests import SAMPLING_KEYS, sampled_logprobs
 
 log = logging.getLogger(__name__)
 
-REFIT_MODES = ("wait", "recompute", "keep_kv", "adapter")
-"""rollout.inflight_refit's values, and "adapter": a LoRA run's, whose base never changes and whose requests each
-keep the adapter they started with (vLLM keys cached blocks by adapter), so no KV is invalidated."""
 WORKER_EXTENSION = "megatron_rl.rollout.stream_worker.StreamWorkerExtension"  # loaded inside vLLM
 
 
@@ -228,16 +225,15 @@ class StreamEngine:
                 raise
             finally:
                 self._serving.set()
-        cache = ("emptied" if record.prefix_cache_reset else "kept (blocks keyed by adapter)" if mode == "adapter"
-                 else "kept (blocks in use; new requests salted apart)")
+        cache = "emptied" if record.prefix_cache_reset else REFIT_MODES[mode].kept_cache
         log.info("refit to version %d (%s): %d request(s) kept, prefix cache %s, paused %.3f s", version, mode,
                  record.in_flight, cache, record.paused_s)
         return record
 
     async def _refit_paused(self, load: Callable[[], Awaitable[Any]], version: int, mode: str,
                             label: str) -> RefitRecord:
-        paused = time.perf_counter()
-        await self._pause("wait" if mode == "wait" else "keep")  # "wait": requests in flight end first
+        paused, how = time.perf_counter(), REFIT_MODES[mode]
+        await self._pause(how.pause)
         maybe_kill_engine_in_refit(version, len(self._flights))  # drill hook (refit_engine_death); else a no-op
         loading = time.perf_counter()
         try:
@@ -254,10 +250,10 @@ class StreamEngine:
         load_s = time.perf_counter() - loading
         await self.engine.update_weight_version(label)  # the label of every output from here on
         self.label = label
-        reset = await self._invalidate(mode, version)
+        reset = await self._invalidate(how, version)
         kept = list(self._flights.values())
         for f in kept:  # the oldest KV each kept request attends to from here on
-            f.kv_epoch[version] = version if mode == "recompute" else f.kv_epoch[self.version]
+            f.kv_epoch[version] = version if how.invalidate == "recompute" else f.kv_epoch[self.version]
         self.version = version
         await self.engine.resume_generation()
         return RefitRecord(version, mode, len(kept), reset, load_s, time.perf_counter() - paused)
@@ -286,11 +282,11 @@ class StreamEngine:
             finally:
                 await self._resume_if_alive()
 
-    async def _invalidate(self, mode: str, version: int) -> bool:
-        """Drop old-weight KV as `mode` asks; True when vLLM's prefix cache is now empty."""
-        if mode == "adapter":
+    async def _invalidate(self, how: RefitMode, version: int) -> bool:
+        """Drop old-weight KV as `how` asks; True when vLLM's prefix cache is now empty."""
+        if how.invalidate == "none":
             return False
-        if mode in ("keep_kv", "wait"):  # succeeds when no request holds blocks; the salt protects the rest
+        if how.invalidate == "reset":  # succeeds when no request holds blocks; the salt protects the rest
             return bool(await self.engine.reset_prefix_cache())
         stale = drill_spec("stale_kv")  # `megatron-rl drill refit_stale_kv`: the bug the audit must catch
         if stale is not None and version >= int(stale.get("at_version", 1)):
@@ -330,7 +326,7 @@ class StreamEngine:
                     for f in self._flights.values():
                         f.kv_epoch.setdefault(self.version, self.version)
                     try:
-                        reset = await self._invalidate("recompute", self.version)
+                        reset = await self._invalidate(REFIT_MODES["recompute"], self.version)
                     except StaleCacheError as err:
                         self._broken = err
                         raise

@@ -241,11 +241,17 @@ class TrainConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     @property
+    def rollout_served(self) -> RolloutConfig:
+        """The rollout section as this run's engines serve it: with learner.lora's adapters as rollout.adapter
+        (models/lora_config.py LoraConfig.serving; None for full weights), the newest max_version_lag + 1 kept."""
+        return dataclasses.replace(self.rollout,
+                                   adapter=self.learner.lora.serving(self.coordinator.max_version_lag + 1))
+
+    @property
     def refit_mode(self) -> str:
         """How this run's streaming engines take a publication in flight (what the offline audit labels a later
-        segment with): "adapter" when the learner trains LoRA adapters (train/roles.py gives the engines
-        rollout.adapter then), else rollout.inflight_refit."""
-        return "adapter" if self.learner.lora.enabled else self.rollout.refit_mode
+        segment with): rollout/config.py RolloutConfig.refit_mode of the rollout they serve."""
+        return self.rollout_served.refit_mode
 
     def __post_init__(self) -> None:
         # Derived, never written: one batch size for the learner and the coordinator, the staleness
@@ -259,7 +265,7 @@ class TrainConfig:
                               "(learner.micro_batch_size x learner.data_parallel_size)")
         self.learner = dataclasses.replace(self.learner, global_batch_size=samples)
         self.coordinator = for_run(self.coordinator, mode=self.run.mode, batch_size=samples)
-        problem = self.rollout.run_problem(placement=self.run.placement, mode=self.run.mode)  # device: at start-up
+        problem = self.rollout_served.run_problem(placement=self.run.placement, mode=self.run.mode)  # device: later
         if problem:
             raise ConfigError(problem)
         if self.rollout.weight_transfer == "none":
@@ -277,16 +283,7 @@ class TrainConfig:
         if self.stop.dev_eval_drops and not self.run.eval_every:
             raise ConfigError("stop.dev_eval_drops watches the dev eval, but run.eval_every is 0 (no dev evals)")
         self._check_sampling()
-        self._check_lora()
         self._check_prompt_room()
-
-    def _check_lora(self) -> None:
-        """What runs cannot do with LoRA adapters yet (models/lora.py; publication: publish/vllm_adapters.py)."""
-        if not self.learner.lora.enabled:
-            return
-        if self.rollout.sleep_mode:
-            raise ConfigError("learner.lora.enabled with rollout.sleep_mode: a sleeping engine drops the adapters it "
-                              "keeps; use rollout.sleep_mode false")
 
     def _check_prompt_room(self) -> None:
         """A prompt must fit the engine's context next to a whole response (data.max_prompt_tokens)."""

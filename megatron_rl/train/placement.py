@@ -101,7 +101,7 @@ def gpu_path_choices(cfg, device: str) -> tuple[str, bool, str]:
 
     transport = choose_transport(cfg.run.placement, device, cfg.rollout.weight_transfer)
     sleep_on, why = choose_sleep(placement=cfg.run.placement, device=device, mode=cfg.run.mode,
-                                 requested=cfg.rollout.sleep_mode, adapters=cfg.learner.lora.enabled)
+                                 requested=cfg.rollout.sleep_mode, adapter=cfg.rollout_served.adapter)
     # On GPUs the choice is news (console and driver log); on CPU it is always gloo and no sleep.
     logger.log(logging.INFO if device == "cuda" else logging.DEBUG,
                "%s placement on %s: publication over %s; vLLM sleep mode %s (%s)", cfg.run.placement, device,

@@ -109,10 +109,10 @@ def check_lora(ckpt: Path | None, cfg, model_dir: Path) -> str | None:
     record; refuses (CheckpointError / ConfigError) to resume `ckpt` when its adapters belong to another
     base, have other learner.lora settings, or it holds none; a full-parameter run refuses a checkpoint of
     adapters.  None for a full-parameter run (models/lora_checkpoint.py)."""
-    from megatron_rl.conversion.lora_io import base_digest
+    from megatron_rl.conversion.lora_io import run_base_digest
     from megatron_rl.models.lora_checkpoint import check_adapter_record, check_base_digest
 
-    digest = base_digest(model_dir) if cfg.learner.lora.enabled else None
+    digest = run_base_digest(cfg.learner.lora, model_dir)
     if ckpt is not None:
         check_base_digest(ckpt, read_manifest(ckpt), digest, model_dir)
         check_adapter_record(ckpt / "weights", cfg.learner.lora)

@@ -75,8 +75,7 @@ class Roles:
         scorer = Scorer.create(cfg.reward, inputs.tokenizer, tokenizer_hash=inputs.tokenizer_hash,
                                dataset_version=train.dataset_version)
         transport, sleep_on, sleep_why = gpu_path_choices(cfg, place.device)  # once, from (placement, device)
-        adapter = lc.lora.serving(cfg.coordinator.max_version_lag + 1) if lc.lora.enabled else None  # LoRA: adapters
-        rollout = dataclasses.replace(cfg.rollout, weight_transfer=transport, sleep_mode=sleep_on, adapter=adapter)
+        rollout = dataclasses.replace(cfg.rollout_served, weight_transfer=transport, sleep_mode=sleep_on)
         handed = pool.take_engines(dataclasses.replace(rollout, model=str(inputs.model_dir))) if pool else None
         fleet = start_fleet(rollout, inputs.model_dir, place.rollout, wait=place.gpu,  # CPU: starts with the learner
                             handed_over=handed)

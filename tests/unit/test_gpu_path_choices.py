@@ -15,6 +15,7 @@ import pytest
 
 from megatron_rl.config import ConfigError
 from megatron_rl.publish.transport import choose_transport
+from megatron_rl.models.lora_config import LoraConfig
 from megatron_rl.rollout.sleep import choose_sleep
 
 pytestmark = pytest.mark.unit
@@ -94,9 +95,9 @@ def test_start_up_choice_uses_the_run_config():
         gpu_path_choices(ipc, "cpu")
     sync_gpu = SimpleNamespace(run=SimpleNamespace(placement="colocated", mode="sync"),
                                rollout=SimpleNamespace(weight_transfer="auto", sleep_mode=None),
-                               learner=SimpleNamespace(lora=SimpleNamespace(enabled=False)))
+                               rollout_served=SimpleNamespace(adapter=None))  # TrainConfig.rollout_served
     assert gpu_path_choices(sync_gpu, "cuda")[:2] == ("ipc", True)
-    sync_gpu.learner.lora.enabled = True  # a LoRA run's engines keep their adapters: no sleep
+    sync_gpu.rollout_served.adapter = LoraConfig(enabled=True).serving(2)  # a LoRA run's engines keep their adapters
     transport, sleeps, why = gpu_path_choices(sync_gpu, "cuda")
     assert (transport, sleeps) == ("ipc", False) and "learner.lora.enabled" in why
 
