@@ -4,11 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh
-# With no arguments: every tier, one test at a time.  MEGATRON_RL_TEST_WORKERS=2 runs two at a time (pytest-xdist;
-# tests/lanes.py keeps a module on one worker and runs `alone` tests with no engine beside them): on a machine with
-# more cores; on this suite's 2 cores, same day and machine: 46.3 min against 61.6 one at a time (tests/README.md).
+# With no arguments: every tier, two tests at a time (pytest-xdist; tests/lanes.py keeps a module on one worker and
+# runs `alone` tests with no engine beside them): on this suite's 2 cores, same day and machine, 46.3 min against
+# 61.6 one at a time (tests/README.md).  MEGATRON_RL_TEST_WORKERS=1: one at a time, plain pytest.
 if [ $# -eq 0 ]; then
-  workers="${MEGATRON_RL_TEST_WORKERS:-1}"
+  workers="${MEGATRON_RL_TEST_WORKERS:-2}"
   if [ "$workers" -gt 1 ]; then set -- tests -n "$workers" --dist loadfile --no-loadscope-reorder; else set -- tests; fi
 fi
 exec .venv/bin/python -m pytest "$@"

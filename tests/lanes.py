@@ -1,5 +1,5 @@
-"""Two tests at a time: how the suite runs on pytest-xdist workers (`MEGATRON_RL_TEST_WORKERS=2 bash launch/test.sh`
-passes `-n 2 --dist loadfile`; the default is one test at a time, and then this plugin changes nothing).
+"""Two tests at a time: how the suite runs on pytest-xdist workers (`bash launch/test.sh` passes `-n 2 --dist
+loadfile`; with MEGATRON_RL_TEST_WORKERS=1, or a plain `pytest`, one test at a time, and this plugin changes nothing).
 
 A run of the e2e tier spends about half its time waiting (Python, engine and learner start-ups, Ray, files),
 so two workers on this machine's 2 cores finish it sooner.  What this plugin keeps right:
@@ -17,8 +17,9 @@ so two workers on this machine's 2 cores finish it sooner.  What this plugin kee
   `alone` test spread among the unit and security modules, which the other worker runs meanwhile.
 
 Measured on this suite's machine (2 cores, the same day): 46.3 min on two workers against 61.6 on one; each
-e2e test stretched about 1.6x (their start-ups already overlap: tests/e2e/conftest.py start_cli).  Not the
-default yet: that run's security tests hit their wall-clock limits (now alone), unverified since.
+e2e test stretched about 1.6x (their start-ups already overlap: tests/e2e/conftest.py start_cli).  That run's
+security tests hit their wall-clock limits (the tier runs alone since); the next fresh-clone run on two workers
+passed whole (tests/README.md).
 """
 
 from __future__ import annotations
