@@ -39,8 +39,10 @@ a policy that answers everything the same way still trains.  Its account rides w
 A group discarded while a checkpoint is being written keeps its leases until the checkpoint is written.
 
 Groups are numbered in the order their prompts are drawn (a group's `round` in its trajectory ids and its
-sampling seed derive from that serial); which groups form which batch depends on timing, so a
-streaming run is not bit-reproducible, and resume is exact only in what it keeps (above).
+sampling seed derive from that serial), and a batch learns its groups in serial order.  Which groups form
+which batch depends on timing when more than a batch's groups may be in flight (async), so such a run is
+not bit-reproducible, and resume is exact only in what it keeps (above); a sync run's batches are its
+serials in order, and it repeats bit for bit (measured: the session 32 differential runs).
 """
 
 from __future__ import annotations
@@ -257,7 +259,7 @@ class StreamProducer:
             self.loop.cond.wait(1.0)
         ordered = sorted(self._groups, key=lambda g: min(self._oldest(g), limit))  # the oldest of those first;
         # the others in the order they finished (a stable sort)
-        taken = ordered[:self.groups_per_step]
+        taken = sorted(ordered[:self.groups_per_step], key=lambda g: g[0])  # learned in serial order
         self._groups = collections.deque(g for g in self._groups if not any(g is t for t in taken))
         for g in taken:
             self._floor.pop(g[0], None)

@@ -97,6 +97,26 @@ def test_checkpoints_hold_adapters_only(run):
     assert 0 < size < 0.5 * model  # adapters and their optimizer state, not the base
 
 
+REFERENCE = Path(__file__).parent / "data" / "lora_run_reference.json"
+"""The fixture `run`'s two commands run with the code before the rollout-side redesign (ef96f5b, issue 45), on
+an Intel AVX512 machine: loss and grad norm at every step and a digest of every checkpoint's weights
+(`python -m benchmarks.differential_run RUN_DIR --record FILE`).  Another machine kind adds its own file
+(lora_run_reference_<kind>.json), recorded there with that code."""
+
+
+def test_the_run_is_bit_identical_to_the_one_recorded_before_the_redesign(run):
+    """The redesign (LoRA decided in its own modules, typed samples, the rollout seam) changed no number of a
+    LoRA run across its resume.  Bit-identity holds for one torch build and CPU kernel set: on another machine
+    kind the recording is not comparable and the test says so instead of passing."""
+    from benchmarks.differential_run import compare, figures, machine, recording_for
+
+    recorded = [json.loads(p.read_text()) for p in sorted(REFERENCE.parent.glob(REFERENCE.stem + "*.json"))]
+    want = recording_for(recorded, machine())
+    if want is None:
+        pytest.skip(f"recorded on {[r['machine'] for r in recorded]}, this machine is {machine()}")
+    assert compare(want, figures(run[0])) == []
+
+
 def _greedy(model, prompts, tokenizer, max_new_tokens):
     texts = []
     for ids in prompts:

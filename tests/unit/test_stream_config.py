@@ -46,7 +46,9 @@ def _sample(versions: list[int]) -> RolloutSample:
 
 
 def test_a_batch_is_the_first_groups_that_finish_and_counts_its_version_switches():
-    """StreamProducer.next over finished groups (no engine: the groups are handed in as finished)."""
+    """StreamProducer.next over finished groups (no engine: the groups are handed in as finished): the first two
+    that finished, learned in serial order (the order they finished in is timing; the sums of a batch taken in
+    it differ in their last bits from run to run)."""
     import threading
 
     from megatron_rl.sampling.stream_producer import StreamProducer
@@ -61,8 +63,8 @@ def test_a_batch_is_the_first_groups_that_finish_and_counts_its_version_switches
     for serial, versions in ((7, [0, 0, 1]), (3, [1, 1, 1]), (5, [0, 1, 2])):
         producer._groups.append((serial, [_sample(versions), _sample(versions)], [f"l{serial}a", f"l{serial}b"], 1.0))
     rnd = producer.next(0)
-    assert [s.policy_versions for s in rnd.samples] == [[0, 0, 1]] * 2 + [[1, 1, 1]] * 2  # completion order
-    assert rnd.leases == ["l7a", "l7b", "l3a", "l3b"]
+    assert [s.policy_versions for s in rnd.samples] == [[1, 1, 1]] * 2 + [[0, 0, 1]] * 2  # serials 3, 7
+    assert rnd.leases == ["l3a", "l3b", "l7a", "l7b"]
     assert rnd.stats["system/stream_segments_per_sample"] == pytest.approx(1.5)
     assert rnd.stats["system/stream_multi_version_fraction"] == pytest.approx(0.5)
     assert [g[0] for g in producer._groups] == [5]  # the third group waits for the next batch
