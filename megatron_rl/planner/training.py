@@ -80,7 +80,7 @@ class AdapterTraining:
                 "adapter_params_per_gpu": self.adapter_params(model, lay)}
 
     def rollback_copy(self, keep: bool) -> bool:
-        """None: the engines keep earlier versions' adapters (publish/vllm_adapters.py), never a base copy."""
+        """Never: the engines keep earlier versions' adapters (publish/vllm_adapters.py), not a copy of the base."""
         return False
 
 

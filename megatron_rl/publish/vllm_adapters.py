@@ -47,7 +47,7 @@ def sleep_blocked(serving: dict[str, Any] | None) -> str | None:
 
 
 def kept_base(serving: dict[str, Any] | None, model: str) -> str | None:
-    """The base an engine handed from run to run must have loaded (rollout/engine_setup.py engine_spec): a LoRA
+    """The base an engine handed from run to run must have loaded (rollout/engine_setup.py engine_identity): a LoRA
     run publishes only adapters, so its engines keep `model`; None for full weights (every version is published)."""
     return None if serving is None else model
 
