@@ -6,8 +6,9 @@
     results = run_distributed(work, 4, 2)  # [rank0_result, ..., rank3_result]
 
 `fn` must be importable by the children (a module-level function), as with any spawn start.
-Each child gets a fresh free port, torch.distributed on gloo, the CPU compatibility layer, and
-one intra-op thread (the machine has few cores and several ranks share them).  A child's
+Rank 0 opens the rendezvous on a port the OS picks while binding and tells the others which (no
+port is chosen first and bound later, when a process beside it may have taken it); each child gets
+torch.distributed on gloo, the CPU compatibility layer, and one intra-op thread (the machine has few cores and several ranks share them).  A child's
 exception is re-raised in the parent as `DistributedChildError` carrying its traceback text.
 """
 
@@ -48,11 +49,35 @@ def _to_cpu(obj):
     return obj
 
 
-def _child(fn, rank: int, world_size: int, port: int, args: tuple, results, device: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-    )
+_HOST = "127.0.0.1"
+_STORE_TIMEOUT_S = 600.0
+
+
+def _rendezvous(rank: int, world_size: int, port_box, opened, wait_s: float):
+    """This rank's end of the rendezvous: rank 0 listens on a port the OS picks and writes it in `port_box`
+    (then sets `opened`); the others wait for it and join.  Sets MASTER_ADDR / MASTER_PORT for later readers."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_rl.platform.listen import listening_store, pin_gloo
+
+    pin_gloo(_HOST)
+    if rank == 0:
+        store = listening_store(_HOST, world_size, _STORE_TIMEOUT_S)
+        port_box.value = store.port
+        opened.set()
+    else:
+        if not opened.wait(wait_s):
+            raise TimeoutError(f"rank 0 did not open the rendezvous within {wait_s:.0f}s")
+        store = dist.TCPStore(_HOST, port_box.value, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+    os.environ.update(MASTER_ADDR=_HOST, MASTER_PORT=str(port_box.value))
+    return store
+
+
+def _child(fn, rank: int, world_size: int, rendezvous: tuple, args: tuple, results, device: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     if device == "cpu":
         # A CPU-forced child hides the GPUs before anything initialises CUDA (TE, vLLM, Megatron).
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -63,7 +88,8 @@ def _child(fn, rank: int, world_size: int, port: int, args: tuple, results, devi
         from megatron_rl.platform import detect_platform
         from megatron_rl.platform.parallel import init_distributed
 
-        init_distributed(detect_platform(device), rank=rank, world_size=world_size)
+        store = _rendezvous(rank, world_size, *rendezvous)
+        init_distributed(detect_platform(device), rank=rank, world_size=world_size, store=store)
         value = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(_to_cpu(value), buf)  # bytes, not shared-memory tensors: the child may exit first
@@ -84,8 +110,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300, device: st
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, device), daemon=True)
+    rendezvous = (ctx.Value("i", 0), ctx.Event(), timeout)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, rendezvous, args, results, device), daemon=True)
              for r in range(world_size)]
     for proc in procs:
         proc.start()

@@ -5,11 +5,14 @@
 Rank 0 publishes; ranks 1..2 receive and report what they got through a queue.
 """
 
+import datetime
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_rl.platform.spawn import free_port
+from megatron_rl.platform.listen import listening_store
 from megatron_rl.publish.wire import StagingBuffers, open_group, receive_publication, send_publication
 
 pytestmark = pytest.mark.dist
@@ -36,7 +39,10 @@ def _failing_source():
 
 
 def _run(rank, port, queue):
-    pg = open_group("127.0.0.1", port, rank, WORLD, timeout_s=60)
+    # every rank joins the store the test opened (a port bound at once: no other process can take it first)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    pg = open_group("127.0.0.1", port, rank, WORLD, timeout_s=60, store=store)
     if rank == 0:
         send_publication(pg, 1, _weights(1), bucket_bytes=9000)
         send_publication(pg, 2, _weights(2), bucket_bytes=9000, fault_hook=_corrupt_bucket_2)
@@ -56,8 +62,8 @@ def _run(rank, port, queue):
 def test_publication_intact_corrupted_and_aborted():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_run, args=(r, port, queue)) for r in range(WORLD)]
+    server = listening_store("127.0.0.1", WORLD, timeout_s=120)
+    procs = [ctx.Process(target=_run, args=(r, server.port, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=120) for _ in range(1 + 3 * (WORLD - 1))]

@@ -68,6 +68,31 @@ def test_a_port_taken_after_the_probe_does_not_break_the_rendezvous(monkeypatch)
         squatter.close()
 
 
+def _reduce(rank: int, world_size: int) -> tuple:
+    import os
+
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return float(t), int(os.environ["MASTER_PORT"])
+
+
+def test_run_distributed_opens_its_rendezvous_where_no_process_can_take_it_first(monkeypatch):
+    # The same race in the spawn helper the tests and conversion tools use: its parent used to probe a port
+    # and rank 0 bound it later (a CI run on two workers lost a dist test to EADDRINUSE so).
+    squatter = socket.socket()
+    squatter.bind(("0.0.0.0", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    monkeypatch.setattr(spawn, "free_port", lambda host="127.0.0.1": taken)
+    try:
+        got = spawn.run_distributed(_reduce, 2, timeout=120)
+    finally:
+        squatter.close()
+    assert [total for total, _ in got] == [3.0, 3.0]  # both ranks reduced over one group
+    ports = {port for _, port in got}
+    assert len(ports) == 1 and ports != {taken}  # one rendezvous, not on the port the probe named
+
+
 def test_rank_0_refuses_to_join_without_its_store():
     with pytest.raises(RuntimeError, match=r"before Rendezvous.address\(\)"):
         Rank(0, 2).join("127.0.0.1", 1, _platform())

@@ -66,9 +66,8 @@ COVERED_PATH = textwrap.dedent('''
 
 
 def _run_covered(mode: str, *model: str) -> subprocess.CompletedProcess:
-    from megatron_rl.platform.spawn import free_port
-
-    return subprocess.run([sys.executable, "-c", COVERED_PATH, mode, str(free_port()), *model], capture_output=True,
+    # port 0: the OS picks the rendezvous port while binding it (no other process can take it first)
+    return subprocess.run([sys.executable, "-c", COVERED_PATH, mode, "0", *model], capture_output=True,
                           text=True, timeout=240, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
                                                        "PYTHONPATH": ":".join(p for p in sys.path if p)})
 
