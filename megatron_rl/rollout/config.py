@@ -187,7 +187,8 @@ class RolloutConfig:
                                  "needs rollout.cpu_threads_bind: one core list per TP rank, separated by '|'")
         if self.engine_in_process and self.tensor_parallel_size != 1:
             raise ValueError(f"rollout.engine_in_process needs rollout.tensor_parallel_size 1 (one worker "
-                             f"process per rank otherwise), got {self.tensor_parallel_size}")
+                             f"process per rank otherwise), got {self.tensor_parallel_size}: with TP > 1 set "
+                             "rollout.engine_in_process=false")
         if self.streaming is not True and self.streaming is not False:
             raise ValueError(f"rollout.streaming must be true or false, got {self.streaming!r}")
         if self.inflight_refit not in INFLIGHT_REFIT:
