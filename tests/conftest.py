@@ -22,6 +22,8 @@ _SLOWEST = 30
 _seconds: dict[str, float] = defaultdict(float)  # nodeid -> set-up + call + tear-down seconds
 _outcome: dict[str, str] = {}
 _started: list[float] = []
+_busy: dict[str, float] = defaultdict(float)  # worker ("gw0", ...; "main" without xdist) -> seconds in its tests
+_ended: dict[str, float] = {}  # worker -> seconds from the session's start to its last report
 
 
 def _test_id(nodeid: str) -> str:
@@ -33,6 +35,10 @@ def _test_id(nodeid: str) -> str:
 def pytest_runtest_logreport(report):
     nodeid = _test_id(report.nodeid)
     _seconds[nodeid] += report.duration
+    worker = getattr(report, "worker_id", None) or "main"
+    _busy[worker] += report.duration
+    if _started:
+        _ended[worker] = time.monotonic() - _started[0]
     if report.when == "call" or report.outcome != "passed":
         _outcome.setdefault(nodeid, report.outcome)
 
@@ -55,6 +61,17 @@ def durations_table(seconds: dict[str, float], outcome: dict[str, str], slowest:
     return "\n".join(lines)
 
 
+def worker_lines(busy: dict[str, float], ended: dict[str, float]) -> list[str]:
+    """Per worker: the time inside its tests, when its last test ended, and the rest of that time (start-up,
+    waiting for a lock or for work): where two workers lose time to each other."""
+    lines = []
+    for worker in sorted(busy):
+        end = ended.get(worker, busy[worker])
+        lines.append(f"  {worker:<6} in tests {busy[worker] / 60:5.1f} min, last test ended at {end / 60:5.1f} min, "
+                     f"idle {max(end - busy[worker], 0.0) / 60:4.1f} min")
+    return lines
+
+
 def pytest_sessionstart(session):
     _started.append(time.monotonic())
 
@@ -65,7 +82,8 @@ def pytest_terminal_summary(terminalreporter, config):
     workers = config.getoption("numprocesses", None) or 1
     wall = time.monotonic() - _started[0] if _started else 0.0
     table = (f"wall clock: {wall:.0f} s ({wall / 60:.1f} min) on {workers} worker(s); the sums below add up"
-             " every worker's time\n" + durations_table(_seconds, _outcome))
+             " every worker's time\n" + "\n".join(worker_lines(_busy, _ended)) + "\n"
+             + durations_table(_seconds, _outcome))
     terminalreporter.section("megatron-rl: where the time went")
     terminalreporter.write_line(table)
     out = os.environ.get("MEGATRON_RL_DURATIONS_OUT")

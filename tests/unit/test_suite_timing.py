@@ -41,6 +41,13 @@ def test_the_table_sums_each_tier_and_lists_the_slowest_first():
     assert "failed" in slowest[1]
 
 
+def test_each_worker_line_says_its_time_in_tests_when_it_ended_and_the_rest():
+    lines = suite.worker_lines({"gw1": 600.0, "gw0": 1200.0}, {"gw0": 1500.0, "gw1": 2400.0})
+    assert [line.split()[0] for line in lines] == ["gw0", "gw1"]
+    assert "in tests  20.0 min" in lines[0] and "ended at  25.0 min" in lines[0] and "idle  5.0 min" in lines[0]
+    assert "in tests  10.0 min" in lines[1] and "idle 30.0 min" in lines[1]
+
+
 def test_cli_runs_that_start_ray_join_the_shared_cluster_unless_the_test_has_its_own(monkeypatch):
     monkeypatch.setattr(e2e.SHARED_RAY, "start", lambda: "10.0.0.1:6379")
     monkeypatch.setattr(e2e, "_OWN_RAY", [])  # a test without the marker (whatever e2e test ran last)
