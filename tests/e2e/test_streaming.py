@@ -43,8 +43,10 @@ from megatron_rl.trajectory import Trajectory
 from tests.e2e.conftest import REPO, SHARED_RAY, TINY, last_json, read_jsonl, run_cli
 from tests.listeners import RunWatch, is_loopback
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow,
-              pytest.mark.alone("asserts that refits landed while requests were in flight, which timing decides")]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ALONE = pytest.mark.alone("asserts that refits landed while requests were in flight, which timing decides")
+"""On the tests whose runs stream: the first (it sets up `run`, runs A and B, which the module's tests read) and
+run C's; the others read files those runs left (replays and audits recompute on the learner: no timing)."""
 
 AUDIT_TOLERANCE = AuditConfig().tolerance  # the default; the run measures ~4e-6 (printed by the audit tests)
 STREAM = [*STREAMING, "run.eval_every=0", "run.checkpoint_every=3", "data.eval_size=8", "audit.every=1",
@@ -68,6 +70,7 @@ def run(tmp_path_factory):
     return d, last_json(pa.stdout), last_json(pb.stdout)
 
 
+@ALONE
 def test_the_run_resumes_and_finishes(run):
     d, a, b = run
     assert (a["steps"], a["version"]) == (3, 3)
@@ -76,6 +79,7 @@ def test_the_run_resumes_and_finishes(run):
     assert len(consumed) == 5 * 4 * 4 and len(set(consumed)) == len(consumed)  # nothing trained twice
 
 
+@ALONE
 def test_a_checkpoint_with_groups_in_flight_resumes_without_loss_or_duplicate(run, tmp_path_factory):
     """B's step-4 checkpoint is written while prompt groups generate (the engine is not drained: it names
     them); run C resumes a copy of the run directory from it (step 5's checkpoint removed, as if the run died
