@@ -83,9 +83,12 @@ def test_console_is_quiet_and_engine_logs_go_to_the_run_dir(run_a):
     assert not [line for line in console if "vLLM" in line or "(RolloutWorker" in line or " WARNING ray" in line]
     logs = d / "logs"
     rollout = (logs / "ray_RolloutWorker.log").read_text()
-    # The engine's own start-up log, of this run's engine (its model path).  Not the first lines of its output:
-    # with a second run in the same Ray cluster (run B beside A) those were once missing from A's file.
-    assert "Initializing a V1 LLM engine" in rollout and f"model='{d / 'model'}'" in rollout
+    # vLLM's own start-up lines, of this run's engine (its model path).  Not the first lines of its output, nor
+    # one line only: with a second run in the same Ray cluster (run B beside A), Ray's log pipeline once lost a
+    # burst of five lines of A's engine (they were in Ray's worker file, not in A's stream; B's file had B's).
+    mine = [line for line in rollout.splitlines() if str(d / "model") in line]
+    assert any("Initializing a V1 LLM engine" in line or "Starting to load model" in line for line in mine), \
+        rollout[-3000:]
     assert (logs / "ray_LearnerWorker.log").stat().st_size > 0
     assert "megatron_rl.progress: step 4/4" in (logs / "driver.log").read_text()
 
