@@ -177,17 +177,13 @@ def run_on_ranks(fn, world_size: int, *args) -> list:
 
     from megatron_rl.platform import detect_platform
     from megatron_rl.platform.parallel import init_distributed
-    from megatron_rl.platform.listen import LOOPBACK, listening_store, pin_gloo
-    from megatron_rl.platform.spawn import run_distributed
+    from megatron_rl.platform.spawn import loopback_store, run_distributed
 
     if world_size > 1 or dist.is_initialized():
         return run_distributed(fn, world_size, *args)
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     try:
-        pin_gloo(LOOPBACK)
-        store = listening_store(LOOPBACK, 1)  # a port the OS picks while binding: nothing can take it first
-        os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(store.port))
-        init_distributed(detect_platform("cpu"), rank=0, world_size=1, store=store)
+        init_distributed(detect_platform("cpu"), rank=0, world_size=1, store=loopback_store(1))
         try:
             return [fn(0, 1, *args)]
         finally:

@@ -8,8 +8,9 @@
 `fn` must be importable by the children (a module-level function), as with any spawn start.
 Rank 0 opens the rendezvous on a port the OS picks while binding and tells the others which (no
 port is chosen first and bound later, when a process beside it may have taken it); each child gets
-torch.distributed on gloo, the CPU compatibility layer, and one intra-op thread (the machine has few cores and several ranks share them).  A child's
-exception is re-raised in the parent as `DistributedChildError` carrying its traceback text.
+torch.distributed on gloo, the CPU compatibility layer, and one intra-op thread (the machine has few
+cores and several ranks share them).  A child's exception is re-raised in the parent as
+`DistributedChildError` carrying its traceback text.
 """
 
 from __future__ import annotations
@@ -49,31 +50,40 @@ def _to_cpu(obj):
     return obj
 
 
-_HOST = "127.0.0.1"
 _STORE_TIMEOUT_S = 600.0
 
 
-def _rendezvous(rank: int, world_size: int, port_box, opened, wait_s: float):
-    """This rank's end of the rendezvous: rank 0 listens on a port the OS picks and writes it in `port_box`
-    (then sets `opened`); the others wait for it and join.  Sets MASTER_ADDR / MASTER_PORT for later readers."""
+def loopback_store(world_size: int, port: int | None = None):
+    """This process's end of a rendezvous on loopback: the store rank 0 listens with (`port` None: on one the
+    OS picks while binding, so no other process can take it first; `store.port` says which), or a client of
+    the one at `port`.  Gloo is pinned to loopback and MASTER_ADDR / MASTER_PORT are set for later readers."""
     import datetime
 
     import torch.distributed as dist
 
-    from megatron_rl.platform.listen import listening_store, pin_gloo
+    from megatron_rl.platform.listen import LOOPBACK, listening_store, pin_gloo
 
-    pin_gloo(_HOST)
+    pin_gloo(LOOPBACK)
+    if port is None:
+        store = listening_store(LOOPBACK, world_size, _STORE_TIMEOUT_S)
+    else:
+        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(store.port))
+    return store
+
+
+def _rendezvous(rank: int, world_size: int, port_box, opened, wait_s: float):
+    """Rank 0 opens the store and writes its port in `port_box` (then sets `opened`); the others wait for it
+    and join."""
     if rank == 0:
-        store = listening_store(_HOST, world_size, _STORE_TIMEOUT_S)
+        store = loopback_store(world_size)
         port_box.value = store.port
         opened.set()
-    else:
-        if not opened.wait(wait_s):
-            raise TimeoutError(f"rank 0 did not open the rendezvous within {wait_s:.0f}s")
-        store = dist.TCPStore(_HOST, port_box.value, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S))
-    os.environ.update(MASTER_ADDR=_HOST, MASTER_PORT=str(port_box.value))
-    return store
+        return store
+    if not opened.wait(wait_s):
+        raise TimeoutError(f"rank 0 did not open the rendezvous within {wait_s:.0f}s")
+    return loopback_store(world_size, port_box.value)
 
 
 def _child(fn, rank: int, world_size: int, rendezvous: tuple, args: tuple, results, device: str) -> None:
