@@ -49,14 +49,15 @@ def longtail_task(root: Path, args) -> list[str]:
             "rollout.ignore_eos=true"]
 
 
-def run(streaming: bool, args, root: Path) -> dict:
-    run_dir = root / ("stream" if streaming else "rounds")
+def run(streaming: bool, args, root: Path, name: str | None = None, extra: tuple[str, ...] = ()) -> dict:
+    """One arm: a training run in `root`/`name` (default "stream" or "rounds"), `extra` overrides last."""
+    run_dir = root / (name or ("stream" if streaming else "rounds"))
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(REPO / "configs" / "tiny_cpu_scratch.yaml"),
            f"run.dir={run_dir}", "run.mode=async", f"run.steps={args.steps * (10 if args.longtail else 1)}", "run.prompts_per_step=4",
            "run.group_size=4", "learner.micro_batch_size=16", "run.eval_every=0", "run.checkpoint_every=0",
            "data.eval_size=8", f"rollout.max_tokens={args.tokens}", f"rollout.max_model_len={args.tokens + 56}",
            f"rollout.streaming={'true' if streaming else 'false'}", f"run.seed={args.seed}"]
-    cmd += list(args.set)
+    cmd += list(args.set) + list(extra)
     if args.pin:
         learner, rollout = args.pin.split(":")
         cmd += [f"learner.cpu_cores={learner}", f"rollout.cpu_cores={rollout}"]
@@ -88,7 +89,7 @@ def run(streaming: bool, args, root: Path) -> dict:
 def phase_means(rows: list[dict]) -> dict:
     """Mean seconds per step inside the clock: the driver's phases (step, score, learn, publish; the rest of
     a step is waiting for the batch) and, streaming, the producer's summed per-group admit/generate/grade."""
-    keys = [f"system/time_{k}_s" for k in ("step", "score", "learn", "publish")]
+    keys = [f"system/time_{k}_s" for k in ("step", "score", "learn", "publish", "audit", "driver_cpu")]
     keys += [f"system/stream_{k}_s" for k in ("admit", "generate", "grade")]
     return {k.removeprefix("system/").removesuffix("_s"): round(sum(r.get(k, 0.0) for r in rows) / max(len(rows), 1), 4)
             for k in keys if any(k in r for r in rows)}

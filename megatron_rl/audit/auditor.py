@@ -15,6 +15,7 @@ numerics/audit_unaudited_segments, never guessed.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from megatron_rl.audit.compare import AuditReport, spans_versions
@@ -53,12 +54,14 @@ class Auditor:
         """Audit learner step `step`'s batch when it is due; an empty outcome otherwise."""
         if not self.cfg.due(step):
             return AuditOutcome()
+        t0 = time.perf_counter()
         chosen = [t for t in taken if spans_versions(t)][:self.cfg.sequences]
         if not chosen:
-            return AuditOutcome({"numerics/audit_segments": 0.0})
+            return AuditOutcome({"numerics/audit_segments": 0.0, "system/time_audit_s": time.perf_counter() - t0})
         report = audit_trajectories(chosen, self.learner.audit_logprobs, self.learner.ring_versions(),
                                     rows=self.rows, mode=self.mode, tolerance=self.cfg.tolerance, pad_id=self.pad_id)
-        return AuditOutcome(report.metrics(), self._failure(step, report))
+        metrics = {**report.metrics(), "system/time_audit_s": time.perf_counter() - t0}  # its cost, per audited step
+        return AuditOutcome(metrics, self._failure(step, report))
 
     def _failure(self, step: int, report: AuditReport) -> AuditFailure | None:
         for row in report.unaudited:

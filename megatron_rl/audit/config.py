@@ -1,6 +1,7 @@
 """The `audit:` config section (owned by the audit, megatron_rl/audit/).
 
     cfg = AuditConfig(every=5, sequences=4, tolerance=1e-3)
+    cfg = AuditConfig().for_run(spans_versions=True)   # every unset: DEFAULT_EVERY in a run whose tokens span versions
     cfg.ring_versions(max_version_lag=2)     # 3: versions of the weights the learner keeps in host memory
 
 Every `every` learner steps the driver re-scores up to `sequences` trajectories of the batch it just
@@ -12,16 +13,23 @@ that claims KV of its own version differs from the recorded behaviour logprobs b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from megatron_rl.config import ConfigError
 
+DEFAULT_EVERY = 10
+"""audit.every of a run that leaves it unset and whose sequences can span versions: measured at <= 2% of
+step time on the tiny streaming recipe (benchmarks/stream_throughput.md, "The audit in ordinary runs")."""
+
 
 @dataclass(kw_only=True)
 class AuditConfig:
-    every: int = 0
-    """Audit the batch taken every N learner steps (0 = off: no weight ring is kept)."""
+    every: int | None = None
+    """Audit the batch taken every N learner steps (0 = off: no weight ring is kept).  Unset: every
+    DEFAULT_EVERY steps in a run whose sequences can span versions (streaming with rollout.inflight_refit
+    recompute or keep_kv on full weights), off in any other (`for_run`)."""
     sequences: int = 4
     """Multi-segment trajectories of that batch re-scored per audit (the first N that span versions)."""
     tolerance: float = 1e-3
@@ -33,11 +41,20 @@ class AuditConfig:
     def __post_init__(self) -> None:
         for name, low in (("every", 0), ("sequences", 1)):
             value = getattr(self, name)
+            if name == "every" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"audit.{name} must be an int >= {low}, got {value!r}")
         tol = self.tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol <= 0:
             raise ConfigError(f"audit.tolerance must be a finite number > 0 (nats), got {tol!r}")
+
+    def for_run(self, *, spans_versions: bool) -> "AuditConfig":
+        """This section with `every` decided: as set, else DEFAULT_EVERY when the run's sequences can span
+        policy versions (an in-flight refit keeps requests generating across it), 0 when none can."""
+        if self.every is not None:
+            return self
+        return dataclasses.replace(self, every=DEFAULT_EVERY if spans_versions else 0)
 
     def due(self, step: int) -> bool:
         """Whether learner step `step` (1-based: the step being taken) is audited."""

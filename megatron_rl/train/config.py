@@ -265,6 +265,9 @@ class TrainConfig:
                               "(learner.micro_batch_size x learner.data_parallel_size)")
         self.learner = dataclasses.replace(self.learner, global_batch_size=samples)
         self.coordinator = for_run(self.coordinator, mode=self.run.mode, batch_size=samples)
+        # The audit is on by default where a sequence's tokens can span versions (audit/config.py).
+        self.audit = self.audit.for_run(spans_versions=self.rollout.streaming
+                                        and self.refit_mode in ("recompute", "keep_kv"))
         problem = self.rollout_served.run_problem(placement=self.run.placement, mode=self.run.mode)  # device: later
         if problem:
             raise ConfigError(problem)

@@ -101,7 +101,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
         source.start(state)
         last = state.step if report.budget_spent() else cfg.run.steps       # a spent token budget stays spent
         for step in range(state.step, last):
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()                # wall; the driver's CPU, all threads
             rnd = source.next(step)                                      # rollout (admitted, version <= v)
             trajs, t_score = scorer.score(rnd.samples)                   # verifier pool
             coordinator.put(trajs, rnd.leases)                           # queue (WAL)
@@ -120,7 +120,7 @@ def train(cfg: TrainConfig, stop: StopFlag | None = None, pool=None) -> dict:
             report.log_step(step + 1, rnd, trajs, taken, learn, queue=coordinator.metrics(),
                             verifier=scorer.counters(), audit=audit,
                             phases=dict(rollout=rnd.seconds, score=t_score, learn=t_learn, publish=t_pub,
-                                        step=time.perf_counter() - t0))
+                                        step=time.perf_counter() - t0, driver_cpu=time.process_time() - cpu0))
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0 and step + 1 < cfg.run.steps:
                 report.log_eval(step + 1, split="dev")
             condition = report.stop_condition()                          # stop rules (reporting/stop.py)

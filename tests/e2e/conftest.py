@@ -308,6 +308,27 @@ def drill(tmp_path_factory, name: str, *args: str) -> tuple[int, dict]:
     return drill_record(start_drill(tmp_path_factory, name, *args))
 
 
+def drills_together(tmp_path_factory, names, *args) -> tuple[int, dict]:
+    """One training run for the one-run drills `names` (`megatron-rl drill together`): (exit code, {drill: record})."""
+    run_dir = tmp_path_factory.mktemp("drills_together") / "run"
+    proc = run_cli("drill", "together", "--drills", ",".join(names), "--config", str(TINY), "--run-dir", str(run_dir),
+                   *args, check=False)
+    assert "{" in proc.stdout, proc.stderr[-4000:]
+    result = last_json(proc.stdout)
+    assert result["together"] == list(names) and sorted(result["records"]) == sorted(names), result
+    return proc.returncode, result["records"]
+
+
+def protocol_kept(record: dict, redone: int) -> None:
+    """What every drill's record must show: nothing lost or duplicated, versions continuous, `redone` steps
+    learned again, a measured recovery time."""
+    assert record["trajectories_lost"] == 0, record
+    assert record["trajectories_duplicated"] == 0, record
+    assert record["versions_continuous"], record
+    assert record["steps_redone"] == redone, record
+    assert record["time_to_recover_s"] is not None and record["time_to_recover_s"] > 0, record
+
+
 SYNC_DRILLS = {  # no fault timed against a clock, nothing read from timing: they may run beside each other
     "worker_crash": ("run.learner_timeout_s=60", "run.checkpoint_every=1", "run.keep_checkpoints=4"),
     "oom": (),

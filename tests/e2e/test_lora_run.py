@@ -8,9 +8,8 @@ resumed to 3.  Each publication is the adapter alone and passes the refit check 
 adapter vs the learner with it); checkpoints hold adapters only; the run manifest, the summary and the
 metrics say LoRA.  Then `megatron-rl convert lora-export` writes the final checkpoint as a PEFT adapter
 and a merged model, and transformers (with PEFT, and merged) answers the hidden test greedily exactly as
-the run's own final eval did.  A second run streams (rollout.streaming, the streaming drills' recipe: async,
-200-token responses, 8 sequences at once): publications land while requests generate, and each request
-keeps the adapter it started with to its end.  A third run composes LoRA with multi-turn episodes
+the run's own final eval did.  (A streaming LoRA run, whose assertions read timing, is
+tests/e2e/test_lora_streaming.py.)  A second run composes LoRA with multi-turn episodes
 (guess_number on the streaming engine, test_episodes.py's recipe without its SFT stage): each turn of an
 episode is sampled under the adapter it started with.  It runs alone: beside the first run, in the shared Ray
 cluster, the resumed run's actor logs (which the first run's tests read) did not reach its driver.
@@ -24,13 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.drill.streaming import STREAMING
 from tests.e2e.conftest import TINY, last_json, read_jsonl, run_cli
 from tests.e2e.test_episodes import EPISODES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-# Only the streaming run reads timing; the module's other runs end inside their fixtures and assert none.
-ALONE = pytest.mark.alone("its streaming run asserts adapters swapped while requests were in flight")
 
 LORA = ["learner.lora.enabled=true", "learner.lora.rank=8", "learner.lora.alpha=16", "learner.lr=0.003",
         "run.checkpoint_every=2", "run.keep_checkpoints=3", "run.eval_every=0", "data.eval_size=16"]
@@ -151,40 +147,6 @@ def test_the_exported_adapter_answers_like_the_runs_own_eval(run):
     base_dir = json.loads((out / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"]
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(out / "peft")).eval()
     assert _greedy(peft, prompts, tokenizer, max_new) == want
-
-
-@pytest.fixture(scope="module")
-def stream_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("lora_stream") / "run"
-    out = run_cli("train", "--config", str(TINY), f"run.dir={run_dir}", "run.steps=3", *LORA, *STREAMING)
-    return run_dir, last_json(out.stdout)
-
-
-@ALONE
-def test_a_streaming_lora_run_keeps_each_request_on_its_adapter(stream_run):
-    import re
-    import sqlite3
-
-    from megatron_rl.trajectory import Trajectory
-
-    run_dir, summary = stream_run
-    assert summary["steps"] == 3 and summary["training"].startswith("LoRA rank 8")
-    log = (run_dir / "logs" / "ray_StreamRolloutWorker.log").read_text()
-    kept = [int(n) for n in re.findall(r"refit to version \d+ \(adapter\): (\d+) request\(s\) kept", log)]
-    assert len(kept) == 3 and max(kept) > 0, kept  # adapters published while requests generated
-    for version in (1, 2, 3):
-        assert f"refit check of version {version}: median" in log
-    rows = [r for r in read_jsonl(run_dir / "metrics" / "metrics.jsonl") if "learn/loss" in r]
-    assert [r["learn/quarantined_trajectories"] for r in rows] == [0.0, 0.0, 0.0]
-    assert all(r["system/stream_multi_version_fraction"] == 0.0 for r in rows)  # nobody switched adapters
-    with sqlite3.connect(run_dir / "queue.db") as db:
-        trajs = [Trajectory.from_bytes(row[0]) for row in db.execute("SELECT payload FROM traj")]
-    digests: dict[str, set] = {}
-    for t in trajs:  # one version per sequence, one publication per version
-        assert len(set(t.policy_versions.tolist())) == 1 and len(t.segments) == 1, (t.id, t.segments)
-        for v, digest in t.weights.items():
-            digests.setdefault(v, set()).add(digest)
-    assert trajs and all(len(found) == 1 for found in digests.values()), digests
 
 
 @pytest.fixture(scope="module")
