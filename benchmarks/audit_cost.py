@@ -1,6 +1,6 @@
 """What the in-training audit costs a streaming run (issue 46 item 6), its arms side by side in one invocation.
 
-    flock /tmp/mrl-heavy.lock .venv/bin/python -m benchmarks.audit_cost [--steps 20] [--tokens 200]
+    flock /tmp/mrl-heavy.lock .venv/bin/python -m benchmarks.audit_cost [--steps 40] [--tokens 200]
 
 Three streaming runs of benchmarks/stream_training.py's fixed-length workload (async, 4 prompts x 4 samples,
 --tokens tokens per response with EOS ignored: most samples span versions, so every audit has sequences to
@@ -34,7 +34,7 @@ def audited(root: Path, name: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900, help="seconds per arm")

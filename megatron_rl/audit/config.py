@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from megatron_rl.config import ConfigError
 
-DEFAULT_EVERY = 10
+DEFAULT_EVERY = 20
 """audit.every of a run that leaves it unset and whose sequences can span versions: measured at <= 2% of
 step time on the tiny streaming recipe (benchmarks/stream_throughput.md, "The audit in ordinary runs")."""
 

@@ -199,8 +199,8 @@ def test_the_offline_audit_labels_a_runs_segments_with_the_mode_its_engines_used
 
 
 @pytest.mark.parametrize("overrides,every", [
-    (["rollout.streaming=true"], 10),  # recompute refits keep requests: tokens can span versions
-    (["rollout.streaming=true", "rollout.inflight_refit=keep_kv"], 10),
+    (["rollout.streaming=true"], 20),  # recompute refits keep requests: tokens can span versions
+    (["rollout.streaming=true", "rollout.inflight_refit=keep_kv"], 20),
     (["rollout.streaming=true", "rollout.inflight_refit=wait"], 0),  # requests finish on the old weights first
     ([], 0),  # rounds: one version per round
     (["rollout.streaming=true", "learner.lora.enabled=true"], 0),  # a request keeps its adapter to its end
@@ -214,7 +214,7 @@ def test_the_audit_is_on_by_default_where_a_sequence_can_span_versions(overrides
 
     recipe = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu_scratch.yaml"
     cfg = load_train_config(recipe, ["run.mode=async", *overrides])
-    assert cfg.audit.every == every and DEFAULT_EVERY == 10
+    assert cfg.audit.every == every and DEFAULT_EVERY == 20
     assert cfg.audit.ring_versions(cfg.coordinator.max_version_lag) == (cfg.coordinator.max_version_lag + 1 if every
                                                                         else 0)
     with pytest.raises(ConfigError, match="audit.every must be an int >= 0"):
