@@ -88,9 +88,10 @@ def run(streaming: bool, args, root: Path, name: str | None = None, extra: tuple
 
 def phase_means(rows: list[dict]) -> dict:
     """Mean seconds per step inside the clock: the driver's phases (step, score, learn, publish; the rest of
-    a step is waiting for the batch) and, streaming, the producer's summed per-group admit/generate/grade."""
+    a step is waiting for the batch) and, streaming, the producer's summed per-group admit/generate/grade and its
+    verifier calls per graded group."""
     keys = [f"system/time_{k}_s" for k in ("step", "score", "learn", "publish", "audit", "driver_cpu")]
-    keys += [f"system/stream_{k}_s" for k in ("admit", "generate", "grade")]
+    keys += [f"system/stream_{k}_s" for k in ("admit", "generate", "grade")] + ["system/stream_grade_calls_per_group"]
     return {k.removeprefix("system/").removesuffix("_s"): round(sum(r.get(k, 0.0) for r in rows) / max(len(rows), 1), 4)
             for k in keys if any(k in r for r in rows)}
 

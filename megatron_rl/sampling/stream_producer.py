@@ -13,7 +13,8 @@ The round producer (producer.py) generates one batch per generate call, so every
 longest sample.  Here each prompt group is admitted by the coordinator (G leases; one call asks for as
 many groups as may start now, up to a batch, and takes the whole groups granted), sent to a
 streaming rollout group (rollout/stream_actor.py, where it joins the engine's continuous batch), graded
-the moment its last sample ends, and kept ready; `next(step)` hands the learner the first
+the moment its last sample ends (with the groups that finished while the verifier was busy: one call,
+sampling/batch_grading.py), and kept ready; `next(step)` hands the learner the first
 `groups_per_step` groups that finished, in the order they finished, while the rest keep generating.
 So the admission rule still bounds how far generation runs ahead ((eta + v + 1) x B rollouts
 admitted at most), and publications land while groups are in flight (rollout.inflight_refit): a
@@ -49,13 +50,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from megatron_rl.coordinator.client import Coordinator
 from megatron_rl.rollout.sample import reset_failure
+from megatron_rl.sampling.batch_grading import GradeBatcher
 from megatron_rl.sampling.dynamic_sampling import DynamicSamplingConfig, is_informative
 from megatron_rl.sampling.producer import Round, TrainState
 from megatron_rl.sampling.producer_parts import Leases, ProducerThread
@@ -73,7 +74,7 @@ class StreamProducer:
         self.coordinator, self.steps = coordinator, steps
         self.loop = ProducerThread("stream-producer")
         self.leases = Leases(coordinator, quit=self.loop.quit_asked)
-        self.prepare_group, self.grade = prepare_group, grade
+        self.prepare_group, self.grade = prepare_group, GradeBatcher(grade)
         self.engine_stats = engine_stats
         """The engines' occupancy since the last batch, as metrics (RolloutSource.engine_occupancy), or None."""
         self.groups_per_step, self.group_size = groups_per_step, group_size
@@ -83,7 +84,6 @@ class StreamProducer:
         self._in_flight: dict[int, tuple[list[int], list[str]]] = {}  # serial generating -> examples' indices, leases
         self._paused_in_flight: list[dict] = []  # what `pause` found generating (in_flight)
         self._pool = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="stream-group")
-        self._grade_lock = threading.Lock()
         self._last_handed = time.perf_counter()
         self.groups_done = 0
         self._spent: collections.Counter = collections.Counter()  # seconds per phase since the last batch
@@ -192,8 +192,7 @@ class StreamProducer:
                 self._skip(serial, leases, samples, dropped=True)
                 logger.warning("prompt group %d dropped: its environment failed at reset (%s)", serial, failed)
                 return
-            with self._grade_lock:
-                scores = self.grade(samples)
+            scores = self.grade(samples)  # with the groups that finished meanwhile, in one call (batch_grading.py)
             t2 = time.perf_counter()
             for sample, score in zip(samples, scores, strict=True):
                 sample.score = score
@@ -284,6 +283,9 @@ class StreamProducer:
                  "system/stream_segments_per_sample": sum(spans) / max(len(spans), 1),
                  "system/stream_multi_version_fraction": sum(n > 1 for n in spans) / max(len(spans), 1),
                  **{f"system/stream_{k}_s": v for k, v in spent.items()}}
+        calls, graded = self.grade.take_calls()
+        if graded:  # verifier calls per graded group since the last batch: 1 = none shared a call
+            stats["system/stream_grade_calls_per_group"] = calls / graded
         if self.engine_stats is not None:
             stats.update(self.engine_stats())
         if self.dynamic is not None:
