@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from tests.lanes import tier_of
+from tests.lanes import LOCK_WAIT, tier_of
 
 pytest_plugins = ["tests.lanes"]  # two tests at a time under `-n 2` (launch/test.sh): groups, order, `alone`
 
@@ -24,6 +24,7 @@ _outcome: dict[str, str] = {}
 _started: list[float] = []
 _busy: dict[str, float] = defaultdict(float)  # worker ("gw0", ...; "main" without xdist) -> seconds in its tests
 _ended: dict[str, float] = {}  # worker -> seconds from the session's start to its last report
+_waits: dict[str, list[tuple[float, str]]] = defaultdict(list)  # worker -> (seconds waited for the lanes lock, test)
 
 
 def _test_id(nodeid: str) -> str:
@@ -41,6 +42,8 @@ def pytest_runtest_logreport(report):
         _ended[worker] = time.monotonic() - _started[0]
     if report.when == "call" or report.outcome != "passed":
         _outcome.setdefault(nodeid, report.outcome)
+    if report.when == "setup":  # tests/lanes.py: the wait before this test (the same property rides every report)
+        _waits[worker] += [(float(v), nodeid) for k, v in getattr(report, "user_properties", ()) if k == LOCK_WAIT]
 
 
 def durations_table(seconds: dict[str, float], outcome: dict[str, str], slowest: int = _SLOWEST) -> str:
@@ -61,14 +64,21 @@ def durations_table(seconds: dict[str, float], outcome: dict[str, str], slowest:
     return "\n".join(lines)
 
 
-def worker_lines(busy: dict[str, float], ended: dict[str, float]) -> list[str]:
+def worker_lines(busy: dict[str, float], ended: dict[str, float],
+                 waits: dict[str, list[tuple[float, str]]] | None = None) -> list[str]:
     """Per worker: the time inside its tests, when its last test ended, and the rest of that time (start-up,
-    waiting for a lock or for work): where two workers lose time to each other."""
+    waiting for a lock or for work): where two workers lose time to each other.  With `waits` (tests/lanes.py's
+    lock), how much of the idle time was spent waiting for the lock, and before which tests the longest waits."""
     lines = []
     for worker in sorted(busy):
         end = ended.get(worker, busy[worker])
-        lines.append(f"  {worker:<6} in tests {busy[worker] / 60:5.1f} min, last test ended at {end / 60:5.1f} min, "
-                     f"idle {max(end - busy[worker], 0.0) / 60:4.1f} min")
+        line = (f"  {worker:<6} in tests {busy[worker] / 60:5.1f} min, last test ended at {end / 60:5.1f} min, "
+                f"idle {max(end - busy[worker], 0.0) / 60:4.1f} min")
+        mine = sorted((waits or {}).get(worker, ()), key=lambda w: -w[0])  # longest first; ties in order
+        if mine:
+            line += f" (waiting for the lanes lock {sum(s for s, _ in mine) / 60:4.1f} min)"
+        lines.append(line)
+        lines += [f"           waited {s:6.1f} s before {nodeid}" for s, nodeid in mine[:3]]
     return lines
 
 
@@ -82,7 +92,7 @@ def pytest_terminal_summary(terminalreporter, config):
     workers = config.getoption("numprocesses", None) or 1
     wall = time.monotonic() - _started[0] if _started else 0.0
     table = (f"wall clock: {wall:.0f} s ({wall / 60:.1f} min) on {workers} worker(s); the sums below add up"
-             " every worker's time\n" + "\n".join(worker_lines(_busy, _ended)) + "\n"
+             " every worker's time\n" + "\n".join(worker_lines(_busy, _ended, _waits)) + "\n"
              + durations_table(_seconds, _outcome))
     terminalreporter.section("megatron-rl: where the time went")
     terminalreporter.write_line(table)

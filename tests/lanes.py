@@ -28,6 +28,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -35,6 +36,8 @@ TIER_ORDER = ("e2e", "dist", "security", "unit", "gpu")
 SHARED_TIERS = ("e2e", "dist")  # tiers whose tests start engines, learners or gloo groups: never beside `alone`
 QUIET_TIERS = ("security",)  # its sandboxed snippets run under wall-clock limits of seconds: alone, as if marked
 LOCK_DIR = "MEGATRON_RL_TESTS_LOCK_DIR"  # set by the controller for its workers
+LOCK_WAIT = "lanes_lock_wait_s"  # a test's user property: seconds its worker waited for the lock before it
+WAIT_REPORTED_S = 0.5
 
 
 def tier_of(nodeid: str) -> str:
@@ -162,7 +165,11 @@ def pytest_runtest_protocol(item, nextitem):
     if not _LOCK:
         _LOCK.append(GroupLock(directory))
     lock = _LOCK[0]
+    asked = time.monotonic()
     lock.enter(group_of(item.nodeid), lock_kind(item))
+    waited = time.monotonic() - asked
+    if waited >= WAIT_REPORTED_S:  # travels with the test's reports to the controller (tests/conftest.py)
+        item.user_properties.append((LOCK_WAIT, waited))
     yield
     if nextitem is None or group_of(nextitem.nodeid) != lock.group:  # the group's fixtures were torn down with item
         lock.leave()

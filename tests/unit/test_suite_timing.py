@@ -46,6 +46,11 @@ def test_each_worker_line_says_its_time_in_tests_when_it_ended_and_the_rest():
     assert [line.split()[0] for line in lines] == ["gw0", "gw1"]
     assert "in tests  20.0 min" in lines[0] and "ended at  25.0 min" in lines[0] and "idle  5.0 min" in lines[0]
     assert "in tests  10.0 min" in lines[1] and "idle 30.0 min" in lines[1]
+    waits = {"gw1": [(60.0, "tests/e2e/a.py::t"), (120.0, "tests/e2e/b.py::t"), (6.0, "tests/unit/c.py::t"),
+                     (6.0, "tests/unit/d.py::t")]}
+    lines = suite.worker_lines({"gw1": 600.0, "gw0": 1200.0}, {"gw0": 1500.0, "gw1": 2400.0}, waits)
+    assert "lock" not in lines[0] and "waiting for the lanes lock  3.2 min" in lines[1]
+    assert [line.split()[-1] for line in lines[2:]] == ["tests/e2e/b.py::t", "tests/e2e/a.py::t", "tests/unit/c.py::t"]
 
 
 def test_cli_runs_that_start_ray_join_the_shared_cluster_unless_the_test_has_its_own(monkeypatch):
