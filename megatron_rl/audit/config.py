@@ -41,7 +41,7 @@ class AuditConfig:
     def __post_init__(self) -> None:
         for name, low in (("every", 0), ("sequences", 1)):
             value = getattr(self, name)
-            if name == "every" and value is None:
+            if value is None and name == "every":  # unset: decided by for_run
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"audit.{name} must be an int >= {low}, got {value!r}")

@@ -52,11 +52,11 @@ class GradeBatcher:
 
     def _grade_all(self, batch: list[_Pending]) -> None:
         scores, error = None, None
+        samples = [s for p in batch for s in p.samples]
         try:
-            scores = self.grade([s for p in batch for s in p.samples])
-            if len(scores) != sum(len(p.samples) for p in batch):
-                raise RuntimeError(f"the grader returned {len(scores)} scores for "
-                                   f"{sum(len(p.samples) for p in batch)} samples")
+            scores = self.grade(samples)
+            if len(scores) != len(samples):
+                raise RuntimeError(f"the grader returned {len(scores)} scores for {len(samples)} samples")
         except BaseException as err:  # every group of the call fails with it
             error = err
         with self._cond:
