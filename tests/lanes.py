@@ -13,8 +13,13 @@ so two workers on this machine's 2 cores finish it sooner.  What this plugin kee
   flock; a waiting `alone` test goes before later shared holders, a turnstile).  A group keeps its lock from
   test to test (a module's runs outlive the test that started them), so a module whose fixtures' runs read
   timing is marked as a whole.  Unit and security tests, which start no engines, may run beside it.
-- **The order groups are handed out in** (hand_out_order): the e2e groups, then dist, then the groups with an
-  `alone` test spread among the unit and security modules, which the other worker runs meanwhile.
+- **Which group a worker gets next** (ModuleGroups.pick): it depends on what the other worker holds.  Beside a
+  shared (e2e, dist) group, another shared one; beside a light (unit) one, or nothing, a group with an `alone`
+  test, so that the exclusive work runs while the other worker has light work to do; beside an `alone` group,
+  a light one, else the next `alone` group (the exclusive work stays together at the front of the suite
+  instead of waiting at its end for a long shared group to finish).  The workers write each group's kind
+  (ALONE, SHARED, LIGHT) when they collect (the controller sees only test ids); hand_out_order gives the
+  order within a kind.
 
 Measured on this suite's machine (2 cores, the same day): 46.3 min on two workers against 61.6 on one; each
 e2e test stretched about 1.6x (their start-ups already overlap: tests/e2e/conftest.py start_cli).  That run's
@@ -25,6 +30,7 @@ passed whole (tests/README.md).
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -38,6 +44,13 @@ QUIET_TIERS = ("security",)  # its sandboxed snippets run under wall-clock limit
 LOCK_DIR = "MEGATRON_RL_TESTS_LOCK_DIR"  # set by the controller for its workers
 LOCK_WAIT = "lanes_lock_wait_s"  # a test's user property: seconds its worker waited for the lock before it
 WAIT_REPORTED_S = 0.5
+KINDS_FILE = "group-kinds-{}.json"  # written by each worker at collection, read by the controller's scheduler
+ALONE, SHARED, LIGHT = "alone", "shared", "light"  # a group's kind: has an exclusive test / takes the shared lock / none
+PREFERENCE = {  # the kind the other worker holds -> the kinds to hand out, best first (module docstring)
+    ALONE: (LIGHT, ALONE, SHARED),
+    SHARED: (SHARED, LIGHT, ALONE),
+    LIGHT: (ALONE, SHARED, LIGHT),
+}
 
 
 def tier_of(nodeid: str) -> str:
@@ -79,29 +92,68 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    if config.getoption("numprocesses", None) or getattr(config, "workerinput", None) is not None:
+    workerinput = getattr(config, "workerinput", None)
+    if config.getoption("numprocesses", None) or workerinput is not None:
         items[:] = hand_out_order(items)  # under xdist only: one worker keeps the folders' order
+    if workerinput is not None and os.environ.get(LOCK_DIR):
+        write_kinds(os.environ[LOCK_DIR], workerinput.get("workerid", "gw"), group_kinds(items))
 
 
-def hand_out_order(items: list) -> list:
-    """The order workers take groups in: the e2e groups with no `alone` test, then dist, then the groups with
-    one (e2e) spread evenly among the security and unit modules, so that while one worker runs an `alone`
-    test the other mostly has light modules to run.  Within a group, tests keep their file order."""
+def _groups(items: list) -> dict[str, list]:
     groups: dict[str, list] = {}
     for item in items:
         groups.setdefault(group_of(item.nodeid), []).append(item)
-    alone = [g for g, its in groups.items() if any(lock_kind(it) == fcntl.LOCK_EX for it in its)]
-    light = [g for g, its in groups.items() if g not in alone and lock_kind(its[0]) is None]
-    key: dict[str, tuple] = {}
-    for g, its in groups.items():
-        tier = tier_of(its[0].nodeid)
-        if g in alone or g in light:
-            spread = alone.index(g) / len(alone) if g in alone else (light.index(g) + 0.5) / len(light)
-            key[g] = (2, spread)
-        else:
-            key[g] = (0 if tier == "e2e" else 1, TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER))
-    order = sorted(groups, key=lambda g: key[g])  # stable: groups of one key keep their collection order
-    return [item for g in order for item in groups[g]]
+    return groups
+
+
+def group_kinds(items: list) -> dict[str, str]:
+    """Each group's kind: ALONE when a test of it holds the lock exclusively, SHARED when it shares it, else LIGHT."""
+    kinds = {}
+    for g, its in _groups(items).items():
+        held = {lock_kind(it) for it in its}
+        kinds[g] = ALONE if fcntl.LOCK_EX in held else SHARED if fcntl.LOCK_SH in held else LIGHT
+    return kinds
+
+
+def hand_out_order(items: list) -> list:
+    """The order groups wait in: the groups with an `alone` test, then the other e2e groups, dist, security,
+    unit.  ModuleGroups.pick takes the first group of the kind it wants.  Within a group, tests keep their file
+    order; groups of one tier keep their collection order."""
+    groups, kinds = _groups(items), group_kinds(items)
+
+    def key(g: str) -> tuple:
+        tier = tier_of(groups[g][0].nodeid)
+        return (kinds[g] != ALONE, TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER))
+
+    return [item for g in sorted(groups, key=key) for item in groups[g]]
+
+
+def write_kinds(directory: str, worker: str, kinds: dict[str, str]) -> None:
+    path = os.path.join(directory, KINDS_FILE.format(worker))
+    with open(path + ".tmp", "w") as f:
+        json.dump(kinds, f)
+    os.replace(path + ".tmp", path)  # whole or absent for the controller
+
+
+def read_kinds(directory: str | None) -> dict[str, str]:
+    """The kinds a worker wrote ({} when none did: every group then counts as LIGHT, xdist's own order)."""
+    names = sorted(n for n in os.listdir(directory) if n.startswith("group-kinds-") and n.endswith(".json")) \
+        if directory and os.path.isdir(directory) else []
+    if not names:
+        return {}
+    with open(os.path.join(directory, names[0])) as f:
+        return json.load(f)
+
+
+def pick(waiting: list[str], kinds: dict[str, str], others: set[str]) -> str:
+    """The group to hand out from `waiting` (in queue order) to a worker while the other workers hold groups
+    of the kinds `others` (module docstring)."""
+    held = ALONE if ALONE in others else SHARED if SHARED in others else LIGHT
+    for kind in PREFERENCE[held]:
+        for group in waiting:
+            if kinds.get(group, LIGHT) == kind:
+                return group
+    return waiting[0]
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a hook of pytest-xdist's
@@ -112,8 +164,18 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadFileScheduling
 
     class ModuleGroups(LoadFileScheduling):
+        kinds: dict[str, str] | None = None
+
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if self.kinds is None:  # every worker has collected (and written its kinds) before the first call
+                self.kinds = read_kinds(os.environ.get(LOCK_DIR))
+            others = {self.kinds.get(group, LIGHT) for other, work in self.assigned_work.items() if other is not node
+                      for group, tests in work.items() if not all(tests.values())}
+            self.workqueue.move_to_end(pick(list(self.workqueue), self.kinds, others), last=False)
+            super()._assign_work_unit(node)
 
     return ModuleGroups(config, log)
 

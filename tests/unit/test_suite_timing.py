@@ -96,18 +96,71 @@ def test_a_module_is_one_group_unless_it_names_one_and_alone_excludes_the_engine
     assert suite._test_id("tests/e2e/a.py::t[x@y]") == "tests/e2e/a.py::t[x@y]"
 
 
-def test_groups_are_handed_out_e2e_first_and_alone_ones_spread_among_the_light_modules():
+def test_groups_wait_alone_ones_first_then_by_tier_and_each_worker_writes_their_kinds(tmp_path):
     e2e, dist, unit, security = "tests/e2e/test_", "tests/dist/test_", "tests/unit/test_", "tests/security/test_"
     items = [_Item(unit + "u1.py::t"), _Item(e2e + "streaming.py::a", alone=("why",)),
-             _Item(e2e + "streaming.py::b", alone=("why",)), _Item(e2e + "train.py::t"), _Item(dist + "d.py::t"),
+             _Item(e2e + "streaming.py::b"), _Item(e2e + "train.py::t"), _Item(dist + "d.py::t"),
              _Item(unit + "u2.py::t"), _Item(e2e + "drills.py::t1"), _Item(e2e + "drills.py::t2", alone=("why",)),
              _Item(e2e + "bad_checkpoint.py::t"), _Item(security + "s.py::t"), _Item(unit + "u3.py::t")]
     order = [it.nodeid for it in lanes.hand_out_order(items)]
-    assert order == [e2e + "train.py::t", dist + "d.py::t",
-                     e2e + "streaming.py::a", e2e + "streaming.py::b",  # alone groups at 0, 1/3, 2/3 of the tail
-                     unit + "u1.py::t",  # light ones at 1/6, 1/2, 5/6
+    assert order == [e2e + "streaming.py::a", e2e + "streaming.py::b",  # a group with an alone test, whole
                      e2e + "drills.py::t1", e2e + "drills.py::t2", e2e + "bad_checkpoint.py::t",  # one group
-                     unit + "u2.py::t", security + "s.py::t", unit + "u3.py::t"]
+                     security + "s.py::t", e2e + "train.py::t", dist + "d.py::t",
+                     unit + "u1.py::t", unit + "u2.py::t", unit + "u3.py::t"]
+    kinds = lanes.group_kinds(items)
+    assert kinds == {e2e + "streaming.py": "alone", "drills": "alone", security + "s.py": "alone",
+                     e2e + "train.py": "shared", dist + "d.py": "shared",
+                     unit + "u1.py": "light", unit + "u2.py": "light", unit + "u3.py": "light"}
+    assert lanes.read_kinds(str(tmp_path)) == {}  # none written: every group light, the queue's order
+    lanes.write_kinds(str(tmp_path), "gw1", kinds)
+    assert lanes.read_kinds(str(tmp_path)) == kinds
+
+
+def test_the_next_group_depends_on_what_the_other_worker_holds():
+    kinds = {"a1": "alone", "a2": "alone", "s1": "shared", "s2": "shared", "l1": "light"}
+    waiting = ["a1", "a2", "s1", "s2", "l1"]
+    assert lanes.pick(waiting, kinds, set()) == "a1"  # nothing beside it: the exclusive work first
+    assert lanes.pick(waiting, kinds, {"light"}) == "a1"
+    assert lanes.pick(waiting, kinds, {"alone", "shared"}) == "l1"  # beside exclusive work: light work
+    assert lanes.pick(["a2", "s1"], kinds, {"alone"}) == "a2"  # no light left: keep the exclusive work together
+    assert lanes.pick(waiting, kinds, {"shared", "light"}) == "s1"  # engines beside engines
+    assert lanes.pick(["a2", "l1"], kinds, {"shared"}) == "l1"
+    assert lanes.pick(["a2"], kinds, {"shared"}) == "a2"
+    assert lanes.pick(["x", "s1"], {}, {"shared"}) == "x"  # kinds unknown: the queue's order
+
+
+def _two_workers(durations: dict[str, float], kinds: dict[str, str], choose) -> tuple[float, float]:
+    """Wall time and seconds spent waiting for the lock of two workers taking groups as `choose(waiting,
+    others)` says; an alone group starts only when the other worker holds no shared or alone group (and the
+    reverse)."""
+    waiting, free, holding, waited = list(durations), [0.0, 0.0], [("light", 0.0), ("light", 0.0)], 0.0
+    while waiting:
+        w = free.index(min(free))
+        now, (other_kind, other_end) = free[w], holding[1 - w]
+        group = choose(waiting, {other_kind} if other_end > now else set())
+        waiting.remove(group)
+        pair = {kinds[group], other_kind}
+        start = max(now, other_end) if "alone" in pair and pair <= {"alone", "shared"} else now
+        waited += start - now
+        free[w], holding[w] = start + durations[group], (kinds[group], start + durations[group])
+    return max(free), waited
+
+
+def test_exclusive_groups_run_beside_light_work_instead_of_waiting_for_a_long_shared_group():
+    """The last fresh-clone run's case: a worker handed an alone group waited 352 s for the other's long shared
+    group.  With `pick`, the alone work runs beside the light work, and a worker waits only for the alone work
+    that exceeds the light work; handed out in queue order (shared first, alone ones among the light), longer."""
+    durations = {"s_long": 6.0, "s1": 1.0, "s2": 1.0, "a1": 3.0, "l1": 1.0, "a2": 2.0, "l2": 1.0, "l3": 1.0}
+    kinds = {g: {"s": "shared", "a": "alone", "l": "light"}[g[0]] for g in durations}
+    alone_s = sum(d for g, d in durations.items() if kinds[g] == "alone")
+    light_s = sum(d for g, d in durations.items() if kinds[g] == "light")
+    wall_fifo, waited_fifo = _two_workers(durations, kinds, lambda waiting, others: waiting[0])
+    order = sorted(durations, key=lambda g: kinds[g] != "alone")  # hand_out_order's: alone groups first
+    wall_pick, waited_pick = _two_workers({g: durations[g] for g in order}, kinds,
+                                          lambda waiting, others: lanes.pick(waiting, kinds, others))
+    assert waited_pick == pytest.approx(alone_s - light_s)
+    assert waited_fifo >= waited_pick + 3.0
+    assert wall_pick <= wall_fifo
 
 
 def test_a_group_takes_its_lock_again_when_an_alone_test_follows_a_shared_one(tmp_path):
