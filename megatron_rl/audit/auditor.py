@@ -1,7 +1,7 @@
 """The in-training audit: every `audit.every` learner steps, re-score the batch just taken's sequences that
 span policy versions under their recorded versions, with the weights the learner keeps in host memory.
 
-    auditor = Auditor(cfg.audit, policy.learner, mode=cfg.rollout.inflight_refit, rows=16, pad_id=0)
+    auditor = Auditor(cfg.audit, policy.learner, mode=cfg.rollout.inflight_refit, rows=16, pad_id=0, multiple=2)
     outcome = auditor.check(step, taken)      # AuditOutcome: metrics (numerics/audit_*) and an AuditFailure or None
 
 The driver calls it between take and learn (train/driver.py); the reporter logs `outcome.metrics` with the
@@ -47,8 +47,11 @@ class AuditOutcome:
 class Auditor:
     """Owns the audit section; scores through the learner group's weight ring (LearnerGroup.audit_logprobs)."""
 
-    def __init__(self, cfg: AuditConfig, learner, *, mode: str, rows: int, pad_id: int):
+    def __init__(self, cfg: AuditConfig, learner, *, mode: str, rows: int, pad_id: int, multiple: int | None = None):
+        """`rows`: at most this many sequences a call (the learner's micro-batch x data-parallel size); `multiple`:
+        a call's rows are a multiple of it (the data-parallel size: a few sequences are not padded to `rows`)."""
         self.cfg, self.learner, self.mode, self.rows, self.pad_id = cfg, learner, mode, rows, pad_id
+        self.multiple = multiple
 
     def check(self, step: int, taken: list) -> AuditOutcome:
         """Audit learner step `step`'s batch when it is due; an empty outcome otherwise."""
@@ -59,7 +62,8 @@ class Auditor:
         if not chosen:
             return AuditOutcome({"numerics/audit_segments": 0.0, "system/time_audit_s": time.perf_counter() - t0})
         report = audit_trajectories(chosen, self.learner.audit_logprobs, self.learner.ring_versions(),
-                                    rows=self.rows, mode=self.mode, tolerance=self.cfg.tolerance, pad_id=self.pad_id)
+                                    rows=self.rows, multiple=self.multiple, mode=self.mode,
+                                    tolerance=self.cfg.tolerance, pad_id=self.pad_id)
         metrics = {**report.metrics(), "system/time_audit_s": time.perf_counter() - t0}  # its cost, per audited step
         return AuditOutcome(metrics, self._failure(step, report))
 

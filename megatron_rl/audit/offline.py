@@ -52,6 +52,6 @@ def _audit_on_rank(rank: int, world: int, cfg, trajs: list, weights: dict[int, P
         return policy.learner.forward_logprobs(tokens_bt, lengths_b)
 
     try:
-        return audit_trajectories(trajs, score, weights, rows=rows, mode=mode, tolerance=tolerance)
+        return audit_trajectories(trajs, score, weights, rows=rows, multiple=1, mode=mode, tolerance=tolerance)
     finally:
         policy.learner.close()

@@ -113,8 +113,9 @@ class Learner:
         """The global batch splits into micro-batches of this size on every data-parallel rank."""
         return micro_batch_size >= 1 and batch_problem(self.cfg.global_batch_size, micro_batch_size, self.dp) is None
 
-    def _plan(self, batch: dict) -> MicroBatchPlan:
-        """This step's micro-batches (the same plan on every rank, see learner.micro_batches)."""
+    def _plan(self, batch: dict, micro_batch_size: int | None = None) -> MicroBatchPlan:
+        """This step's micro-batches (the same plan on every rank, see learner.micro_batches); `micro_batch_size`
+        replaces the configured one (a forward of fewer rows than a step's)."""
         tokens = batch.get("tokens")
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
             raise ValueError("batch['tokens'] must be a [B, T] tensor of token ids")
@@ -135,7 +136,7 @@ class Learner:
                 beyond = (mask.detach().cpu() != 0) & (cols[None, :] >= torch.tensor(lengths)[:, None] - 1)
                 if bool(beyond.any()):
                     raise ValueError("batch['loss_mask'] covers positions at or beyond batch['lengths']")
-        return plan_micro_batches(lengths, dp=self.dp, micro_batch_size=self.cfg.micro_batch_size,
+        return plan_micro_batches(lengths, dp=self.dp, micro_batch_size=micro_batch_size or self.cfg.micro_batch_size,
                                   max_tokens=self.cfg.max_tokens_per_micro_batch, width=t)
 
     def _local_micro_batches(self, batch: dict, plan: MicroBatchPlan) -> list[dict]:
@@ -288,7 +289,9 @@ class Learner:
         from megatron.core import parallel_state as ps
 
         batch = {"tokens": tokens_bt} if lengths_b is None else {"tokens": tokens_bt, "lengths": lengths_b}
-        plan = self._plan(batch)
+        b = tokens_bt.shape[0]
+        few = b < self.cfg.micro_batch_size * self.dp and b % self.dp == 0  # e.g. an audit of a few sequences
+        plan = self._plan(batch, micro_batch_size=b // self.dp if few else None)
         micro = self._local_micro_batches(batch, plan)
         for chunk in model or self.model:
             chunk.eval()

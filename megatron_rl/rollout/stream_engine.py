@@ -16,7 +16,8 @@ What vLLM 0.32 does across a refit (measured: experiments/kv_refit_findings.md, 
   recomputed from prompt + tokens so far when scheduled again) and empties the prefix cache, or
   raises; `pause_generation(mode="keep", clear_cache=True)` does the same at pause time.
 
-So a refit here is: pause (keep) -> load -> label -> invalidate -> resume, in one of three modes:
+So a refit here is: pause (keep) -> load -> label -> invalidate -> resume (with nothing in flight, no pause:
+admissions wait for the refit, so no engine step runs between load and label), in one of three modes:
 - "recompute": every kept request's KV is recomputed under the new weights (the reset must
   succeed, else StaleCacheError and the engine stays paused: nothing stale is served).
 - "keep_kv": kept requests continue on their old KV (as PipelineRL); their later tokens are
@@ -233,7 +234,11 @@ class StreamEngine:
     async def _refit_paused(self, load: Callable[[], Awaitable[Any]], version: int, mode: str,
                             label: str) -> RefitRecord:
         paused, how = time.perf_counter(), REFIT_MODES[mode]
-        await self._pause(how.pause)
+        # Nothing in flight (admission waits on _serving, cleared by the caller): no step can sample a token
+        # between load and label, so the engine is not paused -- vLLM's pause costs two calls and 20 ms of sleep.
+        pause = bool(self._flights)
+        if pause:
+            await self._pause(how.pause)
         maybe_kill_engine_in_refit(version, len(self._flights))  # drill hook (refit_engine_death); else a no-op
         loading = time.perf_counter()
         try:
@@ -242,10 +247,12 @@ class StreamEngine:
             self._broken = err
             if self._flights:
                 await self.engine.abort(list(self._flights))
-            await self._resume_if_alive()
+            if pause:
+                await self._resume_if_alive()
             raise
         except BaseException:
-            await self._resume_if_alive()
+            if pause:
+                await self._resume_if_alive()
             raise
         load_s = time.perf_counter() - loading
         await self.engine.update_weight_version(label)  # the label of every output from here on
@@ -255,7 +262,8 @@ class StreamEngine:
         for f in kept:  # the oldest KV each kept request attends to from here on
             f.kv_epoch[version] = version if how.invalidate == "recompute" else f.kv_epoch[self.version]
         self.version = version
-        await self.engine.resume_generation()
+        if pause:
+            await self.engine.resume_generation()
         return RefitRecord(version, mode, len(kept), reset, load_s, time.perf_counter() - paused)
 
     async def _pause(self, mode: str = "keep") -> None:

@@ -97,8 +97,9 @@ class Roles:
                                    fleet=fleet, verifier=scorer.verifier, splits=inputs.splits,
                                    template=inputs.template, tokenizer=inputs.tokenizer, env=source.spec.env,
                                    tracking=cfg.tracking, config=json.loads((inputs.run_dir / "config.json").read_text()))
-        auditor = Auditor(cfg.audit, policy.learner, mode=rollout.refit_mode,
-                          rows=policy.settings.probe_rows, pad_id=inputs.pad_id)  # the engines' own mode
+        auditor = Auditor(cfg.audit, policy.learner, mode=rollout.refit_mode,  # the engines' own mode
+                          rows=policy.settings.probe_rows, pad_id=inputs.pad_id,
+                          multiple=policy.settings.probe_rows // policy.settings.micro_batch_size)  # DP size
         return cls(inputs, coordinator, source, scorer, policy, checkpointer, reporter, auditor, place, own_ray, pool)
 
     def close(self) -> None:

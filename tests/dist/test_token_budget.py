@@ -10,11 +10,13 @@ plain-torch TP1 forward/backward of the whole [B, T] padded batch:
     aggregation, within 1e-6;
   * the SFT loss (mean NLL over the batch's target tokens): gradients and loss within 1e-6;
   * forward_logprobs with lengths: the same logprobs at every real position, in the rows'
-    original order (0 past a row's end); per-sequence statistics come back at their rows.
+    original order (0 past a row's end); per-sequence statistics come back at their rows; and with fixed
+    micro-batches of 4 rows, a forward of 2 rows (fewer than 4 x DP: an audit of a few sequences).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -95,6 +97,10 @@ def _work(rank, world, batch):
         res = {"dp": learner.dp, "plan": [[(list(r), w) for r, w in rk] for rk in plan.ranks],
                "grad_diff": {}, "grad_max": {}, "loss": {}}
         res["logprobs"] = learner.forward_logprobs(tokens, batch["lengths"])
+        budget, learner.cfg = learner.cfg, dataclasses.replace(learner.cfg, max_tokens_per_micro_batch=None,
+                                                               micro_batch_size=4)
+        res["few"] = learner.forward_logprobs(tokens[:2], batch["lengths"][:2])  # fewer rows than 4 x DP
+        learner.cfg = budget
         for what in ("sequence", "token", "sft"):
             loss_fn = sft_micro_batch_loss if what == "sft" else partial(
                 grpo_micro_batch_loss, cfg=GRPOLossConfig(aggregation=what))
@@ -163,3 +169,5 @@ def test_logprobs_and_per_sequence_stats_come_back_in_row_order(runs, layout):
         assert (got - want).abs()[real].max().item() < 1e-6
         assert torch.all(got[~real] == 0)
         assert res["seq_tokens"] == mask.sum(dim=1).tolist()
+        few = res["few"]  # fixed micro-batches, 2 rows: one micro-batch of 2 // DP rows per rank, not 4 x DP rows
+        assert few.shape == (2, want.shape[1]) and (few - want[:2]).abs()[real[:2]].max().item() < 1e-6

@@ -219,3 +219,24 @@ def test_the_audit_is_on_by_default_where_a_sequence_can_span_versions(overrides
                                                                         else 0)
     with pytest.raises(ConfigError, match="audit.every must be an int >= 0"):
         AuditConfig(every=-1)
+
+
+def test_a_few_sequences_are_padded_to_the_data_parallel_multiple_not_to_the_full_rows():
+    # The in-training audit of 1-3 sequences used to compute a whole micro-batch x DP of rows.
+    shapes = []
+
+    def recording(version, tokens_bt, lengths_b):
+        shapes.append((version, tokens_bt.shape[0]))
+        return score(version, tokens_bt, lengths_b)
+
+    trajs = [spanning(t, SEGMENTS[:2]) for t in "abc"] + [spanning("d", [(0, 5, 1, 1)])]
+    padded = audit_trajectories(trajs, recording, versions={0, 1}, rows=8, multiple=2, mode="recompute",
+                                tolerance=1e-4)
+    assert shapes == [(0, 4), (1, 4)]  # 3 sequences name version 0, 4 name version 1: each padded to 2's multiple
+    shapes.clear()
+    full = audit_trajectories(trajs, recording, versions={0, 1}, rows=8, mode="recompute", tolerance=1e-4)
+    assert shapes == [(0, 8), (1, 8)]  # no multiple: every call is `rows` rows, as before
+    assert [r.max_abs_delta for r in padded.rows] == [r.max_abs_delta for r in full.rows] and not padded.failures
+    shapes.clear()
+    audit_trajectories(trajs[:1], recording, versions={0, 1}, rows=8, multiple=2, mode="recompute", tolerance=1e-4)
+    assert shapes == [(0, 2), (1, 2)]

@@ -137,9 +137,12 @@ class _PausedEngine:
 
 @pytest.mark.parametrize("dies", [False, True])
 def test_a_failed_load_resumes_a_live_engine_and_reports_the_load_error_of_a_dead_one(dies):
+    from megatron_rl.rollout.stream_engine import StreamResult, _Flight
+
     engine = _PausedEngine()
     stream = StreamEngine(engine=None)
     stream.engine, stream._labelled = engine, True
+    stream._flights["r1"] = _Flight(StreamResult("r1", [1]), {0: 0})  # in flight: the refit pauses
 
     async def load():
         engine.errored = dies  # the engine core was killed while paused (drill refit_engine_death)
@@ -149,6 +152,45 @@ def test_a_failed_load_resumes_a_live_engine_and_reports_the_load_error_of_a_dea
         asyncio.run(stream.refit(load, 1, "recompute"))
     assert engine.calls == ([("pause", "keep")] if dies else [("pause", "keep"), ("resume",)])
     assert stream.version == 0 and stream._serving.is_set()  # nothing swapped; admissions not left waiting
+
+
+@pytest.mark.parametrize("in_flight", [0, 2])
+def test_a_refit_pauses_the_engine_only_when_requests_are_in_flight(in_flight):
+    # With nothing in flight no engine step can sample between the load and the label (admissions wait for
+    # the refit), so vLLM's pause -- two calls and 20 ms of sleep -- is skipped; the rest of the refit is the same.
+    from megatron_rl.rollout.stream_engine import StreamResult, _Flight
+
+    calls = []
+
+    class Engine:  # test double of AsyncLLM: records what the refit asks of it
+        errored = False
+
+        async def pause_generation(self, **kw):
+            calls.append(("pause", kw["mode"]))
+
+        async def resume_generation(self):
+            calls.append(("resume",))
+
+        async def update_weight_version(self, label):
+            calls.append(("label", label))
+
+        async def reset_prefix_cache(self, **kw):
+            calls.append(("reset", kw))
+            return True
+
+    stream = StreamEngine(engine=Engine(), version=1, label="1")
+    stream._labelled = True
+    for n in range(in_flight):
+        stream._flights[f"r{n}"] = _Flight(StreamResult(f"r{n}", [1]), {1: 1})
+
+    async def load():
+        calls.append(("load",))
+
+    record = asyncio.run(stream.refit(load, 2, "recompute"))
+    swap = [("load",), ("label", "2"), ("reset", {"reset_running_requests": True})]
+    assert calls == ([("pause", "keep")] + swap + [("resume",)] if in_flight else swap)
+    assert (stream.version, record.in_flight, record.prefix_cache_reset) == (2, in_flight, True)
+    assert stream._serving.is_set()
 
 
 def test_a_roll_back_reloads_relabels_and_recomputes_the_kv_of_requests_in_flight():
