@@ -45,7 +45,7 @@ LOCK_DIR = "MEGATRON_RL_TESTS_LOCK_DIR"  # set by the controller for its workers
 LOCK_WAIT = "lanes_lock_wait_s"  # a test's user property: seconds its worker waited for the lock before it
 WAIT_REPORTED_S = 0.5
 KINDS_FILE = "group-kinds-{}.json"  # written by each worker at collection, read by the controller's scheduler
-ALONE, SHARED, LIGHT = "alone", "shared", "light"  # a group's kind: has an exclusive test / takes the shared lock / none
+ALONE, SHARED, LIGHT = "alone", "shared", "light"  # a group: has an exclusive test / takes the shared lock / none
 PREFERENCE = {  # the kind the other worker holds -> the kinds to hand out, best first (module docstring)
     ALONE: (LIGHT, ALONE, SHARED),
     SHARED: (SHARED, LIGHT, ALONE),
