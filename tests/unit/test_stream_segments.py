@@ -154,31 +154,37 @@ def test_a_failed_load_resumes_a_live_engine_and_reports_the_load_error_of_a_dea
     assert stream.version == 0 and stream._serving.is_set()  # nothing swapped; admissions not left waiting
 
 
+class _RecordingEngine:
+    """Test double of AsyncLLM: records the pause, resume, label and reset calls a refit or a roll back makes."""
+
+    errored = False
+
+    def __init__(self):
+        self.calls = []
+
+    async def pause_generation(self, **kw):
+        self.calls.append(("pause", kw["mode"]))
+
+    async def resume_generation(self):
+        self.calls.append(("resume",))
+
+    async def update_weight_version(self, label):
+        self.calls.append(("label", label))
+
+    async def reset_prefix_cache(self, **kw):
+        self.calls.append(("reset", kw))
+        return True
+
+
 @pytest.mark.parametrize("in_flight", [0, 2])
 def test_a_refit_pauses_the_engine_only_when_requests_are_in_flight(in_flight):
     # With nothing in flight no engine step can sample between the load and the label (admissions wait for
     # the refit), so vLLM's pause -- two calls and 20 ms of sleep -- is skipped; the rest of the refit is the same.
     from megatron_rl.rollout.stream_engine import StreamResult, _Flight
 
-    calls = []
-
-    class Engine:  # test double of AsyncLLM: records what the refit asks of it
-        errored = False
-
-        async def pause_generation(self, **kw):
-            calls.append(("pause", kw["mode"]))
-
-        async def resume_generation(self):
-            calls.append(("resume",))
-
-        async def update_weight_version(self, label):
-            calls.append(("label", label))
-
-        async def reset_prefix_cache(self, **kw):
-            calls.append(("reset", kw))
-            return True
-
-    stream = StreamEngine(engine=Engine(), version=1, label="1")
+    engine = _RecordingEngine()
+    calls = engine.calls
+    stream = StreamEngine(engine=engine, version=1, label="1")
     stream._labelled = True
     for n in range(in_flight):
         stream._flights[f"r{n}"] = _Flight(StreamResult(f"r{n}", [1]), {1: 1})
@@ -197,25 +203,9 @@ def test_a_roll_back_reloads_relabels_and_recomputes_the_kv_of_requests_in_fligh
     # A refused refit check (rollout/stream_actor.py) puts the version before back while requests run.
     from megatron_rl.rollout.stream_engine import StreamResult, _Flight
 
-    calls = []
-
-    class Engine:  # test double of AsyncLLM: records what the roll back asks of it
-        errored = False
-
-        async def pause_generation(self, **kw):
-            calls.append(("pause", kw["mode"]))
-
-        async def resume_generation(self):
-            calls.append(("resume",))
-
-        async def update_weight_version(self, label):
-            calls.append(("label", label))
-
-        async def reset_prefix_cache(self, **kw):
-            calls.append(("reset", kw))
-            return True
-
-    stream = StreamEngine(engine=Engine(), version=4, label="4:new")
+    engine = _RecordingEngine()
+    calls = engine.calls
+    stream = StreamEngine(engine=engine, version=4, label="4:new")
     stream._labelled = True
     stream._flights["r1"] = _Flight(StreamResult("r1", [1]), {3: 3, 4: 4})
 
