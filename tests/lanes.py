@@ -13,7 +13,7 @@ so two workers on this machine's 2 cores finish it sooner.  What this plugin kee
   flock; a waiting `alone` test goes before later shared holders, a turnstile).  A group keeps its lock from
   test to test (a module's runs outlive the test that started them), so a module whose fixtures' runs read
   timing is marked as a whole.  Unit and security tests, which start no engines, may run beside it.
-- **Which group a worker gets next** (ModuleGroups.pick): it depends on what the other worker holds.  Beside a
+- **Which group a worker gets next** (`pick`, called by the scheduler ModuleGroups): it depends on what the other worker holds.  Beside a
   shared (e2e, dist) group, another shared one; beside a light (unit) one, or nothing, a group with an `alone`
   test, so that the exclusive work runs while the other worker has light work to do; beside an `alone` group,
   a light one, else the next `alone` group (the exclusive work stays together at the front of the suite
@@ -93,10 +93,12 @@ def pytest_unconfigure(config):
 
 def pytest_collection_modifyitems(session, config, items):
     workerinput = getattr(config, "workerinput", None)
-    if config.getoption("numprocesses", None) or workerinput is not None:
-        items[:] = hand_out_order(items)  # under xdist only: one worker keeps the folders' order
+    if not config.getoption("numprocesses", None) and workerinput is None:
+        return  # under xdist only: one worker keeps the folders' order
+    kinds = group_kinds(items)
+    items[:] = hand_out_order(items, kinds)
     if workerinput is not None and os.environ.get(LOCK_DIR):
-        write_kinds(os.environ[LOCK_DIR], workerinput.get("workerid", "gw"), group_kinds(items))
+        write_kinds(os.environ[LOCK_DIR], workerinput.get("workerid", "gw"), kinds)
 
 
 def _groups(items: list) -> dict[str, list]:
@@ -115,11 +117,11 @@ def group_kinds(items: list) -> dict[str, str]:
     return kinds
 
 
-def hand_out_order(items: list) -> list:
+def hand_out_order(items: list, kinds: dict[str, str] | None = None) -> list:
     """The order groups wait in: the groups with an `alone` test, then the other e2e groups, dist, security,
-    unit.  ModuleGroups.pick takes the first group of the kind it wants.  Within a group, tests keep their file
+    unit.  `pick` takes the first group of the kind it wants.  Within a group, tests keep their file
     order; groups of one tier keep their collection order."""
-    groups, kinds = _groups(items), group_kinds(items)
+    groups, kinds = _groups(items), kinds or group_kinds(items)
 
     def key(g: str) -> tuple:
         tier = tier_of(groups[g][0].nodeid)
