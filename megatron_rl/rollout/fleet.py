@@ -47,7 +47,7 @@ import ray
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.sample import RolloutSample
 from megatron_rl.rollout.stream_actor import create_stream_worker
-from megatron_rl.rollout.worker import create_rollout_worker
+from megatron_rl.rollout.worker import create_rollout_worker, wait_engines_up
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class RolloutFleet:
 
     def wait_ready(self) -> None:
         """Block until every engine is up (raises the actor's error if one failed to start)."""
-        ray.get([w.policy_version.remote() for w in self.workers])
+        wait_engines_up(self.workers)
 
     def _start(self, g: int, stale: bool):
         opts = self.placement(g) if self.placement is not None else {}
@@ -238,7 +238,7 @@ class RolloutFleet:
             stale = self._refitter is not None  # without a policy the checkpoint on disk is what it serves
             t0 = time.perf_counter()
             self.workers[g] = self._start(g, stale=stale)
-            ray.get(self.workers[g].policy_version.remote())  # its engine is up
+            wait_engines_up([self.workers[g]], first_group=g)
             self.state[g] = STALE if stale else SERVING
             self._regroup = True
             logger.warning("rollout group %d: engine restarted in %.1f s, %s", g, time.perf_counter() - t0,

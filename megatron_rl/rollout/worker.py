@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import time
 from typing import Any
 
@@ -266,3 +267,18 @@ def create_rollout_worker(config: RolloutConfig, stale: bool = False, **ray_opti
 
     options = with_normal_priority({"num_cpus": config.num_cpus, **ray_options})
     return ray.remote(RolloutWorker).options(**options).remote(dataclasses.asdict(config), stale)
+
+
+def wait_engines_up(workers: list, first_group: int = 0) -> None:
+    """Block until each rollout actor (either engine) is up -- raising the error of one that failed to start --
+    and log, on the driver, the process it runs in: the pid its lines carry in RUN_DIR/logs/ray_<Actor>.log
+    (what to look for there, or attach a profiler to)."""
+    import ray
+
+    where = ray.get([w.__ray_call__.remote(_process) for w in workers])
+    log.info("rollout engines up: %s", ", ".join(f"group {g} in process {pid} on {host}"
+                                                  for g, (pid, host) in enumerate(where, start=first_group)))
+
+
+def _process(_actor) -> tuple[int, str]:
+    return os.getpid(), socket.gethostname()

@@ -92,7 +92,9 @@ def _got(kept):
 
 def _rg_run(r) -> SimpleNamespace:
     rows = read_jsonl(r.rg_dir / "metrics" / "metrics.jsonl")
-    return SimpleNamespace(final=[x for x in rows if "eval/test_correctness" in x][-1], wal=_sha(r.rg_dir / "queue.db"))
+    own = read_jsonl(r.rg_dir / "eval" / "test_step_000002.jsonl")  # `eval --run` writes this file anew
+    return SimpleNamespace(final=[x for x in rows if "eval/test_correctness" in x][-1], wal=_sha(r.rg_dir / "queue.db"),
+                           responses={o["id"]: o["responses"] for o in own})
 
 
 def _sft_stage(r) -> SimpleNamespace:
@@ -131,11 +133,14 @@ def test_reasoning_gym_run_exports_and_evaluates_identically(rg_runs):
     assert any("vllm" in p.read_text().lower() for p in logs.glob("ray_*.log")), sorted(logs.iterdir())
     assert result["grader_version"].startswith("reasoning_gym-")
     assert result["decoding"] == {"samples": 1, "temperature": 0.0, "seed": 0} and result["examples"] == 24
-    # The exported checkpoint through a fresh engine: the run's own final greedy eval, exactly.
+    # The exported checkpoint through a fresh engine: the run's own final greedy eval, exactly -- each response.
+    outcomes = read_jsonl(run / "eval" / "test_step_000002.jsonl")
+    own = _got(rg_runs.before_eval).responses
+    differ = {o["id"]: (own.get(o["id"]), o["responses"]) for o in outcomes if own.get(o["id"]) != o["responses"]}
+    assert not differ and len(own) == 24, f"{len(differ)} of 24 responses differ (run's, eval's): {differ}"
     assert result["correctness"] == pytest.approx(final["eval/test_correctness"], abs=1e-12)
     assert result["reward"] == pytest.approx(final["eval/test_reward"], abs=1e-12)
     assert (run / "export" / "step_000002" / "model.safetensors").is_file()
-    outcomes = read_jsonl(run / "eval" / "test_step_000002.jsonl")
     manifest = json.loads((run / "eval" / "test_step_000002.manifest.json").read_text())
     assert result["manifest"].endswith("test_step_000002.manifest.json") and manifest["kind"] == "eval"
     assert manifest["identity"]["grader_version"] == result["grader_version"]

@@ -17,6 +17,7 @@ beside the reconcile run; each is read and checked by its own fixture.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -83,12 +84,16 @@ def test_console_is_quiet_and_engine_logs_go_to_the_run_dir(run_a):
     assert not [line for line in console if "vLLM" in line or "(RolloutWorker" in line or " WARNING ray" in line]
     logs = d / "logs"
     rollout = (logs / "ray_RolloutWorker.log").read_text()
-    # vLLM's own start-up lines, of this run's engine (its model path).  Not the first lines of its output, nor
-    # one line only: with a second run in the same Ray cluster (run B beside A), Ray's log pipeline once lost a
-    # burst of five lines of A's engine (they were in Ray's worker file, not in A's stream; B's file had B's).
-    mine = [line for line in rollout.splitlines() if str(d / "model") in line]
-    assert any("Initializing a V1 LLM engine" in line or "Starting to load model" in line for line in mine), \
-        rollout[-3000:]
+    # vLLM's own lines of this run's engine, found by the process the driver logged it in (driver.log: "rollout
+    # engines up: group 0 in process P on HOST").  Not given lines: in a busy shared Ray cluster its log pipeline
+    # has dropped batches of an engine's lines on their way to the driver (CI: five start-up lines once, with run
+    # B beside A; another time each batch with a line naming the model) -- Ray's forwarding is best effort.
+    driver = (logs / "driver.log").read_text()
+    pids = re.findall(r"rollout engines up: group 0 in process (\d+) on ", driver)
+    assert len(pids) == 1, driver[-3000:]
+    engine = re.findall(rf"^\(pid={pids[0]}, [^)]*\) \(MainProcess pid={pids[0]}\) (?:INFO|WARNING) .* \[\w+\.py:\d+\] ",
+                        rollout, flags=re.MULTILINE)
+    assert len(engine) >= 10, rollout[-3000:]
     assert (logs / "ray_LearnerWorker.log").stat().st_size > 0
     assert "megatron_rl.progress: step 4/4" in (logs / "driver.log").read_text()
 
