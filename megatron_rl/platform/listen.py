@@ -109,6 +109,14 @@ def listening_store(host: str, world_size: int, timeout_s: float = 600.0, port: 
     return store
 
 
+def joining_store(host: str, port: int, world_size: int, timeout_s: float = 600.0):
+    """A TCPStore client of the master listening at host:port (`listening_store`, in another process); it waits
+    up to timeout_s for the master to answer."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def _loopback_interface() -> str:
     for _, name in socket.if_nameindex():
         try:

@@ -130,13 +130,13 @@ def init_distributed(
 
 def _env_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
     """The rendezvous at MASTER_ADDR:MASTER_PORT: rank 0 listens on that address alone, the others join it."""
-    from megatron_rl.platform.listen import listening_store, pin_gloo
+    from megatron_rl.platform.listen import joining_store, listening_store, pin_gloo
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     pin_gloo(host)
     if rank == 0:
         return listening_store(host, world_size, timeout_s, port=port)
-    return dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return joining_store(host, port, world_size, timeout_s)
 
 
 def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1) -> None:

@@ -57,18 +57,13 @@ def loopback_store(world_size: int, port: int | None = None):
     """This process's end of a rendezvous on loopback: the store rank 0 listens with (`port` None: on one the
     OS picks while binding, so no other process can take it first; `store.port` says which), or a client of
     the one at `port`.  Gloo is pinned to loopback and MASTER_ADDR / MASTER_PORT are set for later readers."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from megatron_rl.platform.listen import LOOPBACK, listening_store, pin_gloo
+    from megatron_rl.platform.listen import LOOPBACK, joining_store, listening_store, pin_gloo
 
     pin_gloo(LOOPBACK)
     if port is None:
         store = listening_store(LOOPBACK, world_size, _STORE_TIMEOUT_S)
     else:
-        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+        store = joining_store(LOOPBACK, port, world_size, _STORE_TIMEOUT_S)
     os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(store.port))
     return store
 

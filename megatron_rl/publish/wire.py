@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_rl.platform.listen import listening_store, pin_gloo
+from megatron_rl.platform.listen import joining_store, listening_store, pin_gloo
 from megatron_rl.publish.checksum import CHECKSUMS, DEFAULT_CHECKSUM, byte_view, checksum_parts, new_hasher
 from megatron_rl.publish.manifest import (
     DEFAULT_BUCKET_BYTES,
@@ -100,7 +100,7 @@ def open_group(
     if store is None and rank == 0:
         store = listening_store(host, world_size, timeout_s, port=port)
     elif store is None:
-        store = dist.TCPStore(host, port, world_size, is_master=False, wait_for_workers=False, timeout=timeout)
+        store = joining_store(host, port, world_size, timeout_s)
     return dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, world_size, timeout)
 
 

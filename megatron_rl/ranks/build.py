@@ -71,11 +71,9 @@ class Rendezvous:
         """Join torch.distributed through rank 0's store (address()): rank 0 passes the store it
         already listens on, the other ranks connect to it as clients.  A process that is already a
         rank (tests/dist: run_distributed set torch.distributed up) joins nothing."""
-        import datetime
-
         import torch.distributed as dist
 
-        from megatron_rl.platform.listen import pin_gloo
+        from megatron_rl.platform.listen import joining_store, pin_gloo
         from megatron_rl.platform.parallel import init_distributed
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
@@ -87,8 +85,7 @@ class Rendezvous:
         if store is None:
             if self.rank == 0:
                 raise RuntimeError("learner rank 0 joins before Rendezvous.address() made its store")
-            store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False,
-                                  timeout=datetime.timedelta(seconds=600))
+            store = joining_store(master_addr, master_port, self.world_size, 600)
         init_distributed(platform, rank=self.rank, world_size=self.world_size, store=store)
 
     @staticmethod

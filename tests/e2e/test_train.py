@@ -91,8 +91,9 @@ def test_console_is_quiet_and_engine_logs_go_to_the_run_dir(run_a):
     driver = (logs / "driver.log").read_text()
     pids = re.findall(r"rollout engines up: group 0 in process (\d+) on ", driver)
     assert len(pids) == 1, driver[-3000:]
-    engine = re.findall(rf"^\(pid={pids[0]}, [^)]*\) \(MainProcess pid={pids[0]}\) (?:INFO|WARNING) .* \[\w+\.py:\d+\] ",
-                        rollout, flags=re.MULTILINE)
+    pid = pids[0]
+    engine = re.findall(rf"^\(pid={pid}, [^)]*\) \(MainProcess pid={pid}\) (?:INFO|WARNING) .* \[\w+\.py:\d+\] ", rollout,
+                        flags=re.MULTILINE)
     assert len(engine) >= 10, rollout[-3000:]
     assert (logs / "ray_LearnerWorker.log").stat().st_size > 0
     assert "megatron_rl.progress: step 4/4" in (logs / "driver.log").read_text()
