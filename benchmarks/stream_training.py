@@ -16,8 +16,9 @@ rollout engine to cores R in both arms (learner.cpu_cores, rollout.cpu_cores; e.
 it the rollout actor: one offline generate call per round, or vLLM's async engine with prompt groups streaming into batches and publications
 landing in flight, rollout.inflight_refit recompute).  Start-up is excluded: the clock runs from the
 first learner step's metrics to the last one's.  Printed: one JSON line per arm (loop seconds, steps,
-generated tokens, generated tokens per second of loop, mean taken Δv, share of samples spanning
-versions, per-step phase seconds) and the ratio stream / rounds of tokens per second; an arm that fails
+generated tokens, generated tokens per second of loop, CPU seconds inside the clock -- the run's whole process
+tree, its rollout engine's, the rest, and the engine's CPU ms per generated token (`CpuSampler`) --, mean taken
+Δv, share of samples spanning versions, per-step phase seconds) and the ratio stream / rounds of tokens per second; an arm that fails
 prints its error and the steps it ran instead, and there is no ratio.
 """
 
@@ -26,10 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 SHORT = 8  # tokens of a short response (--longtail)
@@ -67,8 +72,14 @@ def run(streaming: bool, args, root: Path, name: str | None = None, extra: tuple
         cmd += ["rollout.ignore_eos=false", f"rollout.stop_token_ids=[{','.join(str(40 + i) for i in range(args.stop_tokens))}]"]
     else:
         cmd += ["rollout.ignore_eos=true"]
-    with open(root / f"{run_dir.name}.log", "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, timeout=args.timeout)
+    with open(root / f"{run_dir.name}.log", "w") as log, open(root / f"{run_dir.name}.out", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=log, text=True)
+        cpu = CpuSampler(proc, run_dir / "logs" / "driver.log")
+        try:
+            cpu.run(args.timeout)
+        finally:
+            proc.kill()
+            proc.wait()
     metrics = run_dir / "metrics" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     learn = [r for r in rows if "learn/loss" in r]
@@ -78,12 +89,64 @@ def run(streaming: bool, args, root: Path, name: str | None = None, extra: tuple
                 "steps": len(learn), "per_step_s": phase_means(learn[1:])}
     loop_s = learn[-1]["time"] - learn[0]["time"]
     tokens = sum(r["system/generated_tokens"] for r in learn[1:])  # generated for the steps inside the clock
+    run_cpu, engine_cpu = cpu.between(learn[0]["time"], learn[-1]["time"])
     return {"arm": run_dir.name, "loop_s": round(loop_s, 2), "steps": len(learn), "generated_tokens": tokens,
             "tok_s": round(tokens / loop_s, 1),
+            "cpu_s": {"run": round(run_cpu, 2), "engine": round(engine_cpu, 2), "rest": round(run_cpu - engine_cpu, 2),
+                      "engine_ms_per_token": round(1000 * engine_cpu / max(tokens, 1), 3)},
             "taken_dv_mean": round(sum(r["queue/taken_dv/p50"] for r in learn) / len(learn), 2),
             "multi_version_fraction": round(sum(r.get("system/stream_multi_version_fraction", 0.0) for r in learn)
                                             / len(learn), 3),
             "per_step_s": phase_means(learn[1:])}
+
+
+class CpuSampler:
+    """CPU seconds (user + system) of a run while it runs, sampled every `every` s: the whole process tree of its
+    CLI (the driver, the Ray cluster it starts, learner ranks, the rollout engine, the coordinator, verifiers) and
+    the rollout engine's process with its children (the one the driver logs: "rollout engines up: group 0 in
+    process P").  Each process counts with the last CPU time seen of it, so one that exits keeps what it used."""
+
+    ENGINE = re.compile(r"rollout engines up: group 0 in process (\d+) ")
+
+    def __init__(self, proc: subprocess.Popen, driver_log: Path, every: float = 0.25):
+        self.proc, self.driver_log, self.every = proc, driver_log, every
+        self.engine_pid: int | None = None
+        self.samples: list[tuple[float, float, float]] = []  # (time, run CPU s, engine CPU s)
+        self.last: dict[int, float] = {}  # pid -> its CPU seconds when last seen
+        self.engine_pids: set[int] = set()
+
+    def run(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        root = psutil.Process(self.proc.pid)
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.proc.args, timeout)
+            if self.engine_pid is None and self.driver_log.exists():
+                found = self.ENGINE.search(self.driver_log.read_text(errors="replace"))
+                self.engine_pid = int(found.group(1)) if found else None
+            tree: list = []
+            try:
+                tree = [root, *root.children(recursive=True)]
+                if self.engine_pid is not None:
+                    engine = psutil.Process(self.engine_pid)
+                    self.engine_pids.update([engine.pid, *(c.pid for c in engine.children(recursive=True))])
+            except psutil.NoSuchProcess:
+                pass
+            for p in tree:
+                try:
+                    t = p.cpu_times()
+                    self.last[p.pid] = t.user + t.system
+                except psutil.Error:
+                    continue
+            engine_s = sum(self.last.get(p, 0.0) for p in self.engine_pids)
+            self.samples.append((time.time(), sum(self.last.values()), engine_s))
+            time.sleep(self.every)
+
+    def between(self, t0: float, t1: float) -> tuple[float, float]:
+        """(run, engine) CPU seconds from the last sample at or before t0 to the first at or after t1."""
+        before = [s for s in self.samples if s[0] <= t0] or self.samples[:1]
+        after = [s for s in self.samples if s[0] >= t1] or self.samples[-1:]
+        return after[0][1] - before[-1][1], after[0][2] - before[-1][2]
 
 
 def phase_means(rows: list[dict]) -> dict:
