@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -56,7 +57,7 @@ def score(version, tokens_bt, lengths_b):
 def spanning(tid: str, segments, stale_from: int | None = None, forge: float = 0.0):
     """A trajectory whose segments' behaviour logprobs come from their versions' models; `stale_from`: the
     segment at that index scored by the version before it; `forge`: added to its first token's logprob."""
-    rng = np.random.default_rng(abs(hash(tid)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(tid.encode()))  # str hash() differs per process (PYTHONHASHSEED)
     prompt, response = rng.integers(0, V, 3).tolist(), rng.integers(0, V, segments[-1][1]).tolist()
     tokens = torch.tensor([prompt + response])
     lps = np.zeros(len(response), np.float32)
