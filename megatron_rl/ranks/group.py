@@ -159,8 +159,18 @@ class LearnerGroup:
             workers, self.workers = self.workers, []
         return workers
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = 15.0) -> None:
+        """Kill the rank actors and wait (up to wait_s) until they are gone.  A driver that exits first leaves
+        them to its job's end, where Ray stops them with SIGTERM, and a SIGTERM that lands while the rank
+        collects a garbage actor handle prints a traceback on the run's console ("Exception ignored in
+        ActorHandle.__del__"); a killed actor exits at once, running no Python."""
         import ray
 
         for w in self.workers:
             ray.kill(w)
+        deadline = time.monotonic() + wait_s
+        for w in self.workers:
+            try:
+                ray.get(w.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+            except (ray.exceptions.RayError, TimeoutError):
+                continue  # gone (or not yet, past the bound: the job's end takes it)
