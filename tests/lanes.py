@@ -13,13 +13,13 @@ so two workers on this machine's 2 cores finish it sooner.  What this plugin kee
   flock; a waiting `alone` test goes before later shared holders, a turnstile).  A group keeps its lock from
   test to test (a module's runs outlive the test that started them), so a module whose fixtures' runs read
   timing is marked as a whole.  Unit and security tests, which start no engines, may run beside it.
-- **Which group a worker gets next** (`pick`, called by the scheduler ModuleGroups): it depends on what the
-  other worker holds.  Beside a shared (e2e, dist) group, another shared one; beside a light (unit) one, or nothing, a group with an `alone`
-  test, so that the exclusive work runs while the other worker has light work to do; beside an `alone` group,
-  a light one, else the next `alone` group (the exclusive work stays together at the front of the suite
-  instead of waiting at its end for a long shared group to finish).  The workers write each group's kind
-  (ALONE, SHARED, LIGHT) when they collect (the controller sees only test ids); hand_out_order gives the
-  order within a kind.
+- **Which group a worker gets next** (`pick`, called by the scheduler ModuleGroups): it depends on what the other
+  worker holds.  Beside a shared (e2e, dist) group, another shared one; beside a light (unit) one, or nothing, a
+  group with an `alone` test, so that the exclusive work runs while the other worker has light work to do; beside an
+  `alone` group, a light one, else the next `alone` group (the exclusive work stays together at the front of the
+  suite instead of waiting at its end for a long shared group to finish).  The workers write each group's kind
+  (ALONE, SHARED, LIGHT) when they collect (the controller sees only test ids); hand_out_order gives the order
+  within a kind.
 
 Measured on this suite's machine (2 cores, the same day): 46.3 min on two workers against 61.6 on one; each
 e2e test stretched about 1.6x (their start-ups already overlap: tests/e2e/conftest.py start_cli).  That run's
