@@ -34,6 +34,20 @@ class PublishSettings:
     """run.publish_checksum (publish/checksum.py)."""
 
 
+def _results_in_process() -> None:
+    """Megatron's checkpoint writer collects its write results through a queue served by a spawned
+    multiprocessing Manager: a second Python started at a rank's first save (2.3-2.7 s here, and a process
+    that lives as long as the rank).  Our saves are synchronous (`dist_checkpointing.save` without
+    `async_sharded_save`): the results are put and read in this process, so a plain queue does.  A
+    Megatron without that module-level queue is left alone."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 class WeightIO:
     """The weights of one rank's learner, out to the engines and to and from checkpoints."""
 
@@ -80,6 +94,7 @@ class WeightIO:
         Path(weights_dir).mkdir(parents=True, exist_ok=True)
         sd = self.learner.sharded_state_dict(model_sd=self.kind.model_state())
         extra = {"scheduler": sd.pop("scheduler"), "step": sd.pop("step")}
+        _results_in_process()
         dist_checkpointing.save(sd, weights_dir)
         if self.rank == 0:
             self.kind.record(weights_dir)

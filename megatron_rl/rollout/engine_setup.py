@@ -38,6 +38,11 @@ def engine_env(cfg: RolloutConfig, on_gpu: bool) -> dict[str, str]:
         # The ipc backend's handles travel pickled (vLLM refuses to unpickle them otherwise).
         return {**in_process, **transfer_path(cfg).engine_env}
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), **in_process}
+    if cfg.engine_options.get("enforce_eager", True):
+        # An eager CPU engine still traces the one torch.compile'd op of its sampler (the rank of each sampled
+        # token's logprob) at its first call: 2.7 s of dynamo tracing per engine start here, for an op a
+        # reduction does eagerly.  Read when vLLM's sampler is imported (after this), and by its processes.
+        env["TORCHDYNAMO_DISABLE"] = "1"
     bind = cfg.cpu_threads_bind
     if bind is None and cfg.cpu_cores is not None:  # TP 1 (config check): its one worker's threads on the cores
         bind = format_cores(parse_cores(cfg.cpu_cores, "rollout.cpu_cores"))

@@ -51,9 +51,9 @@ class RolloutWorker(PublicationReceiving):
         import torch
 
         self.config = RolloutConfig.of(config)
-        prepare_actor(self.config)
         on_gpu = torch.cuda.is_available()
-        os.environ.update(engine_env(self.config, on_gpu))
+        os.environ.update(engine_env(self.config, on_gpu))  # before anything of vLLM is imported
+        prepare_actor(self.config)
         from vllm import LLM
 
         if not self.config.model or not os.path.isdir(self.config.model):

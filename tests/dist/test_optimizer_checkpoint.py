@@ -97,11 +97,12 @@ def _save_and_resume(rank, world, ckpt_dir):
     learner.train_step({"tokens": tokens}, _loss)
     held = learner.sharded_state_dict()["optimizer"]["param_state"] is not None  # what WeightIO.save saves
     proc = multiprocessing.current_process()
-    daemon, proc.daemon = proc.daemon, False  # save starts a Manager; spawned ranks are daemonic
+    daemon, proc.daemon = proc.daemon, False  # the save forks its writers; spawned ranks are daemonic
     try:
         WeightIO(rank, learner, hf_cfg).save(ckpt_dir)
     finally:
         proc.daemon = daemon
+    left = [child.name for child in multiprocessing.active_children()]  # Megatron's writers are joined by then
     saved_params = [p.detach().clone() for p in learner.model[0].module.parameters()]
     saved_moments = _moments(learner)
     after = learner.train_step({"tokens": tokens}, _loss)["loss"]
@@ -112,7 +113,7 @@ def _save_and_resume(rank, world, ckpt_dir):
     same_moments = all(torch.equal(a, b) for a, b in zip(saved_moments, _moments(fresh)))
     resumed = fresh.train_step({"tokens": tokens}, _loss)["loss"]
     fresh.close()
-    return {"held": held, "params": same_params, "moments": same_moments, "after": after, "resumed": resumed,
+    return {"held": held, "left": left, "params": same_params, "moments": same_moments, "after": after, "resumed": resumed,
             "optimizer": type(fresh.optimizer.optimizer).__name__, "host": host}
 
 
@@ -126,6 +127,7 @@ def resumed(tmp_path_factory):
 
 def test_memory_efficient_save_and_exact_resume(resumed):
     assert [r["held"] for r in resumed] == [True, False], "gathered optimizer state on DP rank 0 only"
+    assert [r["left"] for r in resumed] == [[], []], "a save leaves no process behind (ranks/weights.py)"
     for r in resumed:
         assert r["params"] and r["moments"]
         assert r["resumed"] == pytest.approx(r["after"], rel=1e-6)

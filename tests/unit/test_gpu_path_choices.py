@@ -152,3 +152,17 @@ def test_engine_arguments_follow_the_choices(tmp_path):
     assert "weight_transfer_config" not in kwargs(weight_transfer="none")
     assert engine_env(RolloutConfig(model=str(tmp_path), weight_transfer="ipc"), on_gpu=True) == {
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def test_an_eager_cpu_engine_does_not_trace_its_sampler():
+    """CPU engines run eager (llm_kwargs), yet vLLM's sampler keeps one torch.compile'd op that dynamo traces at
+    the first generate (2.7 s an engine start here): engine_env turns dynamo off for them, and only them."""
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.engine_setup import engine_env, llm_kwargs
+
+    cpu = RolloutConfig()
+    assert llm_kwargs(cpu, on_gpu=False)["enforce_eager"] is True
+    assert engine_env(cpu, on_gpu=False)["TORCHDYNAMO_DISABLE"] == "1"
+    compiled = RolloutConfig(engine_options={"enforce_eager": False})  # a user who wants vLLM's compilation
+    assert "TORCHDYNAMO_DISABLE" not in engine_env(compiled, on_gpu=False)
+    assert "TORCHDYNAMO_DISABLE" not in engine_env(cpu, on_gpu=True)
