@@ -113,8 +113,8 @@ def _save_and_resume(rank, world, ckpt_dir):
     same_moments = all(torch.equal(a, b) for a, b in zip(saved_moments, _moments(fresh)))
     resumed = fresh.train_step({"tokens": tokens}, _loss)["loss"]
     fresh.close()
-    return {"held": held, "left": left, "params": same_params, "moments": same_moments, "after": after, "resumed": resumed,
-            "optimizer": type(fresh.optimizer.optimizer).__name__, "host": host}
+    return {"held": held, "left": left, "params": same_params, "moments": same_moments, "after": after,
+            "resumed": resumed, "optimizer": type(fresh.optimizer.optimizer).__name__, "host": host}
 
 
 @pytest.fixture(scope="module")
