@@ -31,6 +31,11 @@ def transfer_path(cfg: RolloutConfig):
     return transport_class("auto" if cfg.weight_transfer == "none" else cfg.weight_transfer)
 
 
+def runs_eager(cfg: RolloutConfig, on_gpu: bool) -> bool:
+    """vLLM's enforce_eager for this engine: on CPU (no CUDA graphs to capture), unless engine_options say."""
+    return bool(cfg.engine_options.get("enforce_eager", not on_gpu))
+
+
 def engine_env(cfg: RolloutConfig, on_gpu: bool) -> dict[str, str]:
     """Environment variables vLLM needs for this config (on GPU only the in-process switch)."""
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if cfg.engine_in_process else {}
@@ -38,7 +43,7 @@ def engine_env(cfg: RolloutConfig, on_gpu: bool) -> dict[str, str]:
         # The ipc backend's handles travel pickled (vLLM refuses to unpickle them otherwise).
         return {**in_process, **transfer_path(cfg).engine_env}
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib), **in_process}
-    if cfg.engine_options.get("enforce_eager", True):
+    if runs_eager(cfg, on_gpu):
         # An eager CPU engine still traces the one torch.compile'd op of its sampler (the rank of each sampled
         # token's logprob) at its first call: 2.7 s of dynamo tracing per engine start here, for an op a
         # reduction does eagerly.  Read when vLLM's sampler is imported (after this), and by its processes.
@@ -64,7 +69,7 @@ def llm_kwargs(cfg: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
         seed=cfg.seed,
         dtype=cfg.dtype,
         skip_tokenizer_init=True,
-        enforce_eager=not on_gpu,
+        enforce_eager=runs_eager(cfg, on_gpu),
         logprobs_mode=cfg.logprobs_mode,
         distributed_executor_backend="uni" if cfg.engine_in_process else "mp",
     )
