@@ -36,3 +36,29 @@ def test_child_exception_is_reraised_with_traceback():
         run_distributed(_fail_on_rank_one, 2, timeout=120)
     assert "ValueError: boom from the test" in str(info.value)
     assert "_fail_on_rank_one" in str(info.value)
+
+
+def _what_the_rank_has(rank, world):
+    import os
+    import sys
+
+    return {"var": os.environ.get("MEGATRON_RL_SPAWN_PROBE"), "gone": os.environ.get("MEGATRON_RL_SPAWN_GONE"),
+            "megatron": "megatron.core.models.gpt" in sys.modules, "pid": os.getpid()}
+
+
+def test_cpu_ranks_fork_from_a_preloaded_server_with_the_callers_environment_of_the_moment(monkeypatch):
+    """CPU ranks fork from a forkserver that imported Megatron once (platform/spawn.py `_PRELOAD`); a rank
+    still sees the environment the caller has when it calls, not the one the server started with."""
+    import multiprocessing.forkserver as forkserver
+
+    monkeypatch.setenv("MEGATRON_RL_SPAWN_GONE", "set before the server")
+    run_distributed(_sum_ranks, 1, 1.0, timeout=120)  # the server is up from here on
+    server = forkserver._forkserver._forkserver_pid
+    assert server is not None
+    monkeypatch.setenv("MEGATRON_RL_SPAWN_PROBE", "set after the server started")
+    monkeypatch.delenv("MEGATRON_RL_SPAWN_GONE")
+    out = run_distributed(_what_the_rank_has, 2, timeout=120)
+    assert [o["var"] for o in out] == ["set after the server started"] * 2
+    assert [o["gone"] for o in out] == [None, None]
+    assert all(o["megatron"] for o in out)  # imported before the fork, by the server
+    assert forkserver._forkserver._forkserver_pid == server  # the same server: one import per caller
