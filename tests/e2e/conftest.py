@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.warm_cli import Servers
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_cpu_scratch.yaml"  # GRPO from a random tiny model: the quickest whole run
 
@@ -81,6 +83,7 @@ class SharedRay:
 
 SHARED_RAY = SharedRay()
 _OWN_RAY: list = []  # the running test's own_ray marker, if any (pytest_runtest_setup)
+WARM = Servers(REPO)  # CLI runs fork from a warm Python (tests/e2e/warm_cli.py), unless asked to be fresh
 JOINS_RAY = ("train", "sft", "drill", "reconcile")  # the subcommands that start Ray (train/run_setup.start_ray)
 
 
@@ -98,6 +101,7 @@ def pytest_runtest_teardown(item):
 @pytest.fixture(scope="session", autouse=True)
 def _shared_ray_stops_at_the_end():
     yield
+    WARM.stop()
     SHARED_RAY.stop()
 
 
@@ -140,16 +144,25 @@ def cli_env_and_args(args: tuple[str, ...]) -> tuple[dict, tuple[str, ...]]:
     return env, args
 
 
+def cli_command(args: tuple[str, ...], env: dict, fresh: bool = False) -> tuple[list[str], dict]:
+    """`megatron-rl ARGS`: forked from a warm Python (tests/e2e/warm_cli.py), or, with `fresh` (a test that reads
+    what a forked run does not do as a fresh one: the module's docstring) or under MEGATRON_RL_TESTS_FRESH_CLI=1
+    (every run: to time the difference), a fresh one."""
+    if fresh or os.environ.get("MEGATRON_RL_TESTS_FRESH_CLI") == "1":
+        return [sys.executable, "-m", "megatron_rl.cli", *args], env
+    return WARM.command(args, env)
+
+
 def _fail_unless_ok(proc: subprocess.CompletedProcess) -> None:
     if proc.returncode != 0:
         pytest.fail(f"megatron-rl {' '.join(proc.args[3:])} exited {proc.returncode}\n--- stderr tail ---\n"
                     f"{proc.stderr[-6000:]}")
 
 
-def run_cli(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 900, check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
     env, args = cli_env_and_args(args)
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    cmd, env = cli_command(args, env, fresh=fresh)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
         _fail_unless_ok(proc)
     return proc
@@ -207,12 +220,13 @@ class StartedCli:
 _STARTED: list[StartedCli] = []
 
 
-def start_cli(*args: str, check: bool = True) -> StartedCli:
+def start_cli(*args: str, check: bool = True, fresh: bool = False) -> StartedCli:
     """`megatron-rl ARGS` started and not waited for, in run_cli's environment (the shared Ray cluster, or its
     own under own_ray): start a second, independent run, then read each one's `.result()` in its own fixture.
     At most two at a time, and never beside a run whose tests depend on timing."""
     env, args = cli_env_and_args(args)
-    return StartedCli([sys.executable, "-m", "megatron_rl.cli", *args], env, check)
+    cmd, env = cli_command(args, env, fresh=fresh)
+    return StartedCli(cmd, env, check)
 
 
 def first_to_finish(*started: StartedCli, timeout: float = 900) -> StartedCli:

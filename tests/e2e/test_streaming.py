@@ -64,7 +64,8 @@ SEEN: dict = {}
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("stream") / "run"
     with RunWatch(also=lambda: SHARED_RAY.proc.pid if SHARED_RAY.proc is not None else None) as watch:
-        pa = run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=3", *STREAM)
+        # fresh: RunWatch finds the driver by its /proc/PID/environ, a forked one's is the warm server's
+        pa = run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=3", *STREAM, fresh=True)
     pb = run_cli("train", "--config", str(TINY), f"run.dir={d}", "run.steps=5", *STREAM, *EVERY_STEP)
     SEEN.update(listeners=watch.seen, tagged=watch.processes, console=[pa.stdout + pa.stderr, pb.stdout + pb.stderr])
     return d, last_json(pa.stdout), last_json(pb.stdout)

@@ -59,7 +59,8 @@ def _start(runs, key: str):
                 "b_resumed": _b_args(runs),
                 "reconcile": ("reconcile", "--config", str(TINY), f"run.dir={runs.rec}",
                               *(f"rollout.{k}={v}" for k, v in SAMPLING.items()))}[key]
-        runs.started[key] = start_cli(*args, check=key != "b_stopped")
+        # A is fresh: test_console_is_quiet... reads all it printed, imports' output too (tests/e2e/warm_cli.py)
+        runs.started[key] = start_cli(*args, check=key != "b_stopped", fresh=key == "a")
     return runs.started[key]
 
 
