@@ -131,13 +131,13 @@ def rollout_cluster():
             os.environ["PYTHONPATH"] = old
 
 
-def cli_env_and_args(args: tuple[str, ...]) -> tuple[dict, tuple[str, ...]]:
+def cli_env_and_args(args: tuple[str, ...], own_ray: bool = False) -> tuple[dict, tuple[str, ...]]:
     """The environment and arguments of a CLI run: one that starts Ray joins the shared cluster, unless the
-    running test is marked own_ray or it is a dry run (which starts no Ray)."""
+    running test is marked own_ray, `own_ray` is asked for, or it is a dry run (which starts no Ray)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
     shared = os.environ.get("MEGATRON_RL_TESTS_OWN_RAY") != "1"  # =1: every run starts its own (A/B timing)
-    if shared and args and args[0] in JOINS_RAY and not _OWN_RAY and "--dry-run" not in args:
+    if shared and args and args[0] in JOINS_RAY and not (_OWN_RAY or own_ray) and "--dry-run" not in args:
         env["RAY_ADDRESS"] = SHARED_RAY.start()
         env.update(SHARED_RAY.env)
         args = (*args, "run.use_existing_ray=true")
@@ -159,8 +159,9 @@ def _fail_unless_ok(proc: subprocess.CompletedProcess) -> None:
                     f"{proc.stderr[-6000:]}")
 
 
-def run_cli(*args: str, timeout: float = 900, check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
-    env, args = cli_env_and_args(args)
+def run_cli(*args: str, timeout: float = 900, check: bool = True, fresh: bool = False,
+            own_ray: bool = False) -> subprocess.CompletedProcess:
+    env, args = cli_env_and_args(args, own_ray)
     cmd, env = cli_command(args, env, fresh=fresh)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
@@ -220,11 +221,11 @@ class StartedCli:
 _STARTED: list[StartedCli] = []
 
 
-def start_cli(*args: str, check: bool = True, fresh: bool = False) -> StartedCli:
+def start_cli(*args: str, check: bool = True, fresh: bool = False, own_ray: bool = False) -> StartedCli:
     """`megatron-rl ARGS` started and not waited for, in run_cli's environment (the shared Ray cluster, or its
     own under own_ray): start a second, independent run, then read each one's `.result()` in its own fixture.
     At most two at a time, and never beside a run whose tests depend on timing."""
-    env, args = cli_env_and_args(args)
+    env, args = cli_env_and_args(args, own_ray)
     cmd, env = cli_command(args, env, fresh=fresh)
     return StartedCli(cmd, env, check)
 

@@ -59,8 +59,10 @@ def _start(runs, key: str):
                 "b_resumed": _b_args(runs),
                 "reconcile": ("reconcile", "--config", str(TINY), f"run.dir={runs.rec}",
                               *(f"rollout.{k}={v}" for k, v in SAMPLING.items()))}[key]
-        # A is fresh: test_console_is_quiet... reads all it printed, imports' output too (tests/e2e/warm_cli.py)
-        runs.started[key] = start_cli(*args, check=key != "b_stopped", fresh=key == "a")
+        # A, as a user's run: fresh (test_console_is_quiet... reads all it printed, imports' output too:
+        # tests/e2e/warm_cli.py) and on a Ray of its own, whose log monitor tails only this run's workers (the
+        # suite's, after some hundred workers, lost all of an actor's lines to A's driver once: session 38)
+        runs.started[key] = start_cli(*args, check=key != "b_stopped", fresh=key == "a", own_ray=key == "a")
     return runs.started[key]
 
 
