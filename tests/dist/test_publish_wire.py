@@ -38,7 +38,7 @@ def _failing_source():
     raise RuntimeError("gather failed on stage 1")
 
 
-def _run(rank, port, queue):
+def _run(rank, port, queue, read):
     # every rank joins the store the test opened (a port bound at once: no other process can take it first)
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
@@ -50,6 +50,7 @@ def _run(rank, port, queue):
             send_publication(pg, 3, _failing_source(), bucket_bytes=9000)
         except RuntimeError as err:
             queue.put((0, str(err)))
+        read.wait(120)
         return
     staging = StagingBuffers()  # reused across the three publications, as a rollout engine does
     for _ in range(3):
@@ -57,16 +58,20 @@ def _run(rank, port, queue):
         queue.put((rank, got.ok, got.error, got.bad_bucket,
                    None if got.manifest is None else got.manifest.version,
                    [(n, t.clone()) for n, t in got.tensors]))
+    # Tensors in a queue go by shared memory that this process hands out: it stays until the test has them.
+    read.wait(120)
 
 
 def test_publication_intact_corrupted_and_aborted():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     server = listening_store("127.0.0.1", WORLD, timeout_s=120)
-    procs = [ctx.Process(target=_run, args=(r, server.port, queue)) for r in range(WORLD)]
+    read = ctx.Event()
+    procs = [ctx.Process(target=_run, args=(r, server.port, queue, read)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=120) for _ in range(1 + 3 * (WORLD - 1))]
+    read.set()
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
