@@ -137,11 +137,13 @@ class StreamEngine:
     @classmethod
     def start(cls, cfg: RolloutConfig, version: int = 0, label: str | None = None) -> "StreamEngine":
         """Build the engine from a rollout config (the same arguments as RolloutWorker's LLM).  AsyncLLM
-        always runs its engine core in a child process; `engine_in_process` puts the worker in that one
-        (the "uni" executor) instead of a third process."""
+        runs its engine core (and, "mp", its worker) in child processes; `engine_in_process` puts all of it
+        in this process instead: vLLM's LLMEngine stepped by a thread (rollout/stepped_engine.py)."""
         import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        from megatron_rl.rollout.stepped_engine import SteppedEngine
 
         if not cfg.model or not os.path.isdir(cfg.model):
             raise FileNotFoundError(f"rollout.model: no checkpoint directory {cfg.model}")
@@ -151,12 +153,18 @@ class StreamEngine:
         kwargs.update(cfg.engine_options)
         started = time.perf_counter()
         feed = RunningFeed()
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[feed.factory()])
+        if cfg.engine_in_process:
+            engine = SteppedEngine.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[feed.factory()])
+        else:
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[feed.factory()])
         log.info("vLLM async engine for %s up in %.1f s", cfg.model, time.perf_counter() - started)
         return cls(engine, version, label, feed)
 
     def in_flight(self) -> dict[str, int]:
         """Request id -> response tokens received so far, for every request not finished."""
+        progress = getattr(self.engine, "tokens_so_far", None)  # an engine that counts them itself (FINAL_ONLY)
+        if progress is not None:
+            return {rid: progress(rid) for rid in list(self._flights)}
         return {rid: len(f.result.response_tokens) for rid, f in self._flights.items()}
 
     async def generate(self, request_id: str, prompt: list[int], sampling: dict[str, Any] | None = None,
@@ -175,7 +183,10 @@ class StreamEngine:
             raise RuntimeError(f"this engine stopped serving: {self._broken}")
         from vllm.sampling_params import RequestOutputKind as Kind, SamplingParams
 
-        params = SamplingParams(logprobs=0, flat_logprobs=True, detokenize=False, output_kind=Kind.DELTA,
+        # An engine that counts a request's tokens itself (the stepped one) sends one output per request, at
+        # its end (FINAL_ONLY: the whole response, logprobs and version spans), not one per engine step.
+        kind = Kind.FINAL_ONLY if hasattr(self.engine, "tokens_so_far") else Kind.DELTA
+        params = SamplingParams(logprobs=0, flat_logprobs=True, detokenize=False, output_kind=kind,
                                 **(sampling or {}))
         # No await from here to the registration: a refit sees this request with this admission version.
         admitted = self.version
