@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_rl.drill import streaming
 from megatron_rl.drill.accounting import account, recovery_time
-from megatron_rl.drill.harness import Drill
+from megatron_rl.drill.harness import ENGINE_PROCESS, Drill
 
 EXIT_REQUEUE, EXIT_OOM = 75, 87
 
@@ -187,10 +187,6 @@ def _judge_bad_refit(drill: Drill, run, cfg) -> dict:
             "evidence": detected, "action": f"group rolled back to version {version - 1}; version {version} "
                                             "published again" if again else "none",
             "recovered": _finished(drill, run) and again is not None}
-
-
-# The engine drills kill vLLM's engine-core process: it must be a process of its own.
-ENGINE_PROCESS = ("rollout.engine_in_process=false",)
 
 
 def _engine_deaths(drill: Drill) -> float:

@@ -21,6 +21,9 @@ from megatron_rl.drill.accounting import wal_ids
 
 DEFAULT_OVERRIDES = ["data.eval_size=8", "run.eval_every=0", "run.checkpoint_every=2", "run.keep_checkpoints=3"]
 EVENTS = "drill_events.jsonl"
+# The engine drills kill vLLM's engine-core process: it must be a process of its own (with the engine in the
+# rollout actor's process, as the tiny recipes run it, there is none to kill).
+ENGINE_PROCESS = ("rollout.engine_in_process=false",)
 DRILLS = ("bad_checkpoint", "oom", "oom_twice", "verifier_timeout", "worker_crash", "engine_crash",
           "engine_crash_publish", "bad_refit", "partition", "coordinator_stop", "refit_mid_generation",
           "refit_stale_kv", "refit_engine_death")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 import sqlite3
 
-from megatron_rl.drill.harness import Drill
+from megatron_rl.drill.harness import ENGINE_PROCESS, Drill
 
 STREAMING = ("run.mode=async", "run.prompts_per_step=4", "run.group_size=4", "learner.micro_batch_size=16",
              "rollout.streaming=true", "rollout.inflight_refit=recompute", "rollout.max_tokens=200",
@@ -72,7 +72,7 @@ def judge_refit_mid_generation(drill: Drill, run, cfg) -> dict:
 
 
 def arm_refit_engine_death(cfg) -> tuple[dict, tuple]:
-    return {"fault": "engine_kill_refit", "at_version": cfg.at_step + 1}, STREAMING
+    return {"fault": "engine_kill_refit", "at_version": cfg.at_step + 1}, STREAMING + ENGINE_PROCESS
 
 
 def judge_refit_engine_death(drill: Drill, run, cfg) -> dict:

@@ -108,9 +108,12 @@ class RolloutConfig:
     engine_in_process: bool = False
     """Run vLLM's engine core and its one worker inside the actor's process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
     the "uni" executor) instead of spawning two processes that import torch and vLLM again: ~15-20 s
-    less start-up per engine on 2 CPU cores.  Needs tensor_parallel_size 1.  The tiny CPU recipes set it
+    less start-up per engine on 2 CPU cores.  A streaming engine then is vLLM's LLMEngine stepped by a
+    thread of the actor (rollout/stepped_engine.py) instead of AsyncLLM, whose engine core is always a
+    child process with a ZMQ front end in the actor (measured: 0.3 ms of CPU per token less on 2 cores).
+    Needs tensor_parallel_size 1.  The tiny CPU recipes set it
     (configs/tiny_cpu*.yaml) and the experiment runner turns it on for its runs (experiment/runner.py);
-    the engine drills that kill vLLM's engine-core process turn it off (drill/faults.py ENGINE_PROCESS)."""
+    the engine drills that kill vLLM's engine-core process turn it off (drill/harness.py ENGINE_PROCESS)."""
     publish_timeout_s: float = 600.0
     """How long a publication waits for a rollout group (both sides: the gloo group's timeout and the
     learner's wait for each group's answer).  A group that does not answer in time is marked stale
