@@ -38,6 +38,7 @@ import random
 import signal
 import subprocess
 import sys
+import traceback
 import tempfile
 import time
 from pathlib import Path
@@ -68,11 +69,14 @@ def sampling(req: dict) -> dict:
 def rollout_config(args):
     from megatron_rl.rollout.config import RolloutConfig
 
-    # The engine core in its own process (vLLM's default) with its one worker inside it, in both arms.
+    # The engine core in its own process (vLLM's default) with its one worker inside it, in every arm; with
+    # --in-process all of it in the arm's process (rollout.engine_in_process: the stream arm's engine is then
+    # rollout/stepped_engine.py's, as in a tiny recipe's training run).
+    options = {"max_num_seqs": args.capacity, "disable_log_stats": False}
+    if not args.in_process:
+        options["distributed_executor_backend"] = "uni"
     return RolloutConfig(model=args.model, dtype="float32", max_model_len=args.max_model_len, weight_transfer="none",
-                         engine_in_process=False, engine_options={"distributed_executor_backend": "uni",
-                                                                  "max_num_seqs": args.capacity,
-                                                                  "disable_log_stats": False})
+                         engine_in_process=bool(args.in_process), engine_options=options)
 
 
 def run_round(args, reqs: list[dict], size: int) -> dict:
@@ -104,7 +108,7 @@ async def run_stream(args, reqs: list[dict]) -> dict:
     from megatron_rl.rollout.stream_engine import StreamEngine
 
     stream = StreamEngine.start(rollout_config(args))
-    occupancy = Occupancy(stream.engine)
+    occupancy = Occupancy(getattr(stream.engine, "engine", stream.engine))  # a stepped engine's LLMEngine
     await asyncio.gather(*(stream.generate(f"warm-{i}", r["prompt"], sampling(r))
                            for i, r in enumerate(warmup(args, reqs))))
     slots = asyncio.Semaphore(args.capacity + args.backlog)
@@ -144,6 +148,8 @@ def arm_main(args) -> None:
         result["tok_s"] = result["tokens"] / result["wall_s"]
         print(json.dumps(result), flush=True)
         code = 0
+    except BaseException:  # os._exit below would leave without the traceback
+        traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -193,6 +199,8 @@ def parse(argv=None):
     ap.add_argument("--max-model-len", type=int, default=320)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900, help="seconds per arm")
+    ap.add_argument("--in-process", type=int, default=0, choices=(0, 1),
+                    help="1: every arm's engine in the arm's process (rollout.engine_in_process)")
     ap.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.requests % args.group or args.capacity % args.group or args.batch % args.group:
