@@ -175,8 +175,12 @@ class SteppedEngine:
 
     def _post(self, fn, reply) -> None:
         with self._cond:
-            self._calls.append((fn, reply))
-            self._cond.notify()
+            if self._dead is None:
+                self._calls.append((fn, reply))
+                self._cond.notify()
+                return
+        if reply is not None:  # the thread is gone (or going): nobody would run it
+            reply[0].call_soon_threadsafe(_settle, reply[1], None, self._dead)
 
     def _stepping(self) -> bool:
         return not self._paused and self.engine.has_unfinished_requests()
@@ -188,9 +192,10 @@ class SteppedEngine:
                     while not self._calls and not self._stepping():
                         self._cond.wait()
                     calls, self._calls = list(self._calls), collections.deque()
-                for fn, reply in calls:
+                for i, (fn, reply) in enumerate(calls):
                     if fn is _STOP:
-                        raise EngineDead("the vLLM engine was shut down")
+                        self._die(EngineDead("the vLLM engine was shut down"), calls[i + 1:])
+                        return
                     try:
                         result, error = fn(), None
                     except Exception as err:  # noqa: BLE001 -- handed to the caller, who raises it
@@ -205,7 +210,7 @@ class SteppedEngine:
                         loop.call_soon_threadsafe(_settle, fut, None, None)
                     self._wait_idle.clear()
         except BaseException as err:  # noqa: BLE001 -- a dead engine fails every caller with why
-            self._die(err)
+            self._die(err, [])
 
     def _add(self, request_id: str, prompt: dict, params, lora_request) -> None:
         self._internal[request_id] = self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
@@ -230,13 +235,17 @@ class SteppedEngine:
         self.engine.abort_request(request_ids)
         self._deliver([out for out in last if out is not None])
 
-    def _die(self, err: BaseException) -> None:
-        first = self._dead is None
-        self._dead = err if isinstance(err, EngineDead) else EngineDead(f"a vLLM engine step failed: {err!r}")
-        if first and not isinstance(err, EngineDead):
+    def _die(self, err: BaseException, leftover: list) -> None:
+        """Stop the engine core, then fail every caller waiting (`leftover`: calls taken off the queue, not run)."""
+        with self._cond:  # from here on _post runs nothing: it answers with this error
+            self._dead = err if isinstance(err, EngineDead) else EngineDead(f"a vLLM engine step failed: {err!r}")
+            calls, self._calls = list(leftover) + list(self._calls), collections.deque()
+        if not isinstance(err, EngineDead):
             log.error("the stepped vLLM engine died: %r", err)
-        with self._cond:
-            calls, self._calls = list(self._calls), collections.deque()
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception as shut:  # noqa: BLE001 -- already dead; say so and go
+            log.warning("shutting the vLLM engine core down: %r", shut)
         for _fn, reply in calls:
             if reply is not None:
                 reply[0].call_soon_threadsafe(_settle, reply[1], None, self._dead)
@@ -244,10 +253,6 @@ class SteppedEngine:
             loop.call_soon_threadsafe(_settle, fut, None, self._dead)
         for loop, queue in list(self._streams.values()):
             loop.call_soon_threadsafe(queue.put_nowait, self._dead)
-        try:
-            self.engine.engine_core.shutdown()
-        except Exception as shut:  # noqa: BLE001 -- already dead; say so and go
-            log.warning("shutting the vLLM engine core down: %r", shut)
 
 
 def _settle(fut: asyncio.Future, result, error) -> None:

@@ -240,3 +240,13 @@ def test_bad_pause_mode_is_refused_by_name():
     with pytest.raises(ValueError, match="pause mode 'drain'"):
         _run(engine.pause_generation(mode="drain"))
     engine.shutdown()
+
+
+def test_calls_after_shutdown_fail_at_once_and_shutdown_is_idempotent():
+    fake = FakeLLMEngine()
+    engine = SteppedEngine(fake)
+    engine.shutdown()
+    engine.shutdown()
+    with pytest.raises(EngineDead, match="shut down"):
+        _run(engine.collective_rpc("anything"))
+    assert fake.events.count(("shutdown",)) == 1 and not any(e[0] == "rpc" for e in fake.events)
