@@ -151,10 +151,12 @@ class CpuSampler:
 
 def phase_means(rows: list[dict]) -> dict:
     """Mean seconds per step inside the clock: the driver's phases (step, score, learn, publish; the rest of
-    a step is waiting for the batch) and, streaming, the producer's summed per-group admit/generate/grade and its
-    verifier calls per graded group."""
+    a step is waiting for the batch) and, streaming, the producer's summed per-group admit/generate/grade, its
+    verifier calls per graded group, and the learner's wait for its batch: too few groups finished (wait_groups)
+    or enough, but one about to leave the version window still generating (wait_window)."""
     keys = [f"system/time_{k}_s" for k in ("step", "score", "learn", "publish", "audit", "driver_cpu")]
-    keys += [f"system/stream_{k}_s" for k in ("admit", "generate", "grade")] + ["system/stream_grade_calls_per_group"]
+    keys += [f"system/stream_{k}_s" for k in ("admit", "generate", "grade", "wait_groups", "wait_window")]
+    keys += ["system/stream_grade_calls_per_group"]
     return {k.removeprefix("system/").removesuffix("_s"): round(sum(r.get(k, 0.0) for r in rows) / max(len(rows), 1), 4)
             for k in keys if any(k in r for r in rows)}
 

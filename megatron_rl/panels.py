@@ -82,6 +82,8 @@ CHARTS: tuple[Chart, ...] = (
     Chart(panel="system", title="Streaming: versions per sample and groups in flight", in_report=False,
           series=("system/stream_segments_per_sample", "system/stream_multi_version_fraction",
                   "system/stream_groups_in_flight")),
+    Chart(panel="system", title="Streaming: the learner's wait for its batch (too few groups; the version window)",
+          in_report=False, series=("system/stream_wait_groups_s", "system/stream_wait_window_s")),
     Chart(panel="system", title="Streaming: refits in flight and the requests they kept", in_report=False,
           feature="system/engine_refits", series=("system/engine_refits", "system/engine_refit_requests_kept")),
     Chart(panel="system", title="Engine occupancy and idle fraction; learner idle fraction",

@@ -250,12 +250,17 @@ class StreamProducer:
         window) goes into this batch first, and the batch waits for such a group while it generates; so a
         long group is never starved into the TTL by shorter ones that keep finishing first."""
         limit = step + self._offset + 1 - self.coordinator.lookahead  # older groups: now or never
-        while (len(self._groups) < self.groups_per_step
-               or any(self._floor.get(g, limit) < limit for g in self._in_flight)):
+        while True:
+            short = len(self._groups) < self.groups_per_step
+            if not short and not any(self._floor.get(g, limit) < limit for g in self._in_flight):
+                break
             self.loop.raise_if_failed()
             if self.loop.thread is None or (not self.loop.alive() and not self._in_flight):
                 raise RuntimeError(f"rollout producer stopped without producing batch {step}")
+            t0 = time.perf_counter()
             self.loop.cond.wait(1.0)
+            # the learner's wait for this batch: too few groups finished, or enough but one must come first
+            self._spent["wait_groups" if short else "wait_window"] += time.perf_counter() - t0
         ordered = sorted(self._groups, key=lambda g: min(self._oldest(g), limit))  # the oldest of those first;
         # the others in the order they finished (a stable sort)
         taken = sorted(ordered[:self.groups_per_step], key=lambda g: g[0])  # learned in serial order

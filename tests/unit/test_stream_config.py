@@ -99,6 +99,8 @@ def test_a_group_that_would_fall_out_of_the_version_window_goes_into_this_batch(
         producer.loop.cond.notify_all()
     taker.join(10)
     assert got[0].leases == ["l0a", "l0b"] and [g[0] for g in producer._groups] == [2, 3]
+    # the learner's wait is counted as the window's (enough groups had finished): 0.3 s at least, none as short
+    assert got[0].stats["system/stream_wait_window_s"] >= 0.3 and "system/stream_wait_groups_s" not in got[0].stats
     producer._groups.append((4, [_sample([0]), _sample([0])], ["l4a", "l4b"], 1.0))  # finished last, oldest
     assert producer.next(2).leases == ["l4a", "l4b"]  # out of the window next: before groups 2 and 3
 
