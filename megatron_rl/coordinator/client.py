@@ -40,6 +40,9 @@ class Coordinator:
         self._opened = threading.Condition()
         self.admission_epoch = 0
         """Counts this client's calls that may open admission (set_version, release, report_lag)."""
+        self.published: int | None = None
+        """The last version this client's set_version announced (None before the first): every rollout group
+        that answered holds it from then on, since the driver announces a version only once it is published."""
 
     @classmethod
     def start(cls, config: CoordinatorConfig, *, wal_path: str | Path, tokenizer_hash: str,
@@ -123,6 +126,7 @@ class Coordinator:
     def set_version(self, version: int) -> None:
         """The learner published `version`: admission and the TTL move with it."""
         self._get(self.actor.set_version.remote(version))
+        self.published = version
         self.wake_admission()
 
     def report_lag(self, dv: list[float], d_lag_p95: float | None) -> None:

@@ -165,8 +165,11 @@ class StreamProducer:
             loop.fail(err)
 
     def _submit(self, serial: int, indices: list[int], leases: list[str], generate: Callable[[], list]) -> None:
+        # The group's tokens are sampled after this, under the version the driver announced last or a later one:
+        # admission opens with that announcement, before the driver asks for its next batch (`next` learns it).
+        announced = self.coordinator.published
         with self.loop.cond:
-            self._floor[serial] = self._published
+            self._floor[serial] = self._published if announced is None else max(self._published, announced)
             self._in_flight[serial] = (indices, leases)
             self._pool.submit(self._one_group, serial, leases, generate)
 

@@ -105,6 +105,42 @@ def test_a_group_that_would_fall_out_of_the_version_window_goes_into_this_batch(
     assert producer.next(2).leases == ["l4a", "l4b"]  # out of the window next: before groups 2 and 3
 
 
+def test_a_group_admitted_after_a_publication_is_as_young_as_it_before_the_next_batch_is_asked_for():
+    """The driver announces version 1 (coordinator.set_version), admission opens and a group is submitted before
+    the driver asks for batch 1: its tokens will carry version 1 or later, so batch 1 (window [0, 1]) need not
+    wait for it -- batch 2 can still take it.  Counted as version 0, batch 1 waited for it (the long tail's
+    wait, measured)."""
+    import threading
+
+    from megatron_rl.sampling.stream_producer import StreamProducer
+
+    class Pool:  # test double of the producer's thread pool: the group stays "generating"
+        def submit(self, *args):
+            pass
+
+    admission = _Admission()
+    admission.lookahead = 1
+    producer = StreamProducer(admission, prepare_group=None, grade=None, steps=3, groups_per_step=1, group_size=2,
+                              max_groups_in_flight=4)
+    producer.loop.thread, producer._pool = threading.current_thread(), Pool()
+    producer._groups.append((0, [_sample([0]), _sample([0])], ["l0a", "l0b"], 1.0))
+    assert producer.next(0).leases == ["l0a", "l0b"]
+    admission.published = 1  # the driver published version 1; admission opened; batch 1 not asked for yet
+    producer._submit(2, [2], ["l2a", "l2b"], generate=None)
+    assert producer._floor[2] == 1
+    producer._groups.append((1, [_sample([0, 1]), _sample([0, 1])], ["l1a", "l1b"], 1.0))
+    got: list = []
+    taker = threading.Thread(target=lambda: got.append(producer.next(1)))
+    taker.start()
+    taker.join(3)
+    if taker.is_alive():  # release it before failing
+        with producer.loop.cond:
+            producer._in_flight.pop(2)
+            producer.loop.cond.notify_all()
+        taker.join(10)
+    assert got[0].leases == ["l1a", "l1b"] and "system/stream_wait_window_s" not in got[0].stats
+
+
 def _traj(versions: list[int], segments: list) -> "Trajectory":
     from megatron_rl.trajectory import make_trajectory
 
@@ -157,6 +193,7 @@ class _Admission:
     config = type("C", (), {"lease_ttl_s": 60.0, "batch_size": 4})()
     lookahead = 0
     admission_epoch = 0
+    published = None  # no version announced yet
 
     def renew(self, leases):
         return len(leases)

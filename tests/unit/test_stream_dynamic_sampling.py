@@ -26,6 +26,7 @@ class Admission:
     config = type("C", (), {"lease_ttl_s": 60.0, "batch_size": 4})()
     lookahead = 0
     admission_epoch = 0
+    published = None  # no version announced yet
 
     def __init__(self):
         self.granted, self.released, self._lock = 0, [], threading.Lock()
