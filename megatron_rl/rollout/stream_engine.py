@@ -121,6 +121,8 @@ class StreamEngine:
         `label`: what vLLM stamps on the tokens these weights sample ("<version>" unless given; its part
         before the first ":" is the version); `feed`: the engine's scheduler counts, for the occupancy."""
         self.engine = engine
+        self._tokens_so_far = getattr(engine, "tokens_so_far", None)
+        """An engine that counts a request's tokens itself (the stepped one): one output per request, at its end."""
         self.version = int(version)
         self.label = label if label is not None else str(int(version))
         self._flights: dict[str, _Flight] = {}
@@ -162,9 +164,8 @@ class StreamEngine:
 
     def in_flight(self) -> dict[str, int]:
         """Request id -> response tokens received so far, for every request not finished."""
-        progress = getattr(self.engine, "tokens_so_far", None)  # an engine that counts them itself (FINAL_ONLY)
-        if progress is not None:
-            return {rid: progress(rid) for rid in list(self._flights)}
+        if self._tokens_so_far is not None:
+            return {rid: self._tokens_so_far(rid) for rid in list(self._flights)}
         return {rid: len(f.result.response_tokens) for rid, f in self._flights.items()}
 
     async def generate(self, request_id: str, prompt: list[int], sampling: dict[str, Any] | None = None,
@@ -183,9 +184,8 @@ class StreamEngine:
             raise RuntimeError(f"this engine stopped serving: {self._broken}")
         from vllm.sampling_params import RequestOutputKind as Kind, SamplingParams
 
-        # An engine that counts a request's tokens itself (the stepped one) sends one output per request, at
-        # its end (FINAL_ONLY: the whole response, logprobs and version spans), not one per engine step.
-        kind = Kind.FINAL_ONLY if hasattr(self.engine, "tokens_so_far") else Kind.DELTA
+        # FINAL_ONLY: the whole response, logprobs and version spans at once, not one output per engine step.
+        kind = Kind.FINAL_ONLY if self._tokens_so_far is not None else Kind.DELTA
         params = SamplingParams(logprobs=0, flat_logprobs=True, detokenize=False, output_kind=kind,
                                 **(sampling or {}))
         # No await from here to the registration: a refit sees this request with this admission version.

@@ -108,13 +108,26 @@ async def _until(predicate, timeout: float = 5.0):
 
 
 async def _final(engine: SteppedEngine, rid: str, max_tokens: int):
-    outs = [out async for out in engine.generate({"prompt_token_ids": [1]}, {"max_tokens": max_tokens}, rid)]
-    return outs
+    return [out async for out in engine.generate({"prompt_token_ids": [1]}, {"max_tokens": max_tokens}, rid)]
 
 
-def test_requests_run_to_their_end_and_calls_run_on_the_stepping_thread_between_steps():
-    fake = FakeLLMEngine()
-    engine = SteppedEngine(fake)
+@pytest.fixture
+def stepped():
+    """stepped(step_s=...) -> (the fake LLMEngine, a SteppedEngine over it); every engine made is shut down."""
+    made: list[SteppedEngine] = []
+
+    def make(step_s: float = 0.0) -> tuple[FakeLLMEngine, SteppedEngine]:
+        fake = FakeLLMEngine(step_s)
+        made.append(SteppedEngine(fake))
+        return fake, made[-1]
+
+    yield make
+    for engine in made:
+        engine.shutdown()
+
+
+def test_requests_run_to_their_end_and_calls_run_on_the_stepping_thread_between_steps(stepped):
+    fake, engine = stepped()
 
     async def main():
         a = asyncio.create_task(_final(engine, "a", 5))
@@ -133,9 +146,8 @@ def test_requests_run_to_their_end_and_calls_run_on_the_stepping_thread_between_
     assert fake.events[-1] == ("shutdown",) and engine.errored
 
 
-def test_keep_pause_stops_steps_and_a_label_set_while_paused_marks_every_later_token():
-    fake = FakeLLMEngine(step_s=0.002)
-    engine = SteppedEngine(fake)
+def test_keep_pause_stops_steps_and_a_label_set_while_paused_marks_every_later_token(stepped):
+    fake, engine = stepped(0.002)
 
     async def main():
         task = asyncio.create_task(_final(engine, "r", 40))
@@ -152,12 +164,10 @@ def test_keep_pause_stops_steps_and_a_label_set_while_paused_marks_every_later_t
     at_pause, frozen, out = _run(main())
     assert frozen, "the engine stepped while paused"
     assert out.versions == ["0"] * at_pause + ["1"] * (40 - at_pause)
-    engine.shutdown()
 
 
-def test_wait_pause_returns_once_nothing_is_in_flight():
-    fake = FakeLLMEngine(step_s=0.002)
-    engine = SteppedEngine(fake)
+def test_wait_pause_returns_once_nothing_is_in_flight(stepped):
+    fake, engine = stepped(0.002)
 
     async def main():
         task = asyncio.create_task(_final(engine, "r", 20))
@@ -169,12 +179,10 @@ def test_wait_pause_returns_once_nothing_is_in_flight():
 
     done_at_pause, last = _run(main())
     assert done_at_pause and len(last.outputs[0].token_ids) == 20 and last.outputs[0].finish_reason == "length"
-    engine.shutdown()
 
 
-def test_an_aborted_request_ends_with_its_tokens_so_far_and_abort():
-    fake = FakeLLMEngine(step_s=0.002)
-    engine = SteppedEngine(fake)
+def test_an_aborted_request_ends_with_its_tokens_so_far_and_abort(stepped):
+    fake, engine = stepped(0.002)
 
     async def main():
         task = asyncio.create_task(_final(engine, "r", 1000))
@@ -185,12 +193,10 @@ def test_an_aborted_request_ends_with_its_tokens_so_far_and_abort():
     last = _run(main())
     assert last.finished and last.outputs[0].finish_reason == "abort" and len(last.outputs[0].token_ids) >= 3
     assert ("abort", ("r",)) in fake.events and not fake.has_unfinished_requests()
-    engine.shutdown()
 
 
-def test_a_caller_that_leaves_early_has_its_request_aborted():
-    fake = FakeLLMEngine(step_s=0.002)
-    engine = SteppedEngine(fake)
+def test_a_caller_that_leaves_early_has_its_request_aborted(stepped):
+    fake, engine = stepped(0.002)
 
     async def main():
         task = asyncio.create_task(_final(engine, "r", 1000))
@@ -202,12 +208,10 @@ def test_a_caller_that_leaves_early_has_its_request_aborted():
 
     _run(main())
     assert ("abort", ("r",)) in fake.events
-    engine.shutdown()
 
 
-def test_a_failing_call_raises_in_its_caller_and_the_engine_goes_on():
-    fake = FakeLLMEngine()
-    engine = SteppedEngine(fake)
+def test_a_failing_call_raises_in_its_caller_and_the_engine_goes_on(stepped):
+    fake, engine = stepped()
 
     async def main():
         with pytest.raises(OSError, match="the worker refused"):
@@ -215,13 +219,11 @@ def test_a_failing_call_raises_in_its_caller_and_the_engine_goes_on():
         return await _final(engine, "after", 2)
 
     assert len(_run(main())[-1].outputs[0].token_ids) == 2 and not engine.errored
-    engine.shutdown()
 
 
-def test_a_step_that_raises_fails_every_caller_in_flight_and_every_later_call():
-    fake = FakeLLMEngine(step_s=0.002)
-    fake.fail_at = 4
-    engine = SteppedEngine(fake)
+def test_a_step_that_raises_fails_every_caller_in_flight_and_every_later_call(stepped):
+    fake, engine = stepped(0.002)
+    fake.fail_at = 4  # (no step runs before a request is added)
 
     async def main():
         tasks = [asyncio.create_task(_final(engine, rid, 100)) for rid in ("a", "b")]
@@ -235,16 +237,14 @@ def test_a_step_that_raises_fails_every_caller_in_flight_and_every_later_call():
     assert engine.errored and ("shutdown",) in fake.events
 
 
-def test_bad_pause_mode_is_refused_by_name():
-    engine = SteppedEngine(FakeLLMEngine())
+def test_bad_pause_mode_is_refused_by_name(stepped):
+    _, engine = stepped()
     with pytest.raises(ValueError, match="pause mode 'drain'"):
         _run(engine.pause_generation(mode="drain"))
-    engine.shutdown()
 
 
-def test_calls_after_shutdown_fail_at_once_and_shutdown_is_idempotent():
-    fake = FakeLLMEngine()
-    engine = SteppedEngine(fake)
+def test_calls_after_shutdown_fail_at_once_and_shutdown_is_idempotent(stepped):
+    fake, engine = stepped()
     engine.shutdown()
     engine.shutdown()
     with pytest.raises(EngineDead, match="shut down"):
