@@ -40,6 +40,9 @@ from megatron_rl.train.probe import probe_sequences, reconcile_sampled
 
 logger = logging.getLogger(__name__)
 
+ENGINE_PROBE_ROWS = 4
+"""Probe rows each rollout group scores in its refit check: plenty to catch weights laid out wrongly."""
+
 
 class PublicationError(RuntimeError):
     """Publishing new weights failed because a rollout group's engine is dead or unreachable."""
@@ -261,8 +264,12 @@ class Policy:
         else:
             logger.warning("refit check of version %d on uniformly random tokens: no batch sampled yet", version)
             tokens_bt = probe_tokens(self.settings.probe_rows, self.settings.vocab_size, seed=1)
-        logprobs_bt = self.learner.forward_logprobs(tokens_bt, None, True)  # [B, T-1], raw
-        seqs, lps = tokens_bt[:4].tolist(), logprobs_bt[:4].tolist()  # 4 rows are plenty for the engine
+        # The engines score ENGINE_PROBE_ROWS rows; the learner forwards only those, rounded up to a multiple of
+        # its data-parallel size (a forward of fewer rows than a micro-batch: learner.forward_logprobs).
+        dp = self.settings.probe_rows // self.settings.micro_batch_size
+        rows = min(len(tokens_bt), -(-ENGINE_PROBE_ROWS // dp) * dp)
+        logprobs_bt = self.learner.forward_logprobs(tokens_bt[:rows], None, True)  # [rows, T-1], raw
+        seqs, lps = tokens_bt[:ENGINE_PROBE_ROWS].tolist(), logprobs_bt[:ENGINE_PROBE_ROWS].tolist()
         self.fleet.expect_probe(version, seqs, lps, tol)
 
     def _reconcile(self, taken: list, version: int) -> dict:

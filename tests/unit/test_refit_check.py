@@ -122,3 +122,54 @@ def test_float32_keeps_its_bound_and_refuses_a_permuted_load(models):
         is None
     wrong = _logprobs(permuted.float(), sampled_bt)
     assert probe_verdict(_engine_rows(wrong), learner, refit_tolerance("float32", "auto"))[1] is not None
+
+
+class _ProbeLearner:
+    """Scores a row r of the probe as r (so a test sees which rows came back) and records what it forwarded."""
+
+    def __init__(self):
+        self.forwarded = []
+
+    def connect_rollout(self, workers, settings):
+        pass
+
+    def forward_logprobs(self, tokens_bt, lengths_b=None, raw=False):
+        self.forwarded.append((tuple(tokens_bt.shape), raw))
+        return tokens_bt[:, :1].float().expand(-1, tokens_bt.shape[1] - 1)
+
+
+class _ProbeFleet:
+    workers = []
+
+    def __init__(self):
+        self.given = []
+
+    def set_refitter(self, refitter):
+        pass
+
+    def expect_probe(self, version, sequences, logprobs, tolerance):
+        self.given.append((version, sequences, logprobs, tolerance))
+
+
+@pytest.mark.parametrize("micro_batch_size,dp,forwarded", [(16, 1, 4), (8, 2, 4), (2, 3, 6), (1, 2, 2)])
+def test_the_learner_forwards_only_the_probe_rows_the_engines_check(micro_batch_size, dp, forwarded):
+    """The engines score the first ENGINE_PROBE_ROWS rows; the learner forwards those (rounded up to its
+    data-parallel size, never more than the probe holds), not a whole micro-batch per rank of them."""
+    from megatron_rl.grpo.loss import GRPOLossConfig
+    from megatron_rl.learner.config import SamplingConfig
+    from megatron_rl.ranks.weights import PublishSettings
+    from megatron_rl.train.policy import ENGINE_PROBE_ROWS, Policy, PolicySettings
+
+    rows = micro_batch_size * dp
+    settings = PolicySettings(loss=GRPOLossConfig(), sampling=SamplingConfig(), micro_batch_size=micro_batch_size,
+                              probe_rows=rows, refit_tolerance=0.05, vocab_size=64, pad_id=0)
+    learner, fleet = _ProbeLearner(), _ProbeFleet()
+    policy = Policy(learner, fleet, settings, PublishSettings())
+    policy.probe_rows = [[r, 7, 8, 9] for r in range(rows)]
+    policy._expect_probe(3)
+    assert learner.forwarded == [((forwarded, 4), True)]
+    (version, sequences, logprobs, tolerance), = fleet.given
+    sent = min(ENGINE_PROBE_ROWS, rows)
+    assert (version, tolerance) == (3, 0.05)
+    assert sequences == policy.probe_rows[:sent]
+    assert logprobs == [[float(r)] * 3 for r in range(sent)]  # each row's own logprobs
