@@ -19,7 +19,10 @@ first learner step's metrics to the last one's.  Printed: one JSON line per arm 
 generated tokens, generated tokens per second of loop, CPU seconds inside the clock -- the run's whole process
 tree, its rollout engine's, the rest, and the engine's CPU ms per generated token (`CpuSampler`) --, mean taken
 Δv, share of samples spanning versions, per-step phase seconds) and the ratio stream / rounds of tokens per second; an arm that fails
-prints its error and the steps it ran instead, and there is no ratio.
+prints its error and the steps it ran instead, and there is no ratio.  --repeats N runs N pairs of arms,
+alternating their order (rounds first, then streaming first, ...), so that a slow spell of the machine falls on
+both: one JSON line per arm run, then the ratio of the arms' summed tokens over summed loop seconds, with each
+pair's own ratio beside it (`pairs`).
 """
 
 from __future__ import annotations
@@ -176,21 +179,40 @@ def main() -> None:
                     help="a config override for both arms, e.g. coordinator.max_staleness=4 (repeatable)")
     ap.add_argument("--pin", default=None, metavar="L:R",
                     help="learner cores L, rollout cores R in both arms (e.g. 0:1); default: unpinned")
+    ap.add_argument("--repeats", type=int, default=1, help="pairs of arms, in alternating order (default 1)")
     ap.add_argument("--keep", type=Path, default=None, help="keep both runs' directories here (profiling)")
     args = ap.parse_args()
     args.tokens = args.tokens or (256 if args.longtail else 200)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.pin is not None and args.pin.count(":") != 1:
         ap.error(f"--pin takes LEARNER_CORES:ROLLOUT_CORES, e.g. 0:1; got {args.pin!r}")
+    pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        rounds, stream = run(False, args, root), run(True, args, root)
-    print(json.dumps(rounds))
-    print(json.dumps(stream))
-    if "failed" in rounds or "failed" in stream:
+        for i in range(args.repeats):
+            tag = "" if args.repeats == 1 else str(i)
+            order = (False, True) if i % 2 == 0 else (True, False)  # ABBA: drift falls on both arms
+            done = {streaming: run(streaming, args, root, name=("stream" if streaming else "rounds") + tag)
+                    for streaming in order}
+            pairs.append((done[False], done[True]))
+            print(json.dumps(done[False]))
+            print(json.dumps(done[True]))
+    if any("failed" in arm for pair in pairs for arm in pair):
         raise SystemExit("no ratio: an arm failed (above)")
-    print(json.dumps({"ratio_tok_s": round(stream["tok_s"] / rounds["tok_s"], 3),
-                      "ratio_loop_s": round(rounds["loop_s"] / stream["loop_s"], 3)}))
+    print(json.dumps(ratios(pairs)))
+
+
+def ratios(pairs: list[tuple[dict, dict]]) -> dict:
+    """Streaming over rounds, tokens per second of loop (summed tokens over summed loop seconds of each arm) and
+    loop seconds (rounds' over streaming's); with several pairs, each pair's tokens-per-second ratio too."""
+    tokens = [sum(pair[k]["generated_tokens"] for pair in pairs) for k in (0, 1)]
+    loop = [sum(pair[k]["loop_s"] for pair in pairs) for k in (0, 1)]
+    out = {"ratio_tok_s": round((tokens[1] / loop[1]) / (tokens[0] / loop[0]), 3), "ratio_loop_s": round(loop[0] / loop[1], 3)}
+    if len(pairs) > 1:
+        out["pairs"] = [round(s["tok_s"] / r["tok_s"], 3) for r, s in pairs]
+    return out
 
 
 if __name__ == "__main__":
