@@ -209,7 +209,8 @@ def ratios(pairs: list[tuple[dict, dict]]) -> dict:
     loop seconds (rounds' over streaming's); with several pairs, each pair's tokens-per-second ratio too."""
     tokens = [sum(pair[k]["generated_tokens"] for pair in pairs) for k in (0, 1)]
     loop = [sum(pair[k]["loop_s"] for pair in pairs) for k in (0, 1)]
-    out = {"ratio_tok_s": round((tokens[1] / loop[1]) / (tokens[0] / loop[0]), 3), "ratio_loop_s": round(loop[0] / loop[1], 3)}
+    out = {"ratio_tok_s": round((tokens[1] / loop[1]) / (tokens[0] / loop[0]), 3),
+           "ratio_loop_s": round(loop[0] / loop[1], 3)}
     if len(pairs) > 1:
         out["pairs"] = [round(s["tok_s"] / r["tok_s"], 3) for r, s in pairs]
     return out
