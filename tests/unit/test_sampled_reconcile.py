@@ -126,6 +126,34 @@ def test_the_refit_probe_runs_at_top_p_on_sampled_tokens_scored_raw():
     assert torch.allclose(torch.tensor(lps), _logprobs(torch.tensor(seqs), SamplingConfig()))
 
 
+@pytest.mark.parametrize("micro_batch_size,dp,forwarded", [(16, 1, 4), (8, 2, 4), (2, 3, 6), (1, 2, 2)])
+def test_the_learner_forwards_only_the_probe_rows_the_engines_check(micro_batch_size, dp, forwarded):
+    """The engines score the first ENGINE_PROBE_ROWS rows; the learner forwards those (rounded up to its
+    data-parallel size, never more than the probe holds), not a whole micro-batch per rank of them."""
+    from megatron_rl.grpo.loss import GRPOLossConfig
+    from megatron_rl.ranks.weights import PublishSettings
+    from megatron_rl.train.policy import ENGINE_PROBE_ROWS, Policy, PolicySettings
+
+    forwarded_shapes = []
+
+    def forward(tokens_bt, lengths_b=None, raw=False):  # scores row r as r: the test sees which rows came back
+        forwarded_shapes.append((tuple(tokens_bt.shape), raw))
+        return tokens_bt[:, :1].float().expand(-1, tokens_bt.shape[1] - 1)
+
+    rows = micro_batch_size * dp
+    settings = PolicySettings(loss=GRPOLossConfig(), sampling=SamplingConfig(), micro_batch_size=micro_batch_size,
+                              probe_rows=rows, refit_tolerance=0.05, vocab_size=64, pad_id=0)
+    learner, fleet = SimpleNamespace(forward_logprobs=forward, connect_rollout=lambda *a: None), _Fleet()
+    policy = Policy(learner, fleet, settings, PublishSettings())
+    policy.probe_rows = [[r, 7, 8, 9] for r in range(rows)]
+    policy._expect_probe(3)
+    assert forwarded_shapes == [((forwarded, 4), True)]
+    (version, sequences, logprobs, tolerance), = fleet.probes
+    sent = min(ENGINE_PROBE_ROWS, rows)
+    assert (version, tolerance) == (3, 0.05)
+    assert sequences == policy.probe_rows[:sent]
+    assert logprobs == [[float(r)] * 3 for r in range(sent)]  # each row's own logprobs
+
 def test_the_reconcile_reaches_the_step_metrics():
     import numpy as np
 
