@@ -21,6 +21,14 @@ no step runs until resume), "wait" (steps go on until nothing is in flight, then
 "abort" (requests in flight end with finish_reason "abort").  An aborted request's caller gets its
 final output with what it has so far and finish_reason "abort", as AsyncLLM's callers do.  A step that
 raises kills the engine: every caller in flight and every later call get that error (`errored`).
+
+One thread builds the engine too (`from_engine_args`).  OpenMP gives every thread that starts a parallel
+region a thread team of its own.  An engine built on one thread (its weights loaded, its profiling run
+done) and stepped on another kept the first team idle beside the second; GNU OpenMP, counting more threads
+than cores, then let the stepping team's workers sleep between parallel regions, and with 2 OpenMP threads
+the engine used 1.1 cores, its steps 30% longer than the same engine stepped where it was built
+(benchmarks/stream_throughput.md, session 42).  The rollout actors of a run on this machine get one OpenMP
+thread, so it mattered for an engine given more (rollout.num_cpus >= 2, and the engine benchmark).
 """
 
 from __future__ import annotations
@@ -43,10 +51,12 @@ class EngineDead(RuntimeError):
 class SteppedEngine:
     """An in-process vLLM LLMEngine with the asyncio face of AsyncLLM that StreamEngine uses (module doc)."""
 
-    def __init__(self, engine):
-        """`engine`: a vllm.v1.engine.llm_engine.LLMEngine built in process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-        self.engine = engine
-        self.vllm_config = engine.vllm_config
+    def __init__(self, engine=None, *, build: Callable[[], Any] | None = None):
+        """`engine`: a vllm.v1.engine.llm_engine.LLMEngine built in process (VLLM_ENABLE_V1_MULTIPROCESSING=0);
+        or `build`, which makes one on the stepping thread (from_engine_args does; why: the module doc, "One
+        thread").  A build that raises raises here."""
+        if (engine is None) == (build is None):
+            raise ValueError("SteppedEngine takes an engine or a build function, exactly one")
         self._cond = threading.Condition()
         self._calls: collections.deque = collections.deque()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -54,18 +64,38 @@ class SteppedEngine:
         self._paused = False
         self._wait_idle: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="vllm-stepper", daemon=True)
+        failed: list[BaseException] = []  # what the build raised
+        ready = threading.Event()
+
+        def build_then_run():
+            try:
+                self.engine = engine if build is None else build()
+                self.vllm_config = self.engine.vllm_config
+            except BaseException as err:  # noqa: BLE001 -- raised in the constructor's thread below
+                failed.append(err)
+            ready.set()
+            if not failed:
+                self._run()
+
+        self._thread = threading.Thread(target=build_then_run, name="vllm-stepper", daemon=True)
         self._thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
 
     @classmethod
     def from_engine_args(cls, engine_args, stat_loggers: list | None = None) -> "SteppedEngine":
-        """Build the LLMEngine in this process, with `stat_loggers` its only stat loggers (vLLM's default
-        ones would log throughput lines every few seconds and keep Prometheus counters per step)."""
+        """Build the LLMEngine in this process, on the stepping thread, with `stat_loggers` its only stat
+        loggers (vLLM's default ones would log throughput lines every few seconds and keep Prometheus
+        counters per step)."""
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine.from_engine_args(engine_args, stat_loggers=stat_loggers, enable_multiprocessing=False)
-        _keep_only(engine, stat_loggers or [])
-        return cls(engine)
+        def build():
+            engine = LLMEngine.from_engine_args(engine_args, stat_loggers=stat_loggers, enable_multiprocessing=False)
+            _keep_only(engine, stat_loggers or [])
+            return engine
+
+        return cls(build=build)
 
     # -- what StreamEngine and the streaming actor call (AsyncLLM's names) --------------------------------
 

@@ -250,3 +250,39 @@ def test_calls_after_shutdown_fail_at_once_and_shutdown_is_idempotent(stepped):
     with pytest.raises(EngineDead, match="shut down"):
         _run(engine.collective_rpc("anything"))
     assert fake.events.count(("shutdown",)) == 1 and not any(e[0] == "rpc" for e in fake.events)
+
+
+def test_a_built_engine_is_built_on_the_thread_that_steps_it():
+    """OpenMP teams are per thread: an engine built on one thread and stepped on another ran its compute in a
+    second team (rollout/stepped_engine.py, "One thread")."""
+    built_on = []
+
+    def build():
+        built_on.append(threading.get_ident())
+        return FakeLLMEngine()
+
+    engine = SteppedEngine(build=build)
+    try:
+        outs = _run(_final(engine, "a", 4))
+        assert len(outs[-1].outputs[0].token_ids) == 4
+        assert built_on == [engine._thread.ident] != [threading.get_ident()]
+        assert engine.engine.thread_ids == {engine._thread.ident}
+    finally:
+        engine.shutdown()
+
+
+def test_a_build_that_raises_raises_in_the_constructor_and_leaves_no_thread():
+    def build():
+        raise OSError("no checkpoint")
+
+    before = threading.active_count()
+    with pytest.raises(OSError, match="no checkpoint"):
+        SteppedEngine(build=build)
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before:
+        assert time.monotonic() < deadline, "the stepping thread outlived its failed build"
+        time.sleep(0.01)
+    with pytest.raises(ValueError, match="exactly one"):
+        SteppedEngine(FakeLLMEngine(), build=FakeLLMEngine)
+    with pytest.raises(ValueError, match="exactly one"):
+        SteppedEngine()
