@@ -122,4 +122,3 @@ def test_float32_keeps_its_bound_and_refuses_a_permuted_load(models):
         is None
     wrong = _logprobs(permuted.float(), sampled_bt)
     assert probe_verdict(_engine_rows(wrong), learner, refit_tolerance("float32", "auto"))[1] is not None
-

@@ -154,6 +154,7 @@ def test_the_learner_forwards_only_the_probe_rows_the_engines_check(micro_batch_
     assert sequences == policy.probe_rows[:sent]
     assert logprobs == [[float(r)] * 3 for r in range(sent)]  # each row's own logprobs
 
+
 def test_the_reconcile_reaches_the_step_metrics():
     import numpy as np
 
